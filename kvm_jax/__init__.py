@@ -1,0 +1,22 @@
+"""kvm_jax: Key-Value Means attention in JAX.
+
+Curated public surface (see ``shared/design/architecture.md``)::
+
+    import kvm_jax as kj
+    cfg = kj.KVMConfig(chunk_size=256, window_chunks=2, budget=kj.PowerLawBudget(16.0, 0.5, 256))
+    y, state = kj.kvm_attention(q, k, v, merge_gate, kj.KVMParams.init(D, H), cfg)
+"""
+
+from kvm_jax.budget import (CallableBudget, FixedBudget, KVMSchedule, PowerLawBudget,
+                            SaturatingBudget, kvm_schedule, state_rows_after)
+from kvm_jax.config import KVMConfig
+from kvm_jax.ops import (KVMCache, KVMParams, KVMState, kvm_attention, kvm_attention_reference,
+                         kvm_decode_step, kvm_init_cache, kvm_prefill)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KVMConfig", "FixedBudget", "PowerLawBudget", "SaturatingBudget", "CallableBudget",
+    "KVMSchedule", "kvm_schedule", "state_rows_after", "KVMParams", "KVMState", "KVMCache",
+    "kvm_attention", "kvm_attention_reference", "kvm_init_cache", "kvm_prefill", "kvm_decode_step",
+]

@@ -1,0 +1,333 @@
+"""Pytrees and pure building blocks shared by the chunked scan and the decode step.
+
+Everything here is a pure function over arrays (no Flax). Shapes use the public layout
+``[batch, time, heads, dim]`` for tokens and ``[batch, kv_heads, rows, dim]`` for the state.
+The oracle (``kvm_reference.py``) deliberately does *not* import these helpers, so that it stays an
+independent implementation of the spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvm_jax.config import KVMConfig
+
+Array = jax.Array
+_MASKED = -1e30  # finite "minus infinity": a fully masked row gives zeros, never NaN gradients.
+
+
+# ----------------------------------------------------------------------------------------------
+# Pytrees
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KVMParams:
+  """KVM-specific parameters of one layer (spec §6.1).
+
+  Attributes:
+    ln_scale: ``[D]`` LN_s weight, one LayerNorm over the head dim shared by all heads.
+    ln_bias: ``[D]`` LN_s bias.
+    window_temperature: ``[H]`` τ_f, linear multiplier on exact-window keys, per query head.
+    state_temperature: ``[H]`` τ_s, linear multiplier on LN_s(state keys), per query head.
+  """
+
+  ln_scale: Array
+  ln_bias: Array
+  window_temperature: Array
+  state_temperature: Array
+
+  @classmethod
+  def init(cls, head_dim: int, num_heads: int, dtype: Any = jnp.float32) -> "KVMParams":
+    """The authors' initialization: LN_s weight 1, bias 0, both temperatures 1."""
+    return cls(ln_scale=jnp.ones((head_dim,), dtype), ln_bias=jnp.zeros((head_dim,), dtype),
+               window_temperature=jnp.ones((num_heads,), dtype),
+               state_temperature=jnp.ones((num_heads,), dtype))
+
+
+jax.tree_util.register_dataclass(
+    KVMParams, data_fields=["ln_scale", "ln_bias", "window_temperature", "state_temperature"],
+    meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class KVMState:
+  """The compressed state *as stored* (spec §1), float32.
+
+  Attributes:
+    keys: ``[B, Hkv, R, D]`` raw rows: prep(k) of appended tokens plus sums of gated prep(k) of
+      merged tokens (LN_s is applied again at readout).
+    values: ``[B, Hkv, R, Dv]`` raw (gated) value sums, not normalized.
+    radius: ``[B, Hkv, R]`` ‖v‖ of the token that created each row, fixed by merges.
+    num_rows: int32 scalar; rows ``[:num_rows]`` are valid, the rest are zero padding up to the
+      static capacity R. The same for every batch element and head (the schedule depends only on
+      positions).
+  """
+
+  keys: Array
+  values: Array
+  radius: Array
+  num_rows: Array
+
+  @property
+  def capacity(self) -> int:
+    return self.keys.shape[2]
+
+  def nbytes(self) -> int:
+    """Bytes of the arrays as allocated (capacity rows, not only valid ones)."""
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(self))
+
+
+jax.tree_util.register_dataclass(
+    KVMState, data_fields=["keys", "values", "radius", "num_rows"], meta_fields=[])
+
+
+def empty_state(batch: int, kv_heads: int, capacity: int, head_dim: int, value_dim: int) -> KVMState:
+  return KVMState(keys=jnp.zeros((batch, kv_heads, capacity, head_dim), jnp.float32),
+                  values=jnp.zeros((batch, kv_heads, capacity, value_dim), jnp.float32),
+                  radius=jnp.zeros((batch, kv_heads, capacity), jnp.float32),
+                  num_rows=jnp.zeros((), jnp.int32))
+
+
+# ----------------------------------------------------------------------------------------------
+# Input validation at the API boundary
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def validate_inputs(q, k, v, merge_gate, params: KVMParams, cfg: KVMConfig, *,
+                    single_token: bool = False) -> None:
+  """Shape/rank checks (trace time) and a gate-positivity check when the gate is concrete."""
+  if not isinstance(cfg, KVMConfig):
+    raise ValueError(f"cfg must be a kvm_jax.KVMConfig, got {type(cfg).__name__}.")
+  names = ("q", "k", "v", "merge_gate")
+  ranks = (4, 4, 4, 3)
+  for name, x, rank in zip(names, (q, k, v, merge_gate), ranks):
+    if not hasattr(x, "shape") or len(x.shape) != rank:
+      layout = "[batch, time, kv_heads]" if rank == 3 else "[batch, time, heads, dim]"
+      raise ValueError(f"{name} must have rank {rank} {layout}, got shape "
+                       f"{getattr(x, 'shape', None)}.")
+  B, T, H, D = q.shape
+  Bk, Tk, Hkv, Dk = k.shape
+  if (Bk, Tk) != (B, T) or v.shape[:3] != (B, T, Hkv) or merge_gate.shape != (B, T, Hkv):
+    raise ValueError(
+        f"inconsistent shapes: q {q.shape}, k {k.shape}, v {v.shape}, merge_gate "
+        f"{merge_gate.shape}; expected q [B,T,H,D], k [B,T,Hkv,D], v [B,T,Hkv,Dv], merge_gate "
+        f"[B,T,Hkv].")
+  if Dk != D:
+    raise ValueError(f"q head dim {D} != k head dim {Dk}; queries and keys must share D.")
+  if T < 1:
+    raise ValueError("sequence length must be >= 1.")
+  if single_token and T != 1:
+    raise ValueError(f"kvm_decode_step takes exactly one token per call (time axis 1), got {T}; "
+                     "use kvm_prefill for prompts.")
+  if H % Hkv:
+    raise ValueError(f"query heads H={H} must be a multiple of kv heads Hkv={Hkv} (GQA groups).")
+  cfg.validate_head_dim(D)
+  expected = {"ln_scale": (D,), "ln_bias": (D,), "window_temperature": (H,),
+              "state_temperature": (H,)}
+  for name, shape in expected.items():
+    got = getattr(params, name).shape
+    if tuple(got) != shape:
+      raise ValueError(f"KVMParams.{name} must have shape {shape}, got {tuple(got)}.")
+  if _is_concrete(merge_gate) and merge_gate.size:
+    smallest = float(jnp.min(merge_gate))
+    if not smallest > 0:
+      raise ValueError(
+          f"merge_gate must be > 0 everywhere (it is g = 1 + ELU(x W_g)), found minimum "
+          f"{smallest}; pass ones to disable gating or set gate_keys/gate_values=False.")
+
+
+# ----------------------------------------------------------------------------------------------
+# Small pure helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def precision_for(dtype) -> jax.lax.Precision:
+  """float32 inputs get true float32 matmuls (no TF32/bf16 passes on GPU/TPU)."""
+  return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
+  """LayerNorm over the last axis in float32 (biased variance, like ``torch.nn.LayerNorm``)."""
+  x = x.astype(jnp.float32)
+  mean = jnp.mean(x, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+  return (x - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+
+
+def prepare_state_keys(k: Array, params: KVMParams, cfg: KVMConfig) -> Array:
+  """prep(k) = LN_s(zero the first ``rope_dims`` channels of k), float32 (spec §6.2)."""
+  channel = jnp.arange(k.shape[-1])
+  k = jnp.where(channel < cfg.rope_dims, 0.0, k.astype(jnp.float32))
+  return layer_norm(k, params.ln_scale, params.ln_bias, cfg.ln_eps)
+
+
+def safe_l2_norm(x: Array) -> Array:
+  """‖x‖ over the last axis; exactly 0 with a zero (not NaN) gradient at x = 0."""
+  sq = jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1)
+  positive = sq > 0
+  return jnp.where(positive, jnp.sqrt(jnp.where(positive, sq, 1.0)), 0.0)
+
+
+def temperatures(params: KVMParams, cfg: KVMConfig, kv_heads: int) -> tuple[Array, Array]:
+  """(τ_s, τ_f) as float32 ``[Hkv, G]`` (query head h = kv·G + g), ones when disabled."""
+  H = params.state_temperature.shape[0]
+  shape = (kv_heads, H // kv_heads)
+  if not cfg.head_temperatures:
+    ones = jnp.ones(shape, jnp.float32)
+    return ones, ones
+  return (params.state_temperature.astype(jnp.float32).reshape(shape),
+          params.window_temperature.astype(jnp.float32).reshape(shape))
+
+
+def state_readout(state: KVMState, params: KVMParams, cfg: KVMConfig) -> tuple[Array, Array]:
+  """Readout keys LN_s(S_K) and values normalize(S_V)·radius (spec §6.6), both ``[B,Hkv,R,·]``."""
+  keys = layer_norm(state.keys, params.ln_scale, params.ln_bias, cfg.ln_eps)
+  values = state.values
+  if cfg.value_norm == "radius":
+    # F.normalize: x / max(‖x‖, 1e-12).
+    values = values / jnp.maximum(safe_l2_norm(values), 1e-12)[..., None] * state.radius[..., None]
+  if cfg.readout_value_dtype is not None:
+    # The authors' hard-coded cast; also rounds the incoming gradient, as autograd does.
+    values = values.astype(cfg.readout_value_dtype).astype(jnp.float32)
+  return keys, values
+
+
+def joint_attention(q: Array, state_keys: Array, state_values: Array, state_valid: Array,
+                    window_keys: Array, window_values: Array, window_valid: Array,
+                    state_temp: Array, window_temp: Array) -> Array:
+  """One softmax over [state rows ; exact window] without concatenating them.
+
+  Args:
+    q: ``[B, Tq, Hkv, G, D]`` queries (query head h = kv·G + g).
+    state_keys / state_values: ``[B, Hkv, R, D]`` / ``[B, Hkv, R, Dv]`` readout state (float32).
+    state_valid: bool ``[Tq, R]`` (or broadcastable), which rows each query sees.
+    window_keys / window_values: ``[B, W, Hkv, D]`` / ``[B, W, Hkv, Dv]``.
+    window_valid: bool ``[Tq, W]`` (or broadcastable), the causal/window mask.
+    state_temp / window_temp: float32 ``[Hkv, G]`` key temperatures.
+  Returns:
+    ``[B, Tq, Hkv, G, Dv]`` float32.
+  """
+  dtype = q.dtype
+  precision = precision_for(dtype)
+  scale = 1.0 / np.sqrt(q.shape[-1])
+  s_state = jnp.einsum("bqhgd,bhrd->bhgqr", q, state_keys.astype(dtype), precision=precision,
+                       preferred_element_type=jnp.float32)
+  s_window = jnp.einsum("bqhgd,bwhd->bhgqw", q, window_keys.astype(dtype), precision=precision,
+                        preferred_element_type=jnp.float32)
+  s_state = s_state * (state_temp * scale)[None, :, :, None, None]
+  s_window = s_window * (window_temp * scale)[None, :, :, None, None]
+  s_state = jnp.where(state_valid, s_state, _MASKED)
+  s_window = jnp.where(window_valid, s_window, _MASKED)
+  row_max = jax.lax.stop_gradient(
+      jnp.maximum(jnp.max(s_state, axis=-1, keepdims=True), jnp.max(s_window, axis=-1, keepdims=True)))
+  p_state = jnp.exp(s_state - row_max)
+  p_window = jnp.exp(s_window - row_max)
+  denom = jnp.sum(p_state, axis=-1) + jnp.sum(p_window, axis=-1)  # [B, Hkv, G, Tq]
+  value_dtype = window_values.dtype
+  out = jnp.einsum("bhgqr,bhrv->bqhgv", p_state.astype(value_dtype), state_values.astype(value_dtype),
+                   precision=precision, preferred_element_type=jnp.float32)
+  out = out + jnp.einsum("bhgqw,bwhv->bqhgv", p_window.astype(value_dtype), window_values,
+                         precision=precision, preferred_element_type=jnp.float32)
+  return out / jnp.transpose(denom, (0, 3, 1, 2))[..., None]
+
+
+# ----------------------------------------------------------------------------------------------
+# State construction and update
+# ----------------------------------------------------------------------------------------------
+
+
+def initial_state(k_chunk: Array, v_chunk: Array, g_chunk: Array, num_valid: int, capacity: int,
+                  params: KVMParams, cfg: KVMConfig) -> KVMState:
+  """The first chunk's tokens copied into rows ``[0, num_valid)`` (spec §6.5), ungated by default.
+
+  Args:
+    k_chunk / v_chunk / g_chunk: ``[B, C, Hkv, D]`` / ``[B, C, Hkv, Dv]`` / ``[B, C, Hkv]``; rows
+      ``>= num_valid`` are padding and are zeroed.
+  """
+  valid = (jnp.arange(k_chunk.shape[1]) < num_valid)[None, None, :, None]
+  keys = jnp.transpose(prepare_state_keys(k_chunk, params, cfg), (0, 2, 1, 3))
+  values = jnp.transpose(v_chunk.astype(jnp.float32), (0, 2, 1, 3))
+  radius = safe_l2_norm(values)  # from the ungated value, as the authors do
+  if cfg.gate_initial_state:
+    gate = jnp.transpose(g_chunk.astype(jnp.float32), (0, 2, 1))[..., None]
+    keys, values = keys * gate, values * gate
+  keys = jnp.where(valid, keys, 0.0)
+  values = jnp.where(valid, values, 0.0)
+  radius = jnp.where(valid[..., 0], radius, 0.0)
+  pad = capacity - keys.shape[2]
+  if pad < 0:
+    keys, values, radius = keys[:, :, :capacity], values[:, :, :capacity], radius[:, :, :capacity]
+    pad = 0
+  widths = ((0, 0), (0, 0), (0, pad), (0, 0))
+  return KVMState(keys=jnp.pad(keys, widths), values=jnp.pad(values, widths),
+                  radius=jnp.pad(radius, widths[:3]), num_rows=jnp.asarray(num_valid, jnp.int32))
+
+
+def _ranks_ascending(scores: Array) -> Array:
+  """Rank of each entry along the last axis, ascending, ties broken by the lower index first."""
+  idx = jnp.arange(scores.shape[-1])
+  a = scores[..., :, None]  # the ranked entry j
+  b = scores[..., None, :]  # every other entry i
+  before = (b < a) | ((b == a) & (idx[None, :] < idx[:, None]))
+  return jnp.sum(before, axis=-1).astype(jnp.int32)
+
+
+def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow_g: Array,
+                 n_append: Array, params: KVMParams, cfg: KVMConfig) -> KVMState:
+  """Folds one overflow chunk into the state (spec §6.7).
+
+  The ``n_append`` tokens least similar to the current state become new rows (in token order); every
+  other token is added, gated, to its most similar non-sink row of the post-append state.
+
+  Args:
+    state: current state, ``num_rows`` valid rows.
+    overflow_k / overflow_v / overflow_g: ``[B, C, Hkv, D]`` / ``[B, C, Hkv, Dv]`` / ``[B, C, Hkv]``,
+      the chunk leaving the exact window.
+    n_append: int32 scalar from the static schedule (may be traced).
+  Returns:
+    The updated state with ``num_rows + n_append`` rows. Routing decisions carry no gradient; the
+    merged sums, appended rows and radii are differentiable.
+  """
+  R = state.capacity
+  row = jnp.arange(R)
+  precision = jax.lax.Precision.HIGHEST
+  k_bar = jnp.transpose(prepare_state_keys(overflow_k, params, cfg), (0, 2, 1, 3))  # [B,Hkv,C,D]
+  v_raw = jnp.transpose(overflow_v.astype(jnp.float32), (0, 2, 1, 3))              # [B,Hkv,C,Dv]
+  gate = jnp.transpose(overflow_g.astype(jnp.float32), (0, 2, 1))[..., None]        # [B,Hkv,C,1]
+  k_gated = k_bar * gate if cfg.gate_keys else k_bar
+  v_gated = v_raw * gate if cfg.gate_values else v_raw
+  k_app, v_app = (k_gated, v_gated) if cfg.gate_appends else (k_bar, v_raw)
+
+  m = state.num_rows
+  # Novelty: max similarity of the ungated prepared key to the valid pre-append rows (sinks too).
+  old_read = jax.lax.stop_gradient(layer_norm(state.keys, params.ln_scale, params.ln_bias, cfg.ln_eps))
+  sim = jnp.einsum("bhcd,bhrd->bhcr", jax.lax.stop_gradient(k_bar), old_read, precision=precision)
+  novelty = jnp.max(jnp.where(row < m, sim, -jnp.inf), axis=-1)                      # [B,Hkv,C]
+  is_append = _ranks_ascending(novelty) < n_append                                  # [B,Hkv,C]
+  dest = m + jnp.cumsum(is_append, axis=-1) - 1  # appended rows keep token order
+  append_onehot = (is_append[..., None] & (row == dest[..., None])).astype(jnp.float32)
+  keys = state.keys + jnp.einsum("bhcr,bhcd->bhrd", append_onehot, k_app, precision=precision)
+  values = state.values + jnp.einsum("bhcr,bhcv->bhrv", append_onehot, v_app, precision=precision)
+  radius = state.radius + jnp.einsum("bhcr,bhc->bhr", append_onehot, safe_l2_norm(v_app),
+                                     precision=precision)
+  m_new = m + n_append
+
+  # Routing: gated key vs the post-append rows, sinks excluded, first index wins ties.
+  new_read = jax.lax.stop_gradient(layer_norm(keys, params.ln_scale, params.ln_bias, cfg.ln_eps))
+  logits = jnp.einsum("bhcd,bhrd->bhcr", jax.lax.stop_gradient(k_gated), new_read, precision=precision)
+  target_ok = (row >= cfg.sink_rows) & (row < m_new)
+  target = jnp.argmax(jnp.where(target_ok, logits, -jnp.inf), axis=-1)               # [B,Hkv,C]
+  merge_onehot = ((~is_append)[..., None] & (row == target[..., None])).astype(jnp.float32)
+  keys = keys + jnp.einsum("bhcr,bhcd->bhrd", merge_onehot, k_gated, precision=precision)
+  values = values + jnp.einsum("bhcr,bhcv->bhrv", merge_onehot, v_gated, precision=precision)
+  return KVMState(keys=keys, values=values, radius=radius, num_rows=m_new.astype(jnp.int32))

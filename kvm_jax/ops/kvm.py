@@ -1,0 +1,125 @@
+"""The KVM layer as one ``jax.lax.scan`` over chunks (the XLA path, and the reference for kernels).
+
+Per query chunk ``c`` the scan body (1) attends the chunk's queries jointly to the valid state rows
+and to the exact window (the previous ``window_chunks - 1`` chunks plus the causal current chunk),
+then (2) if the static schedule says so, folds the oldest window chunk into the state. The state
+lives in a buffer of static capacity (the budget at this sequence length) with a traced row count,
+so the whole computation is one compiled loop with ``O(T · (R + L))`` work.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvm_jax.budget import kvm_schedule
+from kvm_jax.config import KVMConfig
+from kvm_jax.ops.common import (KVMParams, KVMState, initial_state, joint_attention, state_readout,
+                                temperatures, update_state, validate_inputs)
+
+Array = jax.Array
+IMPLEMENTATIONS = ("xla",)
+
+
+def _to_chunks(x: Array, num_chunks: int, chunk: int) -> Array:
+  """``[B, num_chunks*chunk, ...]`` -> ``[num_chunks, B, chunk, ...]``."""
+  b = x.shape[0]
+  return jnp.moveaxis(x.reshape(b, num_chunks, chunk, *x.shape[2:]), 1, 0)
+
+
+def _window_stack(x: Array, num_chunks: int, chunk: int, window_chunks: int) -> Array:
+  """Per query chunk c, the chunks ``c-nb+1 .. c`` side by side: ``[nC, B, nb*chunk, ...]``.
+
+  Chunks before the sequence start are zeros (masked in attention). Feeding the window as scan
+  inputs (instead of slicing a closed-over array) keeps the backward pass free of full-length
+  cotangent accumulators.
+  """
+  front = [(0, 0), ((window_chunks - 1) * chunk, 0)] + [(0, 0)] * (x.ndim - 2)
+  chunks = _to_chunks(jnp.pad(x, front), num_chunks + window_chunks - 1, chunk)
+  return jnp.concatenate([chunks[j:j + num_chunks] for j in range(window_chunks)], axis=2)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "remat"))
+def kvm_attention_xla(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
+                      cfg: KVMConfig, remat: bool = True) -> tuple[Array, KVMState]:
+  """Chunked-scan KVM; see :func:`kvm_attention` for the contract (inputs are not re-validated)."""
+  B, T, H, D = q.shape
+  Hkv, Dv = k.shape[2], v.shape[3]
+  G = H // Hkv
+  C, nb = cfg.chunk_size, cfg.window_chunks
+  sched = kvm_schedule(cfg, T)
+  nC = sched.num_chunks
+  pad = nC * C - T
+
+  def pad_time(x):
+    return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+  q_p, k_p, v_p, g_p = map(pad_time, (q, k, v, merge_gate))
+  xs = {
+      "chunk": jnp.arange(nC, dtype=jnp.int32),
+      "q": _to_chunks(q_p, nC, C).reshape(nC, B, C, Hkv, G, D),       # [nC, B, C, Hkv, G, D]
+      "win_k": _window_stack(k_p, nC, C, nb),                          # [nC, B, nb*C, Hkv, D]
+      "win_v": _window_stack(v_p, nC, C, nb),                          # [nC, B, nb*C, Hkv, Dv]
+      "overflow_g": _window_stack(g_p, nC, C, nb)[:, :, :C],           # [nC, B, C, Hkv]
+      "visible": jnp.asarray(sched.state_visible),
+      "update": jnp.asarray(sched.update_after),
+      "n_append": jnp.asarray(sched.n_append, jnp.int32),
+  }
+  state0 = initial_state(k_p[:, :C], v_p[:, :C], g_p[:, :C], sched.initial_rows, sched.final_rows,
+                         params, cfg)
+  state_temp, window_temp = temperatures(params, cfg, Hkv)
+  rows = jnp.arange(sched.final_rows)
+  slot = np.arange(nb * C)
+  # Causal within the window: query i of the chunk sees slot s iff s <= (nb-1)*C + i.
+  causal = slot[None, :] <= (nb - 1) * C + np.arange(C)[:, None]       # [C, nb*C] static
+  any_update = any(sched.update_after)
+
+  def step(state: KVMState, x):
+    state_keys, state_values = state_readout(state, params, cfg)
+    state_valid = ((rows < state.num_rows) & x["visible"])[None, :]
+    in_sequence = (x["chunk"] - (nb - 1)) * C + slot >= 0                 # chunks before 0
+    window_valid = causal & in_sequence[None, :]
+    y = joint_attention(x["q"], state_keys, state_values, state_valid, x["win_k"], x["win_v"],
+                        window_valid, state_temp, window_temp)
+    if any_update:
+      state = jax.lax.cond(
+          x["update"],
+          lambda s: update_state(s, x["win_k"][:, :C], x["win_v"][:, :C], x["overflow_g"],
+                                 x["n_append"], params, cfg),
+          lambda s: s, state)
+    return state, y.astype(q.dtype)
+
+  if remat:
+    step = jax.checkpoint(step, prevent_cse=False)
+  state, y = jax.lax.scan(step, state0, xs)
+  y = jnp.moveaxis(y, 0, 1).reshape(B, nC * C, H, Dv)[:, :T]  # [batch, time, heads, value_dim]
+  return y, state
+
+
+def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
+                  cfg: KVMConfig, *, implementation: str = "xla",
+                  remat: bool = True) -> tuple[Array, KVMState]:
+  """KVM attention over a whole sequence (prefill / training forward), jit-compiled.
+
+  Args:
+    q: ``[B, T, H, D]`` queries after QK-LayerNorm and RoPE.
+    k: ``[B, T, Hkv, D]`` keys after QK-LayerNorm and RoPE (H must be a multiple of Hkv).
+    v: ``[B, T, Hkv, Dv]`` values.
+    merge_gate: ``[B, T, Hkv]`` g = 1 + ELU(x W_g) > 0 (ones to disable).
+    params: :class:`KVMParams` (LN_s and temperatures).
+    cfg: :class:`KVMConfig` (static).
+    implementation: "xla" (the chunked ``lax.scan``).
+    remat: rematerialize each chunk in the backward pass (memory O(T/C · R) for the stored states
+      instead of every chunk's attention probabilities).
+  Returns:
+    ``y [B, T, H, Dv]`` in q's dtype, and the final :class:`KVMState` (float32, capacity = the
+    number of rows the schedule reaches at T).
+  """
+  validate_inputs(q, k, v, merge_gate, params, cfg)
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation={implementation!r} is not available; choose one of "
+                     f"{IMPLEMENTATIONS}.")
+  return kvm_attention_xla(q, k, v, merge_gate, params, cfg=cfg, remat=remat)

@@ -1,0 +1,221 @@
+"""Incremental KVM: a cache pytree, a prefill that fills it, and a one-token decode step.
+
+The cache holds the state (static capacity = rows the budget reaches at ``max_len``), a ring buffer
+of the last L = nb·C tokens' keys, values and merge gates (slot = position mod L), and the number
+of tokens seen. The decode step follows spec §6.11 exactly: while the prompt is shorter than one
+chunk the initial state grows token by token; when token t crosses a chunk boundary with
+t >= L + C, the chunk [t - L, t - L + C) is folded into the state *before* t attends; the state is
+visible only from t >= L. The position is traced, so one compiled step serves every position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvm_jax.budget import kvm_schedule
+from kvm_jax.config import KVMConfig
+from kvm_jax.ops.common import (KVMParams, KVMState, empty_state, joint_attention,
+                                prepare_state_keys, safe_l2_norm, state_readout, temperatures,
+                                update_state, validate_inputs, _is_concrete)
+from kvm_jax.ops.kvm import kvm_attention_xla
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class KVMCache:
+  """Decode cache of one KVM layer.
+
+  Attributes:
+    state: :class:`KVMState` with capacity = state rows reached at ``max_len``.
+    window_keys: ``[B, L, Hkv, D]`` ring buffer of the last L keys (slot = position mod L).
+    window_values: ``[B, L, Hkv, Dv]`` likewise.
+    window_gates: ``[B, L, Hkv]`` float32 merge gates (needed when their chunk overflows).
+    length: int32 scalar, tokens processed so far (= position of the next token).
+    max_len: static, the longest sequence this cache can hold.
+  """
+
+  state: KVMState
+  window_keys: Array
+  window_values: Array
+  window_gates: Array
+  length: Array
+  max_len: int
+
+  def nbytes(self) -> dict[str, int]:
+    """Bytes of the allocated arrays: state, window ring and total."""
+    def size(tree):
+      return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(tree))
+    state = size(self.state)
+    window = size((self.window_keys, self.window_values, self.window_gates))
+    return {"state": state, "window": window, "total": state + window + size(self.length)}
+
+
+jax.tree_util.register_dataclass(
+    KVMCache, data_fields=["state", "window_keys", "window_values", "window_gates", "length"],
+    meta_fields=["max_len"])
+
+
+def kvm_init_cache(cfg: KVMConfig, *, batch: int, kv_heads: int, head_dim: int, value_dim: int,
+                   max_len: int, dtype=jnp.float32) -> KVMCache:
+  """An empty cache for sequences of up to ``max_len`` tokens (window stored in ``dtype``)."""
+  for name, value in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim),
+                      ("value_dim", value_dim), ("max_len", max_len)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"kvm_init_cache: {name} must be a positive int, got {value!r}.")
+  cfg.validate_head_dim(head_dim)
+  L = cfg.window_len
+  capacity = kvm_schedule(cfg, max_len).final_rows
+  return KVMCache(
+      state=empty_state(batch, kv_heads, capacity, head_dim, value_dim),
+      window_keys=jnp.zeros((batch, L, kv_heads, head_dim), dtype),
+      window_values=jnp.zeros((batch, L, kv_heads, value_dim), dtype),
+      window_gates=jnp.zeros((batch, L, kv_heads), jnp.float32),
+      length=jnp.zeros((), jnp.int32), max_len=max_len)
+
+
+def _check_against_cache(k, v, cache: KVMCache, where: str) -> None:
+  B, _, Hkv, D = k.shape
+  want = cache.window_keys.shape
+  if (B, Hkv, D) != (want[0], want[2], want[3]) or v.shape[3] != cache.window_values.shape[3]:
+    raise ValueError(
+        f"{where}: k {k.shape} / v {v.shape} do not match the cache (batch={want[0]}, "
+        f"kv_heads={want[2]}, head_dim={want[3]}, value_dim={cache.window_values.shape[3]}); "
+        "create the cache with kvm_init_cache using the same sizes.")
+
+
+def _pad_rows(state: KVMState, capacity: int) -> KVMState:
+  pad = capacity - state.capacity
+  return KVMState(keys=jnp.pad(state.keys, ((0, 0), (0, 0), (0, pad), (0, 0))),
+                  values=jnp.pad(state.values, ((0, 0), (0, 0), (0, pad), (0, 0))),
+                  radius=jnp.pad(state.radius, ((0, 0), (0, 0), (0, pad))),
+                  num_rows=state.num_rows)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _prefill(q, k, v, merge_gate, params, cfg, cache):
+  T = q.shape[1]
+  L = cfg.window_len
+  y, state = kvm_attention_xla(q, k, v, merge_gate, params, cfg=cfg, remat=False)
+  first = max(0, T - L)
+  slots = np.arange(first, T) % L  # static: positions of the last min(T, L) tokens
+  dtype = cache.window_keys.dtype
+  return y, KVMCache(
+      state=_pad_rows(state, cache.state.capacity),
+      window_keys=jnp.zeros_like(cache.window_keys).at[:, slots].set(k[:, first:].astype(dtype)),
+      window_values=jnp.zeros_like(cache.window_values).at[:, slots].set(v[:, first:].astype(dtype)),
+      window_gates=jnp.zeros_like(cache.window_gates).at[:, slots].set(
+          merge_gate[:, first:].astype(jnp.float32)),
+      length=jnp.asarray(T, jnp.int32), max_len=cache.max_len)
+
+
+def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
+                cfg: KVMConfig, cache: KVMCache) -> tuple[Array, KVMCache]:
+  """Runs a prompt of any length >= 1 and returns its outputs and the filled cache.
+
+  The prompt starts a new sequence: ``cache`` provides sizes, ``max_len`` and dtype, and its
+  previous contents are discarded. Shapes as in :func:`kvm_jax.kvm_attention`.
+  """
+  validate_inputs(q, k, v, merge_gate, params, cfg)
+  _check_against_cache(k, v, cache, "kvm_prefill")
+  if q.shape[1] > cache.max_len:
+    raise ValueError(f"kvm_prefill: prompt of {q.shape[1]} tokens exceeds the cache's max_len="
+                     f"{cache.max_len}; create the cache with a larger max_len.")
+  return _prefill(q, k, v, merge_gate, params, cfg=cfg, cache=cache)
+
+
+@functools.lru_cache(maxsize=64)
+def _rows_after_overflow(cfg: KVMConfig, max_len: int) -> np.ndarray:
+  """rows[o] = state rows after folding overflow chunk o (at token t = (o + nb)·C), int32."""
+  sched = kvm_schedule(cfg, max_len)
+  rows = np.zeros(sched.num_chunks + 1, np.int32)
+  for c, fired in enumerate(sched.update_after):
+    if fired:
+      rows[c - cfg.window_chunks + 1] = sched.rows_before[c] + sched.n_append[c]
+  return rows
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _decode_step(q_t, k_t, v_t, g_t, params, cfg, cache):
+  B, _, H, D = q_t.shape
+  Hkv = k_t.shape[2]
+  C, nb, L = cfg.chunk_size, cfg.window_chunks, cfg.window_len
+  state = cache.state
+  R = state.capacity
+  row = jnp.arange(R)
+  t = cache.length
+
+  # 1) A prompt shorter than one chunk: the initial state grows by this token (spec §6.11).
+  grow = t < C
+  new_key = jnp.transpose(prepare_state_keys(k_t, params, cfg), (0, 2, 1, 3))      # [B,Hkv,1,D]
+  new_value = jnp.transpose(v_t.astype(jnp.float32), (0, 2, 1, 3))                  # [B,Hkv,1,Dv]
+  new_radius = safe_l2_norm(new_value)
+  if cfg.gate_initial_state:
+    gate = jnp.transpose(g_t.astype(jnp.float32), (0, 2, 1))[..., None]
+    new_key, new_value = new_key * gate, new_value * gate
+  write = (grow & (row == t))[None, None, :]
+  state = KVMState(keys=jnp.where(write[..., None], new_key, state.keys),
+                   values=jnp.where(write[..., None], new_value, state.values),
+                   radius=jnp.where(write, new_radius, state.radius),
+                   num_rows=jnp.where(grow, t + 1, state.num_rows).astype(jnp.int32))
+
+  # 2) Crossing a chunk boundary past the window: fold chunk [t-L, t-L+C) into the state.
+  rows_table = _rows_after_overflow(cfg, cache.max_len)
+  fire = (t % C == 0) & (t >= L + C) & (t < cache.max_len)
+
+  def fold(s: KVMState) -> KVMState:
+    start = t % L  # == (t - L) % L, a multiple of C: the chunk is contiguous in the ring
+    ov_k = jax.lax.dynamic_slice_in_dim(cache.window_keys, start, C, axis=1)
+    ov_v = jax.lax.dynamic_slice_in_dim(cache.window_values, start, C, axis=1)
+    ov_g = jax.lax.dynamic_slice_in_dim(cache.window_gates, start, C, axis=1)
+    overflow_index = jnp.clip(t // C - nb, 0, rows_table.shape[0] - 1)
+    n_append = jnp.asarray(rows_table)[overflow_index] - s.num_rows
+    return update_state(s, ov_k, ov_v, ov_g, n_append, params, cfg)
+
+  state = jax.lax.cond(fire, fold, lambda s: s, state)
+
+  # 3) The token enters the ring (after the fold, which may still need the slot it overwrites).
+  slot = t % L
+  window_keys = jax.lax.dynamic_update_slice_in_dim(
+      cache.window_keys, k_t.astype(cache.window_keys.dtype), slot, axis=1)
+  window_values = jax.lax.dynamic_update_slice_in_dim(
+      cache.window_values, v_t.astype(cache.window_values.dtype), slot, axis=1)
+  window_gates = jax.lax.dynamic_update_slice_in_dim(
+      cache.window_gates, g_t.astype(jnp.float32), slot, axis=1)
+
+  # 4) Attend: state rows (once t >= L) and the window [bswa_begin(t + 1), t].
+  slots = jnp.arange(L)
+  position = t - (t - slots) % L
+  window_begin = jnp.maximum(0, (t // C + 1) * C - L)
+  window_valid = (position >= window_begin)[None, :]
+  state_valid = ((row < state.num_rows) & (t >= L))[None, :]
+  state_keys, state_values = state_readout(state, params, cfg)
+  state_temp, window_temp = temperatures(params, cfg, Hkv)
+  y = joint_attention(q_t.reshape(B, 1, Hkv, H // Hkv, D), state_keys, state_values, state_valid,
+                      window_keys, window_values, window_valid, state_temp, window_temp)
+  # Past max_len the state has no room for the schedule: poison the output instead of lying.
+  y = jnp.where(t < cache.max_len, y, jnp.nan).reshape(B, 1, H, -1).astype(q_t.dtype)
+  return y, KVMCache(state=state, window_keys=window_keys, window_values=window_values,
+                     window_gates=window_gates, length=t + 1, max_len=cache.max_len)
+
+
+def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParams,
+                    cfg: KVMConfig, cache: KVMCache) -> tuple[Array, KVMCache]:
+  """Processes one token: ``q_t [B,1,H,D]``, ``k_t [B,1,Hkv,D]``, ``v_t [B,1,Hkv,Dv]``,
+  ``g_t [B,1,Hkv]``; returns ``y_t [B,1,H,Dv]`` and the advanced cache.
+
+  Raises ValueError past ``max_len`` when the cache length is concrete; under an outer ``jit`` the
+  length is traced, and outputs past ``max_len`` are NaN rather than silently wrong.
+  """
+  validate_inputs(q_t, k_t, v_t, g_t, params, cfg, single_token=True)
+  _check_against_cache(k_t, v_t, cache, "kvm_decode_step")
+  if _is_concrete(cache.length) and int(cache.length) >= cache.max_len:
+    raise ValueError(
+        f"kvm_decode_step: the cache already holds {int(cache.length)} tokens = max_len="
+        f"{cache.max_len}; create the cache with a larger max_len to decode further.")
+  return _decode_step(q_t, k_t, v_t, g_t, params, cfg=cfg, cache=cache)
