@@ -1,0 +1,184 @@
+"""Operator-level speed of the KVM core vs full causal attention, measured in one run.
+
+Both arms take q/k/v in ``[batch, time, heads, dim]`` (projections, RoPE and output projection
+excluded, as in the authors' benchmark, spec §10):
+
+* prefill: ``kvm_attention`` forward vs ``jax.nn.dot_product_attention(is_causal=True)``;
+* decode: one token after a context of T tokens, ``kvm_decode_step`` on a KVM cache vs a full
+  attention step that writes the token into a preallocated KV cache and attends over it. KVM's
+  figure is the mean over ``--decode-steps`` consecutive steps starting at position T, which
+  includes the state update that fires at the chunk boundary (amortized, as a user would see it);
+  the median step and the update step are printed too.
+
+Run ``python -m eval.core_speed --help``. Defaults are the issue #2 setup (C=256, L=512, fixed 256
+rows, B=1, H=4, D=64, float32 on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kvm_jax as kj
+
+
+def _time(fn, *args, repeats: int, warmup: int = 1) -> float:
+  """Median wall time in ms of ``fn(*args)`` (outputs blocked on)."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    samples.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(samples)
+
+
+def _inputs(key, B, T, H, D, dtype):
+  kq, kk, kv, kg = jax.random.split(key, 4)
+  q = jax.random.normal(kq, (B, T, H, D), dtype)
+  k = jax.random.normal(kk, (B, T, H, D), dtype)
+  v = jax.random.normal(kv, (B, T, H, D), dtype)
+  g = 1.0 + jax.nn.elu(jax.random.normal(kg, (B, T, H), jnp.float32))
+  return q, k, v, g
+
+
+@functools.partial(jax.jit, donate_argnums=(3, 4))
+def _full_decode_step(q_t, k_t, v_t, k_cache, v_cache, position):
+  """Full attention decode: write token ``position`` into the cache, attend over [0, position]."""
+  k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k_t, position, axis=1)
+  v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v_t, position, axis=1)
+  lengths = jnp.full((q_t.shape[0],), position + 1, jnp.int32)
+  y = jax.nn.dot_product_attention(q_t, k_cache, v_cache, key_value_seq_lengths=lengths,
+                                   implementation="xla")
+  return y, k_cache, v_cache
+
+
+def bench_prefill(T, args, cfg, params, dtype):
+  q, k, v, g = _inputs(jax.random.PRNGKey(T), args.batch, T, args.heads, args.head_dim, dtype)
+  kvm = jax.jit(lambda q, k, v, g: kj.kvm_attention(q, k, v, g, params, cfg)[0])
+  full = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                              implementation="xla"))
+  t_kvm = _time(kvm, q, k, v, g, repeats=args.repeats)
+  t_full = _time(full, q, k, v, repeats=args.repeats)
+  return t_kvm, t_full
+
+
+def bench_decode(T, args, cfg, params, dtype):
+  B, H, D, n = args.batch, args.heads, args.head_dim, args.decode_steps
+  q, k, v, g = _inputs(jax.random.PRNGKey(T + 1), B, T + n, H, D, dtype)
+  cache = kj.kvm_init_cache(cfg, batch=B, kv_heads=H, head_dim=D, value_dim=D, max_len=T + n,
+                            dtype=dtype)
+  _, cache = kj.kvm_prefill(q[:, :T], k[:, :T], v[:, :T], g[:, :T], params, cfg, cache)
+  step = jax.jit(lambda q, k, v, g, c: kj.kvm_decode_step(q, k, v, g, params, cfg, c),
+                 donate_argnums=(4,))
+  # Warm up on a copy so the timed run starts exactly at position T.
+  warm = jax.tree_util.tree_map(jnp.copy, cache)
+  for t in range(T, T + 2):
+    _, warm = step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1], warm)
+  jax.block_until_ready(warm)
+  kvm_steps = []
+  for t in range(T, T + n):
+    args_t = (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1])
+    jax.block_until_ready(args_t)
+    start = time.perf_counter()
+    y, cache = step(*args_t, cache)
+    jax.block_until_ready(y)
+    kvm_steps.append((time.perf_counter() - start) * 1e3)
+
+  k_cache = jnp.zeros((B, T + n, H, D), dtype).at[:, :T].set(k[:, :T])
+  v_cache = jnp.zeros((B, T + n, H, D), dtype).at[:, :T].set(v[:, :T])
+  for t in range(T, T + 2):  # warm-up (compiles once: position is traced)
+    _, k_cache, v_cache = _full_decode_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], k_cache,
+                                            v_cache, jnp.int32(t))
+  full_steps = []
+  for t in range(T, T + n):
+    args_t = (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1])
+    jax.block_until_ready(args_t)
+    start = time.perf_counter()
+    y, k_cache, v_cache = _full_decode_step(*args_t, k_cache, v_cache, jnp.int32(t))
+    jax.block_until_ready(y)
+    full_steps.append((time.perf_counter() - start) * 1e3)
+  state_bytes = cache.nbytes()
+  full_bytes = int(k_cache.nbytes + v_cache.nbytes) * T // (T + n)
+  return {
+      "kvm_mean_ms": statistics.fmean(kvm_steps), "kvm_median_ms": statistics.median(kvm_steps),
+      "kvm_max_ms": max(kvm_steps), "full_mean_ms": statistics.fmean(full_steps),
+      "full_median_ms": statistics.median(full_steps), "kvm_cache_bytes": state_bytes["total"],
+      "full_cache_bytes_at_T": full_bytes,
+  }
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="kvm-bench-core", description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--lengths", default="2048,8192,16384",
+                 help="comma-separated prefill lengths T (default: %(default)s)")
+  p.add_argument("--decode-context", type=int, default=16384,
+                 help="context length before the timed decode steps (default: %(default)s)")
+  p.add_argument("--decode-steps", type=int, default=256,
+                 help="consecutive decode steps timed after the context; 256 = one chunk, so "
+                      "exactly one state update is included (default: %(default)s)")
+  p.add_argument("--batch", type=int, default=1, help="batch size B (default: %(default)s)")
+  p.add_argument("--heads", type=int, default=4, help="heads H = Hkv (default: %(default)s)")
+  p.add_argument("--head-dim", type=int, default=64, help="head dim D = Dv (default: %(default)s)")
+  p.add_argument("--chunk-size", type=int, default=256, help="KVM chunk C (default: %(default)s)")
+  p.add_argument("--window-chunks", type=int, default=2,
+                 help="exact window in chunks, L = C * this (default: %(default)s)")
+  p.add_argument("--state-rows", type=int, default=256,
+                 help="FixedBudget rows (default: %(default)s)")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                 help="activation dtype (default: %(default)s)")
+  p.add_argument("--repeats", type=int, default=5,
+                 help="timed repetitions per prefill measurement; the median is reported "
+                      "(default: %(default)s)")
+  p.add_argument("--json", default=None, help="also write the results to this JSON file")
+  return p
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  dtype = jnp.dtype(args.dtype)
+  cfg = kj.KVMConfig(chunk_size=args.chunk_size, window_chunks=args.window_chunks, sink_rows=1,
+                     rope_dims=min(64, args.head_dim // 2 * 2),
+                     budget=kj.FixedBudget(rows=args.state_rows))
+  params = kj.KVMParams.init(args.head_dim, args.heads)
+  print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
+        f"B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}; C={cfg.chunk_size} "
+        f"L={cfg.window_len} fixed {args.state_rows} rows")
+  results = {"prefill": [], "decode": None, "setup": vars(args)}
+  print(f"\n{'prefill T':>10} {'KVM ms':>10} {'full ms':>10} {'speed-up':>9}")
+  for T in [int(x) for x in args.lengths.split(",") if x]:
+    t_kvm, t_full = bench_prefill(T, args, cfg, params, dtype)
+    results["prefill"].append({"T": T, "kvm_ms": t_kvm, "full_ms": t_full})
+    print(f"{T:>10} {t_kvm:>10.2f} {t_full:>10.2f} {t_full / t_kvm:>8.2f}x", flush=True)
+  if args.decode_context > 0:
+    d = bench_decode(args.decode_context, args, cfg, params, dtype)
+    results["decode"] = d
+    T = args.decode_context
+    print(f"\ndecode after T={T} ({args.decode_steps} steps; KVM mean includes the chunk-boundary "
+          f"update)")
+    print(f"  KVM  mean {d['kvm_mean_ms']:.3f} ms  median {d['kvm_median_ms']:.3f} ms  "
+          f"update step {d['kvm_max_ms']:.3f} ms")
+    print(f"  full mean {d['full_mean_ms']:.3f} ms  median {d['full_median_ms']:.3f} ms")
+    print(f"  speed-up (mean) {d['full_mean_ms'] / d['kvm_mean_ms']:.2f}x   "
+          f"(median) {d['full_median_ms'] / d['kvm_median_ms']:.2f}x")
+    print(f"  cache bytes: KVM {d['kvm_cache_bytes']:,} (state + window, measured from the arrays)"
+          f" vs full KV {d['full_cache_bytes_at_T']:,}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=2)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
