@@ -273,6 +273,15 @@ def initial_state(k_chunk: Array, v_chunk: Array, g_chunk: Array, num_valid: int
                   radius=jnp.pad(radius, widths[:3]), num_rows=jnp.asarray(num_valid, jnp.int32))
 
 
+def first_argmax(x: Array) -> Array:
+  """Index of the maximum along the last axis, lowest index on exact ties (spec decision 1).
+
+  Written as max + min-index because XLA:CPU's variadic argmax reduction is ~3x slower.
+  """
+  best = jnp.max(x, axis=-1, keepdims=True)
+  return jnp.min(jnp.where(x == best, jnp.arange(x.shape[-1]), x.shape[-1]), axis=-1)
+
+
 def _ranks_ascending(scores: Array) -> Array:
   """Rank of each entry along the last axis, ascending, ties broken by the lower index first."""
   idx = jnp.arange(scores.shape[-1])
@@ -282,8 +291,36 @@ def _ranks_ascending(scores: Array) -> Array:
   return jnp.sum(before, axis=-1).astype(jnp.int32)
 
 
+def _add_rows_onehot(rows: Array, index: Array, updates: Array) -> Array:
+  """rows[..., index[c], :] += updates[..., c, :] as a one-hot matmul (deterministic, MXU-friendly).
+
+  rows ``[B, Hkv, R, X]``, index ``[B, Hkv, C]`` (R = dropped), updates ``[B, Hkv, C, X]``.
+  """
+  onehot = (index[..., None] == jnp.arange(rows.shape[2])).astype(jnp.float32)
+  return rows + jnp.einsum("bhcr,bhcx->bhrx", onehot, updates, precision=jax.lax.Precision.HIGHEST)
+
+
+def _add_rows_scatter(rows: Array, index: Array, updates: Array) -> Array:
+  """Same contract as :func:`_add_rows_onehot` with a scatter-add: O(C·X) instead of O(C·R·X)."""
+  add = lambda r, i, u: r.at[i].add(u, mode="drop")
+  return jax.vmap(jax.vmap(add))(rows, index, updates)
+
+
+def _row_adder(row_update: str):
+  if row_update == "auto":
+    # CPU scatters are sequential (deterministic) and cheap; on GPU/TPU the one-hot matmul is
+    # deterministic (no atomics) and runs on the matrix units.
+    row_update = "scatter" if jax.default_backend() == "cpu" else "onehot"
+  if row_update == "scatter":
+    return _add_rows_scatter
+  if row_update == "onehot":
+    return _add_rows_onehot
+  raise ValueError(f"row_update must be 'auto', 'scatter' or 'onehot', got {row_update!r}.")
+
+
 def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow_g: Array,
-                 n_append: Array, params: KVMParams, cfg: KVMConfig) -> KVMState:
+                 n_append: Array, params: KVMParams, cfg: KVMConfig,
+                 row_update: str = "auto") -> KVMState:
   """Folds one overflow chunk into the state (spec §6.7).
 
   The ``n_append`` tokens least similar to the current state become new rows (in token order); every
@@ -294,10 +331,12 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
     overflow_k / overflow_v / overflow_g: ``[B, C, Hkv, D]`` / ``[B, C, Hkv, Dv]`` / ``[B, C, Hkv]``,
       the chunk leaving the exact window.
     n_append: int32 scalar from the static schedule (may be traced).
+    row_update: how rows are accumulated: "scatter", "onehot" or "auto" (by backend).
   Returns:
     The updated state with ``num_rows + n_append`` rows. Routing decisions carry no gradient; the
     merged sums, appended rows and radii are differentiable.
   """
+  add_rows = _row_adder(row_update)
   R = state.capacity
   row = jnp.arange(R)
   precision = jax.lax.Precision.HIGHEST
@@ -307,27 +346,34 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
   k_gated = k_bar * gate if cfg.gate_keys else k_bar
   v_gated = v_raw * gate if cfg.gate_values else v_raw
   k_app, v_app = (k_gated, v_gated) if cfg.gate_appends else (k_bar, v_raw)
-
   m = state.num_rows
-  # Novelty: max similarity of the ungated prepared key to the valid pre-append rows (sinks too).
-  old_read = jax.lax.stop_gradient(layer_norm(state.keys, params.ln_scale, params.ln_bias, cfg.ln_eps))
-  sim = jnp.einsum("bhcd,bhrd->bhcr", jax.lax.stop_gradient(k_bar), old_read, precision=precision)
-  novelty = jnp.max(jnp.where(row < m, sim, -jnp.inf), axis=-1)                      # [B,Hkv,C]
-  is_append = _ranks_ascending(novelty) < n_append                                  # [B,Hkv,C]
-  dest = m + jnp.cumsum(is_append, axis=-1) - 1  # appended rows keep token order
-  append_onehot = (is_append[..., None] & (row == dest[..., None])).astype(jnp.float32)
-  keys = state.keys + jnp.einsum("bhcr,bhcd->bhrd", append_onehot, k_app, precision=precision)
-  values = state.values + jnp.einsum("bhcr,bhcv->bhrv", append_onehot, v_app, precision=precision)
-  radius = state.radius + jnp.einsum("bhcr,bhc->bhr", append_onehot, safe_l2_norm(v_app),
-                                     precision=precision)
+
+  def append(s: KVMState):
+    # Novelty: max similarity of the ungated prepared key to the valid pre-append rows (sinks too).
+    old_read = layer_norm(jax.lax.stop_gradient(s.keys), params.ln_scale, params.ln_bias, cfg.ln_eps)
+    sim = jnp.einsum("bhcd,bhrd->bhcr", jax.lax.stop_gradient(k_bar),
+                     jax.lax.stop_gradient(old_read), precision=precision)
+    novelty = jnp.max(jnp.where(row < m, sim, -jnp.inf), axis=-1)                    # [B,Hkv,C]
+    is_append = _ranks_ascending(novelty) < n_append
+    dest = jnp.where(is_append, m + jnp.cumsum(is_append, axis=-1) - 1, R)  # token order; R = drop
+    keys = add_rows(s.keys, dest, k_app)
+    values = add_rows(s.values, dest, v_app)
+    radius = add_rows(s.radius[..., None], dest, safe_l2_norm(v_app)[..., None])[..., 0]
+    return keys, values, radius, is_append
+
+  def no_append(s: KVMState):
+    return s.keys, s.values, s.radius, jnp.zeros(k_bar.shape[:3], bool)
+
+  keys, values, radius, is_append = jax.lax.cond(n_append > 0, append, no_append, state)
   m_new = m + n_append
 
   # Routing: gated key vs the post-append rows, sinks excluded, first index wins ties.
-  new_read = jax.lax.stop_gradient(layer_norm(keys, params.ln_scale, params.ln_bias, cfg.ln_eps))
-  logits = jnp.einsum("bhcd,bhrd->bhcr", jax.lax.stop_gradient(k_gated), new_read, precision=precision)
+  new_read = layer_norm(jax.lax.stop_gradient(keys), params.ln_scale, params.ln_bias, cfg.ln_eps)
+  logits = jnp.einsum("bhcd,bhrd->bhcr", jax.lax.stop_gradient(k_gated),
+                      jax.lax.stop_gradient(new_read), precision=precision)
   target_ok = (row >= cfg.sink_rows) & (row < m_new)
-  target = jnp.argmax(jnp.where(target_ok, logits, -jnp.inf), axis=-1)               # [B,Hkv,C]
-  merge_onehot = ((~is_append)[..., None] & (row == target[..., None])).astype(jnp.float32)
-  keys = keys + jnp.einsum("bhcr,bhcd->bhrd", merge_onehot, k_gated, precision=precision)
-  values = values + jnp.einsum("bhcr,bhcv->bhrv", merge_onehot, v_gated, precision=precision)
+  target = first_argmax(jnp.where(target_ok, logits, -jnp.inf))                      # [B,Hkv,C]
+  target = jnp.where(is_append, R, target)  # appended tokens merge nowhere
+  keys = add_rows(keys, target, k_gated)
+  values = add_rows(values, target, v_gated)
   return KVMState(keys=keys, values=values, radius=radius, num_rows=m_new.astype(jnp.int32))

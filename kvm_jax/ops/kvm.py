@@ -42,9 +42,10 @@ def _window_stack(x: Array, num_chunks: int, chunk: int, window_chunks: int) -> 
   return jnp.concatenate([chunks[j:j + num_chunks] for j in range(window_chunks)], axis=2)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "remat"))
+@functools.partial(jax.jit, static_argnames=("cfg", "remat", "row_update"))
 def kvm_attention_xla(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
-                      cfg: KVMConfig, remat: bool = True) -> tuple[Array, KVMState]:
+                      cfg: KVMConfig, remat: bool = True,
+                      row_update: str = "auto") -> tuple[Array, KVMState]:
   """Chunked-scan KVM; see :func:`kvm_attention` for the contract (inputs are not re-validated)."""
   B, T, H, D = q.shape
   Hkv, Dv = k.shape[2], v.shape[3]
@@ -88,7 +89,7 @@ def kvm_attention_xla(q: Array, k: Array, v: Array, merge_gate: Array, params: K
       state = jax.lax.cond(
           x["update"],
           lambda s: update_state(s, x["win_k"][:, :C], x["win_v"][:, :C], x["overflow_g"],
-                                 x["n_append"], params, cfg),
+                                 x["n_append"], params, cfg, row_update),
           lambda s: s, state)
     return state, y.astype(q.dtype)
 

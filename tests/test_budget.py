@@ -1,0 +1,89 @@
+"""Budgets and the static schedule against the numbers of spec §3 and the rules of §6.3."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import kvm_jax as kj
+from kvm_jax.budget import bswa_begin, desired_rows
+
+K = 1024
+PAPER = dict(chunk_size=256, window_chunks=2, sink_rows=1, rope_dims=64)
+LENGTHS = [512, 768, 1 * K, 2 * K, 4 * K, 8 * K, 16 * K, 32 * K, 64 * K, 128 * K]
+
+
+def _final_rows(budget, n, **kw):
+  return kj.state_rows_after(kj.KVMConfig(budget=budget, **{**PAPER, **kw}), n)
+
+
+def test_fixed256_is_always_256():
+  for n in LENGTHS:
+    assert _final_rows(kj.FixedBudget(256), n) == 256
+
+
+def test_sqrt16_matches_spec_table():
+  # spec §3: sqrt16 -> 256 (N<=768), 443, 677, 991, 1425, 2031, 2884, 4087, 5786.
+  expected = [256, 256, 443, 677, 991, 1425, 2031, 2884, 4087, 5786]
+  budget = kj.PowerLawBudget(factor=16.0, exponent=0.5, min_rows=256)
+  got = [_final_rows(budget, n, max_state_rows=256 * 10000) for n in LENGTHS]
+  assert got == expected
+
+
+def test_sat1024_matches_spec_table():
+  # spec §3: sat1024 -> 256 (<=768), 438, 651, 808, 906, 962, 992, 1008, 1016.
+  expected = [256, 256, 438, 651, 808, 906, 962, 992, 1008, 1016]
+  budget = kj.SaturatingBudget(limit=1024, min_rows=1)
+  assert [_final_rows(budget, n, max_state_rows=256 * 10000) for n in LENGTHS] == expected
+
+
+def test_sqrt16_lags_16_sqrt_n_because_budget_uses_tokens_seen():
+  budget = kj.PowerLawBudget(factor=16.0, exponent=0.5, min_rows=256)
+  for n in (4 * K, 32 * K):
+    assert _final_rows(budget, n) < math.floor(16 * math.sqrt(n))
+
+
+def test_desired_rows_rules():
+  b = kj.PowerLawBudget(factor=16.0, exponent=0.5, min_rows=256)
+  assert desired_rows(b, 768, 512, 256, None) == 443          # floor(16*sqrt(768))
+  assert desired_rows(b, 768, 300, 256, None) == 300          # capped by `available`
+  assert desired_rows(b, 768, 512, 256, 260) == 260           # capped by max_state_rows
+  assert desired_rows(b, 768, 512, 500, None) == 500          # never shrinks
+  assert desired_rows(kj.FixedBudget(10), 10**6, 10**6, 3, None) == 10
+  rd = kj.PowerLawBudget(factor=16.0, exponent=0.5, min_rows=0, round_down=64)
+  assert rd.target_rows(768) == 384                           # 443 rounded down to 64
+  assert kj.SaturatingBudget(limit=1024).target_rows(1024) == 512
+
+
+def test_callable_budget_and_validation():
+  cfg = kj.KVMConfig(chunk_size=4, window_chunks=2, sink_rows=1, rope_dims=2,
+                     budget=lambda n: n // 2)
+  assert isinstance(cfg.budget, kj.CallableBudget)
+  sched = kj.kvm_schedule(cfg, 40)
+  # Each update may append at most one chunk, and the state never shrinks.
+  assert all(0 <= a <= 4 for a in sched.n_append)
+  assert list(sched.rows_before) == sorted(sched.rows_before)
+  bad = kj.KVMConfig(chunk_size=4, window_chunks=2, sink_rows=1, rope_dims=2,
+                     budget=lambda n: -1)
+  with pytest.raises(ValueError, match="non-negative int"):
+    kj.kvm_schedule(bad, 40)
+
+
+def test_schedule_structure():
+  cfg = kj.KVMConfig(chunk_size=4, window_chunks=2, sink_rows=1, rope_dims=2,
+                     budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))
+  s = kj.kvm_schedule(cfg, 29)
+  assert s.num_chunks == 8 and s.initial_rows == 4
+  assert s.state_visible == (False, False) + (True,) * 6       # only queries at t >= L = 8
+  # Updates after query chunks nb..nC-2; the last chunk never updates.
+  assert s.update_after == (False, False, True, True, True, True, True, False)
+  assert s.final_rows == s.rows_before[-1] + s.n_append[-1]
+  for T in (1, 3, 4, 8, 12):  # T <= L + C: no update ever fires
+    assert not any(kj.kvm_schedule(cfg, T).update_after)
+    assert kj.state_rows_after(cfg, T) == min(T, 4)
+
+
+def test_bswa_begin():
+  # spec §6.4: max(0, ceil(n/C)*C - L)
+  assert [bswa_begin(n, 4, 2) for n in (1, 8, 9, 12, 13)] == [0, 0, 4, 4, 8]

@@ -1,0 +1,198 @@
+"""Oracle (Python, dynamic state) vs chunked lax.scan: outputs, final state and gradients.
+
+Tolerances (float32 everywhere): the two paths sum the same terms in different orders (joint
+softmax without concatenation, scatter vs matmul accumulation), so they differ by a few float32
+ulps per operation: outputs and states within 2e-5 relative RMS, gradients within 1e-4 (they pass
+through softmax backward and LN backward, amplifying rounding). Routing is discrete: a single
+different decision would move whole rows and show up as O(1) state errors, so exact agreement of
+decisions is implied by the state tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvm_jax as kj
+from kvm_jax.ops.kvm import kvm_attention_xla
+from tests.conftest import make_inputs, make_params, rel_rms, valid_state
+
+OUT_TOL = 2e-5
+GRAD_TOL = 1e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  name: str
+  T: int
+  cfg: kj.KVMConfig
+  H: int = 2
+  Hkv: int = 2
+  D: int = 8
+  Dv: int = 6
+  B: int = 2
+
+
+def _cfg(**kw):
+  base = dict(chunk_size=4, window_chunks=2, sink_rows=1, rope_dims=2,
+              budget=kj.FixedBudget(rows=4))
+  base.update(kw)
+  return kj.KVMConfig(**base)
+
+
+CASES = [
+    Case("fixed_C_no_append_ragged", 29, _cfg()),
+    Case("fixed_above_C_appends_gqa_sink0", 30, _cfg(sink_rows=0, budget=kj.FixedBudget(7)),
+         H=4, Hkv=2),
+    Case("powerlaw_gqa", 37, _cfg(budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4)), H=4, Hkv=1),
+    Case("saturating", 40, _cfg(budget=kj.SaturatingBudget(limit=12, min_rows=1))),
+    Case("callable_budget_cap", 41, _cfg(budget=lambda n: n // 2, max_state_rows=11)),
+    Case("T_below_C", 3, _cfg()),
+    Case("T_below_L", 6, _cfg()),
+    Case("T_equals_L", 8, _cfg()),
+    Case("T_L_plus_1", 9, _cfg(budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
+    Case("first_update", 13, _cfg(budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
+    Case("no_gates_no_temps", 27, _cfg(gate_keys=False, gate_values=False,
+                                       head_temperatures=False,
+                                       budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
+    Case("keys_gated_only", 27, _cfg(gate_values=False,
+                                     budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
+    Case("gate_appends_and_initial", 33, _cfg(gate_appends=True, gate_initial_state=True,
+                                              budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
+    Case("value_norm_none", 30, _cfg(value_norm="none",
+                                     budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
+    Case("bf16_readout_cast", 30, _cfg(readout_value_dtype="bfloat16",
+                                       budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
+    Case("one_window_chunk", 23, _cfg(window_chunks=1,
+                                      budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
+    Case("three_window_chunks", 35, _cfg(window_chunks=3, sink_rows=2,
+                                         budget=kj.SaturatingBudget(limit=14))),
+    Case("no_rope_channels", 26, _cfg(rope_dims=0, budget=kj.FixedBudget(6))),
+    Case("all_rope_channels", 26, _cfg(rope_dims=8, budget=kj.FixedBudget(6))),
+]
+GRAD_CASES = {"fixed_C_no_append_ragged", "fixed_above_C_appends_gqa_sink0", "powerlaw_gqa",
+              "saturating", "gate_appends_and_initial", "value_norm_none", "bf16_readout_cast",
+              "T_below_L", "no_gates_no_temps"}
+
+
+def _run_both(case: Case, seed: int = 0):
+  q, k, v, g = make_inputs(seed, case.B, case.T, case.H, case.Hkv, case.D, case.Dv)
+  params = make_params(seed, case.D, case.H)
+  ref = kj.kvm_attention_reference(q, k, v, g, params, case.cfg)
+  out = kj.kvm_attention(q, k, v, g, params, case.cfg)
+  return (q, k, v, g, params), ref, out
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_forward_and_state_match_oracle(case):
+  _, (y_ref, s_ref), (y, s) = _run_both(case)
+  assert y.shape == (case.B, case.T, case.H, case.Dv) and y.dtype == jnp.float32
+  assert int(s.num_rows) == int(s_ref.num_rows) == kj.state_rows_after(case.cfg, case.T)
+  assert s.keys.shape[2] == int(s.num_rows)  # capacity = rows reached at this length
+  assert rel_rms(y, y_ref) < OUT_TOL
+  for got, want in zip(valid_state(s), valid_state(s_ref)):
+    assert got.shape == want.shape
+    assert rel_rms(got, want) < OUT_TOL
+
+
+def _loss_fn(fn, cfg, weights):
+  def loss(q, k, v, g, params):
+    y, s = fn(q, k, v, g, params, cfg)
+    n = weights["keys"].shape[2]
+    # Random projections of everything the layer returns, so every path gets a gradient.
+    return (jnp.sum(y * weights["y"]) + jnp.sum(s.keys[:, :, :n] * weights["keys"])
+            + jnp.sum(s.values[:, :, :n] * weights["values"])
+            + jnp.sum(s.radius[:, :, :n] * weights["radius"]))
+  return loss
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in GRAD_CASES], ids=lambda c: c.name)
+def test_gradients_match_oracle(case):
+  (q, k, v, g, params), (y_ref, s_ref), _ = _run_both(case)
+  n = int(s_ref.num_rows)
+  rng = np.random.default_rng(7)
+  weights = {name: jnp.asarray(rng.normal(size=shape), jnp.float32) for name, shape in
+             (("y", y_ref.shape), ("keys", s_ref.keys.shape), ("values", s_ref.values.shape),
+              ("radius", s_ref.radius.shape))}
+  argnums = (0, 1, 2, 3, 4)
+  grads_ref = jax.grad(_loss_fn(kj.kvm_attention_reference, case.cfg, weights), argnums)(
+      q, k, v, g, params)
+  grads = jax.jit(jax.grad(_loss_fn(kj.kvm_attention, case.cfg, weights), argnums))(
+      q, k, v, g, params)
+  names = ["q", "k", "v", "merge_gate", "params"]
+  for name, got, want in zip(names, grads, grads_ref):
+    for path, (a, b) in zip(jax.tree_util.tree_leaves_with_path(want),
+                            zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want))):
+      a_np = np.asarray(a)
+      assert np.all(np.isfinite(a_np)), (name, path)
+      if not np.any(np.asarray(b)):
+        np.testing.assert_array_equal(a_np, 0.0)
+        continue
+      assert rel_rms(a, b) < GRAD_TOL, (name, jax.tree_util.keystr(path[0]), rel_rms(a, b))
+  # Sanity: the checked gradients are non-trivial where the spec says gradients flow.
+  assert np.any(np.asarray(grads[1])) and np.any(np.asarray(grads[2]))
+  if case.cfg.uses_gate and any(kj.kvm_schedule(case.cfg, case.T).update_after):
+    assert np.any(np.asarray(grads[3]))  # the gate gets gradient through merged sums
+  if case.cfg.head_temperatures:
+    assert np.any(np.asarray(grads[4].window_temperature))
+
+
+def test_rope_channels_get_no_gradient_through_the_state_only():
+  """Zeroed RoPE channels: with queries and window cut off, k's RoPE channels get no gradient."""
+  case = CASES[1]
+  q, k, v, g = make_inputs(3, case.B, case.T, case.H, case.Hkv, case.D, case.Dv)
+  params = make_params(3, case.D, case.H)
+
+  def state_only(k):
+    _, s = kj.kvm_attention(q, k, v, g, params, case.cfg)
+    return jnp.sum(s.keys ** 2)
+
+  grad_k = np.asarray(jax.grad(state_only)(k))
+  assert np.all(grad_k[..., : case.cfg.rope_dims] == 0)
+  assert np.any(grad_k[..., case.cfg.rope_dims:] != 0)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=lambda c: c.name)
+def test_scatter_and_onehot_row_updates_agree(case):
+  """The CPU (scatter) and GPU/TPU (one-hot matmul) state accumulation paths are equivalent."""
+  q, k, v, g = make_inputs(1, case.B, case.T, case.H, case.Hkv, case.D, case.Dv)
+  params = make_params(1, case.D, case.H)
+  outs = {}
+  for mode in ("scatter", "onehot"):
+    outs[mode] = kvm_attention_xla(q, k, v, g, params, cfg=case.cfg, row_update=mode)
+  assert rel_rms(outs["scatter"][0], outs["onehot"][0]) < OUT_TOL
+  for a, b in zip(valid_state(outs["scatter"][1]), valid_state(outs["onehot"][1])):
+    assert rel_rms(a, b) < OUT_TOL
+
+
+def test_bf16_activations_track_float32():
+  """bf16 q/k/v with float32 state statistics stays within bf16 rounding of the float32 run."""
+  case = CASES[2]
+  q, k, v, g = make_inputs(2, case.B, case.T, case.H, case.Hkv, case.D, case.Dv)
+  params = make_params(2, case.D, case.H)
+  y32, s32 = kj.kvm_attention(q, k, v, g, params, case.cfg)
+  cast = lambda x: x.astype(jnp.bfloat16)
+  y16, s16 = kj.kvm_attention(cast(q), cast(k), cast(v), g, params, case.cfg)
+  assert y16.dtype == jnp.bfloat16
+  assert s16.keys.dtype == s16.values.dtype == s16.radius.dtype == jnp.float32
+  # bf16 has an 8-bit mantissa (relative rounding 2^-9 ~ 2e-3); inputs, probabilities and output
+  # are each rounded once, so a few 1e-3 is expected; 2e-2 leaves room for a rare routing flip
+  # being *absent* (a flip would move a whole row and exceed it).
+  assert rel_rms(y16.astype(jnp.float32), y32) < 2e-2
+  assert int(s16.num_rows) == int(s32.num_rows)
+
+
+def test_readout_cast_changes_values_like_bf16():
+  """readout_value_dtype='bfloat16' reproduces the authors' cast: a bf16-sized, non-zero change."""
+  case = CASES[2]
+  q, k, v, g = make_inputs(4, case.B, case.T, case.H, case.Hkv, case.D, case.Dv)
+  params = make_params(4, case.D, case.H)
+  y_plain, _ = kj.kvm_attention(q, k, v, g, params, case.cfg)
+  y_cast, _ = kj.kvm_attention(q, k, v, g, params,
+                               dataclasses.replace(case.cfg, readout_value_dtype="bfloat16"))
+  err = rel_rms(y_cast, y_plain)
+  assert 1e-5 < err < 1e-2
