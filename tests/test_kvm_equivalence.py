@@ -75,8 +75,8 @@ CASES = [
     Case("all_rope_channels", 26, _cfg(rope_dims=8, budget=kj.FixedBudget(6))),
 ]
 GRAD_CASES = {"fixed_C_no_append_ragged", "fixed_above_C_appends_gqa_sink0", "powerlaw_gqa",
-              "saturating", "gate_appends_and_initial", "value_norm_none", "bf16_readout_cast",
-              "T_below_L", "no_gates_no_temps"}
+              "gate_appends_and_initial", "value_norm_none", "bf16_readout_cast", "T_below_L",
+              "no_gates_no_temps"}
 
 
 def _run_both(case: Case, seed: int = 0):
@@ -110,16 +110,26 @@ def _loss_fn(fn, cfg, weights):
   return loss
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.name in GRAD_CASES], ids=lambda c: c.name)
+def _shorter(case: Case) -> Case:
+  """Gradient cases keep >= 3 state updates but fewer chunks: the unrolled oracle's backward
+  compiles in time roughly linear in the number of chunks."""
+  return dataclasses.replace(case, T=min(case.T, 4 * case.cfg.window_len - 3))
+
+
+@pytest.mark.parametrize("case", [_shorter(c) for c in CASES if c.name in GRAD_CASES],
+                         ids=lambda c: c.name)
 def test_gradients_match_oracle(case):
-  (q, k, v, g, params), (y_ref, s_ref), _ = _run_both(case)
-  n = int(s_ref.num_rows)
+  q, k, v, g = make_inputs(0, case.B, case.T, case.H, case.Hkv, case.D, case.Dv)
+  params = make_params(0, case.D, case.H)
+  # Output shapes without compiling a forward pass.
+  y_ref, s_ref = jax.eval_shape(
+      lambda *a: kj.kvm_attention_reference(*a, case.cfg), q, k, v, g, params)
   rng = np.random.default_rng(7)
   weights = {name: jnp.asarray(rng.normal(size=shape), jnp.float32) for name, shape in
              (("y", y_ref.shape), ("keys", s_ref.keys.shape), ("values", s_ref.values.shape),
               ("radius", s_ref.radius.shape))}
   argnums = (0, 1, 2, 3, 4)
-  grads_ref = jax.grad(_loss_fn(kj.kvm_attention_reference, case.cfg, weights), argnums)(
+  grads_ref = jax.jit(jax.grad(_loss_fn(kj.kvm_attention_reference, case.cfg, weights), argnums))(
       q, k, v, g, params)
   grads = jax.jit(jax.grad(_loss_fn(kj.kvm_attention, case.cfg, weights), argnums))(
       q, k, v, g, params)

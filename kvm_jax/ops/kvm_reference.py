@@ -9,6 +9,7 @@ so gradients can be compared too.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -61,11 +62,20 @@ def _bswa_begin(n, C, L):
 def kvm_attention_reference(q, k, v, merge_gate, params, cfg: KVMConfig, *, dtype=jnp.float32):
   """Same contract as :func:`kvm_jax.kvm_attention`; computes in ``dtype`` (float32 or float64).
 
-  Returns ``y [B, T, H, Dv]`` and a ``KVMState`` whose arrays hold exactly ``num_rows`` rows.
+  Returns ``y [B, T, H, Dv]`` and a ``KVMState`` whose arrays hold exactly ``num_rows`` rows. The
+  Python loops unroll under ``jit`` (used here because compiling one program is much faster than
+  dispatching hundreds of small eager ops for the first time); it also works un-jitted.
   """
-  from kvm_jax.ops.common import KVMState, validate_inputs  # pytree type only
+  from kvm_jax.ops.common import validate_inputs
 
   validate_inputs(q, k, v, merge_gate, params, cfg)
+  return _reference(q, k, v, merge_gate, params, cfg=cfg, dtype=dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
+def _reference(q, k, v, merge_gate, params, cfg: KVMConfig, dtype):
+  from kvm_jax.ops.common import KVMState  # the pytree type only
+
   B, T, H, D = q.shape
   Hkv = k.shape[2]
   G = H // Hkv
