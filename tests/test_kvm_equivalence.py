@@ -206,3 +206,29 @@ def test_readout_cast_changes_values_like_bf16():
                                dataclasses.replace(case.cfg, readout_value_dtype="bfloat16"))
   err = rel_rms(y_cast, y_plain)
   assert 1e-5 < err < 1e-2
+
+
+LARGE_CASES = [
+    Case("C32_T700_growth", 700, kj.KVMConfig(chunk_size=32, window_chunks=2, sink_rows=1,
+                                              rope_dims=16,
+                                              budget=kj.PowerLawBudget(8.0, 0.5, min_rows=32)),
+         H=4, Hkv=2, D=32, Dv=32),
+    Case("paper_geometry_sqrt16_T2500", 2500,
+         kj.KVMConfig(chunk_size=256, window_chunks=2, sink_rows=1, rope_dims=32,
+                      budget=kj.PowerLawBudget(16.0, 0.5, min_rows=256)),
+         H=4, Hkv=4, D=64, Dv=64, B=1),
+    pytest.param(Case("paper_heads_sat1024_T8200", 8200,
+                      kj.KVMConfig(chunk_size=256, window_chunks=2, sink_rows=1, rope_dims=64,
+                                   budget=kj.SaturatingBudget(limit=1024, min_rows=1)),
+                      H=4, Hkv=2, D=128, Dv=128, B=1), marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("case", LARGE_CASES, ids=lambda c: c.name)
+def test_larger_shapes_match_oracle(case):
+  """Longer sequences, wider heads, growing budgets: more rows, more chances of near-ties."""
+  _, (y_ref, s_ref), (y, s) = _run_both(case, seed=3)
+  assert int(s.num_rows) == int(s_ref.num_rows) > case.cfg.chunk_size
+  assert rel_rms(y, y_ref) < OUT_TOL
+  for got, want in zip(valid_state(s), valid_state(s_ref)):
+    assert rel_rms(got, want) < OUT_TOL
