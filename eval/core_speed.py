@@ -156,8 +156,10 @@ def main(argv=None) -> int:
         f"B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}; C={cfg.chunk_size} "
         f"L={cfg.window_len} fixed {args.state_rows} rows")
   results = {"prefill": [], "decode": None, "setup": vars(args)}
-  print(f"\n{'prefill T':>10} {'KVM ms':>10} {'full ms':>10} {'speed-up':>9}")
-  for T in [int(x) for x in args.lengths.split(",") if x]:
+  lengths = [int(x) for x in args.lengths.split(",") if x]
+  if lengths:
+    print(f"\n{'prefill T':>10} {'KVM ms':>10} {'full ms':>10} {'speed-up':>9}")
+  for T in lengths:
     t_kvm, t_full = bench_prefill(T, args, cfg, params, dtype)
     results["prefill"].append({"T": T, "kvm_ms": t_kvm, "full_ms": t_full})
     print(f"{T:>10} {t_kvm:>10.2f} {t_full:>10.2f} {t_full / t_kvm:>8.2f}x", flush=True)

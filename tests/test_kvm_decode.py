@@ -112,3 +112,17 @@ def test_cache_bytes_are_measured_from_arrays():
   assert sizes["state"] == 4 * 256 * (64 + 64 + 1) * 4 + 4
   # window ring: L = 512 tokens of bf16 keys and values + f32 gates
   assert sizes["window"] == 512 * 4 * (64 + 64) * 2 + 512 * 4 * 4
+
+
+def test_kvm_attention_traces_once_per_shape():
+  cfg, H, Hkv = CONFIGS["powerlaw_gqa"]
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def run(q, k, v, g, params):
+    return kj.kvm_attention(q, k, v, g, params, cfg)
+
+  for seed in range(3):  # new values, same shapes: no retrace
+    q, k, v, g = make_inputs(seed, 1, 19, H, Hkv, 8, 6)
+    run(q, k, v, g, make_params(seed, 8, H))
+  chex.clear_trace_counter()

@@ -169,5 +169,5 @@ def _reference(q, k, v, merge_gate, params, cfg: KVMConfig, dtype):
                              ctx_len=qe, available=nwb)
       coverage = nwb
   y = jnp.transpose(jnp.concatenate(outs, axis=2), (0, 2, 1, 3))
-  state = KVMState(keys=s_k, values=s_v, radius=s_r[..., 0], num_rows=jnp.asarray(s_k.shape[2]))
+  state = KVMState(keys=s_k, values=s_v, radius=s_r[..., 0], num_rows=jnp.asarray(s_k.shape[2], jnp.int32))
   return y, state
