@@ -139,7 +139,10 @@ def validate_inputs(q, k, v, merge_gate, params: KVMParams, cfg: KVMConfig, *,
     if tuple(got) != shape:
       raise ValueError(f"KVMParams.{name} must have shape {shape}, got {tuple(got)}.")
   if _is_concrete(merge_gate) and merge_gate.size:
-    smallest = float(np.min(np.asarray(merge_gate)))
+    try:  # reduce on device, move one scalar; inside an outer trace this raises and we skip
+      smallest = float(jnp.min(merge_gate))
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+      return
     if not smallest > 0:
       raise ValueError(
           f"merge_gate must be > 0 everywhere (it is g = 1 + ELU(x W_g)), found minimum "
