@@ -67,6 +67,9 @@ CASES = [
                                      budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
     Case("bf16_readout_cast", 30, _cfg(readout_value_dtype="bfloat16",
                                        budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
+    Case("bf16_readout_cast_gqa", 30, _cfg(readout_value_dtype="bfloat16",
+                                           budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4)),
+         H=4, Hkv=1),
     Case("one_window_chunk", 23, _cfg(window_chunks=1,
                                       budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
     Case("three_window_chunks", 35, _cfg(window_chunks=3, sink_rows=2,
@@ -75,7 +78,7 @@ CASES = [
     Case("all_rope_channels", 26, _cfg(rope_dims=8, budget=kj.FixedBudget(6))),
 ]
 GRAD_CASES = {"fixed_C_no_append_ragged", "fixed_above_C_appends_gqa_sink0", "powerlaw_gqa",
-              "gate_appends_and_initial", "value_norm_none", "bf16_readout_cast", "T_below_L",
+              "gate_appends_and_initial", "value_norm_none", "bf16_readout_cast", "bf16_readout_cast_gqa", "T_below_L",
               "no_gates_no_temps"}
 
 

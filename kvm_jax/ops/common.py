@@ -9,6 +9,7 @@ independent implementation of the spec.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -192,16 +193,46 @@ def temperatures(params: KVMParams, cfg: KVMConfig, kv_heads: int) -> tuple[Arra
           params.window_temperature.astype(jnp.float32).reshape(shape))
 
 
-def state_readout(state: KVMState, params: KVMParams, cfg: KVMConfig) -> tuple[Array, Array]:
-  """Readout keys LN_s(S_K) and values normalize(S_V)·radius (spec §6.6), both ``[B,Hkv,R,·]``."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _round_and_repeat(values: Array, groups: int, dtype: str) -> Array:
+  """``[B,Hkv,R,Dv]`` -> ``[B,Hkv,G,R,Dv]`` rounded to ``dtype``, with the authors' backward.
+
+  Their readout is ``repeat_interleave(x.bfloat16())`` concatenated with float32 window values:
+  autograd rounds each *query head's* cotangent to bf16, sums the group in bf16 (rounding again),
+  and only then returns to float32 (spec §6.8). A plain cast before a float32 repeat would round
+  once after the sum and differ by ~1 bf16 ulp under GQA.
+  """
+  rounded = values.astype(dtype).astype(jnp.float32)
+  return jnp.broadcast_to(rounded[:, :, None], (*values.shape[:2], groups, *values.shape[2:]))
+
+
+def _round_and_repeat_fwd(values, groups, dtype):
+  return _round_and_repeat(values, groups, dtype), None
+
+
+def _round_and_repeat_bwd(groups, dtype, _, cotangent):
+  per_head = cotangent.astype(dtype).astype(jnp.float32)
+  return (jnp.sum(per_head, axis=2).astype(dtype).astype(jnp.float32),)
+
+
+_round_and_repeat.defvjp(_round_and_repeat_fwd, _round_and_repeat_bwd)
+
+
+def state_readout(state: KVMState, params: KVMParams, cfg: KVMConfig,
+                  groups: int = 1) -> tuple[Array, Array]:
+  """Readout keys LN_s(S_K) ``[B,Hkv,R,D]`` and values normalize(S_V)·radius (spec §6.6).
+
+  Values are ``[B,Hkv,R,Dv]``, or ``[B,Hkv,G,R,Dv]`` (one copy per query head of the group) when
+  ``cfg.readout_value_dtype`` reproduces the authors' cast, so that its gradient is rounded per
+  query head as theirs is.
+  """
   keys = layer_norm(state.keys, params.ln_scale, params.ln_bias, cfg.ln_eps)
   values = state.values
   if cfg.value_norm == "radius":
     # F.normalize: x / max(‖x‖, 1e-12).
     values = values / jnp.maximum(safe_l2_norm(values), 1e-12)[..., None] * state.radius[..., None]
   if cfg.readout_value_dtype is not None:
-    # The authors' hard-coded cast; also rounds the incoming gradient, as autograd does.
-    values = values.astype(cfg.readout_value_dtype).astype(jnp.float32)
+    values = _round_and_repeat(values, groups, cfg.readout_value_dtype)
   return keys, values
 
 
@@ -212,7 +243,8 @@ def joint_attention(q: Array, state_keys: Array, state_values: Array, state_vali
 
   Args:
     q: ``[B, Tq, Hkv, G, D]`` queries (query head h = kv·G + g).
-    state_keys / state_values: ``[B, Hkv, R, D]`` / ``[B, Hkv, R, Dv]`` readout state (float32).
+    state_keys / state_values: ``[B, Hkv, R, D]`` / ``[B, Hkv, R, Dv]`` readout state (float32);
+      values may also be per query head, ``[B, Hkv, G, R, Dv]``.
     state_valid: bool ``[Tq, R]`` (or broadcastable), which rows each query sees.
     window_keys / window_values: ``[B, W, Hkv, D]`` / ``[B, W, Hkv, Dv]``.
     window_valid: bool ``[Tq, W]`` (or broadcastable), the causal/window mask.
@@ -237,8 +269,10 @@ def joint_attention(q: Array, state_keys: Array, state_values: Array, state_vali
   p_window = jnp.exp(s_window - row_max)
   denom = jnp.sum(p_state, axis=-1) + jnp.sum(p_window, axis=-1)  # [B, Hkv, G, Tq]
   value_dtype = window_values.dtype
-  out = jnp.einsum("bhgqr,bhrv->bqhgv", p_state.astype(value_dtype), state_values.astype(value_dtype),
-                   precision=precision, preferred_element_type=jnp.float32)
+  per_head = "bhgrv" if state_values.ndim == 5 else "bhrv"
+  out = jnp.einsum(f"bhgqr,{per_head}->bqhgv", p_state.astype(value_dtype),
+                   state_values.astype(value_dtype), precision=precision,
+                   preferred_element_type=jnp.float32)
   out = out + jnp.einsum("bhgqw,bwhv->bqhgv", p_window.astype(value_dtype), window_values,
                          precision=precision, preferred_element_type=jnp.float32)
   return out / jnp.transpose(denom, (0, 3, 1, 2))[..., None]
@@ -323,7 +357,7 @@ def _row_adder(row_update: str):
 
 def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow_g: Array,
                  n_append: Array, params: KVMParams, cfg: KVMConfig,
-                 row_update: str = "auto") -> KVMState:
+                 row_update: str = "auto", read_keys: Array | None = None) -> KVMState:
   """Folds one overflow chunk into the state (spec §6.7).
 
   The ``n_append`` tokens least similar to the current state become new rows (in token order); every
@@ -335,6 +369,8 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
       the chunk leaving the exact window.
     n_append: int32 scalar from the static schedule (may be traced).
     row_update: how rows are accumulated: "scatter", "onehot" or "auto" (by backend).
+    read_keys: optional LN_s(state.keys) already computed for the readout; saves recomputing it
+      for novelty, and for routing when nothing is appended.
   Returns:
     The updated state with ``num_rows + n_append`` rows. Routing decisions carry no gradient; the
     merged sums, appended rows and radii are differentiable.
@@ -350,30 +386,32 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
   v_gated = v_raw * gate if cfg.gate_values else v_raw
   k_app, v_app = (k_gated, v_gated) if cfg.gate_appends else (k_bar, v_raw)
   m = state.num_rows
+  if read_keys is None:
+    read_keys = layer_norm(state.keys, params.ln_scale, params.ln_bias, cfg.ln_eps)
+  old_read = jax.lax.stop_gradient(read_keys)  # routing is a constant: no gradient through it
 
   def append(s: KVMState):
     # Novelty: max similarity of the ungated prepared key to the valid pre-append rows (sinks too).
-    old_read = layer_norm(jax.lax.stop_gradient(s.keys), params.ln_scale, params.ln_bias, cfg.ln_eps)
-    sim = jnp.einsum("bhcd,bhrd->bhcr", jax.lax.stop_gradient(k_bar),
-                     jax.lax.stop_gradient(old_read), precision=precision)
+    sim = jnp.einsum("bhcd,bhrd->bhcr", jax.lax.stop_gradient(k_bar), old_read,
+                     precision=precision)
     novelty = jnp.max(jnp.where(row < m, sim, -jnp.inf), axis=-1)                    # [B,Hkv,C]
     is_append = _ranks_ascending(novelty) < n_append
     dest = jnp.where(is_append, m + jnp.cumsum(is_append, axis=-1) - 1, R)  # token order; R = drop
     keys = add_rows(s.keys, dest, k_app)
     values = add_rows(s.values, dest, v_app)
     radius = add_rows(s.radius[..., None], dest, safe_l2_norm(v_app)[..., None])[..., 0]
-    return keys, values, radius, is_append
+    new_read = layer_norm(jax.lax.stop_gradient(keys), params.ln_scale, params.ln_bias, cfg.ln_eps)
+    return keys, values, radius, is_append, new_read
 
   def no_append(s: KVMState):
-    return s.keys, s.values, s.radius, jnp.zeros(k_bar.shape[:3], bool)
+    return s.keys, s.values, s.radius, jnp.zeros(k_bar.shape[:3], bool), old_read
 
-  keys, values, radius, is_append = jax.lax.cond(n_append > 0, append, no_append, state)
+  keys, values, radius, is_append, new_read = jax.lax.cond(n_append > 0, append, no_append, state)
   m_new = m + n_append
 
   # Routing: gated key vs the post-append rows, sinks excluded, first index wins ties.
-  new_read = layer_norm(jax.lax.stop_gradient(keys), params.ln_scale, params.ln_bias, cfg.ln_eps)
-  logits = jnp.einsum("bhcd,bhrd->bhcr", jax.lax.stop_gradient(k_gated),
-                      jax.lax.stop_gradient(new_read), precision=precision)
+  logits = jnp.einsum("bhcd,bhrd->bhcr", jax.lax.stop_gradient(k_gated), new_read,
+                      precision=precision)
   target_ok = (row >= cfg.sink_rows) & (row < m_new)
   target = first_argmax(jnp.where(target_ok, logits, -jnp.inf))                      # [B,Hkv,C]
   target = jnp.where(is_append, R, target)  # appended tokens merge nowhere

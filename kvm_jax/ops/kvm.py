@@ -79,7 +79,7 @@ def kvm_attention_xla(q: Array, k: Array, v: Array, merge_gate: Array, params: K
   any_update = any(sched.update_after)
 
   def step(state: KVMState, x):
-    state_keys, state_values = state_readout(state, params, cfg)
+    state_keys, state_values = state_readout(state, params, cfg, G)
     state_valid = ((rows < state.num_rows) & x["visible"])[None, :]
     in_sequence = (x["chunk"] - (nb - 1)) * C + slot >= 0                 # chunks before 0
     window_valid = causal & in_sequence[None, :]
@@ -89,7 +89,7 @@ def kvm_attention_xla(q: Array, k: Array, v: Array, merge_gate: Array, params: K
       state = jax.lax.cond(
           x["update"],
           lambda s: update_state(s, x["win_k"][:, :C], x["win_v"][:, :C], x["overflow_g"],
-                                 x["n_append"], params, cfg, row_update),
+                                 x["n_append"], params, cfg, row_update, state_keys),
           lambda s: s, state)
     return state, y.astype(q.dtype)
 

@@ -194,7 +194,7 @@ def _decode_step(q_t, k_t, v_t, g_t, params, cfg, cache):
   window_begin = jnp.maximum(0, (t // C + 1) * C - L)
   window_valid = (position >= window_begin)[None, :]
   state_valid = ((row < state.num_rows) & (t >= L))[None, :]
-  state_keys, state_values = state_readout(state, params, cfg)
+  state_keys, state_values = state_readout(state, params, cfg, H // Hkv)
   state_temp, window_temp = temperatures(params, cfg, Hkv)
   y = joint_attention(q_t.reshape(B, 1, Hkv, H // Hkv, D), state_keys, state_values, state_valid,
                       window_keys, window_values, window_valid, state_temp, window_temp)

@@ -37,6 +37,30 @@ def _repeat_kv(x, groups):
   return jnp.repeat(x, groups, axis=1)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _cast_then_repeat(x, groups, low):
+  """The authors' ``repeat_interleave(x.bfloat16())`` followed by a cat with float32 values.
+
+  Backward as torch autograd does it: the cat rounds every query head's cotangent to ``low``; the
+  repeat's backward sums each group with float accumulation and rounds once more; the cast's
+  backward returns to ``x``'s dtype.
+  """
+  return _repeat_kv(x.astype(low), groups).astype(x.dtype)
+
+
+def _cast_then_repeat_fwd(x, groups, low):
+  return _cast_then_repeat(x, groups, low), None
+
+
+def _cast_then_repeat_bwd(groups, low, _, ct):
+  B, H, M, Dv = ct.shape
+  per_head = ct.astype(low).astype(jnp.float32).reshape(B, H // groups, groups, M, Dv)
+  return (per_head.sum(axis=2).astype(low).astype(ct.dtype),)  # output dtype == x dtype
+
+
+_cast_then_repeat.defvjp(_cast_then_repeat_fwd, _cast_then_repeat_bwd)
+
+
 def _sdpa(q, k, v, mask):
   """softmax(q kᵀ / √D + mask) v with a boolean mask [Tq, Tk]."""
   s = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=_HI) / math.sqrt(q.shape[-1])
@@ -105,9 +129,11 @@ def _reference(q, k, v, merge_gate, params, cfg: KVMConfig, dtype):
     else:
       s_v_read = s_v
     if cfg.readout_value_dtype is not None:
-      s_v_read = s_v_read.astype(cfg.readout_value_dtype).astype(dtype)
+      s_v_read = _cast_then_repeat(s_v_read, G, cfg.readout_value_dtype)
+    else:
+      s_v_read = _repeat_kv(s_v_read, G)
     k_star = jnp.concatenate([s_k_read * tau_s, _repeat_kv(kw, G) * tau_f], axis=2)
-    v_star = jnp.concatenate([_repeat_kv(s_v_read, G), _repeat_kv(vw, G)], axis=2)
+    v_star = jnp.concatenate([s_v_read, _repeat_kv(vw, G)], axis=2)
     return _sdpa(qc, k_star, v_star, _lower_right_causal(qc.shape[2], k_star.shape[2]))
 
   def update(s_k, s_v, s_r, ok, ov, og, ctx_len, available):
