@@ -1,0 +1,189 @@
+"""Baseline attention mixers of the paper, prefill and one-token decode (pure functions).
+
+* ``full``: causal softmax attention over every previous token (GPTAlpha-2);
+* ``swa``: token sliding window — query p sees keys (p - window, p] (the authors' SWA layers);
+* ``bswa``: block sliding window — query p in chunk c sees keys of chunks c-nb+1..c (causal), plus
+  ``sink_rows`` first tokens (the authors' ``gptalpha_bswa``: ``(sink | block window) & causal``).
+
+Layout ``[batch, time, heads, dim]``; GQA by ``H % Hkv == 0``. Decode uses a ring buffer of keys and
+values (``max_len`` slots for full attention, the window otherwise) with a traced position, so
+each step compiles once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvm_jax.ops.common import joint_attention
+
+Array = jax.Array
+
+
+def full_attention(q: Array, k: Array, v: Array) -> Array:
+  """Causal attention over all previous tokens (XLA's fused path, no dense mask built here)."""
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def sliding_window_attention(q: Array, k: Array, v: Array, window: int) -> Array:
+  """Causal attention over the last ``window`` tokens (the query's own token included)."""
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window - 1, 0))
+
+
+def _chunks(x: Array, num_chunks: int, chunk: int) -> Array:
+  return x.reshape(x.shape[0], num_chunks, chunk, *x.shape[2:])
+
+
+def block_sliding_window_attention(q: Array, k: Array, v: Array, chunk_size: int,
+                                   window_chunks: int, sink_rows: int = 0) -> Array:
+  """Block sliding window with sinks; every chunk is independent, so no scan is needed."""
+  B, T, H, D = q.shape
+  Hkv = k.shape[2]
+  C, nb = chunk_size, window_chunks
+  nC = -(-T // C)
+  pad = [(0, 0), (0, nC * C - T), (0, 0), (0, 0)]
+  q_p, k_p, v_p = (jnp.pad(x, pad) for x in (q, k, v))
+  front = [(0, 0), ((nb - 1) * C, 0), (0, 0), (0, 0)]
+  k_c = _chunks(jnp.pad(k_p, front), nC + nb - 1, C)
+  v_c = _chunks(jnp.pad(v_p, front), nC + nb - 1, C)
+  win_k = jnp.concatenate([k_c[:, j:j + nC] for j in range(nb)], axis=2)   # [B, nC, nb*C, Hkv, D]
+  win_v = jnp.concatenate([v_c[:, j:j + nC] for j in range(nb)], axis=2)
+  q_c = _chunks(q_p, nC, C).reshape(B, nC, C, Hkv, H // Hkv, D)
+  S = max(sink_rows, 1)  # a dummy (never valid) row when there are no sinks
+  sink_k = jnp.swapaxes(k_p[:, :S], 1, 2)                                   # [B, Hkv, S, D]
+  sink_v = jnp.swapaxes(v_p[:, :S], 1, 2)
+  slot = np.arange(nb * C)
+  causal = slot[None, :] <= (nb - 1) * C + np.arange(C)[:, None]
+  ones = jnp.ones((Hkv, H // Hkv), jnp.float32)
+
+  def one_chunk(c, qc, wk, wv):
+    begin = (c - nb + 1) * C
+    window_valid = causal & (begin + slot >= 0)[None, :]
+    sink_valid = (jnp.arange(S) < sink_rows) & (jnp.arange(S) < begin)  # not already in window
+    return joint_attention(qc, sink_k, sink_v, sink_valid[None, :], wk, wv, window_valid, ones,
+                           ones)
+
+  y = jax.vmap(one_chunk, in_axes=(0, 1, 1, 1), out_axes=1)(jnp.arange(nC), q_c, win_k, win_v)
+  return y.reshape(B, nC * C, H, -1)[:, :T].astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode: one ring-buffer cache for all three baselines
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RingCache:
+  """Keys/values of recent tokens, slot = position mod ``slots``; sinks kept separately.
+
+  Attributes:
+    keys / values: ``[B, slots, Hkv, D]`` / ``[B, slots, Hkv, Dv]``.
+    sink_keys / sink_values: ``[B, S, Hkv, ·]`` the first S tokens (bswa only; S may be 0).
+    length: int32 scalar, tokens seen.
+    kind: static, "full" | "swa" | "bswa".
+    window / chunk_size / window_chunks / max_len: static geometry.
+  """
+
+  keys: Array
+  values: Array
+  sink_keys: Array
+  sink_values: Array
+  length: Array
+  kind: str
+  window: int
+  chunk_size: int
+  window_chunks: int
+  max_len: int
+
+  def nbytes(self) -> int:
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(self))
+
+
+jax.tree_util.register_dataclass(
+    RingCache, data_fields=["keys", "values", "sink_keys", "sink_values", "length"],
+    meta_fields=["kind", "window", "chunk_size", "window_chunks", "max_len"])
+
+
+def init_ring_cache(kind: str, *, batch: int, kv_heads: int, head_dim: int, value_dim: int,
+                    max_len: int, window: int = 0, chunk_size: int = 0, window_chunks: int = 0,
+                    sink_rows: int = 0, dtype=jnp.float32) -> RingCache:
+  """An empty decode cache for a ``full``/``swa``/``bswa`` layer."""
+  if kind == "full":
+    slots = max_len
+  elif kind == "swa":
+    slots = min(window, max_len)
+  elif kind == "bswa":
+    slots = min(chunk_size * window_chunks, max_len)
+  else:
+    raise ValueError(f"unknown attention kind {kind!r}; expected 'full', 'swa' or 'bswa'.")
+  sinks = sink_rows if kind == "bswa" else 0
+  zeros = lambda n, d: jnp.zeros((batch, n, kv_heads, d), dtype)
+  return RingCache(keys=zeros(slots, head_dim), values=zeros(slots, value_dim),
+                   sink_keys=zeros(sinks, head_dim), sink_values=zeros(sinks, value_dim),
+                   length=jnp.zeros((), jnp.int32), kind=kind, window=window,
+                   chunk_size=chunk_size, window_chunks=window_chunks, max_len=max_len)
+
+
+def _lowest_visible(cache: RingCache, t: Array) -> Array:
+  """First position visible to the query at position t (its own token always is)."""
+  if cache.kind == "full":
+    return jnp.zeros_like(t)
+  if cache.kind == "swa":
+    return jnp.maximum(0, t - cache.window + 1)
+  C = cache.chunk_size
+  return jnp.maximum(0, (t // C - cache.window_chunks + 1) * C)
+
+
+@jax.jit
+def ring_prefill(k: Array, v: Array, cache: RingCache) -> RingCache:
+  """Stores a prompt's keys/values (the outputs come from the prefill functions above)."""
+  T = k.shape[1]
+  slots = cache.keys.shape[1]
+  first = max(0, T - slots)
+  idx = np.arange(first, T) % slots
+  S = cache.sink_keys.shape[1]
+  n_sink = min(S, T)
+  sink_k = cache.sink_keys.at[:, :n_sink].set(k[:, :n_sink].astype(cache.keys.dtype))
+  sink_v = cache.sink_values.at[:, :n_sink].set(v[:, :n_sink].astype(cache.values.dtype))
+  return dataclasses.replace(
+      cache, keys=jnp.zeros_like(cache.keys).at[:, idx].set(k[:, first:].astype(cache.keys.dtype)),
+      values=jnp.zeros_like(cache.values).at[:, idx].set(v[:, first:].astype(cache.values.dtype)),
+      sink_keys=sink_k, sink_values=sink_v, length=jnp.asarray(T, jnp.int32))
+
+
+@jax.jit
+def ring_decode_step(q_t: Array, k_t: Array, v_t: Array, cache: RingCache) -> tuple[Array, RingCache]:
+  """One token: ``q_t [B,1,H,D]``, ``k_t [B,1,Hkv,D]``, ``v_t [B,1,Hkv,Dv]`` -> ``y [B,1,H,Dv]``."""
+  B, _, H, D = q_t.shape
+  Hkv = k_t.shape[2]
+  t = cache.length
+  slots = cache.keys.shape[1]
+  slot = t % slots
+  keys = jax.lax.dynamic_update_slice_in_dim(cache.keys, k_t.astype(cache.keys.dtype), slot, 1)
+  values = jax.lax.dynamic_update_slice_in_dim(cache.values, v_t.astype(cache.values.dtype), slot, 1)
+  S = cache.sink_keys.shape[1]
+  sink_keys, sink_values = cache.sink_keys, cache.sink_values
+  if S:
+    write = (jnp.arange(S) == t)[None, :, None, None]
+    sink_keys = jnp.where(write, k_t.astype(sink_keys.dtype), sink_keys)
+    sink_values = jnp.where(write, v_t.astype(sink_values.dtype), sink_values)
+  position = t - (t - jnp.arange(slots)) % slots
+  lowest = _lowest_visible(cache, t)
+  window_valid = ((position >= lowest) & (position >= 0))[None, :]
+  if S:
+    state_k, state_v = jnp.swapaxes(sink_keys, 1, 2), jnp.swapaxes(sink_values, 1, 2)
+    state_valid = ((jnp.arange(S) < lowest) & (jnp.arange(S) <= t))[None, :]
+  else:  # one never-valid dummy row keeps the shapes non-empty
+    state_k = jnp.zeros((B, Hkv, 1, D), keys.dtype)
+    state_v = jnp.zeros((B, Hkv, 1, values.shape[-1]), values.dtype)
+    state_valid = jnp.zeros((1, 1), bool)
+  ones = jnp.ones((Hkv, H // Hkv), jnp.float32)
+  y = joint_attention(q_t.reshape(B, 1, Hkv, H // Hkv, D), state_k, state_v, state_valid, keys,
+                      values, window_valid, ones, ones)
+  y = jnp.where(t < cache.max_len, y, jnp.nan).reshape(B, 1, H, -1).astype(q_t.dtype)
+  return y, dataclasses.replace(cache, keys=keys, values=values, sink_keys=sink_keys,
+                                sink_values=sink_values, length=t + 1)
