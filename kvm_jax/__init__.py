@@ -10,8 +10,12 @@ Curated public surface (see ``shared/design/architecture.md``)::
 from kvm_jax.budget import (CallableBudget, FixedBudget, KVMSchedule, PowerLawBudget,
                             SaturatingBudget, kvm_schedule, state_rows_after)
 from kvm_jax.config import KVMConfig
+from kvm_jax.model_config import ModelConfig
 from kvm_jax.ops import (KVMCache, KVMParams, KVMState, kvm_attention, kvm_attention_reference,
                          kvm_decode_step, kvm_init_cache, kvm_prefill)
+
+from kvm_jax.nn.model import LM, count_params
+from kvm_jax import presets
 
 __version__ = "0.1.0"
 
@@ -19,4 +23,5 @@ __all__ = [
     "KVMConfig", "FixedBudget", "PowerLawBudget", "SaturatingBudget", "CallableBudget",
     "KVMSchedule", "kvm_schedule", "state_rows_after", "KVMParams", "KVMState", "KVMCache",
     "kvm_attention", "kvm_attention_reference", "kvm_init_cache", "kvm_prefill", "kvm_decode_step",
+    "ModelConfig", "LM", "count_params", "presets",
 ]

@@ -1,0 +1,151 @@
+"""``ModelConfig``: the GPTAlpha-2 backbone with one sequence mixer per layer (spec §3–§4)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import jax.numpy as jnp
+
+from kvm_jax.config import KVMConfig
+
+MIXERS = ("full", "swa", "bswa", "kvm")
+_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A decoder-only LM. Fields mirror the authors' ``MixerConfigDataclass`` where they exist.
+
+  Attributes:
+    vocab_size: V (paper 50304: GPT-2's 50257 padded).
+    num_layers / hidden_size / num_heads: depth, width C_model, query heads H.
+    num_kv_heads: Hkv for GQA (None = H).
+    head_dim / value_head_dim: D / Dv (None = hidden_size // num_heads).
+    mixers: one mixer name per layer ("full", "swa", "bswa", "kvm"), or one name for all layers.
+    kvm: :class:`KVMConfig` of the ``kvm`` layers; its chunk geometry also defines ``bswa``.
+    rope_dims / rope_theta: rotary channels (first ``rope_dims`` of D) and base (spec §5) for
+      ``full``/``bswa``/``kvm`` layers; ``kvm.rope_dims`` must equal ``rope_dims``.
+    swa_window / swa_rope_dims: the token window and rotary width of ``swa`` layers (the paper's
+      hybrids: 256 tokens, full RoPE 128; ``swa_rope_dims=0`` is NoPE, D/2 HalfRoPE).
+    bswa_chunk_size / bswa_window_chunks / bswa_sink_rows: geometry of ``bswa`` layers (the
+      paper's BSWA baseline: 256-token chunks, 3 chunks, no sink).
+    ffn_expansion: MLP width factor; width = int(ffn_expansion·C)//32·32.
+    residual_scale: multiplies both branches of every block (CompleteP depth rule 12/L); None = 1.
+    tokenshift_attention / tokenshift_mlp / value_residual: the front-end options of spec §4.
+    share_value_anchor: every layer uses layer 0's value anchor (authors' ``alt_share_v0``);
+      otherwise each mixer kind anchors on its own first layer (the paper's hybrids).
+    mup_base_dim: width the value-residual LoRA rule is relative to (768).
+    param_dtype / compute_dtype: parameter and activation dtypes; logits, loss and the KVM state
+      are float32 regardless.
+    rope_table_dtype: "float32" (default) or "bfloat16" (the authors' cast cos/sin tables).
+  """
+
+  vocab_size: int = 50304
+  num_layers: int = 12
+  hidden_size: int = 768
+  num_heads: int = 6
+  num_kv_heads: Optional[int] = None
+  head_dim: Optional[int] = None
+  value_head_dim: Optional[int] = None
+  mixers: Union[str, tuple[str, ...]] = "kvm"
+  kvm: KVMConfig = KVMConfig()
+  rope_dims: int = 64
+  rope_theta: float = 10000.0
+  swa_window: int = 256
+  swa_rope_dims: Optional[int] = None
+  bswa_chunk_size: int = 256
+  bswa_window_chunks: int = 3
+  bswa_sink_rows: int = 0
+  ffn_expansion: float = 4.0
+  residual_scale: Optional[float] = None
+  tokenshift_attention: bool = True
+  tokenshift_mlp: bool = True
+  value_residual: bool = True
+  share_value_anchor: bool = False
+  mup_base_dim: int = 768
+  param_dtype: str = "float32"
+  compute_dtype: str = "float32"
+  rope_table_dtype: str = "float32"
+
+  def __post_init__(self):
+    def pos(name):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}.")
+    for name in ("vocab_size", "num_layers", "hidden_size", "num_heads", "swa_window",
+                 "mup_base_dim", "bswa_chunk_size", "bswa_window_chunks"):
+      pos(name)
+    mixers = (self.mixers,) * self.num_layers if isinstance(self.mixers, str) else tuple(self.mixers)
+    if len(mixers) != self.num_layers:
+      raise ValueError(f"ModelConfig.mixers has {len(mixers)} entries but num_layers="
+                       f"{self.num_layers}; give one mixer per layer or a single name.")
+    for m in mixers:
+      if m not in MIXERS:
+        raise ValueError(f"ModelConfig.mixers: unknown mixer {m!r}; choose from {MIXERS}.")
+    object.__setattr__(self, "mixers", mixers)
+    kv = self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+    if kv < 1 or self.num_heads % kv:
+      raise ValueError(f"ModelConfig.num_kv_heads={self.num_kv_heads} must divide num_heads="
+                       f"{self.num_heads}.")
+    if self.head_dim is None and self.hidden_size % self.num_heads:
+      raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads="
+                       f"{self.num_heads}; set head_dim explicitly.")
+    D = self.qk_head_dim
+    for name, r in (("rope_dims", self.rope_dims), ("swa_rope_dims", self.swa_rope_dims_resolved)):
+      if r % 2 or not 0 <= r <= D:
+        raise ValueError(f"ModelConfig.{name}={r} must be even and in [0, head dim {D}].")
+    if "kvm" in mixers and self.kvm.rope_dims != self.rope_dims:
+      raise ValueError(f"kvm.rope_dims={self.kvm.rope_dims} must equal rope_dims={self.rope_dims} "
+                       "(the state zeroes exactly the rotary channels).")
+    for name in ("param_dtype", "compute_dtype", "rope_table_dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f"ModelConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}.")
+    if self.bswa_sink_rows < 0:
+      raise ValueError(f"ModelConfig.bswa_sink_rows must be >= 0, got {self.bswa_sink_rows}.")
+
+  # Derived sizes ------------------------------------------------------------------------------
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+
+  @property
+  def qk_head_dim(self) -> int:
+    return self.head_dim or self.hidden_size // self.num_heads
+
+  @property
+  def v_head_dim(self) -> int:
+    return self.value_head_dim or self.head_dim or self.hidden_size // self.num_heads
+
+  @property
+  def swa_rope_dims_resolved(self) -> int:
+    return self.rope_dims if self.swa_rope_dims is None else self.swa_rope_dims
+
+  @property
+  def mlp_width(self) -> int:
+    return int(self.ffn_expansion * self.hidden_size) // 32 * 32
+
+  @property
+  def value_lora_width(self) -> int:
+    return max(32, int(round(1.3 * self.hidden_size ** 0.5 / 32) * 32))
+
+  @property
+  def scale(self) -> float:
+    return 1.0 if self.residual_scale is None else float(self.residual_scale)
+
+  def rope_dims_of(self, layer: int) -> int:
+    return self.swa_rope_dims_resolved if self.mixers[layer] == "swa" else self.rope_dims
+
+  def value_anchor(self, layer: int) -> int:
+    """Layer whose ``c_v(ln_attn(x0))`` is this layer's value-residual anchor ``v_first``."""
+    if self.share_value_anchor:
+      return 0
+    return self.mixers.index(self.mixers[layer])
+
+  @property
+  def jnp_param_dtype(self):
+    return jnp.dtype(self.param_dtype)
+
+  @property
+  def jnp_compute_dtype(self):
+    return jnp.dtype(self.compute_dtype)

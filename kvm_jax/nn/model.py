@@ -1,0 +1,333 @@
+"""GPTAlpha-2 language model in Flax NNX (spec §4): modules own parameters and call ``kvm_jax.ops``.
+
+Everything a layer computes on whole sequences or one token goes through pure functions: the KVM
+core (``ops.kvm``), the baselines (``ops.attention``), RoPE (``ops.rope``). The only state that
+decode needs besides the mixer caches is the token-shift history (last projected q/k/v and the
+last MLP input), kept per layer in :class:`LayerCache`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvm_jax.model_config import ModelConfig
+from kvm_jax.ops import attention as attn_ops
+from kvm_jax.ops.common import KVMParams
+from kvm_jax.ops.kvm import kvm_attention
+from kvm_jax.ops.kvm_decode import KVMCache, kvm_decode_step, kvm_init_cache, kvm_prefill
+from kvm_jax.ops.rope import apply_rope, rope_tables
+
+Array = jax.Array
+
+
+def _torch_linear_init(fan_in: int):
+  """``nn.Linear``'s default U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+  bound = 1.0 / math.sqrt(fan_in)
+  return lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def _linear(cfg: ModelConfig, n_in: int, n_out: int, rngs, init=None) -> nnx.Linear:
+  return nnx.Linear(n_in, n_out, use_bias=False, param_dtype=cfg.jnp_param_dtype,
+                    dtype=cfg.jnp_compute_dtype, kernel_init=init or _torch_linear_init(n_in),
+                    rngs=rngs)
+
+
+def _layer_norm(cfg: ModelConfig, n: int, rngs) -> nnx.LayerNorm:
+  return nnx.LayerNorm(n, epsilon=1e-5, param_dtype=cfg.jnp_param_dtype, dtype=jnp.float32,
+                       rngs=rngs)
+
+
+def _zeros(key, shape, dtype):
+  del key
+  return jnp.zeros(shape, dtype)
+
+
+def _token_shift(z: Array, mix: Array, prev: Optional[Array], fallback: str) -> Array:
+  """``z + mix * (z_{t-1} - z_t)``; z_{-1} is ``prev`` (decode), else z_0 ("first") or 0 ("zero")."""
+  if prev is None:
+    prev = z[:, :1] if fallback == "first" else jnp.zeros_like(z[:, :1])
+  shifted = jnp.concatenate([prev.astype(z.dtype), z[:, :-1]], axis=1)
+  return z + mix.astype(z.dtype) * (shifted - z)
+
+
+def _ratio(cfg: ModelConfig, layer: int) -> float:
+  return 1.0 - layer / cfg.num_layers  # "ratio_1_to_almost0" of the authors' inits
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCache:
+  """Decode state of one layer: the mixer cache plus token-shift history."""
+
+  mixer: Any
+  last_q: Array
+  last_k: Array
+  last_v: Array
+  last_mlp: Array
+
+
+jax.tree_util.register_dataclass(
+    LayerCache, data_fields=["mixer", "last_q", "last_k", "last_v", "last_mlp"], meta_fields=[])
+
+
+class Attention(nnx.Module):
+  """Attention front-end (projections, value residual, token shift, QK-LN, RoPE) + one mixer."""
+
+  def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    self.cfg, self.layer, self.kind = cfg, layer, cfg.mixers[layer]
+    C, H, Hkv, D, Dv = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.qk_head_dim, cfg.v_head_dim
+    dq, dk, dv = H * D, Hkv * D, Hkv * Dv
+    pd = cfg.jnp_param_dtype
+    self.c_q = _linear(cfg, C, dq, rngs)
+    self.c_k = _linear(cfg, C, dk, rngs)
+    self.c_v = _linear(cfg, C, dv, rngs)
+    self.ln_q = _layer_norm(cfg, D, rngs)
+    self.ln_k = _layer_norm(cfg, D, rngs)
+    self.c_proj = _linear(cfg, H * Dv, C, rngs, init=_zeros)
+    rho = _ratio(cfg, layer)
+    if cfg.tokenshift_attention:
+      ramp = lambda n, p: jnp.asarray(1.0 - np.power(np.arange(n) / n, p), pd)
+      self.x_q = nnx.Param(ramp(dq, 0.2 * rho))
+      self.x_k = nnx.Param(ramp(dk, 0.7 * rho))
+      self.x_v = nnx.Param(ramp(dv, 0.7 * rho))
+    if cfg.value_residual:
+      lora = cfg.value_lora_width
+      linear = np.arange(dv) / (dv - 1) - 0.5
+      self.v_gate0 = nnx.Param(jnp.asarray(0.73 - 0.4 * linear, pd))
+      self.v_gate1 = _linear(cfg, C, lora, rngs, init=_zeros)
+      self.v_gate2 = _linear(cfg, lora, dv, rngs,
+                             init=jax.nn.initializers.orthogonal(scale=0.1))
+    if self.kind == "kvm":
+      kc = cfg.kvm
+      self.ln_s = _layer_norm(cfg, D, rngs)
+      if kc.uses_gate:
+        self.key_weighting = _linear(cfg, C, Hkv, rngs)
+      if kc.head_temperatures:
+        self.window_temperature = nnx.Param(jnp.ones((H,), pd))
+        self.state_temperature = nnx.Param(jnp.ones((H,), pd))
+
+  # -- pieces ----------------------------------------------------------------------------------
+  def anchor_value(self, x_normed: Array) -> Array:
+    """``v_first`` = c_v(ln_attn(x0)) when this is an anchor layer."""
+    return self.c_v(x_normed)
+
+  def _qkv(self, x: Array, v_first: Optional[Array], positions: Array, prev: Optional[LayerCache]):
+    cfg = self.cfg
+    B, T, _ = x.shape
+    q, k, v = self.c_q(x), self.c_k(x), self.c_v(x)
+    if cfg.value_residual:
+      gate = jax.nn.sigmoid(self.v_gate0.value.astype(jnp.float32)
+                            + self.v_gate2(self.v_gate1(x)).astype(jnp.float32))
+      v = v + (v_first.astype(v.dtype) - v) * gate.astype(v.dtype)
+    tails = (q[:, -1:], k[:, -1:], v[:, -1:])  # projected, pre-shift: next step's z_{t-1}
+    if cfg.tokenshift_attention:
+      q = _token_shift(q, self.x_q.value, None if prev is None else prev.last_q, "first")
+      k = _token_shift(k, self.x_k.value, None if prev is None else prev.last_k, "first")
+      v = _token_shift(v, self.x_v.value, None if prev is None else prev.last_v, "first")
+    D, Dv = cfg.qk_head_dim, cfg.v_head_dim
+    q = self.ln_q(q.reshape(B, T, cfg.num_heads, D)).astype(x.dtype)
+    k = self.ln_k(k.reshape(B, T, cfg.kv_heads, D)).astype(x.dtype)
+    v = v.reshape(B, T, cfg.kv_heads, Dv)
+    cos, sin = rope_tables(positions, D, cfg.rope_dims_of(self.layer), cfg.rope_theta,
+                           jnp.dtype(cfg.rope_table_dtype))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return q, k, v, tails
+
+  def kvm_params(self) -> KVMParams:
+    H, D = self.cfg.num_heads, self.cfg.qk_head_dim
+    ones = jnp.ones((H,), jnp.float32)
+    return KVMParams(ln_scale=self.ln_s.scale.value, ln_bias=self.ln_s.bias.value,
+                     window_temperature=getattr(self, "window_temperature", None).value
+                     if self.cfg.kvm.head_temperatures else ones,
+                     state_temperature=getattr(self, "state_temperature", None).value
+                     if self.cfg.kvm.head_temperatures else ones)
+
+  def merge_gate(self, x: Array) -> Array:
+    if not self.cfg.kvm.uses_gate:
+      return jnp.ones((*x.shape[:2], self.cfg.kv_heads), jnp.float32)
+    return 1.0 + jax.nn.elu(self.key_weighting(x).astype(jnp.float32))
+
+  def init_cache(self, batch: int, max_len: int) -> Any:
+    cfg = self.cfg
+    dtype = cfg.jnp_compute_dtype
+    common = dict(batch=batch, kv_heads=cfg.kv_heads, head_dim=cfg.qk_head_dim,
+                  value_dim=cfg.v_head_dim, max_len=max_len, dtype=dtype)
+    if self.kind == "kvm":
+      return kvm_init_cache(cfg.kvm, **common)
+    return attn_ops.init_ring_cache(self.kind, window=cfg.swa_window,
+                                    chunk_size=cfg.bswa_chunk_size,
+                                    window_chunks=cfg.bswa_window_chunks,
+                                    sink_rows=cfg.bswa_sink_rows, **common)
+
+  # -- calls -----------------------------------------------------------------------------------
+  def __call__(self, x: Array, v_first: Optional[Array], positions: Array,
+               cache: Optional[LayerCache] = None, decode: bool = False):
+    """Whole sequence (``decode=False``; fills ``cache.mixer`` if a cache is given) or one token."""
+    cfg = self.cfg
+    q, k, v, tails = self._qkv(x, v_first, positions, cache if decode else None)
+    kind, mixer_cache = self.kind, None if cache is None else cache.mixer
+    if kind == "kvm":
+      g, params = self.merge_gate(x), self.kvm_params()
+      if decode:
+        y, mixer_cache = kvm_decode_step(q, k, v, g, params, cfg.kvm, mixer_cache)
+      elif mixer_cache is not None:
+        y, mixer_cache = kvm_prefill(q, k, v, g, params, cfg.kvm, mixer_cache)
+      else:
+        y, _ = kvm_attention(q, k, v, g, params, cfg.kvm)
+    elif decode:
+      y, mixer_cache = attn_ops.ring_decode_step(q, k, v, mixer_cache)
+    else:
+      if kind == "full":
+        y = attn_ops.full_attention(q, k, v)
+      elif kind == "swa":
+        y = attn_ops.sliding_window_attention(q, k, v, cfg.swa_window)
+      else:
+        y = attn_ops.block_sliding_window_attention(q, k, v, cfg.bswa_chunk_size,
+                                                    cfg.bswa_window_chunks, cfg.bswa_sink_rows)
+      if mixer_cache is not None:
+        mixer_cache = attn_ops.ring_prefill(k, v, mixer_cache)
+    B, T = x.shape[:2]
+    out = self.c_proj(y.reshape(B, T, -1).astype(x.dtype))
+    return out, mixer_cache, tails
+
+
+class MLP(nnx.Module):
+  """Token-shifted squared-ReLU channel mixer (spec §4)."""
+
+  def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    C = cfg.hidden_size
+    self.c_fc = _linear(cfg, C, cfg.mlp_width, rngs, init=jax.nn.initializers.orthogonal(1.0))
+    self.c_proj = _linear(cfg, cfg.mlp_width, C, rngs, init=_zeros)
+    if cfg.tokenshift_mlp:
+      self.x_k = nnx.Param(jnp.asarray(1.0 - np.power(np.arange(C) / C, _ratio(cfg, layer) ** 4),
+                                       cfg.jnp_param_dtype))
+
+  def __call__(self, x: Array, prev: Optional[Array] = None) -> Array:
+    if self.cfg.tokenshift_mlp:
+      x = _token_shift(x, self.x_k.value, prev, "zero")
+    return self.c_proj(jnp.square(jax.nn.relu(self.c_fc(x))))
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.ln_attn = _layer_norm(cfg, cfg.hidden_size, rngs)
+    self.attn = Attention(cfg, layer, rngs=rngs)
+    self.ln_mlp = _layer_norm(cfg, cfg.hidden_size, rngs)
+    self.mlp = MLP(cfg, layer, rngs=rngs)
+
+  def __call__(self, x, v_first, positions, cache: Optional[LayerCache] = None, decode=False):
+    dtype = x.dtype
+    h, mixer_cache, tails = self.attn(self.ln_attn(x).astype(dtype), v_first, positions, cache,
+                                      decode)
+    x = x + self.cfg.scale * h
+    m_in = self.ln_mlp(x).astype(dtype)
+    x = x + self.cfg.scale * self.mlp(m_in, cache.last_mlp if (decode and cache) else None)
+    new_cache = None
+    if cache is not None:
+      new_cache = LayerCache(mixer=mixer_cache, last_q=tails[0], last_k=tails[1], last_v=tails[2],
+                             last_mlp=m_in[:, -1:])
+    return x, new_cache
+
+
+class LM(nnx.Module):
+  """GPTAlpha-2 LM: embedding LN, blocks, head LN, untied LM head; logits in float32."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    C, V = cfg.hidden_size, cfg.vocab_size
+    self.wte = nnx.Embed(V, C, param_dtype=cfg.jnp_param_dtype, dtype=cfg.jnp_compute_dtype,
+                         embedding_init=lambda k, s, d: jax.random.uniform(k, s, d, -1e-4, 1e-4),
+                         rngs=rngs)
+    self.ln_emb = _layer_norm(cfg, C, rngs)
+    self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+    self.ln_head = _layer_norm(cfg, C, rngs)
+    self.lm_head = _linear(cfg, C, V, rngs,
+                           init=jax.nn.initializers.orthogonal(scale=0.5 * math.sqrt(V / C)))
+
+  def _check_tokens(self, tokens):
+    if tokens.ndim != 2:
+      raise ValueError(f"tokens must be [batch, time] int, got shape {tokens.shape}.")
+    try:
+      top = int(jnp.max(tokens))
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+      return
+    if top >= self.cfg.vocab_size or int(jnp.min(tokens)) < 0:
+      raise ValueError(f"token id {top} is outside the vocabulary [0, {self.cfg.vocab_size}).")
+
+  def _run(self, tokens, positions, caches, decode):
+    cfg = self.cfg
+    x0 = self.ln_emb(self.wte(tokens)).astype(cfg.jnp_compute_dtype)
+    anchors = {}
+    for layer in sorted({cfg.value_anchor(i) for i in range(cfg.num_layers)}):
+      block = self.blocks[layer]
+      anchors[layer] = block.attn.anchor_value(block.ln_attn(x0).astype(x0.dtype))
+    x, new_caches = x0, []
+    for i, block in enumerate(self.blocks):
+      x, c = block(x, anchors[cfg.value_anchor(i)], positions,
+                   None if caches is None else caches[i], decode)
+      new_caches.append(c)
+    logits = self.lm_head(self.ln_head(x).astype(x.dtype)).astype(jnp.float32)
+    return logits, (None if caches is None else new_caches)
+
+  def __call__(self, tokens: Array) -> Array:
+    """Logits ``[B, T, V]`` (float32) of a whole sequence."""
+    self._check_tokens(tokens)
+    positions = jnp.arange(tokens.shape[1])[None]
+    return self._run(tokens, positions, None, False)[0]
+
+  def init_cache(self, batch: int, max_len: int) -> list[LayerCache]:
+    cfg = self.cfg
+    dt = cfg.jnp_compute_dtype
+    H, Hkv, D, Dv = cfg.num_heads, cfg.kv_heads, cfg.qk_head_dim, cfg.v_head_dim
+    return [LayerCache(mixer=block.attn.init_cache(batch, max_len),
+                       last_q=jnp.zeros((batch, 1, H * D), dt),
+                       last_k=jnp.zeros((batch, 1, Hkv * D), dt),
+                       last_v=jnp.zeros((batch, 1, Hkv * Dv), dt),
+                       last_mlp=jnp.zeros((batch, 1, cfg.hidden_size), dt))
+            for block in self.blocks]
+
+  def prefill(self, tokens: Array, caches: list[LayerCache]) -> tuple[Array, list[LayerCache]]:
+    """Logits of a prompt and the caches filled for decoding from position T."""
+    self._check_tokens(tokens)
+    max_len = _cache_max_len(caches[0])
+    if tokens.shape[1] > max_len:
+      raise ValueError(f"prompt of {tokens.shape[1]} tokens exceeds the cache max_len={max_len}.")
+    positions = jnp.arange(tokens.shape[1])[None]
+    return self._run(tokens, positions, caches, False)
+
+  def decode_step(self, token: Array, caches: list[LayerCache]) -> tuple[Array, list[LayerCache]]:
+    """Logits ``[B, 1, V]`` of one token at position ``caches[..].length``."""
+    if token.ndim != 2 or token.shape[1] != 1:
+      raise ValueError(f"decode_step takes tokens of shape [batch, 1], got {token.shape}.")
+    position = _cache_length(caches[0])
+    return self._run(token, jnp.reshape(position, (1, 1)), caches, True)
+
+
+def _cache_length(cache: LayerCache) -> Array:
+  return cache.mixer.length
+
+
+def _cache_max_len(cache: LayerCache) -> int:
+  return cache.mixer.max_len
+
+
+def count_params(cfg: ModelConfig) -> dict[str, int]:
+  """Parameter counts without allocating weights (``nnx.eval_shape``).
+
+  ``total`` counts everything; ``non_embedding`` excludes the token embedding and the LM head (the
+  convention of the paper's "120M"/"350M" names); ``without_lm_head`` = total - LM head.
+  """
+  model = nnx.eval_shape(lambda: LM(cfg, rngs=nnx.Rngs(0)))
+  leaves = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
+  total = sum(int(np.prod(p.shape)) for p in leaves)
+  embed = cfg.vocab_size * cfg.hidden_size
+  return {"total": total, "non_embedding": total - 2 * embed, "without_lm_head": total - embed,
+          "embedding": embed, "lm_head": embed}
