@@ -39,6 +39,7 @@ class ModelConfig:
     param_dtype / compute_dtype: parameter and activation dtypes; logits, loss and the KVM state
       are float32 regardless.
     rope_table_dtype: "float32" (default) or "bfloat16" (the authors' cast cos/sin tables).
+    kvm_implementation: passed to :func:`kvm_jax.kvm_attention` ("xla"; kernels plug in here).
   """
 
   vocab_size: int = 50304
@@ -67,6 +68,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
   rope_table_dtype: str = "float32"
+  kvm_implementation: str = "xla"
 
   def __post_init__(self):
     def pos(name):

@@ -31,7 +31,8 @@ def _hybrid(main: str, layers: int) -> tuple[str, ...]:
 
 
 def _build(size: str, **kw) -> ModelConfig:
-  return ModelConfig(vocab_size=50304, rope_dims=64, **_SIZES[size], **kw)
+  kw.setdefault("rope_dims", 64)
+  return ModelConfig(vocab_size=50304, **_SIZES[size], **kw)
 
 
 def _family(size: str) -> dict:

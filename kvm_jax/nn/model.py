@@ -122,14 +122,14 @@ class Attention(nnx.Module):
     B, T, _ = x.shape
     q, k, v = self.c_q(x), self.c_k(x), self.c_v(x)
     if cfg.value_residual:
-      gate = jax.nn.sigmoid(self.v_gate0.value.astype(jnp.float32)
+      gate = jax.nn.sigmoid(self.v_gate0[...].astype(jnp.float32)
                             + self.v_gate2(self.v_gate1(x)).astype(jnp.float32))
       v = v + (v_first.astype(v.dtype) - v) * gate.astype(v.dtype)
     tails = (q[:, -1:], k[:, -1:], v[:, -1:])  # projected, pre-shift: next step's z_{t-1}
     if cfg.tokenshift_attention:
-      q = _token_shift(q, self.x_q.value, None if prev is None else prev.last_q, "first")
-      k = _token_shift(k, self.x_k.value, None if prev is None else prev.last_k, "first")
-      v = _token_shift(v, self.x_v.value, None if prev is None else prev.last_v, "first")
+      q = _token_shift(q, self.x_q[...], None if prev is None else prev.last_q, "first")
+      k = _token_shift(k, self.x_k[...], None if prev is None else prev.last_k, "first")
+      v = _token_shift(v, self.x_v[...], None if prev is None else prev.last_v, "first")
     D, Dv = cfg.qk_head_dim, cfg.v_head_dim
     q = self.ln_q(q.reshape(B, T, cfg.num_heads, D)).astype(x.dtype)
     k = self.ln_k(k.reshape(B, T, cfg.kv_heads, D)).astype(x.dtype)
@@ -140,13 +140,13 @@ class Attention(nnx.Module):
     return q, k, v, tails
 
   def kvm_params(self) -> KVMParams:
-    H, D = self.cfg.num_heads, self.cfg.qk_head_dim
-    ones = jnp.ones((H,), jnp.float32)
-    return KVMParams(ln_scale=self.ln_s.scale.value, ln_bias=self.ln_s.bias.value,
-                     window_temperature=getattr(self, "window_temperature", None).value
-                     if self.cfg.kvm.head_temperatures else ones,
-                     state_temperature=getattr(self, "state_temperature", None).value
-                     if self.cfg.kvm.head_temperatures else ones)
+    """The layer's KVM parameters; temperatures are ones when the config disables them."""
+    if self.cfg.kvm.head_temperatures:
+      window_temp, state_temp = self.window_temperature[...], self.state_temperature[...]
+    else:
+      window_temp = state_temp = jnp.ones((self.cfg.num_heads,), jnp.float32)
+    return KVMParams(ln_scale=self.ln_s.scale[...], ln_bias=self.ln_s.bias[...],
+                     window_temperature=window_temp, state_temperature=state_temp)
 
   def merge_gate(self, x: Array) -> Array:
     if not self.cfg.kvm.uses_gate:
@@ -179,7 +179,7 @@ class Attention(nnx.Module):
       elif mixer_cache is not None:
         y, mixer_cache = kvm_prefill(q, k, v, g, params, cfg.kvm, mixer_cache)
       else:
-        y, _ = kvm_attention(q, k, v, g, params, cfg.kvm)
+        y, _ = kvm_attention(q, k, v, g, params, cfg.kvm, implementation=cfg.kvm_implementation)
     elif decode:
       y, mixer_cache = attn_ops.ring_decode_step(q, k, v, mixer_cache)
     else:
@@ -211,7 +211,7 @@ class MLP(nnx.Module):
 
   def __call__(self, x: Array, prev: Optional[Array] = None) -> Array:
     if self.cfg.tokenshift_mlp:
-      x = _token_shift(x, self.x_k.value, prev, "zero")
+      x = _token_shift(x, self.x_k[...], prev, "zero")
     return self.c_proj(jnp.square(jax.nn.relu(self.c_fc(x))))
 
 

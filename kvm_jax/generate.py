@@ -1,0 +1,118 @@
+"""Batched generation: one jitted prefill, then a jitted one-token decode step per new token.
+
+Works for every mixer and hybrid pattern (each layer carries its own cache: the KVM cache from the
+core, ring buffers for SWA/BSWA, a preallocated KV buffer for full attention). Sampling is greedy,
+temperature, top-k and/or top-p with explicit PRNG keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How the next token is drawn from the logits.
+
+  Attributes:
+    temperature: softmax temperature; 0 means greedy (argmax).
+    top_k: keep only the k most likely tokens (None = all).
+    top_p: keep the smallest set of tokens whose probability mass reaches p (None = all).
+  """
+
+  temperature: float = 1.0
+  top_k: Optional[int] = None
+  top_p: Optional[float] = None
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+    if self.top_k is not None and self.top_k < 1:
+      raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}.")
+    if self.top_p is not None and not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p}.")
+
+
+def sample_logits(logits: Array, key: Array, sampling: SamplingConfig) -> Array:
+  """Draws token ids ``[B]`` from ``logits [B, V]`` (float32)."""
+  logits = logits.astype(jnp.float32)
+  if sampling.temperature == 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / sampling.temperature
+  if sampling.top_k is not None:
+    kth = jax.lax.top_k(logits, min(sampling.top_k, logits.shape[-1]))[0][..., -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if sampling.top_p is not None:
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = mass_before < sampling.top_p  # the top token is always kept
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(
+        keep_sorted)
+    logits = jnp.where(keep, logits, -jnp.inf)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _prefill(graphdef, state, tokens, caches):
+  model = nnx.merge(graphdef, state)
+  logits, caches = model.prefill(tokens, caches)
+  return logits[:, -1], caches
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnums=(3,))
+def _step(graphdef, state, token, caches, key, sampling):
+  model = nnx.merge(graphdef, state)
+  logits, caches = model.decode_step(token[:, None], caches)
+  return sample_logits(logits[:, 0], key, sampling), caches
+
+
+def generate(model, prompt: Array, *, max_new_tokens: int, key: Array,
+             sampling: SamplingConfig = SamplingConfig(), stop_tokens: Sequence[int] = (),
+             pad_token: int = 0, max_len: Optional[int] = None) -> tuple[Array, Array]:
+  """Continues ``prompt [B, P]`` by up to ``max_new_tokens`` tokens.
+
+  Returns ``(tokens [B, P + max_new_tokens], lengths [B])``: after a sequence emits one of
+  ``stop_tokens`` its later positions hold ``pad_token``; ``lengths`` counts generated tokens
+  including the stop token. Generation ends early once every sequence has stopped.
+  """
+  if prompt.ndim != 2 or prompt.shape[1] < 1:
+    raise ValueError(f"prompt must be [batch, length >= 1] token ids, got shape {prompt.shape}.")
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+  model._check_tokens(prompt)
+  B, P = prompt.shape
+  needed = P + max_new_tokens
+  max_len = needed if max_len is None else max_len
+  if needed > max_len:
+    raise ValueError(f"prompt ({P}) + max_new_tokens ({max_new_tokens}) = {needed} exceeds "
+                     f"max_len={max_len}; raise max_len.")
+  graphdef, state = nnx.split(model)
+  caches = model.init_cache(B, max_len)
+  last_logits, caches = _prefill(graphdef, state, prompt, caches)
+  stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
+  key, sub = jax.random.split(key)
+  token = sample_logits(last_logits, sub, sampling)
+  out, done = [], jnp.zeros((B,), bool)
+  lengths = jnp.zeros((B,), jnp.int32)
+  for step in range(max_new_tokens):
+    emitted = jnp.where(done, pad_token, token)
+    out.append(emitted)
+    lengths = lengths + (~done).astype(jnp.int32)
+    done = done | jnp.isin(token, stops)
+    if step == max_new_tokens - 1 or bool(jnp.all(done)):
+      break
+    key, sub = jax.random.split(key)
+    token, caches = _step(graphdef, state, emitted, caches, sub, sampling)
+  generated = jnp.stack(out, axis=1)
+  pad = jnp.full((B, max_new_tokens - generated.shape[1]), pad_token, jnp.int32)
+  return jnp.concatenate([prompt.astype(jnp.int32), generated, pad], axis=1), lengths

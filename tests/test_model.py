@@ -1,0 +1,220 @@
+"""The GPTAlpha-2 LM: parameter counts, decode == forward for every mixer, causality, generation,
+and a tiny KVM model that overfits."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import kvm_jax as kj
+
+PATTERNS = {
+    "kvm": "kvm", "full": "full", "swa": "swa", "bswa": "bswa",
+    "kvm_swa_hybrid": ("swa", "kvm"), "full_bswa_hybrid": ("full", "bswa"),
+}
+
+
+def _model(mixers, seed=0, **kw) -> kj.LM:
+  """A tiny model whose zero-initialized projections are perturbed, so every path matters."""
+  model = kj.LM(kj.presets.tiny(mixers=mixers, **kw), rngs=nnx.Rngs(seed))
+  state = nnx.state(model, nnx.Param)
+  leaves, treedef = jax.tree_util.tree_flatten(state)
+  keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
+  leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+  nnx.update(model, jax.tree_util.tree_unflatten(treedef, leaves))
+  return model
+
+
+@pytest.fixture(scope="module")
+def models():
+  return {name: _model(mixers) for name, mixers in PATTERNS.items()}
+
+
+def test_paper_parameter_counts():
+  c = kj.count_params(kj.presets.kvm256_120m())
+  assert round(c["total"] / 1e6, 2) == 162.94 and round(c["non_embedding"] / 1e6, 2) == 85.68
+  assert round(c["without_lm_head"] / 1e6, 2) == 124.31
+  c = kj.count_params(kj.presets.kvm_sqrt16_350m())
+  assert round(c["total"] / 1e6, 2) == 407.03 and round(c["non_embedding"] / 1e6, 2) == 304.00
+  assert round(c["without_lm_head"] / 1e6, 2) == 355.51
+  # KVM-specific parameters (LN_s, W_g, two temperature vectors): spec §3.
+  kvm_extra = c["total"] - kj.count_params(kj.presets.gpta2_350m())["total"]
+  assert kvm_extra == 203136
+  assert kj.count_params(kj.presets.kvm256_120m())["total"] - kj.count_params(
+      kj.presets.gpta2_120m())["total"] == 58512
+
+
+def test_presets_are_the_paper_models():
+  hybrid = kj.presets.kvm_swa_sat1024_120m()
+  assert hybrid.mixers[:4] == ("swa", "kvm", "swa", "kvm")
+  assert hybrid.rope_dims_of(0) == 128 and hybrid.rope_dims_of(1) == 64
+  assert hybrid.value_anchor(4) == 0 and hybrid.value_anchor(5) == 1
+  assert kj.presets.swa_nope_350m().rope_dims_of(1) == 0
+  assert kj.presets.kvm256_350m().scale == 0.5
+  assert kj.presets.bswa_120m().bswa_window_chunks == 3
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_decode_matches_forward(models, name):
+  model = models[name]
+  T = 37
+  tokens = jax.random.randint(jax.random.PRNGKey(3), (2, T), 0, model.cfg.vocab_size)
+  full = model(tokens)
+  assert full.dtype == jnp.float32 and full.shape == (2, T, model.cfg.vocab_size)
+  step = nnx.jit(lambda m, tok, c: m.decode_step(tok, c))
+  prefill = nnx.jit(lambda m, tok, c: m.prefill(tok, c))
+  for prefix in (1, 5, 13, 21):  # < chunk, ragged, > window, past the first KVM update
+    logits, caches = prefill(model, tokens[:, :prefix], model.init_cache(2, T))
+    outs = [logits]
+    for t in range(prefix, T):
+      logits, caches = step(model, tokens[:, t:t + 1], caches)
+      outs.append(logits)
+    err = float(jnp.max(jnp.abs(jnp.concatenate(outs, axis=1) - full)))
+    assert err < 2e-5 * float(jnp.max(jnp.abs(full))), (prefix, err)
+
+
+@pytest.mark.parametrize("name", ["kvm", "kvm_swa_hybrid", "bswa"])
+def test_causality(models, name):
+  model = models[name]
+  T = 40
+  tokens = jax.random.randint(jax.random.PRNGKey(4), (1, T), 0, model.cfg.vocab_size)
+  base = np.asarray(model(tokens))
+  rng = np.random.default_rng(0)
+  for t in rng.choice(T, size=3, replace=False):
+    changed = tokens.at[0, t].set((tokens[0, t] + 1) % model.cfg.vocab_size)
+    out = np.asarray(model(changed))
+    np.testing.assert_array_equal(out[:, :t], base[:, :t])
+    assert np.abs(out[:, t] - base[:, t]).max() > 0
+
+
+def test_generation_greedy_is_argmax_of_forward(models):
+  model = models["kvm_swa_hybrid"]
+  prompt = jax.random.randint(jax.random.PRNGKey(5), (2, 7), 0, model.cfg.vocab_size)
+  out, lengths = kj.generate(model, prompt, max_new_tokens=20, key=jax.random.PRNGKey(0),
+                             sampling=kj.SamplingConfig(temperature=0.0))
+  assert out.shape == (2, 27) and np.all(np.asarray(lengths) == 20)
+  logits = model(out)
+  np.testing.assert_array_equal(np.asarray(out[:, 7:]), np.asarray(jnp.argmax(logits[:, 6:-1], -1)))
+  # top_k=1 sampling is greedy, and a fixed key makes sampling reproducible.
+  topk, _ = kj.generate(model, prompt, max_new_tokens=20, key=jax.random.PRNGKey(9),
+                        sampling=kj.SamplingConfig(temperature=1.0, top_k=1))
+  np.testing.assert_array_equal(np.asarray(topk), np.asarray(out))
+  s = kj.SamplingConfig(temperature=1.3, top_p=0.9)
+  a, _ = kj.generate(model, prompt, max_new_tokens=10, key=jax.random.PRNGKey(1), sampling=s)
+  b, _ = kj.generate(model, prompt, max_new_tokens=10, key=jax.random.PRNGKey(1), sampling=s)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_generation_stop_tokens(models):
+  model = models["kvm"]
+  prompt = jax.random.randint(jax.random.PRNGKey(6), (2, 5), 0, model.cfg.vocab_size)
+  greedy = kj.SamplingConfig(temperature=0.0)
+  free, _ = kj.generate(model, prompt, max_new_tokens=12, key=jax.random.PRNGKey(0), sampling=greedy)
+  stop = int(free[0, 5 + 3])  # the 4th generated token of sequence 0
+  out, lengths = kj.generate(model, prompt, max_new_tokens=12, key=jax.random.PRNGKey(0),
+                             sampling=greedy, stop_tokens=[stop], pad_token=255)
+  first = int(np.argmax(np.asarray(free[0, 5:]) == stop))
+  assert int(lengths[0]) == first + 1
+  assert np.all(np.asarray(out[0, 5 + first + 1:]) == 255)
+  np.testing.assert_array_equal(np.asarray(out[0, :5 + first + 1]), np.asarray(free[0, :5 + first + 1]))
+
+
+def test_sampling_top_p_keeps_the_nucleus():
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+  draws = jax.vmap(lambda k: kj.sample_logits(logits, k, kj.SamplingConfig(top_p=0.75)))(
+      jax.random.split(jax.random.PRNGKey(0), 400))
+  assert set(np.unique(np.asarray(draws)).tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.75
+
+
+def test_bad_model_input():
+  with pytest.raises(ValueError, match="unknown mixer 'mamba'"):
+    kj.presets.tiny(mixers=("kvm", "mamba"))
+  with pytest.raises(ValueError, match="3 entries but num_layers=2"):
+    kj.presets.tiny(mixers=("kvm", "kvm", "kvm"))
+  with pytest.raises(ValueError, match="must divide num_heads"):
+    kj.presets.tiny(num_kv_heads=3)
+  with pytest.raises(ValueError, match="rope_dims=7"):
+    kj.presets.tiny(mixers="full", rope_dims=7)
+  with pytest.raises(ValueError, match="not divisible by num_heads"):
+    kj.presets.tiny(hidden_size=66)
+  model = kj.LM(kj.presets.tiny(), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="token id 300 is outside the vocabulary"):
+    model(jnp.array([[1, 300]]))
+  with pytest.raises(ValueError, match="exceeds the cache max_len=4"):
+    model.prefill(jnp.zeros((1, 6), jnp.int32), model.init_cache(1, 4))
+  with pytest.raises(ValueError, match="exceeds max_len=8"):
+    kj.generate(model, jnp.zeros((1, 6), jnp.int32), max_new_tokens=5, key=jax.random.PRNGKey(0),
+                max_len=8)
+
+
+def test_gqa_model_decode_matches_forward():
+  model = _model("kvm", seed=3, num_kv_heads=2)
+  tokens = jax.random.randint(jax.random.PRNGKey(8), (1, 29), 0, 256)
+  full = model(tokens)
+  logits, caches = model.prefill(tokens[:, :11], model.init_cache(1, 29))
+  outs = [logits]
+  step = nnx.jit(lambda m, tok, c: m.decode_step(tok, c))
+  for t in range(11, 29):
+    logits, caches = step(model, tokens[:, t:t + 1], caches)
+    outs.append(logits)
+  assert float(jnp.max(jnp.abs(jnp.concatenate(outs, 1) - full))) < 1e-4
+
+
+def test_tiny_kvm_model_overfits():
+  cfg = kj.presets.tiny(mixers="kvm")
+  model = kj.LM(cfg, rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.PRNGKey(7), (2, 33), 0, cfg.vocab_size)
+  inputs, labels = tokens[:, :-1], tokens[:, 1:]
+  optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, optimizer):
+    def loss_fn(model):
+      logits = model(inputs)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(train_step(model, optimizer)) for _ in range(250)]
+  assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
+
+
+def test_split_model_runs_under_plain_jit_and_grad(models):
+  model = models["kvm_swa_hybrid"]
+  graphdef, state = nnx.split(model)
+  tokens = jax.random.randint(jax.random.PRNGKey(10), (2, 42), 0, model.cfg.vocab_size)  # > L + C
+
+  def loss(state, tokens):
+    logits = nnx.merge(graphdef, state)(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  value, grads = jax.jit(jax.value_and_grad(loss))(state, tokens)
+  np.testing.assert_allclose(float(value), float(loss(state, tokens)), rtol=1e-5)
+  leaves = jax.tree_util.tree_leaves(grads)
+  assert all(np.all(np.isfinite(np.asarray(g))) for g in leaves)
+  kvm_block = grads["blocks"][1]["attn"]
+  for name in ("state_temperature", "window_temperature"):  # KVM-only parameters get gradient
+    assert np.any(np.asarray(kvm_block[name][...]))
+  assert np.any(np.asarray(kvm_block["key_weighting"]["kernel"][...]))
+
+
+def test_bf16_compute_keeps_float32_logits_and_state():
+  cfg32 = kj.presets.tiny(mixers=("swa", "kvm"))
+  cfg16 = kj.presets.tiny(mixers=("swa", "kvm"), compute_dtype="bfloat16")
+  m32, m16 = kj.LM(cfg32, rngs=nnx.Rngs(0)), kj.LM(cfg16, rngs=nnx.Rngs(0))
+  nnx.update(m16, nnx.state(_model(("swa", "kvm"), seed=4), nnx.Param))
+  nnx.update(m32, nnx.state(_model(("swa", "kvm"), seed=4), nnx.Param))
+  tokens = jax.random.randint(jax.random.PRNGKey(11), (1, 30), 0, 256)
+  l32, l16 = m32(tokens), m16(tokens)
+  assert l16.dtype == jnp.float32
+  # bf16 activations: ~3 significant digits through 2 layers; a loose relative bound.
+  rel = float(jnp.sqrt(jnp.mean((l16 - l32) ** 2) / jnp.mean(l32 ** 2)))
+  assert rel < 5e-2, rel
+  caches = m16.init_cache(1, 30)
+  _, caches = m16.prefill(tokens, caches)
+  assert caches[1].mixer.state.keys.dtype == jnp.float32
