@@ -1,0 +1,109 @@
+"""AdamC: AdamW whose decoupled weight decay follows the learning-rate schedule (spec §8).
+
+The authors' trainer sets, before every step, ``weight_decay_t = wd_peak * lr_t / lr_peak`` on a
+``torch.optim.AdamW`` (``update_weight_decay_for_current_lr``), so the per-step decay is
+``lr_t * wd_t = wd_peak * lr_t**2 / lr_peak``. With per-parameter μP multipliers (``lr_scale`` s,
+``wd_scale`` w) one step is, exactly like torch's AdamW order (decay, then the Adam step)::
+
+    theta <- theta * (1 - lr_t*s * wd_t*w) - lr_t*s * m_hat / (sqrt(v_hat) + eps)
+
+Moments are float32. :func:`with_float32_master` keeps float32 master weights for bf16 parameters
+(the authors step fp32 copies and copy back).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+Schedule = Callable[[jax.Array], jax.Array]
+
+
+class AdamCState(NamedTuple):
+  count: jax.Array
+  mu: Any
+  nu: Any
+
+
+def adamc(learning_rate: Schedule, *, peak_learning_rate: float, weight_decay: float,
+          b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8, lr_scale: Any = None,
+          wd_scale: Any = None) -> optax.GradientTransformation:
+  """AdamC as one optax transformation (returns the *updates*, to add to the parameters).
+
+  Args:
+    learning_rate: schedule ``step -> lr_t`` (step counts from 0 at the first update).
+    peak_learning_rate: lr_peak, the normalizer of the decay schedule.
+    weight_decay: wd_peak.
+    lr_scale / wd_scale: optional pytrees (like the params, or prefixes of them) of per-parameter
+      multipliers: μP ratios, and 0 to exempt a parameter from decay. ``None`` means 1.
+  """
+  if peak_learning_rate <= 0:
+    raise ValueError(f"peak_learning_rate must be > 0, got {peak_learning_rate}.")
+
+  def init(params):
+    zeros = lambda p: jnp.zeros(p.shape, jnp.float32)
+    return AdamCState(count=jnp.zeros((), jnp.int32), mu=jax.tree_util.tree_map(zeros, params),
+                      nu=jax.tree_util.tree_map(zeros, params))
+
+  def update(grads, state, params=None):
+    if params is None:
+      raise ValueError("adamc needs the parameters (decoupled weight decay).")
+    count = state.count
+    lr = jnp.asarray(learning_rate(count), jnp.float32)
+    wd = weight_decay * lr / peak_learning_rate
+    grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
+    mu = jax.tree_util.tree_map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
+    nu = jax.tree_util.tree_map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, grads)
+    t = (count + 1).astype(jnp.float32)
+    c1, c2 = 1 - b1 ** t, 1 - b2 ** t
+    ls = lr_scale if lr_scale is not None else jax.tree_util.tree_map(lambda _: 1.0, params)
+    ws = wd_scale if wd_scale is not None else jax.tree_util.tree_map(lambda _: 1.0, params)
+
+    def one(p, m, v, s, w):
+      step_lr = lr * s
+      adam = (m / c1) / (jnp.sqrt(v / c2) + eps)
+      p32 = p.astype(jnp.float32)
+      new = p32 * (1 - step_lr * wd * w) - step_lr * adam
+      return new - p32
+
+    updates = jax.tree_util.tree_map(one, params, mu, nu, ls, ws)
+    return updates, AdamCState(count=count + 1, mu=mu, nu=nu)
+
+  return optax.GradientTransformation(init, update)
+
+
+class MasterState(NamedTuple):
+  master: Any
+  inner: Any
+
+
+def with_float32_master(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  """Runs ``inner`` on float32 master copies of the parameters.
+
+  The returned updates are ``cast(master) - param``; for float32 parameters ``apply_updates`` is
+  then exact, for bf16 ones use :func:`params_from_master` (exactly ``cast(master)``), which is what
+  ``train.loop`` does, so no bit the master holds is ever lost to a low-precision add.
+  """
+
+  def init(params):
+    master = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)
+    return MasterState(master=master, inner=inner.init(master))
+
+  def update(grads, state, params=None):
+    if params is None:
+      raise ValueError("with_float32_master needs the parameters.")
+    inner_updates, inner_state = inner.update(grads, state.inner, state.master)
+    master = optax.apply_updates(state.master, inner_updates)
+    updates = jax.tree_util.tree_map(
+        lambda m, p: (m - p.astype(jnp.float32)).astype(p.dtype), master, params)
+    return updates, MasterState(master=master, inner=inner_state)
+
+  return optax.GradientTransformation(init, update)
+
+
+def params_from_master(state: MasterState, params: Any) -> Any:
+  """The parameters as the cast of the float32 masters (exact for any parameter dtype)."""
+  return jax.tree_util.tree_map(lambda m, p: m.astype(p.dtype), state.master, params)

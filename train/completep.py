@@ -1,0 +1,99 @@
+"""CompleteP / μP parameter groups and the learning-rate schedule, as the authors train (spec §8).
+
+Rules and their sources (the authors' ``train.py``, ``trainer.py``, ``utils/opt.py``, configs):
+
+* **Groups** (``set_label``): ``matrix_params`` = every Linear weight (attention projections, W_g,
+  value-residual LoRA, MLP); ``lm_head``; ``wte_embed``; ``scalars`` = LayerNorms (incl. LN_s),
+  temperatures, token-shift mixes, ``v_gate0``.
+* **Width (μP)**: ratio = hidden_size / mup_base_dim (768): ``matrix_params`` and ``lm_head`` get
+  lr / ratio and wd · ratio; the value-residual LoRA output (``v_gate2``) uses its own ratio
+  lora / lora_base (1 for 768 and 1024). ``wte_embed``: no μP, weight decay **on**. ``scalars``:
+  no μP, no weight decay.
+* **Depth**: ``residual_scale = 12 / num_layers`` on both block branches (a model-config field; the
+  presets set it), no other depth-dependent learning rate.
+* **Schedule**: linear warm-up ``(step + 1) / 200`` for 200 steps, then linear decay
+  ``(N - step) / (N - 200)`` to 0 (``get_lr_ratio``).
+* **Defaults**: lr 2e-3 and wd 0.2 at 3B tokens, lr ∝ 1/sqrt(tokens) and wd = 100·lr
+  (7.5B: 1.26491e-3 / 0.126491; 15B: 8.94427e-4 / 0.0894427); betas (0.9, 0.95), eps 1e-8, no
+  gradient clipping.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvm_jax.model_config import ModelConfig
+
+GROUPS = ("matrix_params", "lm_head", "wte_embed", "scalars")
+
+
+def reference_lr(tokens: float) -> float:
+  """Peak learning rate for a token budget: 2e-3 at 3B tokens, scaled by 1/sqrt(tokens)."""
+  return 2e-3 * math.sqrt(3e9 / tokens)
+
+
+def reference_wd(tokens: float) -> float:
+  """Peak weight decay: 100 × the peak learning rate."""
+  return 100.0 * reference_lr(tokens)
+
+
+def lr_schedule(peak: float, total_steps: int, warmup_steps: int = 200):
+  """``step -> lr``: linear warm-up then linear decay to 0 (the authors' ``get_lr_ratio``)."""
+  if total_steps <= warmup_steps:
+    raise ValueError(f"total_steps={total_steps} must exceed warmup_steps={warmup_steps}.")
+
+  def schedule(step):
+    step = jnp.asarray(step, jnp.float32)
+    warm = (step + 1) / warmup_steps
+    decay = (total_steps - step) / (total_steps - warmup_steps)
+    return peak * jnp.clip(jnp.where(step < warmup_steps, warm, decay), 0.0, 1.0)
+
+  return schedule
+
+
+def _path_names(path) -> list[str]:
+  """Names along a pytree path, without the trailing ``value`` of an NNX variable's state."""
+  names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+  return names[:-1] if names and names[-1] == "value" else names
+
+
+def group_of(path) -> str:
+  """The authors' label of one parameter, from its NNX state path."""
+  names = _path_names(path)
+  if "lm_head" in names:
+    return "lm_head"
+  if "wte" in names:
+    return "wte_embed"
+  if names[-1] == "kernel":
+    return "matrix_params"
+  return "scalars"
+
+
+def group_tree(params: Any) -> Any:
+  """A pytree like ``params`` holding each parameter's group name."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: group_of(path), params)
+
+
+def mup_scales(params: Any, cfg: ModelConfig) -> tuple[Any, Any]:
+  """Per-parameter (lr_scale, wd_scale) pytrees implementing the groups above."""
+  ratio = cfg.hidden_size / cfg.mup_base_dim
+  lora_base = max(32, int(round(1.3 * cfg.mup_base_dim ** 0.5 / 32) * 32))
+  lora_ratio = cfg.value_lora_width / lora_base
+
+  def scales(path, _):
+    group = group_of(path)
+    r = lora_ratio if "v_gate2" in _path_names(path) else ratio
+    if group in ("matrix_params", "lm_head"):
+      return (1.0 / r, r)
+    if group == "wte_embed":
+      return (1.0, 1.0)
+    return (1.0, 0.0)  # scalars: no μP, no decay
+
+  both = jax.tree_util.tree_map_with_path(scales, params)
+  is_pair = lambda x: isinstance(x, tuple)
+  return (jax.tree_util.tree_map(lambda s: s[0], both, is_leaf=is_pair),
+          jax.tree_util.tree_map(lambda s: s[1], both, is_leaf=is_pair))
