@@ -114,5 +114,5 @@ def test_float32_master_keeps_small_updates_for_bf16_params():
     _, state = opt.update({"x": jnp.ones((4,), jnp.bfloat16)}, state, p)
     p = adamc_lib.params_from_master(state, p)
   # 100 steps of 1e-4 = 0.01: visible in bf16 (ulp at 1.0 is 2^-7 ~ 0.0078) only via the master
-  assert float(state.master["x"][0]) == pytest.approx(0.99, abs=1e-5)  # float32 sums
+  assert float(state.master["x"][0]) == pytest.approx(0.99, abs=5e-5)  # 100 float32 roundings
   assert p["x"].dtype == jnp.bfloat16 and float(p["x"][0]) < 1.0
