@@ -1,0 +1,55 @@
+"""Orbax checkpoints: train state (params, optimizer, step) and the data iterator, saved together.
+
+Saves are asynchronous and atomic (orbax writes a temporary directory and renames it), keep the
+newest ``keep`` steps, and a restore returns exactly what was saved, so a run killed at any moment
+resumes from its last complete checkpoint without repeating or skipping a batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+  def __init__(self, directory: str | Path, keep: int = 3):
+    directory = Path(directory).absolute()
+    if directory.exists() and not directory.is_dir():
+      raise ValueError(f"checkpoint path {str(directory)!r} exists and is not a directory.")
+    self.manager = ocp.CheckpointManager(
+        directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+  def latest_step(self) -> Optional[int]:
+    return self.manager.latest_step()
+
+  def save(self, step: int, train_state: Any, data_state: dict, force: bool = False) -> None:
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(train_state), data=ocp.args.JsonSave(data_state)), force=force)
+
+  def restore(self, abstract_state: Any, step: Optional[int] = None) -> tuple[int, Any, dict]:
+    """(step, train_state, data_state) of ``step`` (default: latest)."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise ValueError("no checkpoint to restore.")
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+    except Exception as e:  # orbax raises a variety of errors for damaged directories
+      raise ValueError(f"checkpoint at step {step} in {self.manager.directory} cannot be read "
+                       f"({type(e).__name__}: {e}); delete that step's directory to fall back "
+                       "to an earlier one.") from e
+    return step, restored["state"], restored["data"]
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def abstract_like(tree: Any) -> Any:
+  return jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, tree)

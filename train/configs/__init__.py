@@ -1,0 +1,1 @@
+"""Training configs: each module defines ``get_config() -> train.loop.TrainConfig``."""

@@ -1,0 +1,201 @@
+"""Deterministic, checkpointable input pipelines (grain).
+
+* **MQAR** (Zoology's ``multiquery_ar`` recipe): ``num_pairs`` key-value pairs (keys from
+  [1, V/2), values from [V/2, V)) followed by a query region where each key reappears once, at gaps
+  drawn from a power law (a = 0.01); the loss is only on the value that follows each queried key.
+  Example ``i`` is a pure function of ``(seed, i)``.
+* **Packed text** (the authors' "cram" packing): documents are tokenized, truncated to
+  ``seq_len + 1`` tokens, concatenated into a buffer and cut into ``seq_len + 1`` windows;
+  inputs = window[:-1], labels = window[1:], label -100 where the *input* token is EOS.
+* **Embedded corpus**: the English reference text that ships with every CPython
+  (``pydoc_data.topics``), so the default job needs no download.
+* **Byte tokenizer** by default (ids 0..255, EOS = 256, vocab 257 padded to 320).
+
+Every pipeline is a ``grain.MapDataset`` indexed by example number; its iterator state
+(``get_state``) is saved with checkpoints, so a resumed run neither repeats nor skips a batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import grain
+import numpy as np
+
+IGNORE = -100
+
+
+# ----------------------------------------------------------------------------------------------
+# MQAR
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MQARSpec:
+  """One MQAR task: sequence length, vocabulary and number of key-value pairs."""
+
+  seq_len: int = 256
+  vocab_size: int = 256
+  num_pairs: int = 16
+  power_a: float = 0.01
+
+  def __post_init__(self):
+    if 2 * self.num_pairs + 2 * self.num_pairs > self.seq_len + 1:
+      raise ValueError(f"MQAR: {self.num_pairs} pairs need seq_len >= {4 * self.num_pairs - 1}, "
+                       f"got {self.seq_len}.")
+    if self.num_pairs >= self.vocab_size // 2 - 1:
+      raise ValueError(f"MQAR: num_pairs={self.num_pairs} needs more distinct keys than "
+                       f"vocab_size={self.vocab_size} offers ({self.vocab_size // 2 - 1}).")
+
+
+def mqar_example(seed: int, index: int, spec: MQARSpec) -> dict[str, np.ndarray]:
+  """Example ``index`` of the MQAR stream ``seed``.
+
+  Returns ``inputs``/``labels`` int32 ``[seq_len]`` and ``distance`` int32 ``[seq_len]``: for a
+  label position, how many tokens back the queried key was given (0 elsewhere), used to split
+  recall into "key still in the exact window" and "key only in the compressed state".
+  """
+  rng = np.random.default_rng([seed, index])
+  n, V = spec.num_pairs, spec.vocab_size
+  keys = rng.choice(np.arange(1, V // 2), size=n, replace=False)
+  values = rng.choice(np.arange(V // 2, V), size=n, replace=True)
+  context = np.empty(2 * n, np.int64)
+  context[0::2], context[1::2] = keys, values
+  total = spec.seq_len + 1
+  space = (total - 2 * n) // 2  # query slots (a query key and the value after it)
+  gaps = np.arange(1, space + 1, dtype=np.float64)
+  p = spec.power_a * gaps ** (spec.power_a - 1)
+  slots = rng.choice(space, size=n, replace=False, p=p / p.sum())
+  tokens = np.zeros(total, np.int64)
+  tokens[:2 * n] = context
+  query_pos = 2 * n + 2 * slots
+  tokens[query_pos] = keys
+  tokens[query_pos + 1] = values
+  labels = np.full(total, IGNORE, np.int64)
+  labels[query_pos + 1] = values
+  distance = np.zeros(total, np.int64)
+  distance[query_pos + 1] = query_pos - 2 * np.arange(n)  # back to the key in the context
+  return {"inputs": tokens[:-1].astype(np.int32), "labels": labels[1:].astype(np.int32),
+          "distance": distance[1:].astype(np.int32)}
+
+
+def mqar_dataset(seed: int, spec: MQARSpec) -> grain.MapDataset:
+  """An unbounded-by-construction, index-addressable MQAR stream (use ``[:n]`` to bound it)."""
+  return grain.MapDataset.range(2 ** 31 - 1).map(lambda i: mqar_example(seed, int(i), spec))
+
+
+# ----------------------------------------------------------------------------------------------
+# Text
+# ----------------------------------------------------------------------------------------------
+
+
+class ByteTokenizer:
+  """UTF-8 bytes as ids 0..255, EOS = 256. ``vocab_size`` is padded to a multiple of 64."""
+
+  eos_id = 256
+  vocab_size = 320
+
+  def encode(self, text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+  def decode(self, ids: Iterable[int]) -> str:
+    return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+  """Any ``tokenizers``-format tokenizer file (``tokenizer.json``), loaded from local disk only."""
+
+  def __init__(self, path: str, eos_token: Optional[str] = None):
+    try:
+      from tokenizers import Tokenizer  # optional dependency
+    except ImportError as e:  # pragma: no cover - depends on the environment
+      raise ValueError("--tokenizer needs the `tokenizers` package: pip install tokenizers") from e
+    self._tok = Tokenizer.from_file(path)
+    self.vocab_size = self._tok.get_vocab_size()
+    eos = eos_token or "<|endoftext|>"
+    self.eos_id = self._tok.token_to_id(eos)
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text).ids
+
+  def decode(self, ids: Iterable[int]) -> str:
+    return self._tok.decode(list(int(i) for i in ids))
+
+
+def embedded_corpus() -> list[str]:
+  """English documentation text shipped with CPython (no download): one document per topic."""
+  from pydoc_data import topics
+  return [topics.topics[name] for name in sorted(topics.topics)]
+
+
+def read_documents(paths: Sequence[str], text_field: str = "text") -> list[str]:
+  """Documents from local ``.txt`` (one document per file) or ``.jsonl`` (one per line) files."""
+  docs = []
+  for p in paths:
+    path = Path(p)
+    if not path.exists():
+      raise ValueError(f"data file {p!r} does not exist.")
+    if path.suffix == ".jsonl":
+      for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+          record = json.loads(line)
+          if text_field not in record:
+            raise ValueError(f"{p}:{line_no}: no field {text_field!r} in the JSON record.")
+          docs.append(record[text_field])
+    else:
+      docs.append(path.read_text(encoding="utf-8"))
+  return docs
+
+
+def cram_pack(docs: Iterable[str], tokenizer, seq_len: int, append_eos: bool = True) -> np.ndarray:
+  """The authors' "cram" packing into windows of ``seq_len + 1`` tokens ``[n, seq_len + 1]``.
+
+  Each document is truncated to seq_len + 1 tokens; a document of exactly that length is a window
+  on its own; shorter ones fill a buffer that is emitted once it reaches seq_len + 1 tokens (the
+  remainder of the buffer is discarded, as theirs is).
+  """
+  width = seq_len + 1
+  windows, buffer = [], []
+  for doc in docs:
+    ids = tokenizer.encode(doc)
+    if append_eos:
+      ids = ids + [tokenizer.eos_id]
+    ids = ids[:width]
+    if len(ids) == width:
+      windows.append(ids)
+      continue
+    buffer.extend(ids)
+    if len(buffer) >= width:
+      windows.append(buffer[:width])
+      buffer = []
+  if not windows:
+    raise ValueError(f"the corpus is too small for even one window of {width} tokens.")
+  return np.asarray(windows, np.int32)
+
+
+def lm_example(window: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
+  inputs, labels = window[:-1], window[1:].copy()
+  labels[inputs == eos_id] = IGNORE
+  return {"inputs": inputs.astype(np.int32), "labels": labels.astype(np.int32)}
+
+
+def text_dataset(windows: np.ndarray, eos_id: int, seed: int) -> grain.MapDataset:
+  """Packed windows, shuffled per epoch by ``seed``, repeated forever."""
+  return (grain.MapDataset.source(windows).shuffle(seed=seed).repeat()
+          .map(lambda w: lm_example(np.asarray(w), eos_id)))
+
+
+def batched_iterator(dataset: grain.MapDataset, batch_size: int, *, shard_index: int = 0,
+                     shard_count: int = 1):
+  """A checkpointable iterator of batches; ``shard_index/count`` split batches across hosts."""
+  if batch_size % shard_count:
+    raise ValueError(f"batch_size={batch_size} must divide evenly over {shard_count} hosts.")
+  per_host = batch_size // shard_count
+  ds = dataset.batch(batch_size)
+  if shard_count > 1:
+    ds = ds.map(lambda b: {k: v[shard_index * per_host:(shard_index + 1) * per_host]
+                           for k, v in b.items()})
+  return iter(ds.to_iter_dataset())

@@ -1,0 +1,220 @@
+"""The training loop: a jitted AdamC step over ``nnx.split`` state, JSONL metrics, orbax resume.
+
+One step = one batch; the data iterator's position is checkpointed with the parameters, so
+``train(cfg, workdir)`` run again on the same workdir continues exactly where the last checkpoint
+left off (bitwise on CPU). SIGTERM (TPU preemption) makes the loop save and return after the
+current step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.model import LM
+from train import adamc as adamc_lib
+from train import completep, data
+from train.checkpoint import Checkpointer, abstract_like
+from train.metrics import MetricsWriter, Progress
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """Everything a run needs. Python config files in ``train/configs`` return one of these.
+
+  Attributes:
+    model: the :class:`kvm_jax.ModelConfig` to train.
+    task: "mqar" (synthetic recall) or "text" (packed language modelling).
+    mqar: MQAR task shape (sequence length, vocabulary, pairs) when ``task == "mqar"``.
+    text_files: local .txt/.jsonl files for ``task == "text"``; empty = the embedded corpus.
+    seq_len: training sequence length (text; MQAR uses ``mqar.seq_len``).
+    batch_size: sequences per step (global, split over the data axis of the mesh).
+    steps: optimizer steps; warmup_steps: linear warm-up steps of the schedule.
+    learning_rate / weight_decay: peak lr and wd of AdamC (wd follows lr, spec §8).
+    seed: initialization and data seed.
+    log_every / eval_every / checkpoint_every: intervals in steps (0 disables eval).
+    eval_batches: batches of the held-out stream per evaluation.
+    keep_checkpoints: newest checkpoints kept.
+  """
+
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  task: str = "mqar"
+  mqar: data.MQARSpec = dataclasses.field(default_factory=data.MQARSpec)
+  text_files: tuple = ()
+  seq_len: int = 256
+  batch_size: int = 16
+  steps: int = 1000
+  warmup_steps: int = 100
+  learning_rate: float = 3e-3
+  weight_decay: float = 0.1
+  seed: int = 0
+  log_every: int = 10
+  eval_every: int = 0
+  checkpoint_every: int = 100
+  eval_batches: int = 4
+  keep_checkpoints: int = 3
+
+  def validate(self) -> None:
+    if self.task not in ("mqar", "text"):
+      raise ValueError(f"task must be 'mqar' or 'text', got {self.task!r}.")
+    for name in ("batch_size", "steps", "log_every", "checkpoint_every", "keep_checkpoints"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+    if self.task == "mqar" and self.mqar.vocab_size > self.model.vocab_size:
+      raise ValueError(f"mqar.vocab_size={self.mqar.vocab_size} exceeds model.vocab_size="
+                       f"{self.model.vocab_size}.")
+
+
+def _dataset(cfg: TrainConfig, split: str):
+  seed = cfg.seed if split == "train" else cfg.seed + 10_000
+  if cfg.task == "mqar":
+    return data.mqar_dataset(seed, cfg.mqar)
+  tok = data.ByteTokenizer()
+  docs = data.read_documents(cfg.text_files) if cfg.text_files else data.embedded_corpus()
+  windows = data.cram_pack(docs, tok, cfg.seq_len)
+  n_eval = max(1, len(windows) // 20)
+  windows = windows[n_eval:] if split == "train" else windows[:n_eval]
+  return data.text_dataset(windows, tok.eos_id, seed)
+
+
+def masked_loss(logits, labels):
+  """Mean cross-entropy over positions whose label is not -100."""
+  valid = labels != data.IGNORE
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(valid, labels, 0))
+  return jnp.sum(ce * valid) / jnp.maximum(jnp.sum(valid), 1)
+
+
+def make_optimizer(cfg: TrainConfig, params) -> optax.GradientTransformation:
+  lr_scale, wd_scale = completep.mup_scales(params, cfg.model)
+  schedule = completep.lr_schedule(cfg.learning_rate, cfg.steps, cfg.warmup_steps)
+  opt = adamc_lib.adamc(schedule, peak_learning_rate=cfg.learning_rate,
+                        weight_decay=cfg.weight_decay, lr_scale=lr_scale, wd_scale=wd_scale)
+  if cfg.model.param_dtype != "float32":
+    opt = adamc_lib.with_float32_master(opt)
+  return opt
+
+
+def make_train_step(graphdef, optimizer):
+  def step(params, opt_state, batch):
+    def loss_fn(p):
+      return masked_loss(nnx.merge(graphdef, p)(batch["inputs"]), batch["labels"])
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    if isinstance(opt_state, adamc_lib.MasterState):
+      params = adamc_lib.params_from_master(opt_state, params)
+    else:
+      params = optax.apply_updates(params, updates)
+    return params, opt_state, loss
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def evaluate(graphdef, params, cfg: TrainConfig, batches: int) -> dict[str, float]:
+  """Held-out loss; for MQAR also recall split by where the queried key lives."""
+  it = data.batched_iterator(_dataset(cfg, "eval"), cfg.batch_size)
+  forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))
+  window = cfg.model.kvm.window_len
+  totals = {"loss": 0.0, "correct": 0, "count": 0, "in_window": [0, 0], "state_only": [0, 0]}
+  for _ in range(batches):
+    batch = next(it)
+    logits = forward(params, batch["inputs"])
+    totals["loss"] += float(masked_loss(logits, batch["labels"])) / batches
+    if cfg.task == "mqar":
+      pred = np.asarray(jnp.argmax(logits, -1))
+      labels = batch["labels"]
+      valid = labels != data.IGNORE
+      hit = (pred == labels) & valid
+      far = valid & (batch["distance"] >= window)
+      near = valid & (batch["distance"] < window)
+      totals["correct"] += int(hit.sum())
+      totals["count"] += int(valid.sum())
+      totals["in_window"][0] += int((hit & near).sum())
+      totals["in_window"][1] += int(near.sum())
+      totals["state_only"][0] += int((hit & far).sum())
+      totals["state_only"][1] += int(far.sum())
+  out = {"eval_loss": totals["loss"]}
+  if cfg.task == "mqar":
+    ratio = lambda pair: pair[0] / pair[1] if pair[1] else float("nan")
+    out.update(recall=totals["correct"] / max(totals["count"], 1),
+               recall_in_window=ratio(totals["in_window"]),
+               recall_state_only=ratio(totals["state_only"]))
+  return out
+
+
+def train(cfg: TrainConfig, workdir: str | Path, *, stop_after: Optional[int] = None,
+          verbose: bool = True) -> dict[str, Any]:
+  """Trains (or resumes) in ``workdir``; returns the last logged metrics.
+
+  ``stop_after`` ends the loop after that many steps *of this invocation* (for tests of resume).
+  """
+  cfg.validate()
+  workdir = Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  model = LM(cfg.model, rngs=nnx.Rngs(cfg.seed))
+  graphdef, params = nnx.split(model)
+  optimizer = make_optimizer(cfg, params)
+  opt_state = optimizer.init(params)
+  iterator = data.batched_iterator(_dataset(cfg, "train"), cfg.batch_size)
+  ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.keep_checkpoints)
+  start = 0
+  if ckpt.latest_step() is not None:
+    start, state, data_state = ckpt.restore(abstract_like({"params": params,
+                                                          "opt_state": opt_state}))
+    params, opt_state = state["params"], state["opt_state"]
+    iterator.set_state(data_state)
+    if verbose:
+      print(f"resumed from step {start} in {workdir}")
+  metrics = MetricsWriter(workdir, resume_step=start)
+  train_step = make_train_step(graphdef, optimizer)
+  stop = {"sigterm": False}
+  previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True)) \
+      if _in_main_thread() else None
+  progress = Progress(cfg.steps, start)
+  tokens_per_step = cfg.batch_size * (cfg.mqar.seq_len if cfg.task == "mqar" else cfg.seq_len)
+  last: dict[str, Any] = {"step": start}
+  t0, ran = time.perf_counter(), 0
+  try:
+    for step in range(start, cfg.steps):
+      batch = next(iterator)
+      params, opt_state, loss = train_step(params, opt_state, batch)
+      done, ran = step + 1, ran + 1
+      final = done == cfg.steps or stop["sigterm"] or (stop_after is not None and ran >= stop_after)
+      if done % cfg.log_every == 0 or final:
+        loss = float(loss)  # the only host sync, at log steps
+        rate = tokens_per_step * ran / (time.perf_counter() - t0)
+        last = {"step": done, "loss": loss, "tokens_per_s": rate}
+        if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
+          last.update(evaluate(graphdef, params, cfg, cfg.eval_batches))
+        metrics.write(**last)
+        line = progress.line(done, loss, rate)
+        if verbose and not progress.tty:
+          print(line, flush=True)
+      if done % cfg.checkpoint_every == 0 or final:
+        ckpt.save(done, {"params": params, "opt_state": opt_state}, iterator.get_state(),
+                  force=True)
+      if final:
+        break
+  finally:
+    ckpt.close()
+    metrics.close()
+    if previous is not None:
+      signal.signal(signal.SIGTERM, previous)
+    if verbose and progress.tty:
+      print()
+  last["params"] = params
+  last["graphdef"] = graphdef
+  return last
+
+
+def _in_main_thread() -> bool:
+  import threading
+  return threading.current_thread() is threading.main_thread()
