@@ -85,7 +85,8 @@ class ModelConfig:
     for m in mixers:
       if m not in MIXERS:
         raise ValueError(f"ModelConfig.mixers: unknown mixer {m!r}; choose from {MIXERS}.")
-    object.__setattr__(self, "mixers", mixers)
+    if not isinstance(self.mixers, str):
+      object.__setattr__(self, "mixers", mixers)  # lists become (hashable) tuples
     kv = self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
     if kv < 1 or self.num_heads % kv:
       raise ValueError(f"ModelConfig.num_kv_heads={self.num_kv_heads} must divide num_heads="
@@ -107,6 +108,13 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.bswa_sink_rows must be >= 0, got {self.bswa_sink_rows}.")
 
   # Derived sizes ------------------------------------------------------------------------------
+  @property
+  def layer_mixers(self) -> tuple[str, ...]:
+    """One mixer name per layer (``mixers`` may be a single name for all layers)."""
+    if isinstance(self.mixers, str):
+      return (self.mixers,) * self.num_layers
+    return self.mixers
+
   @property
   def kv_heads(self) -> int:
     return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
@@ -136,13 +144,13 @@ class ModelConfig:
     return 1.0 if self.residual_scale is None else float(self.residual_scale)
 
   def rope_dims_of(self, layer: int) -> int:
-    return self.swa_rope_dims_resolved if self.mixers[layer] == "swa" else self.rope_dims
+    return self.swa_rope_dims_resolved if self.layer_mixers[layer] == "swa" else self.rope_dims
 
   def value_anchor(self, layer: int) -> int:
     """Layer whose ``c_v(ln_attn(x0))`` is this layer's value-residual anchor ``v_first``."""
     if self.share_value_anchor:
       return 0
-    return self.mixers.index(self.mixers[layer])
+    return self.layer_mixers.index(self.layer_mixers[layer])
 
   @property
   def jnp_param_dtype(self):

@@ -50,7 +50,7 @@ def test_paper_parameter_counts():
 
 def test_presets_are_the_paper_models():
   hybrid = kj.presets.kvm_swa_sat1024_120m()
-  assert hybrid.mixers[:4] == ("swa", "kvm", "swa", "kvm")
+  assert hybrid.layer_mixers[:4] == ("swa", "kvm", "swa", "kvm")
   assert hybrid.rope_dims_of(0) == 128 and hybrid.rope_dims_of(1) == 64
   assert hybrid.value_anchor(4) == 0 and hybrid.value_anchor(5) == 1
   assert kj.presets.swa_nope_350m().rope_dims_of(1) == 0

@@ -19,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.model import LM
 from train import adamc as adamc_lib
-from train import completep, data
+from train import completep, data, sharding
 from train.checkpoint import Checkpointer, abstract_like
 from train.metrics import MetricsWriter, Progress
 
@@ -45,6 +46,8 @@ class TrainConfig:
     log_every / eval_every / checkpoint_every: intervals in steps (0 disables eval).
     eval_batches: batches of the held-out stream per evaluation.
     keep_checkpoints: newest checkpoints kept.
+    mesh_data / mesh_fsdp / mesh_tensor: device mesh sizes (one may be -1 = the remaining
+      devices); see ``train.sharding``.
   """
 
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -63,6 +66,9 @@ class TrainConfig:
   checkpoint_every: int = 100
   eval_batches: int = 4
   keep_checkpoints: int = 3
+  mesh_data: int = -1
+  mesh_fsdp: int = 1
+  mesh_tensor: int = 1
 
   def validate(self) -> None:
     if self.task not in ("mqar", "text"):
@@ -104,7 +110,8 @@ def make_optimizer(cfg: TrainConfig, params) -> optax.GradientTransformation:
   return opt
 
 
-def make_train_step(graphdef, optimizer):
+def make_train_step(graphdef, optimizer, shardings=None):
+  """A jitted step; with ``shardings = (params, opt_state, batch)`` it is partitioned over a mesh."""
   def step(params, opt_state, batch):
     def loss_fn(p):
       return masked_loss(nnx.merge(graphdef, p)(batch["inputs"]), batch["labels"])
@@ -115,7 +122,33 @@ def make_train_step(graphdef, optimizer):
     else:
       params = optax.apply_updates(params, updates)
     return params, opt_state, loss
-  return jax.jit(step, donate_argnums=(0, 1))
+  if shardings is None:
+    return jax.jit(step, donate_argnums=(0, 1))
+  p_sh, o_sh, b_sh = shardings
+  replicated = NamedSharding(b_sh.mesh, PartitionSpec())
+  return jax.jit(step, donate_argnums=(0, 1), in_shardings=(p_sh, o_sh, b_sh),
+                 out_shardings=(p_sh, o_sh, replicated))
+
+
+def setup(cfg: TrainConfig, mesh=None):
+  """Model, optimizer and sharded initial state: (graphdef, params, opt_state, optimizer, shardings)."""
+  mesh = mesh or sharding.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
+  sharding.check_batch(cfg.batch_size, mesh)
+  model = LM(cfg.model, rngs=nnx.Rngs(cfg.seed))
+  graphdef, params = nnx.split(model)
+  optimizer = make_optimizer(cfg, params)
+  p_sh = sharding.param_shardings(params, mesh)
+  params = jax.device_put(params, p_sh)
+  opt_state = optimizer.init(params)
+  o_sh = sharding.like_params_shardings(opt_state, p_sh, mesh)
+  opt_state = jax.device_put(opt_state, o_sh)
+  return graphdef, params, opt_state, optimizer, (p_sh, o_sh, sharding.batch_sharding(mesh))
+
+
+def put_batch(batch: dict, batch_sharding) -> dict:
+  """Host-local numpy batch -> global sharded arrays (works on one host and on a pod)."""
+  return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v))
+          for k, v in batch.items()}
 
 
 def evaluate(graphdef, params, cfg: TrainConfig, batches: int) -> dict[str, float]:
@@ -159,11 +192,10 @@ def train(cfg: TrainConfig, workdir: str | Path, *, stop_after: Optional[int] = 
   cfg.validate()
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  model = LM(cfg.model, rngs=nnx.Rngs(cfg.seed))
-  graphdef, params = nnx.split(model)
-  optimizer = make_optimizer(cfg, params)
-  opt_state = optimizer.init(params)
-  iterator = data.batched_iterator(_dataset(cfg, "train"), cfg.batch_size)
+  graphdef, params, opt_state, optimizer, shardings = setup(cfg)
+  iterator = data.batched_iterator(_dataset(cfg, "train"), cfg.batch_size,
+                                   shard_index=jax.process_index(),
+                                   shard_count=jax.process_count())
   ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.keep_checkpoints)
   start = 0
   if ckpt.latest_step() is not None:
@@ -174,7 +206,7 @@ def train(cfg: TrainConfig, workdir: str | Path, *, stop_after: Optional[int] = 
     if verbose:
       print(f"resumed from step {start} in {workdir}")
   metrics = MetricsWriter(workdir, resume_step=start)
-  train_step = make_train_step(graphdef, optimizer)
+  train_step = make_train_step(graphdef, optimizer, shardings)
   stop = {"sigterm": False}
   previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True)) \
       if _in_main_thread() else None
@@ -184,7 +216,7 @@ def train(cfg: TrainConfig, workdir: str | Path, *, stop_after: Optional[int] = 
   t0, ran = time.perf_counter(), 0
   try:
     for step in range(start, cfg.steps):
-      batch = next(iterator)
+      batch = put_batch(next(iterator), shardings[2])
       params, opt_state, loss = train_step(params, opt_state, batch)
       done, ran = step + 1, ran + 1
       final = done == cfg.steps or stop["sigterm"] or (stop_after is not None and ran >= stop_after)

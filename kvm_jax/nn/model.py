@@ -80,7 +80,7 @@ class Attention(nnx.Module):
   """Attention front-end (projections, value residual, token shift, QK-LN, RoPE) + one mixer."""
 
   def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
-    self.cfg, self.layer, self.kind = cfg, layer, cfg.mixers[layer]
+    self.cfg, self.layer, self.kind = cfg, layer, cfg.layer_mixers[layer]
     C, H, Hkv, D, Dv = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.qk_head_dim, cfg.v_head_dim
     dq, dk, dv = H * D, Hkv * D, Hkv * Dv
     pd = cfg.jnp_param_dtype

@@ -1,0 +1,108 @@
+"""Device mesh ``(data, fsdp, tensor)`` and ``NamedSharding`` rules for params, optimizer, batches.
+
+* **data**: batch parallelism (parameters replicated along it);
+* **fsdp**: batch parallelism *and* parameter sharding (ZeRO-3 style: each matrix is split along
+  its model-width dimension, gathered by XLA when used);
+* **tensor**: Megatron-style tensor parallelism — projections into heads / MLP hidden are split on
+  their output dimension, projections back to the residual stream on their input dimension.
+
+A dimension is sharded only when the axis size divides it; otherwise it is replicated, so every
+rule is valid for every model. Batches are split over ``data × fsdp``. The same code runs on one CPU,
+on 8 simulated CPU devices (tests) and on a pod (``jax.distributed.initialize()`` in ``train.main``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+BATCH = ("data", "fsdp")
+# Linear layers whose *input* is the (tensor-split) head/hidden space: split their input dim.
+_ROW_PARALLEL = ("c_proj",)
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
+  """A mesh over all devices; one of the sizes may be -1 (the rest of the devices)."""
+  devices = list(devices if devices is not None else jax.devices())
+  n = len(devices)
+  sizes = [data, fsdp, tensor]
+  if sizes.count(-1) > 1:
+    raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} "
+                     f"tensor={tensor}.")
+  known = int(np.prod([s for s in sizes if s != -1]))
+  if any(s == 0 or s < -1 for s in sizes) or n % known:
+    raise ValueError(f"mesh data={data} x fsdp={fsdp} x tensor={tensor} does not divide the "
+                     f"{n} available devices; choose sizes whose product is {n}.")
+  sizes = [n // known if s == -1 else s for s in sizes]
+  if int(np.prod(sizes)) != n:
+    raise ValueError(f"mesh {dict(zip(AXES, sizes))} uses {int(np.prod(sizes))} devices but "
+                     f"{n} are available; the product must equal the device count.")
+  return jax.make_mesh(tuple(sizes), AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def _names(path) -> list[str]:
+  return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+
+
+def param_spec(path, shape, mesh: Mesh) -> P:
+  """PartitionSpec of one parameter from its path and shape (see module docstring)."""
+  names = _names(path)
+  if names and names[-1] == "value":
+    names = names[:-1]
+  if len(shape) != 2:
+    return P()  # vectors (LayerNorms, temperatures, mixes) are replicated
+  size = dict(zip(mesh.axis_names, mesh.devices.shape))
+
+  def fits(axis, dim):
+    return axis if shape[dim] % size[axis] == 0 and size[axis] > 1 else None
+
+  if "wte" in names:  # [V, C]
+    return P(fits("tensor", 0), fits("fsdp", 1))
+  if any(n in names for n in _ROW_PARALLEL):  # [hidden/heads, C]
+    return P(fits("tensor", 0), fits("fsdp", 1))
+  return P(fits("fsdp", 0), fits("tensor", 1))  # [C, heads/hidden/V]
+
+
+def param_shardings(params: Any, mesh: Mesh) -> Any:
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: NamedSharding(mesh, param_spec(path, x.shape, mesh)), params)
+
+
+def like_params_shardings(tree: Any, params_shardings: Any, mesh: Mesh) -> Any:
+  """Shardings for an optimizer state: subtrees shaped like the params reuse theirs; scalars are
+  replicated."""
+  param_def = jax.tree_util.tree_structure(params_shardings)
+  replicated = NamedSharding(mesh, P())
+
+  def visit(node):
+    try:
+      if jax.tree_util.tree_structure(node) == param_def:
+        return params_shardings
+    except Exception:
+      pass
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+      return type(node)(*[visit(child) for child in node])
+    if isinstance(node, (tuple, list)):
+      return type(node)(visit(child) for child in node)
+    if isinstance(node, dict):
+      return {k: visit(v) for k, v in node.items()}
+    return replicated
+
+  return visit(tree)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P(BATCH))
+
+
+def check_batch(batch_size: int, mesh: Mesh) -> None:
+  size = dict(zip(mesh.axis_names, mesh.devices.shape))
+  ways = size["data"] * size["fsdp"]
+  if batch_size % ways:
+    raise ValueError(f"batch_size={batch_size} is not divisible by the data x fsdp axes "
+                     f"({size['data']} x {size['fsdp']} = {ways}); use a multiple of {ways}.")
