@@ -1,4 +1,4 @@
-"""``kvm-demo``: the embedded-default job until the training CLI lands (issue #4).
+"""``kvm-core-demo``: a one-minute tour of the KVM core (the main job is ``kvm-demo``).
 
 Runs the KVM core on random data, on CPU, in well under a minute, and shows what the layer does:
 
@@ -38,7 +38,7 @@ def _schedule_table(lengths) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="kvm-demo", description=__doc__,
+  p = argparse.ArgumentParser(prog="kvm-core-demo", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--length", type=int, default=200,
                  help="tokens in the random sequence of part 2 (default: %(default)s)")

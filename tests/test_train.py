@@ -217,3 +217,22 @@ def test_cli_help_explains_flags():
   assert out.returncode == 0
   for flag in ("--config", "--workdir", "--config.FIELD=VALUE", "resumes"):
     assert flag in out.stdout
+
+
+def test_default_job_end_to_end_small(tmp_path):
+  """The README's main job at a few steps: trains, evaluates, writes table/plot; loss falls."""
+  from train import default_job
+  assert default_job.main(["--workdir", str(tmp_path), "--steps", "60",
+                           "--models", "full,kvm-sqrt"]) == 0
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert set(summary) == {"full", "kvm-sqrt"}
+  assert summary["kvm-sqrt"]["state_rows"] > 8 and summary["full"]["state_rows"] == 0
+  for name in summary:
+    assert 0 <= summary[name]["recall_state_only"] <= 1
+    losses = _losses(tmp_path / name)
+    assert losses[60] < 0.8 * losses[25]   # training loss falls
+  png = (tmp_path / "recall.png").read_bytes()
+  assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+  # Re-running resumes the finished models instead of retraining them.
+  assert default_job.main(["--workdir", str(tmp_path), "--steps", "60", "--models", "full"]) == 0
+  assert max(_losses(tmp_path / "full")) == 60

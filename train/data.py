@@ -150,6 +150,20 @@ def read_documents(paths: Sequence[str], text_field: str = "text") -> list[str]:
   return docs
 
 
+def read_hf_documents(name: str, split: str = "train", field: str = "text") -> list[str]:
+  """Documents of a HuggingFace dataset that is already on local disk (offline mode forced)."""
+  import os
+  os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+  try:
+    import datasets  # optional dependency
+  except ImportError as e:
+    raise ValueError("hf_dataset needs the `datasets` package: pip install datasets") from e
+  ds = datasets.load_dataset(name, split=split)
+  if field not in ds.column_names:
+    raise ValueError(f"dataset {name!r} has no column {field!r}; columns: {ds.column_names}.")
+  return list(ds[field])
+
+
 def cram_pack(docs: Iterable[str], tokenizer, seq_len: int, append_eos: bool = True) -> np.ndarray:
   """The authors' "cram" packing into windows of ``seq_len + 1`` tokens ``[n, seq_len + 1]``.
 

@@ -48,6 +48,10 @@ class TrainConfig:
     keep_checkpoints: newest checkpoints kept.
     mesh_data / mesh_fsdp / mesh_tensor: device mesh sizes (one may be -1 = the remaining
       devices); see ``train.sharding``.
+    tokenizer_file: a local ``tokenizer.json`` for text (default: bytes).
+    hf_dataset / hf_split / hf_text_field: a HuggingFace dataset already in the local cache
+      (needs the ``datasets`` package; nothing is downloaded in tests or the default job).
+    peak_tflops_per_device: for the MFU estimate; 0 = look the device kind up (unknown: no MFU).
   """
 
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -69,6 +73,11 @@ class TrainConfig:
   mesh_data: int = -1
   mesh_fsdp: int = 1
   mesh_tensor: int = 1
+  tokenizer_file: str = ""
+  hf_dataset: str = ""
+  hf_split: str = "train"
+  hf_text_field: str = "text"
+  peak_tflops_per_device: float = 0.0
 
   def validate(self) -> None:
     if self.task not in ("mqar", "text"):
@@ -85,12 +94,51 @@ def _dataset(cfg: TrainConfig, split: str):
   seed = cfg.seed if split == "train" else cfg.seed + 10_000
   if cfg.task == "mqar":
     return data.mqar_dataset(seed, cfg.mqar)
-  tok = data.ByteTokenizer()
-  docs = data.read_documents(cfg.text_files) if cfg.text_files else data.embedded_corpus()
+  tok = data.HFTokenizer(cfg.tokenizer_file) if cfg.tokenizer_file else data.ByteTokenizer()
+  if cfg.hf_dataset:
+    docs = data.read_hf_documents(cfg.hf_dataset, cfg.hf_split, cfg.hf_text_field)
+  elif cfg.text_files:
+    docs = data.read_documents(cfg.text_files)
+  else:
+    docs = data.embedded_corpus()
   windows = data.cram_pack(docs, tok, cfg.seq_len)
   n_eval = max(1, len(windows) // 20)
   windows = windows[n_eval:] if split == "train" else windows[:n_eval]
   return data.text_dataset(windows, tok.eos_id, seed)
+
+
+# Dense bf16 peak per device, for the MFU estimate (matched against device_kind).
+_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "TPU v5p": 459.0, "TPU v5 lite": 197.0,
+                "TPU v4": 275.0, "TPU v6": 918.0}
+
+
+def peak_flops(cfg: TrainConfig) -> float:
+  """Peak FLOP/s of all devices (0 when unknown, e.g. on CPU)."""
+  per = cfg.peak_tflops_per_device
+  if not per:
+    kind = jax.devices()[0].device_kind
+    per = next((v for k, v in _PEAK_TFLOPS.items() if k.lower() in kind.lower()), 0.0)
+  return per * 1e12 * jax.device_count()
+
+
+def flops_per_token(cfg: TrainConfig, params) -> float:
+  """6·N (matmul parameters, forward + backward) + attention/readout: 12·layers·keys·D·H."""
+  from kvm_jax.budget import state_rows_after
+  m = cfg.model
+  T = cfg.mqar.seq_len if cfg.task == "mqar" else cfg.seq_len
+  n = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params)) - \
+      m.vocab_size * m.hidden_size  # the embedding lookup is not a matmul
+  keys = 0.0
+  for kind in m.layer_mixers:
+    if kind == "full":
+      keys += T / 2
+    elif kind == "swa":
+      keys += min(m.swa_window, T)
+    elif kind == "bswa":
+      keys += min(m.bswa_chunk_size * m.bswa_window_chunks, T)
+    else:
+      keys += min(m.kvm.window_len, T) + state_rows_after(m.kvm, T)
+  return 6.0 * n + 12.0 * keys * m.qk_head_dim * m.num_heads
 
 
 def masked_loss(logits, labels):
@@ -211,6 +259,7 @@ def train(cfg: TrainConfig, workdir: str | Path, *, stop_after: Optional[int] = 
   previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True)) \
       if _in_main_thread() else None
   progress = Progress(cfg.steps, start)
+  peak, fpt = peak_flops(cfg), flops_per_token(cfg, params)
   tokens_per_step = cfg.batch_size * (cfg.mqar.seq_len if cfg.task == "mqar" else cfg.seq_len)
   last: dict[str, Any] = {"step": start}
   t0, ran = time.perf_counter(), 0
@@ -224,10 +273,13 @@ def train(cfg: TrainConfig, workdir: str | Path, *, stop_after: Optional[int] = 
         loss = float(loss)  # the only host sync, at log steps
         rate = tokens_per_step * ran / (time.perf_counter() - t0)
         last = {"step": done, "loss": loss, "tokens_per_s": rate}
+        if peak:
+          last["mfu"] = rate * fpt / peak
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
           last.update(evaluate(graphdef, params, cfg, cfg.eval_batches))
         metrics.write(**last)
-        line = progress.line(done, loss, rate)
+        line = progress.line(done, loss, rate,
+                             f"MFU {last['mfu']:.1%}" if "mfu" in last else None)
         if verbose and not progress.tty:
           print(line, flush=True)
       if done % cfg.checkpoint_every == 0 or final:

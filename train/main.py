@@ -9,6 +9,8 @@ Flags:
   --config.FIELD=VALUE    override any config field, nested with dots
                           (e.g. --config.model.num_layers=4, --config.mqar.num_pairs=16).
   --show-config           print the resolved config and exit.
+  --distributed           call jax.distributed.initialize() first (multi-host pods / clusters;
+                          each host then reads its own slice of every batch).
 """
 
 from __future__ import annotations
@@ -70,7 +72,12 @@ def main(argv=None) -> int:
   parser.add_argument("--workdir", required=True, help="run directory; resumes if it has "
                       "checkpoints.")
   parser.add_argument("--show-config", action="store_true", help="print the config and exit.")
+  parser.add_argument("--distributed", action="store_true",
+                      help="initialize multi-host JAX (jax.distributed.initialize()) first.")
   args, rest = parser.parse_known_args(argv)
+  if args.distributed:
+    import jax
+    jax.distributed.initialize()
   cfg = load_config(args.config)
   for item in rest:
     if not item.startswith("--config.") or "=" not in item:
