@@ -9,6 +9,8 @@ Flags:
   --config.FIELD=VALUE    override any config field, nested with dots
                           (e.g. --config.model.num_layers=4, --config.mqar.num_pairs=16).
   --show-config           print the resolved config and exit.
+  --resume                require a checkpoint in --workdir and continue from it (without the
+                          flag a run resumes when checkpoints exist and starts fresh otherwise).
   --distributed           call jax.distributed.initialize() first (multi-host pods / clusters;
                           each host then reads its own slice of every batch).
 """
@@ -72,6 +74,8 @@ def main(argv=None) -> int:
   parser.add_argument("--workdir", required=True, help="run directory; resumes if it has "
                       "checkpoints.")
   parser.add_argument("--show-config", action="store_true", help="print the config and exit.")
+  parser.add_argument("--resume", action="store_true",
+                      help="fail unless --workdir holds a checkpoint to continue from.")
   parser.add_argument("--distributed", action="store_true",
                       help="initialize multi-host JAX (jax.distributed.initialize()) first.")
   args, rest = parser.parse_known_args(argv)
@@ -92,6 +96,10 @@ def main(argv=None) -> int:
   if args.show_config:
     print(cfg)
     return 0
+  if args.resume:
+    ckpt_dir = Path(args.workdir) / "checkpoints"
+    if not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+      raise SystemExit(f"--resume: no checkpoint in {ckpt_dir}; drop --resume to start a new run.")
   from train.loop import train
   result = train(cfg, args.workdir)
   summary = {k: v for k, v in result.items() if isinstance(v, (int, float))}
