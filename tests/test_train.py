@@ -252,3 +252,17 @@ def test_tiny_text_training_loss_falls(tmp_path):
   train(cfg, tmp_path, verbose=False)
   losses = _losses(tmp_path)
   assert losses[40] < 0.5 * losses[1], losses  # from ~ln(320) = 5.8
+
+
+def test_every_parameter_has_logical_axes_and_valid_specs():
+  import jax
+  from flax import nnx
+  import kvm_jax as kj
+  for cfg in (kj.presets.kvm_swa_sat1024_120m(), kj.presets.gpta2_350m()):
+    params = nnx.state(nnx.eval_shape(lambda: kj.LM(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+      axes = sharding.logical_axes(path, len(leaf.shape))
+      assert len(axes) == (2 if len(leaf.shape) == 2 else 0)
+  names = lambda *n: [type("K", (), {"key": x})() for x in n]
+  assert sharding.logical_axes(names("blocks", "0", "mlp", "c_proj", "kernel"), 2) == ("mlp", "embed")
+  assert sharding.logical_axes(names("blocks", "0", "attn", "c_q", "kernel"), 2) == ("embed", "heads")

@@ -6,8 +6,10 @@
 * **tensor**: Megatron-style tensor parallelism — projections into heads / MLP hidden are split on
   their output dimension, projections back to the residual stream on their input dimension.
 
-A dimension is sharded only when the axis size divides it; otherwise it is replicated, so every
-rule is valid for every model. Batches are split over ``data × fsdp``. The same code runs on one CPU,
+Every matrix carries logical axis names (``LOGICAL_AXES``: embed, heads, kv_heads, mlp, vocab,
+lora) mapped to mesh axes by ``LOGICAL_RULES``; change the rules to change the strategy. A dimension
+is sharded only when the axis size divides it; otherwise it is replicated, so every rule is valid
+for every model. Batches are split over ``data × fsdp``. The same code runs on one CPU,
 on 8 simulated CPU devices (tests) and on a pod (``jax.distributed.initialize()`` in ``train.main``).
 """
 
@@ -22,8 +24,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")
-# Linear layers whose *input* is the (tensor-split) head/hidden space: split their input dim.
-_ROW_PARALLEL = ("c_proj",)
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
@@ -46,26 +46,49 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
 
 
 def _names(path) -> list[str]:
-  return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+  names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+  return names[:-1] if names and names[-1] == "value" else names
+
+
+# Logical axis names of every 2-D parameter (by the name of the layer that owns it), and the rules
+# that map logical axes to mesh axes (maxtext-style). Vectors have no logical axes (replicated).
+LOGICAL_AXES = {
+    "wte": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "c_q": ("embed", "heads"), "c_k": ("embed", "kv_heads"), "c_v": ("embed", "kv_heads"),
+    "c_proj": ("heads", "embed"),           # attention output, and the MLP's ("mlp", "embed")
+    "c_fc": ("embed", "mlp"),
+    "v_gate1": ("embed", "lora"), "v_gate2": ("lora", "kv_heads"),
+    "key_weighting": ("embed", "kv_heads"),
+}
+LOGICAL_RULES = {"embed": "fsdp", "vocab": "tensor", "heads": "tensor", "kv_heads": "tensor",
+                 "mlp": "tensor", "lora": None}
+
+
+def logical_axes(path, ndim: int) -> tuple:
+  """Logical axis names of a parameter (empty for vectors)."""
+  if ndim != 2:
+    return ()
+  names = _names(path)
+  owner = next((n for n in reversed(names) if n in LOGICAL_AXES), None)
+  if owner is None:
+    raise ValueError(f"no logical axes for parameter {'/'.join(names)}; add its layer to "
+                     "train.sharding.LOGICAL_AXES.")
+  axes = LOGICAL_AXES[owner]
+  if owner == "c_proj" and "mlp" in names:
+    axes = ("mlp", "embed")
+  return axes
 
 
 def param_spec(path, shape, mesh: Mesh) -> P:
-  """PartitionSpec of one parameter from its path and shape (see module docstring)."""
-  names = _names(path)
-  if names and names[-1] == "value":
-    names = names[:-1]
-  if len(shape) != 2:
-    return P()  # vectors (LayerNorms, temperatures, mixes) are replicated
+  """PartitionSpec of one parameter: its logical axes mapped by ``LOGICAL_RULES``; a dimension
+  stays replicated when the mesh axis does not divide it (so any model fits any mesh)."""
   size = dict(zip(mesh.axis_names, mesh.devices.shape))
-
-  def fits(axis, dim):
-    return axis if shape[dim] % size[axis] == 0 and size[axis] > 1 else None
-
-  if "wte" in names:  # [V, C]
-    return P(fits("tensor", 0), fits("fsdp", 1))
-  if any(n in names for n in _ROW_PARALLEL):  # [hidden/heads, C]
-    return P(fits("tensor", 0), fits("fsdp", 1))
-  return P(fits("fsdp", 0), fits("tensor", 1))  # [C, heads/hidden/V]
+  spec = []
+  for dim, logical in zip(shape, logical_axes(path, len(shape))):
+    axis = LOGICAL_RULES.get(logical)
+    spec.append(axis if axis and size[axis] > 1 and dim % size[axis] == 0 else None)
+  return P(*spec)
 
 
 def param_shardings(params: Any, mesh: Mesh) -> Any:
