@@ -43,9 +43,6 @@ class Checkpointer:
                        "to an earlier one.") from e
     return step, restored["state"], restored["data"]
 
-  def wait(self) -> None:
-    self.manager.wait_until_finished()
-
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
