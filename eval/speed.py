@@ -1,0 +1,208 @@
+"""``kvm-bench``: operator-level speed and memory of KVM vs full attention, measured in one run.
+
+For every context length T, this times (median of ``--repeats`` after a warm-up):
+
+* **prefill**: forward over T tokens (KVM ``kvm_attention`` vs ``jax.nn.dot_product_attention``
+  causal, cuDNN on GPU, XLA elsewhere);
+* **backward**: gradient of ``sum(y * w)`` with respect to q, k, v;
+* **decode**: mean per-token time of ``--decode-steps`` steps after a T-token context (the KVM
+  figure includes the state update that fires at a chunk boundary) vs a full-attention step over a
+  preallocated KV cache.
+
+Then it prints ms and speed-ups per budget (``fixed256``: 256 rows; ``sqrt16``: 16·√N, min 256), the
+crossover length where KVM prefill first beats full attention, and the decode-cache bytes measured
+from the arrays (state + window) against the full KV cache. ``--paper`` uses the paper's
+B=8, H=32, D=128, bf16 (an accelerator is needed for that); CPU defaults finish in minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import kvm_jax as kj
+from eval.core_speed import _full_decode_step, _inputs, _time
+
+BUDGETS = {
+    "fixed256": lambda: kj.FixedBudget(256),
+    "sqrt16": lambda: kj.PowerLawBudget(16.0, 0.5, min_rows=256),
+}
+
+
+def kvm_config(budget: str, head_dim: int) -> kj.KVMConfig:
+  return kj.KVMConfig(chunk_size=256, window_chunks=2, sink_rows=1, rope_dims=min(64, head_dim),
+                      budget=BUDGETS[budget](), max_state_rows=256 * 10000)
+
+
+def _full_impl() -> str | None:
+  return "cudnn" if jax.default_backend() == "gpu" else "xla"
+
+
+def time_prefill_backward(T, args, dtype, phases):
+  q, k, v, g = _inputs(jax.random.PRNGKey(T), args.batch, T, args.heads, args.head_dim, dtype)
+  w = jax.random.normal(jax.random.PRNGKey(1), q.shape, dtype)
+  impl = _full_impl()
+  full = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+  arms = {"full": lambda q, k, v: full(q, k, v)}
+  for budget in args.budgets:
+    cfg = kvm_config(budget, args.head_dim)
+    params = kj.KVMParams.init(args.head_dim, args.heads)
+    arms[budget] = (lambda cfg, params: lambda q, k, v: kj.kvm_attention(q, k, v, g, params,
+                                                                           cfg)[0])(cfg, params)
+  out = {}
+  for name, fn in arms.items():
+    row = {}
+    if "prefill" in phases:
+      row["prefill_ms"] = _time(jax.jit(fn), q, k, v, repeats=args.repeats)
+    if "backward" in phases:
+      grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w),
+                              argnums=(0, 1, 2)))
+      row["backward_ms"] = _time(grad, q, k, v, repeats=args.repeats)
+    out[name] = row
+  return out
+
+
+def time_decode(T, args, dtype):
+  B, H, D, n = args.batch, args.heads, args.head_dim, args.decode_steps
+  q, k, v, g = _inputs(jax.random.PRNGKey(T + 1), B, T + n, H, D, dtype)
+  out = {}
+  for budget in args.budgets:
+    cfg = kvm_config(budget, D)
+    params = kj.KVMParams.init(D, H)
+    cache = kj.kvm_init_cache(cfg, batch=B, kv_heads=H, head_dim=D, value_dim=D, max_len=T + n,
+                              dtype=dtype)
+    _, cache = kj.kvm_prefill(q[:, :T], k[:, :T], v[:, :T], g[:, :T], params, cfg, cache)
+    step = jax.jit(lambda q, k, v, g, c, cfg=cfg, params=params:
+                   kj.kvm_decode_step(q, k, v, g, params, cfg, c), donate_argnums=(4,))
+    warm = jax.tree_util.tree_map(jnp.copy, cache)
+    _, warm = step(q[:, T:T + 1], k[:, T:T + 1], v[:, T:T + 1], g[:, T:T + 1], warm)
+    jax.block_until_ready(warm)
+    times = []
+    for t in range(T, T + n):
+      args_t = (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1])
+      start = time.perf_counter()
+      y, cache = step(*args_t, cache)
+      jax.block_until_ready(y)
+      times.append((time.perf_counter() - start) * 1e3)
+    bytes_ = cache.nbytes()
+    out[budget] = {"decode_ms": statistics.fmean(times), "cache_bytes": bytes_["total"],
+                   "state_rows": int(cache.state.num_rows)}
+  k_cache = jnp.zeros((B, T + n, H, D), dtype).at[:, :T].set(k[:, :T])
+  v_cache = jnp.zeros((B, T + n, H, D), dtype).at[:, :T].set(v[:, :T])
+  _, k_cache, v_cache = _full_decode_step(q[:, T:T + 1], k[:, T:T + 1], v[:, T:T + 1], k_cache,
+                                          v_cache, jnp.int32(T))
+  times = []
+  for t in range(T, T + n):
+    start = time.perf_counter()
+    y, k_cache, v_cache = _full_decode_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], k_cache,
+                                            v_cache, jnp.int32(t))
+    jax.block_until_ready(y)
+    times.append((time.perf_counter() - start) * 1e3)
+  out["full"] = {"decode_ms": statistics.fmean(times),
+                 "cache_bytes": 2 * B * T * H * D * jnp.dtype(dtype).itemsize}
+  return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="kvm-bench", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--lengths", default=None,
+                 help="comma-separated context lengths (default: 512..16384 on CPU, "
+                      "512..32768 on accelerators)")
+  p.add_argument("--phases", default="prefill,decode,backward",
+                 help="subset of prefill,decode,backward (default: %(default)s)")
+  p.add_argument("--budgets", default="fixed256,sqrt16",
+                 help="KVM budgets to time: fixed256, sqrt16 (default: %(default)s)")
+  p.add_argument("--paper", action="store_true",
+                 help="the paper's operator setup: B=8, H=32, D=128, bfloat16")
+  p.add_argument("--batch", type=int, default=1, help="batch B (default: %(default)s)")
+  p.add_argument("--heads", type=int, default=4, help="heads H = Hkv (default: %(default)s)")
+  p.add_argument("--head-dim", type=int, default=64, help="head dim D (default: %(default)s)")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                 help="activation dtype (default: %(default)s)")
+  p.add_argument("--repeats", type=int, default=3, help="timed repeats, median (default: 3)")
+  p.add_argument("--decode-steps", type=int, default=64,
+                 help="decode steps averaged after each context (default: %(default)s)")
+  p.add_argument("--json", default=None, help="write all measurements to this JSON file")
+  p.add_argument("--plot", default=None, help="write a PNG of ms vs T to this path")
+  return p
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  if args.paper:
+    args.batch, args.heads, args.head_dim, args.dtype = 8, 32, 128, "bfloat16"
+  args.budgets = [b for b in args.budgets.split(",") if b]
+  for b in args.budgets:
+    if b not in BUDGETS:
+      raise SystemExit(f"--budgets: unknown {b!r}; choose from {list(BUDGETS)}.")
+  phases = set(p for p in args.phases.split(",") if p)
+  if not phases <= {"prefill", "decode", "backward"}:
+    raise SystemExit(f"--phases: unknown {sorted(phases - {'prefill', 'decode', 'backward'})}.")
+  if args.lengths is None:
+    top = 16384 if jax.default_backend() == "cpu" else 32768
+    lengths = [512 * 2 ** i for i in range(12) if 512 * 2 ** i <= top]
+  else:
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+  dtype = jnp.dtype(args.dtype)
+  print(f"{jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
+        f"B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}; C=256 L=512; full "
+        f"attention: dot_product_attention({_full_impl()})", flush=True)
+  rows = []
+  for T in lengths:
+    row = {"T": T}
+    if phases & {"prefill", "backward"}:
+      for arm, r in time_prefill_backward(T, args, dtype, phases).items():
+        row.update({f"{arm}_{k}": v for k, v in r.items()})
+    if "decode" in phases:
+      for arm, r in time_decode(T, args, dtype).items():
+        row.update({f"{arm}_{k}": v for k, v in r.items()})
+    rows.append(row)
+    cells = []
+    for phase in ("prefill", "backward", "decode"):
+      if f"full_{phase}_ms" in row:
+        ratios = " ".join(f"{b} {row[f'full_{phase}_ms'] / row[f'{b}_{phase}_ms']:.2f}x"
+                          for b in args.budgets)
+        cells.append(f"{phase}: full {row[f'full_{phase}_ms']:.2f} ms, {ratios}")
+    print(f"T={T:>6}  " + " | ".join(cells), flush=True)
+  if "prefill" in phases:
+    for b in args.budgets:
+      wins = [r["T"] for r in rows if r[f"{b}_prefill_ms"] < r["full_prefill_ms"]]
+      print(f"crossover ({b} prefill faster than full): "
+            f"{'T=' + str(min(wins)) if wins else 'not reached'}")
+  if "decode" in phases:
+    print("decode cache bytes at T (measured from the arrays):")
+    for r in rows:
+      print(f"  T={r['T']:>6}  full {r['full_cache_bytes']:>13,}  " + "  ".join(
+          f"{b} {r[f'{b}_cache_bytes']:>11,} ({r[f'{b}_state_rows']} rows)" for b in args.budgets))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"setup": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=2)
+  if args.plot:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    shown = [p for p in ("prefill", "backward", "decode") if p in phases]
+    fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
+    for ax, phase in zip(axes[0], shown):
+      for arm in ["full"] + args.budgets:
+        ax.plot([r["T"] for r in rows], [r[f"{arm}_{phase}_ms"] for r in rows], "o-", label=arm)
+      ax.set_xscale("log", base=2)
+      ax.set_yscale("log")
+      ax.set_xlabel("context T")
+      ax.set_ylabel("ms")
+      ax.set_title(phase)
+      ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=110)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
