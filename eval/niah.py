@@ -1,0 +1,116 @@
+"""Needle-in-a-haystack, RULER's single-needle tasks (NVIDIA/RULER ``synthetic.yaml``), offline.
+
+* **S1** — haystack of the repeated noise sentences, 7-digit number values;
+* **S2-style** — essay-like English prose, 7-digit number values;
+* **S3-style** — the same prose, UUID values.
+
+RULER's S2/S3 download Paul Graham essays at run time; here the prose is the CPython documentation
+text that ships with Python (``pydoc_data``), hence "S2/S3-style". The needle is "One of the special
+magic {numbers|uuids} for {key} is: {value}." with an adjective-noun key, inserted at one of 40
+evenly spaced depths; the haystack is fitted with the model's tokenizer so that prompt + the
+generation budget stays within the target length. Score: case-insensitive containment × 100.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Callable, Sequence
+
+import numpy as np
+
+NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
+         "again.")
+TEMPLATE = ("Some special magic {kind} are hidden within the following text. Make sure to "
+            "memorize it. I will quiz you about the {kind} afterwards.\n{context}\nWhat are all "
+            "the special magic {kind} for {key} mentioned in the provided text?")
+ANSWER_PREFIX = " The special magic {kind} for {key} mentioned in the provided text are"
+NEEDLE = "One of the special magic {kind} for {key} is: {value}."
+DEPTHS = np.linspace(0, 100, 40)
+_ADJECTIVES = ("abundant", "brave", "calm", "dark", "eager", "fancy", "gentle", "happy", "icy",
+               "jolly", "kind", "lively", "misty", "noisy", "odd", "proud", "quiet", "rapid",
+               "shiny", "tidy", "upbeat", "vast", "witty", "young", "zealous", "bitter", "clever",
+               "dusty", "empty", "fierce")
+_NOUNS = ("apple", "bridge", "candle", "desert", "engine", "forest", "garden", "harbor", "island",
+          "jacket", "kettle", "ladder", "mirror", "needle", "orchard", "pencil", "quarry", "river",
+          "saddle", "temple", "umbrella", "valley", "window", "yacht", "zebra", "anchor", "basket",
+          "castle", "dragon", "feather")
+TASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
+
+
+@dataclasses.dataclass(frozen=True)
+class NIAHExample:
+  prompt: str        # the full input, ending with the answer prefix
+  answer: str        # the value to find
+  depth: float       # needle depth in percent of the haystack
+  task: str
+  length: int        # target length in tokens
+
+
+def _prose() -> list[str]:
+  from pydoc_data import topics
+  sentences = []
+  for name in sorted(topics.topics):
+    for line in topics.topics[name].split("\n"):
+      line = " ".join(line.split())
+      if len(line) > 40 and line[0].isalpha() and not line.startswith(("Note", "Changed")):
+        sentences.append(line)
+  return sentences
+
+
+def _needle_kind(task: str) -> str:
+  return "uuids" if task == "niah_single_3" else "numbers"
+
+
+def make_example(task: str, length: int, depth: float, seed: int,
+                 count_tokens: Callable[[str], int], generation_budget: int = 128) -> NIAHExample:
+  """One example whose tokenized prompt + ``generation_budget`` fits in ``length`` tokens."""
+  if task not in TASKS:
+    raise ValueError(f"unknown NIAH task {task!r}; choose from {TASKS}.")
+  rng = np.random.default_rng([seed, int(depth * 1000), length, TASKS.index(task)])
+  key = f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+  kind = _needle_kind(task)
+  if kind == "uuids":
+    value = str(uuid.UUID(int=int(rng.integers(0, 2 ** 63)) << 64 | int(rng.integers(0, 2 ** 63))))
+  else:
+    value = str(int(rng.integers(1_000_000, 10_000_000)))
+  needle = NEEDLE.format(kind=kind, key=key, value=value)
+  units = [NOISE] if task == "niah_single_1" else _prose()
+
+  def build(n_units: int) -> str:
+    if task == "niah_single_1":
+      hay = [NOISE] * n_units
+    else:
+      hay = [units[i % len(units)] for i in range(n_units)]
+    at = int(round(len(hay) * depth / 100))
+    hay = hay[:at] + [needle] + hay[at:]
+    context = " ".join(hay)
+    return (TEMPLATE.format(kind=kind, key=key, context=context)
+            + ANSWER_PREFIX.format(kind=kind, key=key))
+
+  budget = length - generation_budget
+  if count_tokens(build(0)) > budget:
+    raise ValueError(f"length={length} is too short for the NIAH template and a "
+                     f"{generation_budget}-token answer.")
+  lo, hi = 0, 1
+  while count_tokens(build(hi)) <= budget:  # exponential then binary search on haystack size
+    lo, hi = hi, hi * 2
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (mid, hi) if count_tokens(build(mid)) <= budget else (lo, mid)
+  return NIAHExample(prompt=build(lo), answer=value, depth=float(depth), task=task, length=length)
+
+
+def make_examples(task: str, length: int, count_tokens: Callable[[str], int], seed: int = 0,
+                  depths: Sequence[float] = DEPTHS, generation_budget: int = 128):
+  return [make_example(task, length, d, seed, count_tokens, generation_budget) for d in depths]
+
+
+def score(predictions: Sequence[str], answers: Sequence[str]) -> float:
+  """RULER's string match: percentage of predictions containing their answer (case-insensitive)."""
+  if len(predictions) != len(answers):
+    raise ValueError(f"{len(predictions)} predictions for {len(answers)} answers.")
+  if not answers:
+    return 0.0
+  hits = [a.lower() in p.lower() for p, a in zip(predictions, answers)]
+  return 100.0 * sum(hits) / len(hits)

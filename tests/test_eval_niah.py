@@ -1,0 +1,45 @@
+"""NIAH generator invariants and RULER-style scoring."""
+
+from __future__ import annotations
+
+import pytest
+
+from eval import niah
+from train.data import ByteTokenizer
+
+TOK = ByteTokenizer()
+COUNT = lambda s: len(TOK.encode(s))
+
+
+@pytest.mark.parametrize("task", niah.TASKS)
+def test_needle_once_with_value_and_length_fits(task):
+  for depth in (0.0, niah.DEPTHS[13], 100.0):
+    ex = niah.make_example(task, 4096, depth, seed=1, count_tokens=COUNT)
+    needle_start = "One of the special magic"
+    assert ex.prompt.count(needle_start) == 1
+    assert ex.prompt.count(ex.answer) == 1
+    assert COUNT(ex.prompt) + 128 <= 4096
+    assert COUNT(ex.prompt) + 128 > 4096 - 300   # the haystack fills the budget
+    assert ex.prompt.endswith("mentioned in the provided text are")
+  ex = niah.make_example(task, 4096, 50.0, seed=1, count_tokens=COUNT)
+  assert len(ex.answer) == (36 if task == "niah_single_3" else 7)
+
+
+def test_depth_places_the_needle_and_generation_is_deterministic():
+  early = niah.make_example("niah_single_1", 8192, 0.0, 3, COUNT)
+  late = niah.make_example("niah_single_1", 8192, 100.0, 3, COUNT)
+  assert early.prompt.index("One of the special") < 300 < late.prompt.index("One of the special")
+  again = niah.make_example("niah_single_1", 8192, 0.0, 3, COUNT)
+  assert again == early
+  assert len(niah.DEPTHS) == 40 and niah.DEPTHS[0] == 0 and niah.DEPTHS[-1] == 100
+
+
+def test_scoring_oracle_and_empty_models():
+  examples = niah.make_examples("niah_single_2", 2048, COUNT, depths=niah.DEPTHS[:5])
+  answers = [e.answer for e in examples]
+  assert niah.score([f" {a}." for a in answers], answers) == 100.0   # a model copying the needle
+  assert niah.score(["" for _ in answers], answers) == 0.0           # a model that says nothing
+  assert niah.score(["The VALUE is " + answers[0].upper()], answers[:1]) == 100.0
+  assert niah.score([answers[1]] + [""] * 4, answers) == 0.0
+  with pytest.raises(ValueError, match="too short"):
+    niah.make_example("niah_single_1", 150, 0.0, 0, COUNT)
