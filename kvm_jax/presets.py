@@ -8,7 +8,6 @@ All use vocabulary 50304, MLP ×4, token shift on attention and MLP, value resid
 
 from __future__ import annotations
 
-import dataclasses
 
 from kvm_jax.budget import FixedBudget, PowerLawBudget, SaturatingBudget
 from kvm_jax.config import KVMConfig

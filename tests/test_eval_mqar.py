@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.mqar import mqar_recall
-from train import data
 
 SPEC = dict(seq_len=64, vocab_size=64)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import kvm_jax as kj
 

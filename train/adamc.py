@@ -13,7 +13,7 @@ Moments are float32. :func:`with_float32_master` keeps float32 master weights fo
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -17,7 +17,6 @@ KVM state can still answer). Writes ``summary.json``, ``recall.png`` and each mo
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time

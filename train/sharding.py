@@ -15,7 +15,6 @@ on 8 simulated CPU devices (tests) and on a pod (``jax.distributed.initialize()`
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax

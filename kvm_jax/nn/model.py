@@ -21,7 +21,7 @@ from kvm_jax.model_config import ModelConfig
 from kvm_jax.ops import attention as attn_ops
 from kvm_jax.ops.common import KVMParams
 from kvm_jax.ops.kvm import kvm_attention
-from kvm_jax.ops.kvm_decode import KVMCache, kvm_decode_step, kvm_init_cache, kvm_prefill
+from kvm_jax.ops.kvm_decode import kvm_decode_step, kvm_init_cache, kvm_prefill
 from kvm_jax.ops.rope import apply_rope, rope_tables
 
 Array = jax.Array

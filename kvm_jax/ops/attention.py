@@ -13,13 +13,13 @@ each step compiles once.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvm_jax.ops.common import joint_attention
+from kvm_jax.ops.common import (fill_ring, joint_attention, ring_positions, tree_nbytes,
+                                write_ring)
 
 Array = jax.Array
 
@@ -100,7 +100,8 @@ class RingCache:
   max_len: int
 
   def nbytes(self) -> int:
-    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(self))
+    """Bytes of the cache arrays as allocated."""
+    return tree_nbytes(self)
 
 
 jax.tree_util.register_dataclass(
@@ -142,16 +143,12 @@ def _lowest_visible(cache: RingCache, t: Array) -> Array:
 def ring_prefill(k: Array, v: Array, cache: RingCache) -> RingCache:
   """Stores a prompt's keys/values (the outputs come from the prefill functions above)."""
   T = k.shape[1]
-  slots = cache.keys.shape[1]
-  first = max(0, T - slots)
-  idx = np.arange(first, T) % slots
   S = cache.sink_keys.shape[1]
   n_sink = min(S, T)
   sink_k = cache.sink_keys.at[:, :n_sink].set(k[:, :n_sink].astype(cache.keys.dtype))
   sink_v = cache.sink_values.at[:, :n_sink].set(v[:, :n_sink].astype(cache.values.dtype))
   return dataclasses.replace(
-      cache, keys=jnp.zeros_like(cache.keys).at[:, idx].set(k[:, first:].astype(cache.keys.dtype)),
-      values=jnp.zeros_like(cache.values).at[:, idx].set(v[:, first:].astype(cache.values.dtype)),
+      cache, keys=fill_ring(cache.keys, k), values=fill_ring(cache.values, v),
       sink_keys=sink_k, sink_values=sink_v, length=jnp.asarray(T, jnp.int32))
 
 
@@ -161,17 +158,14 @@ def ring_decode_step(q_t: Array, k_t: Array, v_t: Array, cache: RingCache) -> tu
   B, _, H, D = q_t.shape
   Hkv = k_t.shape[2]
   t = cache.length
-  slots = cache.keys.shape[1]
-  slot = t % slots
-  keys = jax.lax.dynamic_update_slice_in_dim(cache.keys, k_t.astype(cache.keys.dtype), slot, 1)
-  values = jax.lax.dynamic_update_slice_in_dim(cache.values, v_t.astype(cache.values.dtype), slot, 1)
+  keys, values = write_ring(cache.keys, k_t, t), write_ring(cache.values, v_t, t)
   S = cache.sink_keys.shape[1]
   sink_keys, sink_values = cache.sink_keys, cache.sink_values
   if S:
     write = (jnp.arange(S) == t)[None, :, None, None]
     sink_keys = jnp.where(write, k_t.astype(sink_keys.dtype), sink_keys)
     sink_values = jnp.where(write, v_t.astype(sink_values.dtype), sink_values)
-  position = t - (t - jnp.arange(slots)) % slots
+  position = ring_positions(t, keys.shape[1])
   lowest = _lowest_visible(cache, t)
   window_valid = ((position >= lowest) & (position >= 0))[None, :]
   if S:

@@ -27,6 +27,12 @@ _MASKED = -1e30  # finite "minus infinity": a fully masked row gives zeros, neve
 # ----------------------------------------------------------------------------------------------
 
 
+def tree_nbytes(tree) -> int:
+  """Bytes of every array in ``tree`` as allocated (measured from the arrays, not estimated)."""
+  return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+             for a in jax.tree_util.tree_leaves(tree))
+
+
 @dataclasses.dataclass(frozen=True)
 class KVMParams:
   """KVM-specific parameters of one layer (spec §6.1).
@@ -81,7 +87,7 @@ class KVMState:
 
   def nbytes(self) -> int:
     """Bytes of the arrays as allocated (capacity rows, not only valid ones)."""
-    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(self))
+    return tree_nbytes(self)
 
 
 jax.tree_util.register_dataclass(
@@ -93,6 +99,38 @@ def empty_state(batch: int, kv_heads: int, capacity: int, head_dim: int, value_d
                   values=jnp.zeros((batch, kv_heads, capacity, value_dim), jnp.float32),
                   radius=jnp.zeros((batch, kv_heads, capacity), jnp.float32),
                   num_rows=jnp.zeros((), jnp.int32))
+
+
+def pad_rows(state: KVMState, capacity: int) -> KVMState:
+  """The same state in a buffer of ``capacity`` rows (zero rows appended)."""
+  pad = capacity - state.capacity
+  if pad < 0:
+    raise ValueError(f"cannot shrink a state of {state.capacity} rows to {capacity}.")
+  rows = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3))
+  return KVMState(keys=rows(state.keys), values=rows(state.values), radius=rows(state.radius),
+                  num_rows=state.num_rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ring buffers of recent tokens (slot = position mod slots), shared by every decode cache
+# ----------------------------------------------------------------------------------------------
+
+
+def fill_ring(ring: Array, x: Array) -> Array:
+  """A ring ``[B, slots, ...]`` holding the last ``min(T, slots)`` tokens of ``x [B, T, ...]``."""
+  T, slots = x.shape[1], ring.shape[1]
+  first = max(0, T - slots)
+  return jnp.zeros_like(ring).at[:, np.arange(first, T) % slots].set(x[:, first:].astype(ring.dtype))
+
+
+def write_ring(ring: Array, x_t: Array, t: Array) -> Array:
+  """Writes the token at position ``t`` (``x_t [B, 1, ...]``) into its slot."""
+  return jax.lax.dynamic_update_slice_in_dim(ring, x_t.astype(ring.dtype), t % ring.shape[1], 1)
+
+
+def ring_positions(t: Array, slots: int) -> Array:
+  """Position held by each slot once token ``t`` is written (negative: never written)."""
+  return t - (t - jnp.arange(slots)) % slots
 
 
 # ----------------------------------------------------------------------------------------------
@@ -283,31 +321,35 @@ def joint_attention(q: Array, state_keys: Array, state_values: Array, state_vali
 # ----------------------------------------------------------------------------------------------
 
 
+def token_rows(k: Array, v: Array, g: Array, params: KVMParams, cfg: KVMConfig):
+  """State rows made directly from tokens, as the initial chunk's (spec §6.5, §6.11).
+
+  ``k [B, n, Hkv, D]``, ``v [B, n, Hkv, Dv]``, ``g [B, n, Hkv]`` -> keys ``[B, Hkv, n, D]``
+  (prep(k)), values ``[B, Hkv, n, Dv]``, radius ``[B, Hkv, n]`` from the *ungated* value; keys and
+  values gated only with ``gate_initial_state`` (in prefill and decode alike).
+  """
+  keys = jnp.transpose(prepare_state_keys(k, params, cfg), (0, 2, 1, 3))
+  values = jnp.transpose(v.astype(jnp.float32), (0, 2, 1, 3))
+  radius = safe_l2_norm(values)
+  if cfg.gate_initial_state:
+    gate = jnp.transpose(g.astype(jnp.float32), (0, 2, 1))[..., None]
+    keys, values = keys * gate, values * gate
+  return keys, values, radius
+
+
 def initial_state(k_chunk: Array, v_chunk: Array, g_chunk: Array, num_valid: int, capacity: int,
                   params: KVMParams, cfg: KVMConfig) -> KVMState:
-  """The first chunk's tokens copied into rows ``[0, num_valid)`` (spec §6.5), ungated by default.
+  """The first ``num_valid`` tokens copied into rows ``[0, num_valid)`` of a ``capacity`` buffer.
 
   Args:
-    k_chunk / v_chunk / g_chunk: ``[B, C, Hkv, D]`` / ``[B, C, Hkv, Dv]`` / ``[B, C, Hkv]``; rows
-      ``>= num_valid`` are padding and are zeroed.
+    k_chunk / v_chunk / g_chunk: ``[B, n, Hkv, D]`` / ``[B, n, Hkv, Dv]`` / ``[B, n, Hkv]`` with
+      n >= num_valid; tokens past ``num_valid`` are ignored.
   """
-  valid = (jnp.arange(k_chunk.shape[1]) < num_valid)[None, None, :, None]
-  keys = jnp.transpose(prepare_state_keys(k_chunk, params, cfg), (0, 2, 1, 3))
-  values = jnp.transpose(v_chunk.astype(jnp.float32), (0, 2, 1, 3))
-  radius = safe_l2_norm(values)  # from the ungated value, as the authors do
-  if cfg.gate_initial_state:
-    gate = jnp.transpose(g_chunk.astype(jnp.float32), (0, 2, 1))[..., None]
-    keys, values = keys * gate, values * gate
-  keys = jnp.where(valid, keys, 0.0)
-  values = jnp.where(valid, values, 0.0)
-  radius = jnp.where(valid[..., 0], radius, 0.0)
-  pad = capacity - keys.shape[2]
-  if pad < 0:
-    keys, values, radius = keys[:, :, :capacity], values[:, :, :capacity], radius[:, :, :capacity]
-    pad = 0
-  widths = ((0, 0), (0, 0), (0, pad), (0, 0))
-  return KVMState(keys=jnp.pad(keys, widths), values=jnp.pad(values, widths),
-                  radius=jnp.pad(radius, widths[:3]), num_rows=jnp.asarray(num_valid, jnp.int32))
+  keys, values, radius = token_rows(k_chunk[:, :num_valid], v_chunk[:, :num_valid],
+                                    g_chunk[:, :num_valid], params, cfg)
+  state = KVMState(keys=keys, values=values, radius=radius,
+                   num_rows=jnp.asarray(num_valid, jnp.int32))
+  return pad_rows(state, capacity)
 
 
 def first_argmax(x: Array) -> Array:

@@ -19,9 +19,10 @@ import numpy as np
 
 from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig
-from kvm_jax.ops.common import (KVMParams, KVMState, empty_state, joint_attention,
-                                prepare_state_keys, safe_l2_norm, state_readout, temperatures,
-                                update_state, validate_inputs, _is_concrete)
+from kvm_jax.ops.common import (KVMParams, KVMState, empty_state, fill_ring, joint_attention,
+                                pad_rows, ring_positions, state_readout, temperatures,
+                                token_rows, tree_nbytes, update_state, validate_inputs,
+                                write_ring, _is_concrete)
 from kvm_jax.ops.kvm import kvm_attention_xla
 
 Array = jax.Array
@@ -49,11 +50,9 @@ class KVMCache:
 
   def nbytes(self) -> dict[str, int]:
     """Bytes of the allocated arrays: state, window ring and total."""
-    def size(tree):
-      return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(tree))
-    state = size(self.state)
-    window = size((self.window_keys, self.window_values, self.window_gates))
-    return {"state": state, "window": window, "total": state + window + size(self.length)}
+    state = self.state.nbytes()
+    window = tree_nbytes((self.window_keys, self.window_values, self.window_gates))
+    return {"state": state, "window": window, "total": state + window + tree_nbytes(self.length)}
 
 
 jax.tree_util.register_dataclass(
@@ -89,28 +88,14 @@ def _check_against_cache(k, v, cache: KVMCache, where: str) -> None:
         "create the cache with kvm_init_cache using the same sizes.")
 
 
-def _pad_rows(state: KVMState, capacity: int) -> KVMState:
-  pad = capacity - state.capacity
-  return KVMState(keys=jnp.pad(state.keys, ((0, 0), (0, 0), (0, pad), (0, 0))),
-                  values=jnp.pad(state.values, ((0, 0), (0, 0), (0, pad), (0, 0))),
-                  radius=jnp.pad(state.radius, ((0, 0), (0, 0), (0, pad))),
-                  num_rows=state.num_rows)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _prefill(q, k, v, merge_gate, params, cfg, cache):
   T = q.shape[1]
-  L = cfg.window_len
   y, state = kvm_attention_xla(q, k, v, merge_gate, params, cfg=cfg, remat=False)
-  first = max(0, T - L)
-  slots = np.arange(first, T) % L  # static: positions of the last min(T, L) tokens
-  dtype = cache.window_keys.dtype
   return y, KVMCache(
-      state=_pad_rows(state, cache.state.capacity),
-      window_keys=jnp.zeros_like(cache.window_keys).at[:, slots].set(k[:, first:].astype(dtype)),
-      window_values=jnp.zeros_like(cache.window_values).at[:, slots].set(v[:, first:].astype(dtype)),
-      window_gates=jnp.zeros_like(cache.window_gates).at[:, slots].set(
-          merge_gate[:, first:].astype(jnp.float32)),
+      state=pad_rows(state, cache.state.capacity),
+      window_keys=fill_ring(cache.window_keys, k), window_values=fill_ring(cache.window_values, v),
+      window_gates=fill_ring(cache.window_gates, merge_gate),
       length=jnp.asarray(T, jnp.int32), max_len=cache.max_len)
 
 
@@ -152,12 +137,7 @@ def _decode_step(q_t, k_t, v_t, g_t, params, cfg, cache):
 
   # 1) A prompt shorter than one chunk: the initial state grows by this token (spec §6.11).
   grow = t < C
-  new_key = jnp.transpose(prepare_state_keys(k_t, params, cfg), (0, 2, 1, 3))      # [B,Hkv,1,D]
-  new_value = jnp.transpose(v_t.astype(jnp.float32), (0, 2, 1, 3))                  # [B,Hkv,1,Dv]
-  new_radius = safe_l2_norm(new_value)
-  if cfg.gate_initial_state:
-    gate = jnp.transpose(g_t.astype(jnp.float32), (0, 2, 1))[..., None]
-    new_key, new_value = new_key * gate, new_value * gate
+  new_key, new_value, new_radius = token_rows(k_t, v_t, g_t, params, cfg)   # [B, Hkv, 1, ·]
   write = (grow & (row == t))[None, None, :]
   state = KVMState(keys=jnp.where(write[..., None], new_key, state.keys),
                    values=jnp.where(write[..., None], new_value, state.values),
@@ -180,17 +160,12 @@ def _decode_step(q_t, k_t, v_t, g_t, params, cfg, cache):
   state = jax.lax.cond(fire, fold, lambda s: s, state)
 
   # 3) The token enters the ring (after the fold, which may still need the slot it overwrites).
-  slot = t % L
-  window_keys = jax.lax.dynamic_update_slice_in_dim(
-      cache.window_keys, k_t.astype(cache.window_keys.dtype), slot, axis=1)
-  window_values = jax.lax.dynamic_update_slice_in_dim(
-      cache.window_values, v_t.astype(cache.window_values.dtype), slot, axis=1)
-  window_gates = jax.lax.dynamic_update_slice_in_dim(
-      cache.window_gates, g_t.astype(jnp.float32), slot, axis=1)
+  window_keys = write_ring(cache.window_keys, k_t, t)
+  window_values = write_ring(cache.window_values, v_t, t)
+  window_gates = write_ring(cache.window_gates, g_t, t)
 
   # 4) Attend: state rows (once t >= L) and the window [bswa_begin(t + 1), t].
-  slots = jnp.arange(L)
-  position = t - (t - slots) % L
+  position = ring_positions(t, L)
   window_begin = jnp.maximum(0, (t // C + 1) * C - L)
   window_valid = (position >= window_begin)[None, :]
   state_valid = ((row < state.num_rows) & (t >= L))[None, :]
