@@ -26,18 +26,13 @@ def mqar_recall(logits_fn: Callable[[jax.Array], jax.Array], *, seq_len: int, vo
   for n in pairs:
     spec = data.MQARSpec(seq_len=seq_len, vocab_size=vocab_size, num_pairs=n)
     it = data.batched_iterator(data.mqar_dataset(seed, spec), batch_size)
-    hit = {"all": [0, 0], "near": [0, 0], "far": [0, 0]}
+    counts = None
     for _ in range(batches):
       batch = next(it)
       pred = np.asarray(jnp.argmax(logits_fn(jnp.asarray(batch["inputs"])), axis=-1))
-      valid = batch["labels"] != data.IGNORE
-      correct = (pred == batch["labels"]) & valid
-      near = valid & (batch["distance"] < window)
-      for name, mask in (("all", valid), ("near", near), ("far", valid & ~near)):
-        hit[name][0] += int((correct & mask).sum())
-        hit[name][1] += int(mask.sum())
-    ratio = lambda h: h[0] / h[1] if h[1] else float("nan")
-    rows.append({"pairs": n, "recall": ratio(hit["all"]), "recall_in_window": ratio(hit["near"]),
-                 "recall_state_only": ratio(hit["far"]), "answers_in_window": hit["near"][1],
-                 "answers_state_only": hit["far"][1]})
+      c = data.recall_counts(pred, batch["labels"], batch["distance"], window)
+      counts = c if counts is None else {k: counts[k] + c[k] for k in c}
+    rows.append({"pairs": n, **data.recall_ratios(counts),
+                 "answers_in_window": int(counts["in_window"][1]),
+                 "answers_state_only": int(counts["state_only"][1])})
   return rows

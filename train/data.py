@@ -82,6 +82,23 @@ def mqar_example(seed: int, index: int, spec: MQARSpec) -> dict[str, np.ndarray]
           "distance": distance[1:].astype(np.int32)}
 
 
+def recall_counts(pred: np.ndarray, labels: np.ndarray, distance: np.ndarray,
+                  window: int) -> dict[str, np.ndarray]:
+  """[hits, answers] at MQAR answer positions: all, key within the last ``window`` tokens
+  ("in_window"), and key further back, reachable only through a compressed state ("state_only")."""
+  valid = labels != IGNORE
+  correct = (pred == labels) & valid
+  near = valid & (distance < window)
+  return {name: np.array([int((correct & mask).sum()), int(mask.sum())])
+          for name, mask in (("all", valid), ("in_window", near), ("state_only", valid & ~near))}
+
+
+def recall_ratios(counts: dict[str, np.ndarray]) -> dict[str, float]:
+  ratio = lambda c: c[0] / c[1] if c[1] else float("nan")
+  return {"recall": ratio(counts["all"]), "recall_in_window": ratio(counts["in_window"]),
+          "recall_state_only": ratio(counts["state_only"])}
+
+
 def mqar_dataset(seed: int, spec: MQARSpec) -> grain.MapDataset:
   """An unbounded-by-construction, index-addressable MQAR stream (use ``[:n]`` to bound it)."""
   return grain.MapDataset.range(2 ** 31 - 1).map(lambda i: mqar_example(seed, int(i), spec))

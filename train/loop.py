@@ -9,10 +9,11 @@ current step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import signal
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +80,11 @@ class TrainConfig:
   hf_text_field: str = "text"
   peak_tflops_per_device: float = 0.0
 
+  @property
+  def sequence_length(self) -> int:
+    """Tokens per training sequence (MQAR sets its own)."""
+    return self.mqar.seq_len if self.task == "mqar" else self.seq_len
+
   def validate(self) -> None:
     if self.task not in ("mqar", "text"):
       raise ValueError(f"task must be 'mqar' or 'text', got {self.task!r}.")
@@ -125,7 +131,7 @@ def flops_per_token(cfg: TrainConfig, params) -> float:
   """6·N (matmul parameters, forward + backward) + attention/readout: 12·layers·keys·D·H."""
   from kvm_jax.budget import state_rows_after
   m = cfg.model
-  T = cfg.mqar.seq_len if cfg.task == "mqar" else cfg.seq_len
+  T = cfg.sequence_length
   n = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params)) - \
       m.vocab_size * m.hidden_size  # the embedding lookup is not a matmul
   keys = 0.0
@@ -199,44 +205,31 @@ def put_batch(batch: dict, batch_sharding) -> dict:
           for k, v in batch.items()}
 
 
-def evaluate(graphdef, params, cfg: TrainConfig, batches: int) -> dict[str, float]:
-  """Held-out loss; for MQAR also recall split by where the queried key lives."""
-  it = data.batched_iterator(_dataset(cfg, "eval"), cfg.batch_size)
-  forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))
-  window = cfg.model.kvm.window_len
-  totals = {"loss": 0.0, "correct": 0, "count": 0, "in_window": [0, 0], "state_only": [0, 0]}
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(graphdef, params, inputs):
+  return nnx.merge(graphdef, params)(inputs)
+
+
+def evaluate(graphdef, params, cfg: TrainConfig, batches: int,
+             dataset=None) -> dict[str, float]:
+  """Held-out loss on the same first ``batches`` batches every time; for MQAR also recall split
+  by where the queried key lives (``dataset`` avoids rebuilding the held-out split)."""
+  it = data.batched_iterator(dataset or _dataset(cfg, "eval"), cfg.batch_size)
+  loss, counts = 0.0, None
   for _ in range(batches):
     batch = next(it)
-    logits = forward(params, batch["inputs"])
-    totals["loss"] += float(masked_loss(logits, batch["labels"])) / batches
+    logits = _logits(graphdef, params, batch["inputs"])
+    loss += float(masked_loss(logits, batch["labels"])) / batches
     if cfg.task == "mqar":
       pred = np.asarray(jnp.argmax(logits, -1))
-      labels = batch["labels"]
-      valid = labels != data.IGNORE
-      hit = (pred == labels) & valid
-      far = valid & (batch["distance"] >= window)
-      near = valid & (batch["distance"] < window)
-      totals["correct"] += int(hit.sum())
-      totals["count"] += int(valid.sum())
-      totals["in_window"][0] += int((hit & near).sum())
-      totals["in_window"][1] += int(near.sum())
-      totals["state_only"][0] += int((hit & far).sum())
-      totals["state_only"][1] += int(far.sum())
-  out = {"eval_loss": totals["loss"]}
-  if cfg.task == "mqar":
-    ratio = lambda pair: pair[0] / pair[1] if pair[1] else float("nan")
-    out.update(recall=totals["correct"] / max(totals["count"], 1),
-               recall_in_window=ratio(totals["in_window"]),
-               recall_state_only=ratio(totals["state_only"]))
-  return out
+      c = data.recall_counts(pred, batch["labels"], batch["distance"], cfg.model.kvm.window_len)
+      counts = c if counts is None else {k: counts[k] + c[k] for k in c}
+  return {"eval_loss": loss, **(data.recall_ratios(counts) if counts else {})}
 
 
-def train(cfg: TrainConfig, workdir: str | Path, *, stop_after: Optional[int] = None,
-          verbose: bool = True) -> dict[str, Any]:
-  """Trains (or resumes) in ``workdir``; returns the last logged metrics.
-
-  ``stop_after`` ends the loop after that many steps *of this invocation* (for tests of resume).
-  """
+def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dict[str, Any]:
+  """Trains (or resumes) in ``workdir``; returns the last logged metrics plus the final
+  ``params`` and ``graphdef``."""
   cfg.validate()
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
@@ -260,7 +253,8 @@ def train(cfg: TrainConfig, workdir: str | Path, *, stop_after: Optional[int] = 
       if _in_main_thread() else None
   progress = Progress(cfg.steps, start)
   peak, fpt = peak_flops(cfg), flops_per_token(cfg, params)
-  tokens_per_step = cfg.batch_size * (cfg.mqar.seq_len if cfg.task == "mqar" else cfg.seq_len)
+  eval_set = _dataset(cfg, "eval") if cfg.eval_every else None
+  tokens_per_step = cfg.batch_size * cfg.sequence_length
   last: dict[str, Any] = {"step": start}
   t0, ran = time.perf_counter(), 0
   try:
@@ -268,7 +262,7 @@ def train(cfg: TrainConfig, workdir: str | Path, *, stop_after: Optional[int] = 
       batch = put_batch(next(iterator), shardings[2])
       params, opt_state, loss = train_step(params, opt_state, batch)
       done, ran = step + 1, ran + 1
-      final = done == cfg.steps or stop["sigterm"] or (stop_after is not None and ran >= stop_after)
+      final = done == cfg.steps or stop["sigterm"]
       if done % cfg.log_every == 0 or final:
         loss = float(loss)  # the only host sync, at log steps
         rate = tokens_per_step * ran / (time.perf_counter() - t0)
@@ -276,7 +270,7 @@ def train(cfg: TrainConfig, workdir: str | Path, *, stop_after: Optional[int] = 
         if peak:
           last["mfu"] = rate * fpt / peak
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
-          last.update(evaluate(graphdef, params, cfg, cfg.eval_batches))
+          last.update(evaluate(graphdef, params, cfg, cfg.eval_batches, eval_set))
         metrics.write(**last)
         line = progress.line(done, loss, rate,
                              f"MFU {last['mfu']:.1%}" if "mfu" in last else None)
