@@ -76,6 +76,13 @@ def _step(graphdef, state, token, caches, key, sampling):
   return sample_logits(logits[:, 0], key, sampling), caches
 
 
+@jax.jit
+def _emit(token, done, lengths, stops, pad_token):
+  """Bookkeeping of one generated token: pad finished rows, count, mark newly stopped rows."""
+  emitted = jnp.where(done, pad_token, token)
+  return emitted, done | jnp.isin(token, stops), lengths + (~done).astype(jnp.int32)
+
+
 def generate(model, prompt: Array, *, max_new_tokens: int, key: Array,
              sampling: SamplingConfig = SamplingConfig(), stop_tokens: Sequence[int] = (),
              pad_token: int = 0, max_len: Optional[int] = None) -> tuple[Array, Array]:
@@ -104,12 +111,12 @@ def generate(model, prompt: Array, *, max_new_tokens: int, key: Array,
   token = sample_logits(last_logits, sub, sampling)
   out, done = [], jnp.zeros((B,), bool)
   lengths = jnp.zeros((B,), jnp.int32)
+  pad_id = jnp.int32(pad_token)
   for step in range(max_new_tokens):
-    emitted = jnp.where(done, pad_token, token)
+    emitted, done, lengths = _emit(token, done, lengths, stops, pad_id)
     out.append(emitted)
-    lengths = lengths + (~done).astype(jnp.int32)
-    done = done | jnp.isin(token, stops)
-    if step == max_new_tokens - 1 or bool(jnp.all(done)):
+    # Early exit needs the host to see `done`; only checked when stop tokens exist.
+    if step == max_new_tokens - 1 or (stop_tokens and bool(jnp.all(done))):
       break
     key, sub = jax.random.split(key)
     token, caches = _step(graphdef, state, emitted, caches, sub, sampling)

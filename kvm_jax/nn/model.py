@@ -255,12 +255,13 @@ class LM(nnx.Module):
   def _check_tokens(self, tokens):
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be [batch, time] int, got shape {tokens.shape}.")
-    try:
-      top = int(jnp.max(tokens))
+    try:  # one device reduction and one transfer; skipped when traced
+      low, top = (int(x) for x in jnp.stack([jnp.min(tokens), jnp.max(tokens)]))
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
       return
-    if top >= self.cfg.vocab_size or int(jnp.min(tokens)) < 0:
-      raise ValueError(f"token id {top} is outside the vocabulary [0, {self.cfg.vocab_size}).")
+    if low < 0 or top >= self.cfg.vocab_size:
+      bad = low if low < 0 else top
+      raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size}).")
 
   def _run(self, tokens, positions, caches, decode):
     cfg = self.cfg
@@ -297,7 +298,7 @@ class LM(nnx.Module):
   def prefill(self, tokens: Array, caches: list[LayerCache]) -> tuple[Array, list[LayerCache]]:
     """Logits of a prompt and the caches filled for decoding from position T."""
     self._check_tokens(tokens)
-    max_len = _cache_max_len(caches[0])
+    max_len = caches[0].mixer.max_len
     if tokens.shape[1] > max_len:
       raise ValueError(f"prompt of {tokens.shape[1]} tokens exceeds the cache max_len={max_len}.")
     positions = jnp.arange(tokens.shape[1])[None]
@@ -307,16 +308,8 @@ class LM(nnx.Module):
     """Logits ``[B, 1, V]`` of one token at position ``caches[..].length``."""
     if token.ndim != 2 or token.shape[1] != 1:
       raise ValueError(f"decode_step takes tokens of shape [batch, 1], got {token.shape}.")
-    position = _cache_length(caches[0])
+    position = caches[0].mixer.length
     return self._run(token, jnp.reshape(position, (1, 1)), caches, True)
-
-
-def _cache_length(cache: LayerCache) -> Array:
-  return cache.mixer.length
-
-
-def _cache_max_len(cache: LayerCache) -> int:
-  return cache.mixer.max_len
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
