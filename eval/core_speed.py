@@ -3,7 +3,8 @@
 Both arms take q/k/v in ``[batch, time, heads, dim]`` (projections, RoPE and output projection
 excluded, as in the authors' benchmark, spec §10):
 
-* prefill: ``kvm_attention`` forward vs ``jax.nn.dot_product_attention(is_causal=True)``;
+* prefill: ``kvm_attention`` forward vs ``jax.nn.dot_product_attention(is_causal=True)``
+  (cuDNN on GPU, XLA elsewhere);
 * decode: one token after a context of T tokens, ``kvm_decode_step`` on a KVM cache vs a full
   attention step that writes the token into a preallocated KV cache and attends over it. KVM's
   figure is the mean over ``--decode-steps`` consecutive steps starting at position T, which
@@ -50,68 +51,89 @@ def _inputs(key, B, T, H, D, dtype):
   return q, k, v, g
 
 
-@functools.partial(jax.jit, donate_argnums=(3, 4))
-def _full_decode_step(q_t, k_t, v_t, k_cache, v_cache, position):
+def full_attention_impl() -> str:
+  """The strongest stock baseline per backend: cuDNN flash attention on GPU, XLA elsewhere."""
+  return "cudnn" if jax.default_backend() == "gpu" else "xla"
+
+
+@functools.partial(jax.jit, donate_argnums=(3, 4), static_argnames=("implementation",))
+def _full_decode_step(q_t, k_t, v_t, k_cache, v_cache, position, implementation="xla"):
   """Full attention decode: write token ``position`` into the cache, attend over [0, position]."""
   k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k_t, position, axis=1)
   v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v_t, position, axis=1)
   lengths = jnp.full((q_t.shape[0],), position + 1, jnp.int32)
   y = jax.nn.dot_product_attention(q_t, k_cache, v_cache, key_value_seq_lengths=lengths,
-                                   implementation="xla")
+                                   implementation=implementation)
   return y, k_cache, v_cache
+
+
+def _timed_steps(step, token_args, carry, T, n):
+  """Per-step wall times (ms) of ``carry = step(*token_args(t), carry)`` for t in [T, T+n).
+
+  Two warm-up steps run on a copy, so the timed run starts exactly at position T.
+  """
+  warm = jax.tree_util.tree_map(jnp.copy, carry)
+  for t in range(T, T + 2):
+    _, warm = step(*token_args(t), warm)
+  jax.block_until_ready(warm)
+  times = []
+  for t in range(T, T + n):
+    args_t = jax.block_until_ready(token_args(t))
+    start = time.perf_counter()
+    y, carry = step(*args_t, carry)
+    jax.block_until_ready(y)
+    times.append((time.perf_counter() - start) * 1e3)
+  return times, carry
+
+
+def time_kvm_decode(cfg, params, q, k, v, g, T: int, n: int):
+  """(per-step ms, final cache) of n KVM decode steps after prefilling T tokens."""
+  B, _, H, D = q.shape
+  cache = kj.kvm_init_cache(cfg, batch=B, kv_heads=k.shape[2], head_dim=D, value_dim=v.shape[3],
+                            max_len=T + n, dtype=q.dtype)
+  _, cache = kj.kvm_prefill(q[:, :T], k[:, :T], v[:, :T], g[:, :T], params, cfg, cache)
+  step = jax.jit(lambda q, k, v, g, c: kj.kvm_decode_step(q, k, v, g, params, cfg, c),
+                 donate_argnums=(4,))
+  token = lambda t: (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1])
+  return _timed_steps(step, token, cache, T, n)
+
+
+def time_full_decode(q, k, v, T: int, n: int):
+  """(per-step ms, KV-cache bytes at T) of n full-attention decode steps after T tokens."""
+  B, _, H, D = k.shape
+  impl = full_attention_impl()
+  caches = (jnp.zeros((B, T + n, H, D), k.dtype).at[:, :T].set(k[:, :T]),
+            jnp.zeros((B, T + n, H, v.shape[3]), v.dtype).at[:, :T].set(v[:, :T]))
+
+  def step(q_t, k_t, v_t, t, kv):
+    y, k_cache, v_cache = _full_decode_step(q_t, k_t, v_t, *kv, jnp.int32(t), implementation=impl)
+    return y, (k_cache, v_cache)
+
+  token = lambda t: (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], t)
+  times, _ = _timed_steps(step, token, caches, T, n)
+  return times, int(k[:, :T].nbytes + v[:, :T].nbytes)
 
 
 def bench_prefill(T, args, cfg, params, dtype):
   q, k, v, g = _inputs(jax.random.PRNGKey(T), args.batch, T, args.heads, args.head_dim, dtype)
   kvm = jax.jit(lambda q, k, v, g: kj.kvm_attention(q, k, v, g, params, cfg)[0])
-  full = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                              implementation="xla"))
+  full = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, implementation=full_attention_impl()))
   t_kvm = _time(kvm, q, k, v, g, repeats=args.repeats)
   t_full = _time(full, q, k, v, repeats=args.repeats)
   return t_kvm, t_full
 
 
 def bench_decode(T, args, cfg, params, dtype):
-  B, H, D, n = args.batch, args.heads, args.head_dim, args.decode_steps
-  q, k, v, g = _inputs(jax.random.PRNGKey(T + 1), B, T + n, H, D, dtype)
-  cache = kj.kvm_init_cache(cfg, batch=B, kv_heads=H, head_dim=D, value_dim=D, max_len=T + n,
-                            dtype=dtype)
-  _, cache = kj.kvm_prefill(q[:, :T], k[:, :T], v[:, :T], g[:, :T], params, cfg, cache)
-  step = jax.jit(lambda q, k, v, g, c: kj.kvm_decode_step(q, k, v, g, params, cfg, c),
-                 donate_argnums=(4,))
-  # Warm up on a copy so the timed run starts exactly at position T.
-  warm = jax.tree_util.tree_map(jnp.copy, cache)
-  for t in range(T, T + 2):
-    _, warm = step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1], warm)
-  jax.block_until_ready(warm)
-  kvm_steps = []
-  for t in range(T, T + n):
-    args_t = (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1])
-    jax.block_until_ready(args_t)
-    start = time.perf_counter()
-    y, cache = step(*args_t, cache)
-    jax.block_until_ready(y)
-    kvm_steps.append((time.perf_counter() - start) * 1e3)
-
-  k_cache = jnp.zeros((B, T + n, H, D), dtype).at[:, :T].set(k[:, :T])
-  v_cache = jnp.zeros((B, T + n, H, D), dtype).at[:, :T].set(v[:, :T])
-  for t in range(T, T + 2):  # warm-up (compiles once: position is traced)
-    _, k_cache, v_cache = _full_decode_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], k_cache,
-                                            v_cache, jnp.int32(t))
-  full_steps = []
-  for t in range(T, T + n):
-    args_t = (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1])
-    jax.block_until_ready(args_t)
-    start = time.perf_counter()
-    y, k_cache, v_cache = _full_decode_step(*args_t, k_cache, v_cache, jnp.int32(t))
-    jax.block_until_ready(y)
-    full_steps.append((time.perf_counter() - start) * 1e3)
-  state_bytes = cache.nbytes()
-  full_bytes = int(k_cache.nbytes + v_cache.nbytes) * T // (T + n)
+  n = args.decode_steps
+  q, k, v, g = _inputs(jax.random.PRNGKey(T + 1), args.batch, T + n, args.heads, args.head_dim,
+                       dtype)
+  kvm_steps, cache = time_kvm_decode(cfg, params, q, k, v, g, T, n)
+  full_steps, full_bytes = time_full_decode(q, k, v, T, n)
   return {
       "kvm_mean_ms": statistics.fmean(kvm_steps), "kvm_median_ms": statistics.median(kvm_steps),
       "kvm_max_ms": max(kvm_steps), "full_mean_ms": statistics.fmean(full_steps),
-      "full_median_ms": statistics.median(full_steps), "kvm_cache_bytes": state_bytes["total"],
+      "full_median_ms": statistics.median(full_steps), "kvm_cache_bytes": cache.nbytes()["total"],
       "full_cache_bytes_at_T": full_bytes,
   }
 

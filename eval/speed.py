@@ -21,13 +21,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 import kvm_jax as kj
-from eval.core_speed import _full_decode_step, _inputs, _time
+from eval.core_speed import (_inputs, _time, full_attention_impl, time_full_decode,
+                             time_kvm_decode)
 
 BUDGETS = {
     "fixed256": lambda: kj.FixedBudget(256),
@@ -40,14 +40,10 @@ def kvm_config(budget: str, head_dim: int) -> kj.KVMConfig:
                       budget=BUDGETS[budget](), max_state_rows=256 * 10000)
 
 
-def _full_impl() -> str | None:
-  return "cudnn" if jax.default_backend() == "gpu" else "xla"
-
-
 def time_prefill_backward(T, args, dtype, phases):
   q, k, v, g = _inputs(jax.random.PRNGKey(T), args.batch, T, args.heads, args.head_dim, dtype)
   w = jax.random.normal(jax.random.PRNGKey(1), q.shape, dtype)
-  impl = _full_impl()
+  impl = full_attention_impl()
   full = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
   arms = {"full": lambda q, k, v: full(q, k, v)}
   for budget in args.budgets:
@@ -69,43 +65,18 @@ def time_prefill_backward(T, args, dtype, phases):
 
 
 def time_decode(T, args, dtype):
-  B, H, D, n = args.batch, args.heads, args.head_dim, args.decode_steps
-  q, k, v, g = _inputs(jax.random.PRNGKey(T + 1), B, T + n, H, D, dtype)
+  n = args.decode_steps
+  q, k, v, g = _inputs(jax.random.PRNGKey(T + 1), args.batch, T + n, args.heads, args.head_dim,
+                       dtype)
   out = {}
   for budget in args.budgets:
-    cfg = kvm_config(budget, D)
-    params = kj.KVMParams.init(D, H)
-    cache = kj.kvm_init_cache(cfg, batch=B, kv_heads=H, head_dim=D, value_dim=D, max_len=T + n,
-                              dtype=dtype)
-    _, cache = kj.kvm_prefill(q[:, :T], k[:, :T], v[:, :T], g[:, :T], params, cfg, cache)
-    step = jax.jit(lambda q, k, v, g, c, cfg=cfg, params=params:
-                   kj.kvm_decode_step(q, k, v, g, params, cfg, c), donate_argnums=(4,))
-    warm = jax.tree_util.tree_map(jnp.copy, cache)
-    _, warm = step(q[:, T:T + 1], k[:, T:T + 1], v[:, T:T + 1], g[:, T:T + 1], warm)
-    jax.block_until_ready(warm)
-    times = []
-    for t in range(T, T + n):
-      args_t = (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1])
-      start = time.perf_counter()
-      y, cache = step(*args_t, cache)
-      jax.block_until_ready(y)
-      times.append((time.perf_counter() - start) * 1e3)
-    bytes_ = cache.nbytes()
-    out[budget] = {"decode_ms": statistics.fmean(times), "cache_bytes": bytes_["total"],
+    cfg = kvm_config(budget, args.head_dim)
+    times, cache = time_kvm_decode(cfg, kj.KVMParams.init(args.head_dim, args.heads), q, k, v, g,
+                                   T, n)
+    out[budget] = {"decode_ms": statistics.fmean(times), "cache_bytes": cache.nbytes()["total"],
                    "state_rows": int(cache.state.num_rows)}
-  k_cache = jnp.zeros((B, T + n, H, D), dtype).at[:, :T].set(k[:, :T])
-  v_cache = jnp.zeros((B, T + n, H, D), dtype).at[:, :T].set(v[:, :T])
-  _, k_cache, v_cache = _full_decode_step(q[:, T:T + 1], k[:, T:T + 1], v[:, T:T + 1], k_cache,
-                                          v_cache, jnp.int32(T))
-  times = []
-  for t in range(T, T + n):
-    start = time.perf_counter()
-    y, k_cache, v_cache = _full_decode_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], k_cache,
-                                            v_cache, jnp.int32(t))
-    jax.block_until_ready(y)
-    times.append((time.perf_counter() - start) * 1e3)
-  out["full"] = {"decode_ms": statistics.fmean(times),
-                 "cache_bytes": 2 * B * T * H * D * jnp.dtype(dtype).itemsize}
+  times, full_bytes = time_full_decode(q, k, v, T, n)
+  out["full"] = {"decode_ms": statistics.fmean(times), "cache_bytes": full_bytes}
   return out
 
 
@@ -153,7 +124,7 @@ def main(argv=None) -> int:
   dtype = jnp.dtype(args.dtype)
   print(f"{jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
         f"B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}; C=256 L=512; full "
-        f"attention: dot_product_attention({_full_impl()})", flush=True)
+        f"attention: dot_product_attention({full_attention_impl()})", flush=True)
   rows = []
   for T in lengths:
     row = {"T": T}
