@@ -101,6 +101,18 @@ def make_example(task: str, length: int, depth: float, seed: int,
   return NIAHExample(prompt=build(lo), answer=value, depth=float(depth), task=task, length=length)
 
 
+def shortest_length(task: str, count_tokens: Callable[[str], int],
+                    generation_budget: int = 128) -> int:
+  """The smallest target length for which :func:`make_example` succeeds for every key and depth
+  (the template, the longest key and value, no haystack, plus the generation budget)."""
+  kind = _needle_kind(task)
+  key = f"{max(_ADJECTIVES, key=len)}-{max(_NOUNS, key=len)}"
+  value = "x" * (36 if kind == "uuids" else 7)
+  text = (TEMPLATE.format(kind=kind, key=key, context=NEEDLE.format(kind=kind, key=key, value=value))
+          + ANSWER_PREFIX.format(kind=kind, key=key))
+  return count_tokens(text) + generation_budget + 8  # margin: tokenizers may merge differently
+
+
 def make_examples(task: str, length: int, count_tokens: Callable[[str], int], seed: int = 0,
                   depths: Sequence[float] = DEPTHS, generation_budget: int = 128):
   return [make_example(task, length, d, seed, count_tokens, generation_budget) for d in depths]

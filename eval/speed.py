@@ -9,6 +9,10 @@ For every context length T, this times (median of ``--repeats`` after a warm-up)
   figure includes the state update that fires at a chunk boundary) vs a full-attention step over a
   preallocated KV cache.
 
+With ``--models`` (preset names, e.g. ``kvm256_120m,gpta2_120m``) it also measures whole-model
+decoding: a ``--model-context``-token prompt is prefilled, then ``--decode-steps`` greedy tokens are
+generated; it prints tokens/s and the decode-cache bytes of every layer, measured from the arrays.
+
 Then it prints ms and speed-ups per budget (``fixed256``: 256 rows; ``sqrt16``: 16·√N, min 256), the
 crossover length where KVM prefill first beats full attention, and the decode-cache bytes measured
 from the arrays (state + window) against the full KV cache. ``--paper`` uses the paper's
@@ -18,14 +22,18 @@ B=8, H=32, D=128, bf16 (an accelerator is needed for that); CPU defaults finish 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 import kvm_jax as kj
+from kvm_jax.ops.common import tree_nbytes
 from eval.core_speed import (_inputs, _time, full_attention_impl, time_full_decode,
                              time_kvm_decode)
 
@@ -80,6 +88,41 @@ def time_decode(T, args, dtype):
   return out
 
 
+def time_model_decode(name: str, context: int, steps: int, batch: int, dtype: str) -> dict:
+  """Whole-model greedy decoding of preset ``name`` after a ``context``-token prompt."""
+  from kvm_jax.generate import _prefill, _step  # the jitted halves kj.generate runs
+  if name.startswith("tiny-"):  # test-sized models: tiny-kvm, tiny-full, tiny-bswa, tiny-swa
+    cfg = kj.presets.tiny(mixers=name[len("tiny-"):])
+  elif name in kj.presets.PRESETS:
+    cfg = kj.presets.PRESETS[name]()
+  else:
+    raise SystemExit(f"--models: unknown preset {name!r}; choose from "
+                     f"{sorted(kj.presets.PRESETS)} or tiny-<mixer>.")
+  cfg = dataclasses.replace(cfg, compute_dtype=dtype)
+  model = kj.LM(cfg, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  caches = model.init_cache(batch, context + steps + 2)
+  prompt = jax.random.randint(jax.random.PRNGKey(0), (batch, context), 0, cfg.vocab_size)
+  greedy = kj.SamplingConfig(temperature=0.0)
+  t0 = time.perf_counter()
+  logits, caches = _prefill(graphdef, state, prompt, caches)
+  token = jnp.argmax(logits, -1).astype(jnp.int32).block_until_ready()
+  prefill_s = time.perf_counter() - t0  # includes compilation
+  key = jax.random.PRNGKey(0)
+  token, caches = _step(graphdef, state, token, caches, key, greedy)  # compile + warm-up
+  token.block_until_ready()
+  t0 = time.perf_counter()
+  for _ in range(steps):
+    token, caches = _step(graphdef, state, token, caches, key, greedy)
+  token.block_until_ready()
+  elapsed = time.perf_counter() - t0
+  per_layer = [tree_nbytes(c.mixer) for c in caches]
+  return {"model": name, "context": context, "batch": batch, "steps": steps,
+          "tokens_per_s": batch * steps / elapsed, "ms_per_step": 1e3 * elapsed / steps,
+          "prefill_s_incl_compile": prefill_s, "cache_bytes_per_layer": per_layer,
+          "cache_bytes": sum(per_layer), "parameters": kj.count_params(cfg)["total"]}
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="kvm-bench", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--repeats", type=int, default=3, help="timed repeats, median (default: 3)")
   p.add_argument("--decode-steps", type=int, default=64,
                  help="decode steps averaged after each context (default: %(default)s)")
+  p.add_argument("--models", default="",
+                 help="comma-separated presets for whole-model decode tokens/s, e.g. "
+                      "kvm256_120m,kvm_sqrt16_120m,gpta2_120m (default: none)")
+  p.add_argument("--model-context", type=int, default=2048,
+                 help="prompt tokens before the whole-model decode timing (default: %(default)s)")
   p.add_argument("--json", default=None, help="write all measurements to this JSON file")
   p.add_argument("--plot", default=None, help="write a PNG of ms vs T to this path")
   return p
@@ -116,6 +164,8 @@ def main(argv=None) -> int:
   phases = set(p for p in args.phases.split(",") if p)
   if not phases <= {"prefill", "decode", "backward"}:
     raise SystemExit(f"--phases: unknown {sorted(phases - {'prefill', 'decode', 'backward'})}.")
+  if not phases and not args.models:
+    raise SystemExit("nothing to time: give --phases and/or --models.")
   if args.lengths is None:
     top = 16384 if jax.default_backend() == "cpu" else 32768
     lengths = [512 * 2 ** i for i in range(12) if 512 * 2 ** i <= top]
@@ -126,7 +176,7 @@ def main(argv=None) -> int:
         f"B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}; C=256 L=512; full "
         f"attention: dot_product_attention({full_attention_impl()})", flush=True)
   rows = []
-  for T in lengths:
+  for T in (lengths if phases else []):
     row = {"T": T}
     if phases & {"prefill", "backward"}:
       for arm, r in time_prefill_backward(T, args, dtype, phases).items():
@@ -152,9 +202,19 @@ def main(argv=None) -> int:
     for r in rows:
       print(f"  T={r['T']:>6}  full {r['full_cache_bytes']:>13,}  " + "  ".join(
           f"{b} {r[f'{b}_cache_bytes']:>11,} ({r[f'{b}_state_rows']} rows)" for b in args.budgets))
+  model_rows = []
+  for name in (m for m in args.models.split(",") if m):
+    r = time_model_decode(name, args.model_context, args.decode_steps, args.batch, args.dtype)
+    model_rows.append(r)
+    per_layer = sorted(set(r["cache_bytes_per_layer"]))
+    print(f"model {name:<20} {r['parameters'] / 1e6:7.1f}M params  decode after "
+          f"{r['context']} tokens: {r['tokens_per_s']:9.1f} tok/s ({r['ms_per_step']:.2f} ms/step, "
+          f"B={r['batch']})  cache {r['cache_bytes']:,} B (per layer: "
+          f"{', '.join(f'{b:,}' for b in per_layer)})", flush=True)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"setup": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=2)
+      json.dump({"setup": {k: v for k, v in vars(args).items()}, "rows": rows,
+                 "models": model_rows}, f, indent=2)
   if args.plot:
     import matplotlib
     matplotlib.use("Agg")

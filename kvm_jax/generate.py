@@ -85,8 +85,14 @@ def _emit(token, done, lengths, stops, pad_token):
 
 def generate(model, prompt: Array, *, max_new_tokens: int, key: Array,
              sampling: SamplingConfig = SamplingConfig(), stop_tokens: Sequence[int] = (),
-             pad_token: int = 0, max_len: Optional[int] = None) -> tuple[Array, Array]:
+             pad_token: int = 0, max_len: Optional[int] = None,
+             prefill_bucket: Optional[int] = None) -> tuple[Array, Array]:
   """Continues ``prompt [B, P]`` by up to ``max_new_tokens`` tokens.
+
+  ``prefill_bucket``: prefill only the first ``P - P % prefill_bucket`` prompt tokens (at least 1)
+  and feed the rest through the decode step. Greedy results are the same (decode == prefill); the
+  prefill then compiles once per bucket instead of once per prompt length, which matters when
+  many prompts of slightly different lengths are evaluated one by one (NIAH, lm-eval).
 
   Returns ``(tokens [B, P + max_new_tokens], lengths [B])``: after a sequence emits one of
   ``stop_tokens`` its later positions hold ``pad_token``; ``lengths`` counts generated tokens
@@ -103,12 +109,18 @@ def generate(model, prompt: Array, *, max_new_tokens: int, key: Array,
   if needed > max_len:
     raise ValueError(f"prompt ({P}) + max_new_tokens ({max_new_tokens}) = {needed} exceeds "
                      f"max_len={max_len}; raise max_len.")
+  if prefill_bucket is not None and prefill_bucket < 1:
+    raise ValueError(f"prefill_bucket must be >= 1 or None, got {prefill_bucket}.")
   graphdef, state = nnx.split(model)
   caches = model.init_cache(B, max_len)
-  last_logits, caches = _prefill(graphdef, state, prompt, caches)
+  prefilled = P if prefill_bucket is None else max(P - P % prefill_bucket, 1)
+  last_logits, caches = _prefill(graphdef, state, prompt[:, :prefilled], caches)
   stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
   key, sub = jax.random.split(key)
   token = sample_logits(last_logits, sub, sampling)
+  for i in range(prefilled, P):  # the prompt's tail, token by token (its samples are discarded)
+    key, sub = jax.random.split(key)
+    token, caches = _step(graphdef, state, prompt[:, i].astype(jnp.int32), caches, sub, sampling)
   out, done = [], jnp.zeros((B,), bool)
   lengths = jnp.zeros((B,), jnp.int32)
   pad_id = jnp.int32(pad_token)

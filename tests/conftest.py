@@ -52,6 +52,18 @@ def make_params(seed: int, D: int, H: int) -> kj.KVMParams:
                       state_temperature=1.0 + 0.3 * jax.random.uniform(k4, (H,), minval=-1, maxval=1))
 
 
+def make_model(mixers="kvm", seed: int = 0, **overrides) -> kj.LM:
+  """A tiny LM whose zero-initialized projections are perturbed, so every path matters."""
+  from flax import nnx
+  model = kj.LM(kj.presets.tiny(mixers=mixers, **overrides), rngs=nnx.Rngs(seed))
+  state = nnx.state(model, nnx.Param)
+  leaves, treedef = jax.tree_util.tree_flatten(state)
+  keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
+  leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+  nnx.update(model, jax.tree_util.tree_unflatten(treedef, leaves))
+  return model
+
+
 def rel_rms(actual, expected) -> float:
   """fla-style relative error: RMS(actual - expected) / RMS(expected)."""
   a = np.asarray(actual, np.float64)

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import kvm_jax as kj
+from tests.conftest import make_model
 
 PATTERNS = {
     "kvm": "kvm", "full": "full", "swa": "swa", "bswa": "bswa",
@@ -19,14 +20,7 @@ PATTERNS = {
 
 
 def _model(mixers, seed=0, **kw) -> kj.LM:
-  """A tiny model whose zero-initialized projections are perturbed, so every path matters."""
-  model = kj.LM(kj.presets.tiny(mixers=mixers, **kw), rngs=nnx.Rngs(seed))
-  state = nnx.state(model, nnx.Param)
-  leaves, treedef = jax.tree_util.tree_flatten(state)
-  keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
-  leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-  nnx.update(model, jax.tree_util.tree_unflatten(treedef, leaves))
-  return model
+  return make_model(mixers, seed, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +101,23 @@ def test_generation_greedy_is_argmax_of_forward(models):
   a, _ = kj.generate(model, prompt, max_new_tokens=10, key=jax.random.PRNGKey(1), sampling=s)
   b, _ = kj.generate(model, prompt, max_new_tokens=10, key=jax.random.PRNGKey(1), sampling=s)
   np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("name", ["kvm", "full_bswa_hybrid"])
+def test_bucketed_prefill_generates_the_same(models, name):
+  """prefill_bucket prefills a bucket-aligned prefix and decodes the prompt's tail token by
+  token: greedy output must equal a whole-prompt prefill (decode == prefill)."""
+  model = models[name]
+  prompt = jax.random.randint(jax.random.PRNGKey(8), (2, 21), 0, model.cfg.vocab_size)
+  greedy = kj.SamplingConfig(temperature=0.0)
+  whole, _ = kj.generate(model, prompt, max_new_tokens=6, key=jax.random.PRNGKey(0),
+                         sampling=greedy)
+  for bucket in (8, 64):  # a 16-token prefill + 5 decoded; a 1-token prefill + 20 decoded
+    bucketed, _ = kj.generate(model, prompt, max_new_tokens=6, key=jax.random.PRNGKey(0),
+                              sampling=greedy, prefill_bucket=bucket, max_len=40)
+    np.testing.assert_array_equal(np.asarray(bucketed), np.asarray(whole))
+  with pytest.raises(ValueError, match="prefill_bucket"):
+    kj.generate(model, prompt, max_new_tokens=2, key=jax.random.PRNGKey(0), prefill_bucket=0)
 
 
 def test_generation_stop_tokens(models):

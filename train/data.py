@@ -104,6 +104,61 @@ def mqar_dataset(seed: int, spec: MQARSpec) -> grain.MapDataset:
   return grain.MapDataset.range(2 ** 31 - 1).map(lambda i: mqar_example(seed, int(i), spec))
 
 
+@dataclasses.dataclass(frozen=True)
+class NIAHSpec:
+  """Training stream of RULER-style needle-in-a-haystack examples (``eval.niah`` builds them).
+
+  Each example is a prompt of ``min_len`` .. ``seq_len`` tokens (uniform, so the model sees many
+  haystack sizes and needle depths) followed by the answer; loss only on the answer tokens.
+  """
+
+  seq_len: int = 512
+  min_len: int = 0          # 0 = seq_len // 2
+  task: str = "niah_single_1"
+  tokenizer_file: str = ""  # "" = bytes
+
+  def __post_init__(self):
+    from eval import niah
+    if self.task not in niah.TASKS:
+      raise ValueError(f"NIAHSpec.task={self.task!r}; choose from {niah.TASKS}.")
+    if not 0 <= self.min_len <= self.seq_len:
+      raise ValueError(f"NIAHSpec.min_len={self.min_len} must lie in [0, seq_len={self.seq_len}].")
+
+
+def _tokenizer(tokenizer_file: str):
+  return HFTokenizer(tokenizer_file) if tokenizer_file else ByteTokenizer()
+
+
+def niah_example(seed: int, index: int, spec: NIAHSpec, tokenizer=None) -> dict[str, np.ndarray]:
+  """Example ``index`` of the NIAH training stream ``seed``: ``inputs``/``labels`` ``[seq_len]``."""
+  from eval import niah
+  tok = tokenizer or _tokenizer(spec.tokenizer_file)
+  rng = np.random.default_rng([seed, index, 77])
+  answer_budget = 48 if spec.task == "niah_single_3" else 16  # " <value>." + EOS, with margin
+  count = lambda t: len(tok.encode(t))
+  lo = max(spec.min_len or spec.seq_len // 2, niah.shortest_length(spec.task, count, answer_budget))
+  if lo > spec.seq_len:
+    raise ValueError(f"NIAHSpec.seq_len={spec.seq_len} is too short for the {spec.task} template "
+                     f"with this tokenizer; use seq_len >= {lo}.")
+  length = int(rng.integers(lo, spec.seq_len + 1))
+  ex = niah.make_example(spec.task, length, float(rng.choice(niah.DEPTHS)),
+                         int(rng.integers(2 ** 31)), count,
+                         generation_budget=answer_budget)
+  prompt = tok.encode(ex.prompt)
+  answer = tok.encode(f" {ex.answer}.") + [tok.eos_id]
+  ids = (prompt + answer)[:spec.seq_len + 1]
+  tokens = np.full(spec.seq_len + 1, tok.eos_id, np.int64)
+  tokens[:len(ids)] = ids
+  labels = np.full(spec.seq_len + 1, IGNORE, np.int64)
+  labels[len(prompt):len(ids)] = tokens[len(prompt):len(ids)]
+  return {"inputs": tokens[:-1].astype(np.int32), "labels": labels[1:].astype(np.int32)}
+
+
+def niah_dataset(seed: int, spec: NIAHSpec) -> grain.MapDataset:
+  tok = _tokenizer(spec.tokenizer_file)
+  return grain.MapDataset.range(2 ** 31 - 1).map(lambda i: niah_example(seed, int(i), spec, tok))
+
+
 # ----------------------------------------------------------------------------------------------
 # Text
 # ----------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from kvm_jax import config_io
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.model import LM
 from train import adamc as adamc_lib
@@ -36,8 +37,10 @@ class TrainConfig:
 
   Attributes:
     model: the :class:`kvm_jax.ModelConfig` to train.
-    task: "mqar" (synthetic recall) or "text" (packed language modelling).
+    task: "mqar" (synthetic recall), "niah" (RULER-style needle retrieval, loss on the answer
+      only) or "text" (packed language modelling).
     mqar: MQAR task shape (sequence length, vocabulary, pairs) when ``task == "mqar"``.
+    niah: NIAH task (RULER task name, lengths, tokenizer) when ``task == "niah"``.
     text_files: local .txt/.jsonl files for ``task == "text"``; empty = the embedded corpus.
     seq_len: training sequence length (text; MQAR uses ``mqar.seq_len``).
     batch_size: sequences per step (global, split over the data axis of the mesh).
@@ -58,6 +61,7 @@ class TrainConfig:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   task: str = "mqar"
   mqar: data.MQARSpec = dataclasses.field(default_factory=data.MQARSpec)
+  niah: data.NIAHSpec = dataclasses.field(default_factory=data.NIAHSpec)
   text_files: tuple = ()
   seq_len: int = 256
   batch_size: int = 16
@@ -82,12 +86,12 @@ class TrainConfig:
 
   @property
   def sequence_length(self) -> int:
-    """Tokens per training sequence (MQAR sets its own)."""
-    return self.mqar.seq_len if self.task == "mqar" else self.seq_len
+    """Tokens per training sequence (MQAR and NIAH set their own)."""
+    return {"mqar": self.mqar.seq_len, "niah": self.niah.seq_len}.get(self.task, self.seq_len)
 
   def validate(self) -> None:
-    if self.task not in ("mqar", "text"):
-      raise ValueError(f"task must be 'mqar' or 'text', got {self.task!r}.")
+    if self.task not in ("mqar", "niah", "text"):
+      raise ValueError(f"task must be 'mqar', 'niah' or 'text', got {self.task!r}.")
     for name in ("batch_size", "steps", "log_every", "checkpoint_every", "keep_checkpoints"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
@@ -100,6 +104,8 @@ def _dataset(cfg: TrainConfig, split: str):
   seed = cfg.seed if split == "train" else cfg.seed + 10_000
   if cfg.task == "mqar":
     return data.mqar_dataset(seed, cfg.mqar)
+  if cfg.task == "niah":
+    return data.niah_dataset(seed, cfg.niah)
   tok = data.HFTokenizer(cfg.tokenizer_file) if cfg.tokenizer_file else data.ByteTokenizer()
   if cfg.hf_dataset:
     docs = data.read_hf_documents(cfg.hf_dataset, cfg.hf_split, cfg.hf_text_field)
@@ -224,6 +230,13 @@ def evaluate(graphdef, params, cfg: TrainConfig, batches: int,
       pred = np.asarray(jnp.argmax(logits, -1))
       c = data.recall_counts(pred, batch["labels"], batch["distance"], cfg.model.kvm.window_len)
       counts = c if counts is None else {k: counts[k] + c[k] for k in c}
+    elif cfg.task == "niah":  # teacher-forced: every answer token right
+      pred = np.asarray(jnp.argmax(logits, -1))
+      labels = np.asarray(batch["labels"])
+      wrong = ((pred != labels) & (labels != data.IGNORE)).any(axis=1)
+      counts = (0 if counts is None else counts) + np.array([int((~wrong).sum()), len(wrong)])
+  if cfg.task == "niah":
+    return {"eval_loss": loss, "answer_exact": counts[0] / counts[1]}
   return {"eval_loss": loss, **(data.recall_ratios(counts) if counts else {})}
 
 
@@ -238,6 +251,7 @@ def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dic
                                    shard_index=jax.process_index(),
                                    shard_count=jax.process_count())
   ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.keep_checkpoints)
+  save_config(cfg, workdir, verbose)
   start = 0
   if ckpt.latest_step() is not None:
     start, state, data_state = ckpt.restore(abstract_like({"params": params,
@@ -291,6 +305,47 @@ def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dic
   last["params"] = params
   last["graphdef"] = graphdef
   return last
+
+
+CONFIG_FILE = "config.json"
+TRAIN_CLASSES = (TrainConfig, data.MQARSpec, data.NIAHSpec)
+
+
+def save_config(cfg: TrainConfig, workdir: Path, verbose: bool = True) -> None:
+  """Writes ``workdir/config.json`` so evaluation can rebuild the model from the directory alone."""
+  try:
+    config_io.save(workdir / CONFIG_FILE, cfg)
+  except ValueError as e:  # a callable budget: training still works, loading needs the config
+    if verbose:
+      print(f"note: {CONFIG_FILE} not written ({e}); pass the config to load_trained().")
+
+
+def load_trained(workdir: str | Path, step: int | None = None,
+                 cfg: TrainConfig | None = None) -> tuple[TrainConfig, Any, int]:
+  """(train config, ``nnx`` model with the checkpointed parameters, step) of a run directory.
+
+  ``step`` defaults to the newest checkpoint; ``cfg`` defaults to the run's ``config.json``.
+  """
+  workdir = Path(workdir)
+  if cfg is None:
+    if not (workdir / CONFIG_FILE).exists():
+      raise ValueError(f"{workdir} has no {CONFIG_FILE}: is it a kvm-train / kvm-demo run "
+                       "directory (one model per directory, e.g. runs/demo/kvm-fixed)?")
+    cfg = config_io.load(workdir / CONFIG_FILE, TRAIN_CLASSES)
+  abstract_model = nnx.eval_shape(lambda: LM(cfg.model, rngs=nnx.Rngs(0)))
+  graphdef, abstract_params = nnx.split(abstract_model)
+  abstract_opt = jax.eval_shape(make_optimizer(cfg, abstract_params).init, abstract_params)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                                  {"params": abstract_params, "opt_state": abstract_opt})
+  ckpt = Checkpointer(workdir / "checkpoints")
+  try:
+    if ckpt.latest_step() is None:
+      raise ValueError(f"{workdir / 'checkpoints'} holds no checkpoint.")
+    step, state, _ = ckpt.restore(target, step)
+  finally:
+    ckpt.close()
+  return cfg, nnx.merge(graphdef, state["params"]), step
 
 
 def _in_main_thread() -> bool:

@@ -1,0 +1,320 @@
+"""``kvm-eval``: evaluate trained run directories on NIAH, MQAR and position-wise loss; one report.
+
+    kvm-eval --checkpoint runs/demo --suite niah,mqar,position_loss --out runs/demo/eval
+
+``--checkpoint`` takes run directories (a ``kvm-train`` workdir, or a directory of them such as the
+``kvm-demo`` workdir, whose sub-directories are each one model). For each model it runs
+
+* **niah** — RULER single-needle S1 / S2-style / S3-style (``eval.niah``) at each ``--niah-lengths``
+  and ``--niah-depths`` needle depths, greedy generation, RULER's string-match score (0–100);
+* **mqar** — MQAR recall per number of pairs, split by whether the queried key is inside the exact
+  window or only in the compressed state (``eval.mqar``);
+* **position_loss** — mean NLL per ``--position-bucket`` tokens over long local documents
+  (``eval.position_loss``), plotted with one curve per model;
+
+and writes ``results.json`` (everything, per depth and per bucket) and ``report.md`` (one row per
+model, the paper's Table 2 layout: NIAH columns per length, MQAR recall, loss at the first and last
+buckets) to ``--out``. A suite a model cannot run (e.g. a text task on a model whose vocabulary is
+smaller than the tokenizer's) is recorded as skipped, with the reason, not silently dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kvm_jax as kj
+from eval import mqar as mqar_lib
+from eval import niah as niah_lib
+from eval import position_loss as position_lib
+from eval.progress import progress
+from train import data
+
+SUITES = ("niah", "mqar", "position_loss")
+
+
+# ----------------------------------------------------------------------------------------------
+# Suites (model-agnostic where possible, so they can be tested with oracle "models")
+# ----------------------------------------------------------------------------------------------
+
+
+def pick_depths(count: int) -> np.ndarray:
+  """``count`` of RULER's 40 evenly spaced depths, spread over the whole range."""
+  if not 1 <= count <= len(niah_lib.DEPTHS):
+    raise ValueError(f"--niah-depths must be in [1, {len(niah_lib.DEPTHS)}], got {count}.")
+  return niah_lib.DEPTHS[np.round(np.linspace(0, len(niah_lib.DEPTHS) - 1, count)).astype(int)]
+
+
+def run_niah(predict: Callable[[str, int], str], count_tokens: Callable[[str], int], *,
+             tasks: Sequence[str], lengths: Sequence[int], depths: Sequence[float],
+             generation_budget: int, seed: int = 0, desc: str = "niah") -> list[dict]:
+  """Scores ``predict(prompt, length) -> generated text`` on each (task, length): one row each
+  with the score (0–100), the number of examples and the per-depth hits."""
+  rows = []
+  jobs = [(t, n) for t in tasks for n in lengths]
+  for task, length in progress(jobs, desc=desc):
+    examples = niah_lib.make_examples(task, length, count_tokens, seed=seed, depths=depths,
+                                      generation_budget=generation_budget)
+    predictions = [predict(ex.prompt, length) for ex in examples]
+    hits = [ex.answer.lower() in p.lower() for ex, p in zip(examples, predictions)]
+    rows.append({"task": task, "length": length,
+                 "score": niah_lib.score(predictions, [ex.answer for ex in examples]),
+                 "examples": len(examples),
+                 "depths": [float(ex.depth) for ex in examples], "hits": hits})
+  return rows
+
+
+def greedy_predictor(model, tokenizer, generation_budget: int, bucket: int = 64):
+  """``predict(prompt, length)``: greedy continuation of up to ``generation_budget`` tokens, stopped
+  at EOS, with the cache sized to the example's target length."""
+
+  def predict(prompt: str, length: int) -> str:
+    ids = tokenizer.encode(prompt)
+    tokens, lengths = kj.generate(
+        model, jnp.asarray([ids], jnp.int32), max_new_tokens=generation_budget,
+        key=jax.random.key(0), sampling=kj.SamplingConfig(temperature=0.0),
+        stop_tokens=(tokenizer.eos_id,), pad_token=tokenizer.eos_id,
+        max_len=max(length, len(ids) + generation_budget), prefill_bucket=bucket)
+    new = np.asarray(tokens[0, len(ids):len(ids) + int(lengths[0])]).tolist()
+    return tokenizer.decode([t for t in new if t != tokenizer.eos_id])
+
+  return predict
+
+
+def logits_function(model) -> Callable[[jax.Array], jax.Array]:
+  """``tokens [B, T] -> logits [B, T, V]``, jitted once per shape."""
+  from flax import nnx
+  from train.loop import _logits
+  graphdef, params = nnx.split(model)
+  return lambda tokens: _logits(graphdef, params, tokens)
+
+
+def reference_window(model_cfg: kj.ModelConfig) -> int:
+  """The exact-window length that splits MQAR recall into in-window / state-only (the KVM window;
+  for the baselines of the default job it is the same length, so their rows line up)."""
+  return model_cfg.kvm.window_len
+
+
+# ----------------------------------------------------------------------------------------------
+# Run directories
+# ----------------------------------------------------------------------------------------------
+
+
+def find_runs(paths: Sequence[str]) -> list[Path]:
+  """Run directories named by ``paths``: each path is a run (has ``config.json``) or holds runs."""
+  runs = []
+  for p in map(Path, paths):
+    if (p / "config.json").exists():
+      runs.append(p)
+    elif p.is_dir() and any((c / "config.json").exists() for c in p.iterdir()):
+      runs.extend(sorted(c for c in p.iterdir() if (c / "config.json").exists()))
+    else:
+      raise SystemExit(f"--checkpoint {str(p)!r}: not a run directory (no config.json) and holds "
+                       "none; point it at a kvm-train/kvm-demo --workdir.")
+  return runs
+
+
+def tokenizer_of(train_cfg):
+  return data.HFTokenizer(train_cfg.tokenizer_file) if train_cfg.tokenizer_file \
+      else data.ByteTokenizer()
+
+
+def evaluate_run(run: Path, args) -> dict[str, Any]:
+  from train.loop import load_trained
+  cfg, model, step = load_trained(run)
+  name = run.name
+  out: dict[str, Any] = {"model": name, "run": str(run), "step": step,
+                         "mixers": list(cfg.model.layer_mixers),
+                         "parameters": kj.count_params(cfg.model)["total"]}
+  tok = tokenizer_of(cfg)
+  text_ok = tok.vocab_size <= cfg.model.vocab_size
+  no_text = (f"model vocabulary {cfg.model.vocab_size} is smaller than the tokenizer's "
+             f"{tok.vocab_size} (trained on a synthetic task, cannot read text)")
+  count = lambda text: len(tok.encode(text))
+  if "niah" in args.suite:
+    t0 = time.perf_counter()
+    if not text_ok:
+      out["niah"] = {"skipped": no_text}
+    else:
+      out["niah"] = run_niah(greedy_predictor(model, tok, args.niah_gen_tokens), count,
+                             tasks=args.niah_tasks, lengths=args.niah_lengths,
+                             depths=pick_depths(args.niah_depths),
+                             generation_budget=args.niah_gen_tokens, seed=args.seed,
+                             desc=f"{name} niah")
+    out["niah_seconds"] = time.perf_counter() - t0
+  if "mqar" in args.suite:
+    spec = cfg.mqar if cfg.task == "mqar" else data.MQARSpec(
+        seq_len=args.mqar_seq_len or 256, vocab_size=min(cfg.model.vocab_size, 256))
+    seq_len = args.mqar_seq_len or spec.seq_len
+    pairs, bad = [], []
+    for n in args.mqar_pairs:
+      try:
+        data.MQARSpec(seq_len=seq_len, vocab_size=spec.vocab_size, num_pairs=n)
+        pairs.append(n)
+      except ValueError as e:
+        bad.append(f"{n}: {e}")
+    rows = mqar_lib.mqar_recall(logits_function(model), seq_len=seq_len,
+                                vocab_size=spec.vocab_size, pairs=pairs,
+                                window=reference_window(cfg.model), seed=args.seed + 10_000,
+                                batches=args.mqar_batches, batch_size=args.mqar_batch_size)
+    out["mqar"] = {"seq_len": seq_len, "vocab_size": spec.vocab_size,
+                   "window": reference_window(cfg.model), "rows": rows, "skipped_pairs": bad}
+  if "position_loss" in args.suite:
+    if not text_ok:
+      out["position_loss"] = {"skipped": no_text}
+    else:
+      docs = (data.read_documents(args.text_files) if args.text_files
+              else data.embedded_corpus())
+      windows = position_lib.long_documents(docs, tok, args.position_context, args.position_docs)
+      curve = position_lib.position_nll(logits_function(model), windows, args.position_bucket)
+      out["position_loss"] = {"bucket": args.position_bucket, "documents": int(len(windows)),
+                              "nll": [float(x) for x in curve]}
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------
+
+_SHORT = {"niah_single_1": "S1", "niah_single_2": "S2", "niah_single_3": "S3"}
+
+
+def _length_label(n: int) -> str:
+  return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def markdown_report(results: Sequence[dict]) -> str:
+  """One row per model: NIAH score per task and length, MQAR recall, first/last-bucket NLL."""
+  niah_cols = sorted({(r["task"], r["length"]) for res in results
+                      for r in (res.get("niah") if isinstance(res.get("niah"), list) else [])},
+                     key=lambda c: (c[0], c[1]))
+  mqar_pairs = sorted({r["pairs"] for res in results
+                       for r in (res.get("mqar") or {}).get("rows", [])})
+  header = ["model", "mixers", "params"]
+  header += [f"NIAH-{_SHORT[t]} {_length_label(n)}" for t, n in niah_cols]
+  header += [f"MQAR {p} pairs (all / state-only)" for p in mqar_pairs]
+  header += ["NLL first bucket", "NLL last bucket"]
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  fmt = lambda x: "–" if x is None or (isinstance(x, float) and np.isnan(x)) else f"{x:.3f}"
+  for res in results:
+    row = [res["model"], "/".join(sorted(set(res["mixers"]))), f"{res['parameters'] / 1e6:.2f}M"]
+    niah = res.get("niah")
+    scores = {(r["task"], r["length"]): r["score"] for r in niah} if isinstance(niah, list) else {}
+    row += [f"{scores[c]:.1f}" if c in scores else "skipped" if niah else "–" for c in niah_cols]
+    mq = {r["pairs"]: r for r in (res.get("mqar") or {}).get("rows", [])}
+    row += [f"{fmt(mq[p]['recall'])} / {fmt(mq[p]['recall_state_only'])}" if p in mq else "–"
+            for p in mqar_pairs]
+    pos = res.get("position_loss") or {}
+    row += [fmt(pos["nll"][0]), fmt(pos["nll"][-1])] if "nll" in pos else ["–", "–"]
+    lines.append("| " + " | ".join(row) + " |")
+  notes = [f"- {res['model']}: {suite} skipped — {res[suite]['skipped']}"
+           for res in results for suite in SUITES
+           if isinstance(res.get(suite), dict) and "skipped" in res[suite]]
+  table = "\n".join(lines)
+  return table + ("\n\n" + "\n".join(notes) if notes else "") + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+  try:
+    values = [int(x) for x in re.split(r"[,\s]+", text.strip()) if x]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+  if not values or min(values) < 1:
+    raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+  return values
+
+
+def _names(choices: Sequence[str]):
+  def parse(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    bad = [x for x in names if x not in choices]
+    if bad or not names:
+      raise argparse.ArgumentTypeError(f"unknown {bad or text!r}; choose from {list(choices)}")
+    return names
+  return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="kvm-eval", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--checkpoint", action="append", required=True,
+                 help="run directory, or a directory of run directories (repeatable)")
+  p.add_argument("--suite", type=_names(SUITES), default=list(SUITES),
+                 help="comma-separated suites (default: niah,mqar,position_loss)")
+  p.add_argument("--out", default=None,
+                 help="output directory for results.json/report.md (default: <first "
+                      "checkpoint>/eval)")
+  p.add_argument("--seed", type=int, default=0, help="seed of every generated example")
+  g = p.add_argument_group("NIAH")
+  g.add_argument("--niah-tasks", type=_names(niah_lib.TASKS), default=list(niah_lib.TASKS),
+                 help="RULER tasks (default: all three single-needle tasks)")
+  g.add_argument("--niah-lengths", type=_ints, default=[4096, 8192, 16384, 32768],
+                 help="target lengths in tokens, prompt + generation (default: 4K,8K,16K,32K)")
+  g.add_argument("--niah-depths", type=int, default=40,
+                 help="needle depths per length, spread over RULER's 40 (default: 40)")
+  g.add_argument("--niah-gen-tokens", type=int, default=128,
+                 help="generation budget in tokens, reserved in the length (default: 128)")
+  g = p.add_argument_group("MQAR")
+  g.add_argument("--mqar-pairs", type=_ints, default=[4, 8, 16],
+                 help="numbers of key-value pairs (default: 4,8,16)")
+  g.add_argument("--mqar-seq-len", type=int, default=0,
+                 help="sequence length (default: the run's MQAR length, 256 for text runs)")
+  g.add_argument("--mqar-batches", type=int, default=4, help="batches per pair count")
+  g.add_argument("--mqar-batch-size", type=int, default=16, help="sequences per batch")
+  g = p.add_argument_group("position-wise loss")
+  g.add_argument("--position-context", type=int, default=4096,
+                 help="tokens per document scored (default: 4096)")
+  g.add_argument("--position-bucket", type=int, default=1024,
+                 help="bucket size in tokens (default: 1024, as in the paper)")
+  g.add_argument("--position-docs", type=int, default=8, help="documents averaged")
+  g.add_argument("--text-files", nargs="*", default=(),
+                 help="local .txt/.jsonl documents (default: the embedded corpus)")
+  return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  args = build_parser().parse_args(argv)
+  for name in ("niah_gen_tokens", "mqar_batches", "mqar_batch_size", "position_docs"):
+    if getattr(args, name) < 1:
+      raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+  if args.position_context % args.position_bucket:
+    raise SystemExit(f"--position-context {args.position_context} is not a multiple of "
+                     f"--position-bucket {args.position_bucket}.")
+  runs = find_runs(args.checkpoint)
+  out_dir = Path(args.out) if args.out else Path(args.checkpoint[0]) / "eval"
+  out_dir.mkdir(parents=True, exist_ok=True)
+  results = []
+  for run in runs:
+    print(f"== {run}", flush=True)
+    results.append(evaluate_run(run, args))
+  (out_dir / "results.json").write_text(json.dumps(
+      {"args": {k: v for k, v in vars(args).items()}, "results": results}, indent=2,
+      default=lambda x: x.tolist() if hasattr(x, "tolist") else str(x)))
+  report = markdown_report(results)
+  (out_dir / "report.md").write_text(report)
+  curves = {r["model"]: r["position_loss"]["nll"] for r in results
+            if "nll" in (r.get("position_loss") or {})}
+  if curves:
+    position_lib.plot(curves, args.position_bucket, str(out_dir / "position_loss.png"))
+  print("\n" + report)
+  print(f"wrote {out_dir / 'results.json'} and {out_dir / 'report.md'}"
+        + (f" and {out_dir / 'position_loss.png'}" if curves else ""))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,160 @@
+"""kvm-eval: NIAH scoring with oracle "models", the report layout, run directories (config.json
+round trips, restored parameters), the NIAH training stream, and the CLI end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import kvm_jax as kj
+from eval import cli, niah
+from kvm_jax import config_io
+from train import data
+from train.loop import TRAIN_CLASSES, TrainConfig, load_trained, train
+
+TOK = data.ByteTokenizer()
+COUNT = lambda text: len(TOK.encode(text))
+
+
+def _needle_reader(prompt: str, length: int) -> str:
+  """An oracle that reads the needle's value out of the prompt, as a perfect model would."""
+  return " " + re.search(r" is: (\S+)\.", prompt).group(1) + "."
+
+
+@pytest.mark.parametrize("task", niah.TASKS)
+def test_niah_oracle_scores_100_and_silence_scores_0(task):
+  kw = dict(tasks=[task], lengths=[600, 900], depths=cli.pick_depths(5), generation_budget=16)
+  perfect = cli.run_niah(_needle_reader, COUNT, **kw)
+  silent = cli.run_niah(lambda prompt, length: "", COUNT, **kw)
+  assert [r["score"] for r in perfect] == [100.0, 100.0]
+  assert [r["score"] for r in silent] == [0.0, 0.0]
+  assert all(r["examples"] == 5 and len(r["hits"]) == 5 for r in perfect)
+
+
+def test_pick_depths_spans_the_range():
+  np.testing.assert_array_equal(cli.pick_depths(40), niah.DEPTHS)
+  assert cli.pick_depths(2).tolist() == [0.0, 100.0]
+  with pytest.raises(ValueError, match="--niah-depths"):
+    cli.pick_depths(41)
+
+
+def test_markdown_report_layout():
+  results = [
+      {"model": "kvm-a", "mixers": ["kvm", "kvm"], "parameters": 1_500_000,
+       "niah": [{"task": "niah_single_1", "length": 4096, "score": 37.5}],
+       "mqar": {"rows": [{"pairs": 8, "recall": 0.5, "recall_state_only": 0.25}]},
+       "position_loss": {"nll": [3.0, 2.5, 2.25]}},
+      {"model": "tiny", "mixers": ["full"], "parameters": 20_000,
+       "niah": {"skipped": "vocab"}, "mqar": {"rows": []}, "position_loss": {"skipped": "vocab"}},
+  ]
+  assert cli.markdown_report(results) == (
+      "| model | mixers | params | NIAH-S1 4K | MQAR 8 pairs (all / state-only) | NLL first bucket "
+      "| NLL last bucket |\n"
+      "|---|---|---|---|---|---|---|\n"
+      "| kvm-a | kvm | 1.50M | 37.5 | 0.500 / 0.250 | 3.000 | 2.250 |\n"
+      "| tiny | full | 0.02M | skipped | – | – | – |\n\n"
+      "- tiny: niah skipped — vocab\n- tiny: position_loss skipped — vocab\n")
+
+
+@pytest.mark.parametrize("name", sorted(kj.presets.PRESETS))
+def test_config_json_round_trip_of_every_preset(name):
+  cfg = kj.presets.PRESETS[name]()
+  back = config_io.from_jsonable(json.loads(json.dumps(config_io.to_jsonable(cfg))))
+  assert back == cfg and hash(back) == hash(cfg)
+
+
+def test_train_config_round_trip_and_bad_configs(tmp_path):
+  cfg = TrainConfig(model=kj.presets.tiny(mixers=("swa", "kvm")), task="niah",
+                    niah=data.NIAHSpec(seq_len=640), text_files=("a.txt",))
+  config_io.save(tmp_path / "c.json", cfg)
+  assert config_io.load(tmp_path / "c.json", TRAIN_CLASSES) == cfg
+  custom = kj.presets.tiny(kvm=kj.KVMConfig(chunk_size=8, rope_dims=8, budget=lambda n: 16))
+  with pytest.raises(ValueError, match="callable budget"):
+    config_io.to_jsonable(custom)
+  with pytest.raises(ValueError, match="unknown class 'Evil'"):
+    config_io.from_jsonable({"__class__": "Evil"})
+  with pytest.raises(ValueError, match="unknown fields \\['colour'\\]"):
+    config_io.from_jsonable({"__class__": "FixedBudget", "rows": 3, "colour": 1})
+
+
+def test_niah_training_stream():
+  spec = data.NIAHSpec(seq_len=640)
+  a, b = data.niah_example(0, 5, spec), data.niah_example(0, 5, spec)
+  np.testing.assert_array_equal(a["inputs"], b["inputs"])
+  for i in range(6):
+    ex = data.niah_example(1, i, spec)
+    scored = ex["labels"] != data.IGNORE
+    answer = TOK.decode(ex["labels"][scored])
+    assert re.fullmatch(r" \d{7}\.", answer), answer  # " <7 digits>." then EOS
+    assert ex["labels"][scored][-1] == TOK.eos_id
+    # The scored value is the needle's value, which appears in the inputs exactly once.
+    prompt = TOK.decode(ex["inputs"][:np.argmax(scored)])
+    assert prompt.count(answer[1:-1]) == 1
+    # Labels are the inputs shifted by one.
+    idx = np.flatnonzero(scored)
+    idx = idx[idx + 1 < len(ex["inputs"])]
+    np.testing.assert_array_equal(ex["labels"][idx], ex["inputs"][idx + 1])
+  with pytest.raises(ValueError, match="too short"):
+    data.niah_example(0, 0, data.NIAHSpec(seq_len=300))
+  with pytest.raises(ValueError, match="task"):
+    data.NIAHSpec(task="niah_multikey_1")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+  """A 3-step kvm-train run on a byte-vocabulary model (so every suite applies)."""
+  workdir = tmp_path_factory.mktemp("runs") / "kvm-tiny"
+  kvm = kj.KVMConfig(chunk_size=16, window_chunks=2, sink_rows=1, rope_dims=8,
+                     budget=kj.PowerLawBudget(4.0, 0.5, min_rows=16))
+  cfg = TrainConfig(model=kj.presets.tiny("kvm", kvm=kvm, vocab_size=320), task="mqar",
+                    mqar=data.MQARSpec(seq_len=64, vocab_size=64, num_pairs=4), batch_size=4,
+                    steps=3, warmup_steps=1, log_every=1, checkpoint_every=3)
+  out = train(cfg, workdir, verbose=False)
+  return workdir, cfg, out
+
+
+def test_load_trained_restores_the_run(run_dir):
+  workdir, cfg, out = run_dir
+  loaded_cfg, model, step = load_trained(workdir)
+  assert loaded_cfg == cfg and step == 3
+  from flax import nnx
+  _, params = nnx.split(model)
+  for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(out["params"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="no config.json"):
+    load_trained(workdir / "checkpoints")
+
+
+def test_kvm_eval_end_to_end(run_dir, tmp_path, capsys):
+  workdir, _, _ = run_dir
+  out = tmp_path / "eval"
+  rc = cli.main(["--checkpoint", str(workdir.parent), "--out", str(out), "--niah-lengths", "512",
+                 "--niah-depths", "2", "--niah-gen-tokens", "8", "--niah-tasks", "niah_single_1",
+                 "--mqar-pairs", "2,4,40", "--mqar-batches", "1", "--mqar-batch-size", "4",
+                 "--position-context", "256", "--position-bucket", "128", "--position-docs", "2"])
+  assert rc == 0
+  results = json.loads((out / "results.json").read_text())["results"]
+  (res,) = results
+  assert res["model"] == "kvm-tiny" and res["step"] == 3
+  assert [r["length"] for r in res["niah"]] == [512] and res["niah"][0]["examples"] == 2
+  assert [r["pairs"] for r in res["mqar"]["rows"]] == [2, 4]
+  assert res["mqar"]["skipped_pairs"] and res["mqar"]["skipped_pairs"][0].startswith("40:")
+  assert len(res["position_loss"]["nll"]) == 2
+  assert (out / "position_loss.png").stat().st_size > 0
+  report = (out / "report.md").read_text()
+  assert report == cli.markdown_report(results) and "| kvm-tiny |" in report
+  assert report in capsys.readouterr().out
+
+
+def test_kvm_eval_bad_arguments(tmp_path):
+  with pytest.raises(SystemExit, match="not a run directory"):
+    cli.main(["--checkpoint", str(tmp_path)])
+  with pytest.raises(SystemExit):
+    cli.main(["--checkpoint", str(tmp_path), "--suite", "niah,mmlu"])
+  with pytest.raises(SystemExit, match="multiple of"):
+    cli.main(["--checkpoint", str(tmp_path), "--position-context", "1000"])
