@@ -9,6 +9,8 @@ import jax.numpy as jnp
 
 from kvm_jax.config import KVMConfig
 
+KV_SHARING = ("none", "fusedkv", "fusedkv_lite", "yoco", "cla")
+KVM_KV_SHARING = ("window",)
 MIXERS = ("full", "swa", "bswa", "kvm")
 _DTYPES = ("float32", "bfloat16")
 
@@ -40,6 +42,16 @@ class ModelConfig:
       are float32 regardless.
     rope_table_dtype: "float32" (default) or "bfloat16" (the authors' cast cos/sin tables).
     kvm_implementation: passed to :func:`kvm_jax.kvm_attention` ("xla"; kernels plug in here).
+    kv_sharing: cross-layer KV sharing (``shared/design/fusedkv.md``). With n = num_layers / 2,
+      layers >= n are *reconstruction* layers (no K/V projections, no K/V cache):
+      "none"; "fusedkv" (``K^i = a_i1⊙K^1 + a_in⊙K^n``, ``V^i = b_i1⊙V^1 + b_in⊙V^n``, learnable
+      channel-wise weights, rotary pairs tied); "fusedkv_lite" (``K^i = K^n``, ``V^i = V^1``);
+      "yoco" (every upper layer uses layer n's K/V); "cla" (odd layers use the layer below).
+    fusedkv_init: "lite" (default: a_n = b_1 = 1, a_1 = b_n = 0, so FusedKV starts as Lite) or
+      "mean" (all four weights 0.5).
+    kvm_kv_sharing: how a ``kvm`` reconstruction layer shares: "window" (window-only fusion: its
+      exact window comes from the source layers' windows on demand, while it keeps its own
+      compressed state, updated from the fused per-token K/V with its own merge gates).
   """
 
   vocab_size: int = 50304
@@ -69,6 +81,9 @@ class ModelConfig:
   compute_dtype: str = "float32"
   rope_table_dtype: str = "float32"
   kvm_implementation: str = "xla"
+  kv_sharing: str = "none"
+  fusedkv_init: str = "lite"
+  kvm_kv_sharing: str = "window"
 
   def __post_init__(self):
     def pos(name):
@@ -106,6 +121,35 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}.")
     if self.bswa_sink_rows < 0:
       raise ValueError(f"ModelConfig.bswa_sink_rows must be >= 0, got {self.bswa_sink_rows}.")
+    self._validate_kv_sharing(mixers)
+
+  def _validate_kv_sharing(self, mixers) -> None:
+    if self.kv_sharing not in KV_SHARING:
+      raise ValueError(f"ModelConfig.kv_sharing={self.kv_sharing!r}; choose from {KV_SHARING}.")
+    if self.fusedkv_init not in ("lite", "mean"):
+      raise ValueError(f"ModelConfig.fusedkv_init={self.fusedkv_init!r}; choose 'lite' or 'mean'.")
+    if self.kvm_kv_sharing not in KVM_KV_SHARING:
+      raise ValueError(f"ModelConfig.kvm_kv_sharing={self.kvm_kv_sharing!r}; choose from "
+                       f"{KVM_KV_SHARING} (shared routing is not implemented yet).")
+    if self.kv_sharing == "none":
+      return
+    L = self.num_layers
+    if L < 2 or L % 2:
+      split = "adjacent pairs" if self.kv_sharing == "cla" else "a lower and an upper half"
+      raise ValueError(f"kv_sharing={self.kv_sharing!r} splits the layers into {split}, which "
+                       f"needs an even num_layers >= 2, got {L}.")
+    for layer in range(L):
+      sources = self.kv_sources(layer)
+      if sources is None:
+        continue
+      for src in sorted(set(sources[0] + sources[1])):
+        if self.kv_layout(src) != self.kv_layout(layer):
+          raise ValueError(
+              f"kv_sharing={self.kv_sharing!r}: layer {layer} ({mixers[layer]}) would reuse the "
+              f"K/V of layer {src} ({mixers[src]}), but their K/V layouts differ "
+              f"(mixer, kv heads, head dims, rotary dims: {self.kv_layout(src)} vs "
+              f"{self.kv_layout(layer)}); share only between layers of the same mixer and "
+              "geometry.")
 
   # Derived sizes ------------------------------------------------------------------------------
   @property
@@ -145,6 +189,26 @@ class ModelConfig:
 
   def rope_dims_of(self, layer: int) -> int:
     return self.swa_rope_dims_resolved if self.layer_mixers[layer] == "swa" else self.rope_dims
+
+  def kv_sources(self, layer: int) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``(key source layers, value source layers)`` of a reconstruction layer; None for a layer
+    that computes and stores its own K/V."""
+    n = self.num_layers // 2
+    mode = self.kv_sharing
+    if mode == "none" or (mode != "cla" and layer < n) or (mode == "cla" and layer % 2 == 0):
+      return None
+    if mode == "fusedkv":
+      return (0, n - 1), (0, n - 1)
+    if mode == "fusedkv_lite":
+      return (n - 1,), (0,)
+    if mode == "yoco":
+      return (n - 1,), (n - 1,)
+    return (layer - 1,), (layer - 1,)  # cla
+
+  def kv_layout(self, layer: int) -> tuple:
+    """What must agree between a layer and the layers whose K/V it reuses."""
+    return (self.layer_mixers[layer], self.kv_heads, self.qk_head_dim, self.v_head_dim,
+            self.rope_dims_of(layer))
 
   def value_anchor(self, layer: int) -> int:
     """Layer whose ``c_v(ln_attn(x0))`` is this layer's value-residual anchor ``v_first``."""

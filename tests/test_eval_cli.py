@@ -3,7 +3,6 @@ round trips, restored parameters), the NIAH training stream, and the CLI end to 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 

@@ -19,7 +19,8 @@ from flax import nnx
 
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.ops import attention as attn_ops
-from kvm_jax.ops.common import KVMParams
+from kvm_jax.ops import kv_fusion
+from kvm_jax.ops.common import KVMParams, tree_nbytes
 from kvm_jax.ops.kvm import kvm_attention
 from kvm_jax.ops.kvm_decode import kvm_decode_step, kvm_init_cache, kvm_prefill
 from kvm_jax.ops.rope import apply_rope, rope_tables
@@ -76,27 +77,65 @@ jax.tree_util.register_dataclass(
     LayerCache, data_fields=["mixer", "last_q", "last_k", "last_v", "last_mlp"], meta_fields=[])
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedKV:
+  """What a reconstruction layer (``ModelConfig.kv_sources``) reads from its source layers.
+
+  keys / values: the sources' post-RoPE keys ``[B, T, Hkv, D]`` and values of this call, one per
+    key (value) source layer.
+  key_caches / value_caches: the sources' mixer caches as they were *before* this call (decode):
+    with the new keys/values they give everything the layer's own cache would have held.
+  """
+
+  keys: tuple
+  values: tuple
+  key_caches: Optional[tuple] = None
+  value_caches: Optional[tuple] = None
+
+
+def _without_window_kv(cache):
+  """A KVM cache of a reconstruction layer stores no window keys/values (its sources hold them)."""
+  return dataclasses.replace(cache, window_keys=None, window_values=None)
+
+
 class Attention(nnx.Module):
-  """Attention front-end (projections, value residual, token shift, QK-LN, RoPE) + one mixer."""
+  """Attention front-end (projections, value residual, token shift, QK-LN, RoPE) + one mixer.
+
+  A *reconstruction* layer (cross-layer KV sharing, ``ModelConfig.kv_sharing``) has only the query
+  side: its keys and values come from source layers (:class:`SharedKV`), fused on demand.
+  """
 
   def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
     self.cfg, self.layer, self.kind = cfg, layer, cfg.layer_mixers[layer]
+    self.sources = cfg.kv_sources(layer)  # None: this layer computes and stores its own K/V
+    self.fused = self.sources is not None and len(self.sources[0]) > 1
     C, H, Hkv, D, Dv = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.qk_head_dim, cfg.v_head_dim
     dq, dk, dv = H * D, Hkv * D, Hkv * Dv
     pd = cfg.jnp_param_dtype
+    stores_kv = self.sources is None
     self.c_q = _linear(cfg, C, dq, rngs)
-    self.c_k = _linear(cfg, C, dk, rngs)
-    self.c_v = _linear(cfg, C, dv, rngs)
     self.ln_q = _layer_norm(cfg, D, rngs)
-    self.ln_k = _layer_norm(cfg, D, rngs)
+    if stores_kv:
+      self.c_k = _linear(cfg, C, dk, rngs)
+      self.c_v = _linear(cfg, C, dv, rngs)
+      self.ln_k = _layer_norm(cfg, D, rngs)
     self.c_proj = _linear(cfg, H * Dv, C, rngs, init=_zeros)
     rho = _ratio(cfg, layer)
     if cfg.tokenshift_attention:
       ramp = lambda n, p: jnp.asarray(1.0 - np.power(np.arange(n) / n, p), pd)
       self.x_q = nnx.Param(ramp(dq, 0.2 * rho))
-      self.x_k = nnx.Param(ramp(dk, 0.7 * rho))
-      self.x_v = nnx.Param(ramp(dv, 0.7 * rho))
-    if cfg.value_residual:
+      if stores_kv:
+        self.x_k = nnx.Param(ramp(dk, 0.7 * rho))
+        self.x_v = nnx.Param(ramp(dv, 0.7 * rho))
+    if self.fused:
+      # Per source (layer 1, layer n): "lite" starts as K = K^n, V = V^1 exactly.
+      a, b = ((0.0, 1.0), (1.0, 0.0)) if cfg.fusedkv_init == "lite" else ((0.5, 0.5), (0.5, 0.5))
+      r = cfg.rope_dims_of(layer)
+      per_source = lambda w, n: jnp.stack([jnp.full((Hkv, n), x, pd) for x in w])
+      self.fuse_k_rotary = nnx.Param(per_source(a, r // 2))  # one weight per rotary pair
+      self.fuse_k_free = nnx.Param(per_source(a, D - r))
+      self.fuse_v = nnx.Param(per_source(b, Dv))
+    if cfg.value_residual and stores_kv:
       lora = cfg.value_lora_width
       linear = np.arange(dv) / (dv - 1) - 0.5
       self.v_gate0 = nnx.Param(jnp.asarray(0.73 - 0.4 * linear, pd))
@@ -117,8 +156,27 @@ class Attention(nnx.Module):
     """``v_first`` = c_v(ln_attn(x0)) when this is an anchor layer."""
     return self.c_v(x_normed)
 
+  def fusion_weights(self) -> tuple[Array, Array]:
+    """FusedKV weights ``([S, Hkv, D] keys, [S, Hkv, Dv] values)``, rotary pairs tied."""
+    return (kv_fusion.expand_key_weights(self.fuse_k_rotary[...], self.fuse_k_free[...]),
+            self.fuse_v[...])
+
+  def _q_only(self, x: Array, positions: Array, prev: Optional[LayerCache]):
+    cfg = self.cfg
+    B, T, _ = x.shape
+    q = self.c_q(x)
+    tails = (q[:, -1:], None, None)
+    if cfg.tokenshift_attention:
+      q = _token_shift(q, self.x_q[...], None if prev is None else prev.last_q, "first")
+    q = self.ln_q(q.reshape(B, T, cfg.num_heads, cfg.qk_head_dim)).astype(x.dtype)
+    cos, sin = rope_tables(positions, cfg.qk_head_dim, cfg.rope_dims_of(self.layer),
+                           cfg.rope_theta, jnp.dtype(cfg.rope_table_dtype))
+    return apply_rope(q, cos, sin), None, None, tails
+
   def _qkv(self, x: Array, v_first: Optional[Array], positions: Array, prev: Optional[LayerCache]):
     cfg = self.cfg
+    if self.sources is not None:
+      return self._q_only(x, positions, prev)
     B, T, _ = x.shape
     q, k, v = self.c_q(x), self.c_k(x), self.c_v(x)
     if cfg.value_residual:
@@ -159,7 +217,10 @@ class Attention(nnx.Module):
     common = dict(batch=batch, kv_heads=cfg.kv_heads, head_dim=cfg.qk_head_dim,
                   value_dim=cfg.v_head_dim, max_len=max_len, dtype=dtype)
     if self.kind == "kvm":
-      return kvm_init_cache(cfg.kvm, **common)
+      cache = kvm_init_cache(cfg.kvm, **common)
+      return cache if self.sources is None else _without_window_kv(cache)
+    if self.sources is not None:
+      return None  # the source layers' caches hold everything this layer reads
     return attn_ops.init_ring_cache(self.kind, window=cfg.swa_window,
                                     chunk_size=cfg.bswa_chunk_size,
                                     window_chunks=cfg.bswa_window_chunks,
@@ -167,34 +228,94 @@ class Attention(nnx.Module):
 
   # -- calls -----------------------------------------------------------------------------------
   def __call__(self, x: Array, v_first: Optional[Array], positions: Array,
-               cache: Optional[LayerCache] = None, decode: bool = False):
-    """Whole sequence (``decode=False``; fills ``cache.mixer`` if a cache is given) or one token."""
-    cfg = self.cfg
+               cache: Optional[LayerCache] = None, decode: bool = False,
+               shared: Optional[SharedKV] = None):
+    """Whole sequence (``decode=False``; fills ``cache.mixer`` if a cache is given) or one token.
+
+    Returns ``(output, new mixer cache, token-shift tails, (k, v))``; ``(k, v)`` are this layer's
+    keys and values for the layers that share them (None for a reconstruction layer).
+    """
     q, k, v, tails = self._qkv(x, v_first, positions, cache if decode else None)
-    kind, mixer_cache = self.kind, None if cache is None else cache.mixer
+    mixer_cache = None if cache is None else cache.mixer
+    if self.sources is None:
+      y, mixer_cache = self._mix(x, q, k, v, mixer_cache, decode)
+    elif self.kind == "kvm":
+      y, mixer_cache = self._mix_kvm_window_fusion(x, q, shared, mixer_cache, decode)
+    else:
+      y = self._mix_folded(q, shared, decode)
+      mixer_cache = None
+    B, T = x.shape[:2]
+    out = self.c_proj(y.reshape(B, T, -1).astype(x.dtype))
+    return out, mixer_cache, tails, (k, v)
+
+  def _mix(self, x, q, k, v, mixer_cache, decode, scale=None):
+    """This layer's mixer over its own (or stacked) keys and values."""
+    cfg, kind = self.cfg, self.kind
     if kind == "kvm":
       g, params = self.merge_gate(x), self.kvm_params()
       if decode:
-        y, mixer_cache = kvm_decode_step(q, k, v, g, params, cfg.kvm, mixer_cache)
-      elif mixer_cache is not None:
-        y, mixer_cache = kvm_prefill(q, k, v, g, params, cfg.kvm, mixer_cache)
-      else:
-        y, _ = kvm_attention(q, k, v, g, params, cfg.kvm, implementation=cfg.kvm_implementation)
-    elif decode:
-      y, mixer_cache = attn_ops.ring_decode_step(q, k, v, mixer_cache)
-    else:
-      if kind == "full":
-        y = attn_ops.full_attention(q, k, v)
-      elif kind == "swa":
-        y = attn_ops.sliding_window_attention(q, k, v, cfg.swa_window)
-      else:
-        y = attn_ops.block_sliding_window_attention(q, k, v, cfg.bswa_chunk_size,
-                                                    cfg.bswa_window_chunks, cfg.bswa_sink_rows)
+        return kvm_decode_step(q, k, v, g, params, cfg.kvm, mixer_cache)
       if mixer_cache is not None:
-        mixer_cache = attn_ops.ring_prefill(k, v, mixer_cache)
-    B, T = x.shape[:2]
-    out = self.c_proj(y.reshape(B, T, -1).astype(x.dtype))
-    return out, mixer_cache, tails
+        return kvm_prefill(q, k, v, g, params, cfg.kvm, mixer_cache)
+      return kvm_attention(q, k, v, g, params, cfg.kvm, implementation=cfg.kvm_implementation)[0], None
+    if decode:
+      return attn_ops.ring_decode_step(q, k, v, mixer_cache, scale=scale)
+    if kind == "full":
+      y = attn_ops.full_attention(q, k, v, scale=scale)
+    elif kind == "swa":
+      y = attn_ops.sliding_window_attention(q, k, v, cfg.swa_window, scale=scale)
+    else:
+      y = attn_ops.block_sliding_window_attention(q, k, v, cfg.bswa_chunk_size,
+                                                  cfg.bswa_window_chunks, cfg.bswa_sink_rows,
+                                                  scale=scale)
+    if mixer_cache is not None:
+      mixer_cache = attn_ops.ring_prefill(k, v, mixer_cache)
+    return y, mixer_cache
+
+  def _mix_folded(self, q, shared: SharedKV, decode: bool):
+    """full/swa/bswa reconstruction layer: one attention over the sources stacked along the head
+    dim, queries folded with the key weights, value slices weighted after (never a fused K/V)."""
+    keys, values = kv_fusion.stack_sources(shared.keys), kv_fusion.stack_sources(shared.values)
+    scale = None
+    if self.fused:
+      key_w, value_w = self.fusion_weights()
+      q = kv_fusion.fold_queries(q, key_w)
+      scale = 1.0 / math.sqrt(self.cfg.qk_head_dim)  # of one source, not of the stack
+    view = None
+    if decode:  # the sources' caches before this token, stacked the same way (a view, not kept)
+      kc, vc = shared.key_caches, shared.value_caches
+      view = dataclasses.replace(
+          kc[0], keys=kv_fusion.stack_sources([c.keys for c in kc]),
+          values=kv_fusion.stack_sources([c.values for c in vc]),
+          sink_keys=kv_fusion.stack_sources([c.sink_keys for c in kc]),
+          sink_values=kv_fusion.stack_sources([c.sink_values for c in vc]))
+    y, _ = self._mix(None, q, keys, values, view, decode, scale=scale)
+    return kv_fusion.unfold_output(y, value_w) if self.fused else y
+
+  def _mix_kvm_window_fusion(self, x, q, shared: SharedKV, mixer_cache, decode: bool):
+    """kvm reconstruction layer, window-only fusion: the window keys/values are fused from the
+    sources on demand; the compressed state is this layer's own, built from the fused per-token
+    K/V with this layer's merge gates (states of different layers are not row-aligned)."""
+    if self.fused:
+      key_w, value_w = self.fusion_weights()
+      fuse_k = lambda xs: kv_fusion.materialize(xs, key_w)
+      fuse_v = lambda xs: kv_fusion.materialize(xs, value_w)
+    else:
+      fuse_k = fuse_v = lambda xs: xs[0]
+    k, v = fuse_k(shared.keys), fuse_v(shared.values)
+    view = None
+    if mixer_cache is not None:
+      if decode:
+        ring_k = fuse_k([c.window_keys for c in shared.key_caches])
+        ring_v = fuse_v([c.window_values for c in shared.value_caches])
+      else:  # prefill replaces the contents: zeros of the right shape suffice
+        ring_k = jnp.zeros_like(shared.key_caches[0].window_keys) \
+            if shared.key_caches else None
+        ring_v = jnp.zeros_like(shared.value_caches[0].window_values) \
+            if shared.value_caches else None
+      view = dataclasses.replace(mixer_cache, window_keys=ring_k, window_values=ring_v)
+    y, new_cache = self._mix(x, q, k, v, view, decode)
+    return y, (None if new_cache is None else _without_window_kv(new_cache))
 
 
 class MLP(nnx.Module):
@@ -223,10 +344,11 @@ class Block(nnx.Module):
     self.ln_mlp = _layer_norm(cfg, cfg.hidden_size, rngs)
     self.mlp = MLP(cfg, layer, rngs=rngs)
 
-  def __call__(self, x, v_first, positions, cache: Optional[LayerCache] = None, decode=False):
+  def __call__(self, x, v_first, positions, cache: Optional[LayerCache] = None, decode=False,
+               shared: Optional[SharedKV] = None):
     dtype = x.dtype
-    h, mixer_cache, tails = self.attn(self.ln_attn(x).astype(dtype), v_first, positions, cache,
-                                      decode)
+    h, mixer_cache, tails, kv = self.attn(self.ln_attn(x).astype(dtype), v_first, positions, cache,
+                                          decode, shared)
     x = x + self.cfg.scale * h
     m_in = self.ln_mlp(x).astype(dtype)
     x = x + self.cfg.scale * self.mlp(m_in, cache.last_mlp if (decode and cache) else None)
@@ -234,7 +356,7 @@ class Block(nnx.Module):
     if cache is not None:
       new_cache = LayerCache(mixer=mixer_cache, last_q=tails[0], last_k=tails[1], last_v=tails[2],
                              last_mlp=m_in[:, -1:])
-    return x, new_cache
+    return x, new_cache, kv
 
 
 class LM(nnx.Module):
@@ -270,10 +392,16 @@ class LM(nnx.Module):
     for layer in sorted({cfg.value_anchor(i) for i in range(cfg.num_layers)}):
       block = self.blocks[layer]
       anchors[layer] = block.attn.anchor_value(block.ln_attn(x0).astype(x0.dtype))
-    x, new_caches = x0, []
+    x, new_caches, kv = x0, [], {}
     for i, block in enumerate(self.blocks):
-      x, c = block(x, anchors[cfg.value_anchor(i)], positions,
-                   None if caches is None else caches[i], decode)
+      sources, shared = cfg.kv_sources(i), None
+      if sources is not None:
+        old = lambda layers: None if caches is None else tuple(caches[j].mixer for j in layers)
+        shared = SharedKV(keys=tuple(kv[j][0] for j in sources[0]),
+                          values=tuple(kv[j][1] for j in sources[1]),
+                          key_caches=old(sources[0]), value_caches=old(sources[1]))
+      x, c, kv[i] = block(x, anchors[cfg.value_anchor(i)], positions,
+                          None if caches is None else caches[i], decode, shared)
       new_caches.append(c)
     logits = self.lm_head(self.ln_head(x).astype(x.dtype)).astype(jnp.float32)
     return logits, (None if caches is None else new_caches)
@@ -288,12 +416,19 @@ class LM(nnx.Module):
     cfg = self.cfg
     dt = cfg.jnp_compute_dtype
     H, Hkv, D, Dv = cfg.num_heads, cfg.kv_heads, cfg.qk_head_dim, cfg.v_head_dim
+    stores = lambda block, x: x if block.attn.sources is None else None
     return [LayerCache(mixer=block.attn.init_cache(batch, max_len),
                        last_q=jnp.zeros((batch, 1, H * D), dt),
-                       last_k=jnp.zeros((batch, 1, Hkv * D), dt),
-                       last_v=jnp.zeros((batch, 1, Hkv * Dv), dt),
+                       last_k=stores(block, jnp.zeros((batch, 1, Hkv * D), dt)),
+                       last_v=stores(block, jnp.zeros((batch, 1, Hkv * Dv), dt)),
                        last_mlp=jnp.zeros((batch, 1, cfg.hidden_size), dt))
             for block in self.blocks]
+
+  @staticmethod
+  def cache_bytes(caches: list[LayerCache]) -> list[int]:
+    """Bytes of each layer's K/V cache (mixer cache: window, state, KV buffer), measured from the
+    arrays; 0 for a reconstruction layer that reads its sources' caches."""
+    return [tree_nbytes(c.mixer) for c in caches]
 
   def prefill(self, tokens: Array, caches: list[LayerCache]) -> tuple[Array, list[LayerCache]]:
     """Logits of a prompt and the caches filled for decoding from position T."""

@@ -13,6 +13,7 @@ each step compiles once.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -24,14 +25,27 @@ from kvm_jax.ops.common import (fill_ring, joint_attention, ring_positions, tree
 Array = jax.Array
 
 
-def full_attention(q: Array, k: Array, v: Array) -> Array:
-  """Causal attention over all previous tokens (XLA's fused path, no dense mask built here)."""
-  return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+def full_attention(q: Array, k: Array, v: Array, scale: Optional[float] = None) -> Array:
+  """Causal attention over all previous tokens (XLA's fused path, no dense mask built here).
+
+  ``scale``: softmax scale (default ``1/sqrt(D)``; folded cross-layer fusion stacks sources along
+  D and passes the scale of one source's head dim).
+  """
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
-def sliding_window_attention(q: Array, k: Array, v: Array, window: int) -> Array:
+def sliding_window_attention(q: Array, k: Array, v: Array, window: int,
+                             scale: Optional[float] = None) -> Array:
   """Causal attention over the last ``window`` tokens (the query's own token included)."""
-  return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window - 1, 0))
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window - 1, 0),
+                                      scale=scale)
+
+
+def _scale_as_temperature(scale: Optional[float], q: Array, Hkv: int) -> Array:
+  """``joint_attention`` scales by ``1/sqrt(q dim)`` times a temperature: the temperature that
+  turns that into ``scale``."""
+  t = 1.0 if scale is None else scale * np.sqrt(q.shape[-1])
+  return jnp.full((Hkv, q.shape[2] // Hkv), t, jnp.float32)
 
 
 def _chunks(x: Array, num_chunks: int, chunk: int) -> Array:
@@ -39,7 +53,8 @@ def _chunks(x: Array, num_chunks: int, chunk: int) -> Array:
 
 
 def block_sliding_window_attention(q: Array, k: Array, v: Array, chunk_size: int,
-                                   window_chunks: int, sink_rows: int = 0) -> Array:
+                                   window_chunks: int, sink_rows: int = 0,
+                                   scale: Optional[float] = None) -> Array:
   """Block sliding window with sinks; every chunk is independent, so no scan is needed."""
   B, T, H, D = q.shape
   Hkv = k.shape[2]
@@ -58,14 +73,14 @@ def block_sliding_window_attention(q: Array, k: Array, v: Array, chunk_size: int
   sink_v = jnp.swapaxes(v_p[:, :S], 1, 2)
   slot = np.arange(nb * C)
   causal = slot[None, :] <= (nb - 1) * C + np.arange(C)[:, None]
-  ones = jnp.ones((Hkv, H // Hkv), jnp.float32)
+  temp = _scale_as_temperature(scale, q, Hkv)
 
   def one_chunk(c, qc, wk, wv):
     begin = (c - nb + 1) * C
     window_valid = causal & (begin + slot >= 0)[None, :]
     sink_valid = (jnp.arange(S) < sink_rows) & (jnp.arange(S) < begin)  # not already in window
-    return joint_attention(qc, sink_k, sink_v, sink_valid[None, :], wk, wv, window_valid, ones,
-                           ones)
+    return joint_attention(qc, sink_k, sink_v, sink_valid[None, :], wk, wv, window_valid, temp,
+                           temp)
 
   y = jax.vmap(one_chunk, in_axes=(0, 1, 1, 1), out_axes=1)(jnp.arange(nC), q_c, win_k, win_v)
   return y.reshape(B, nC * C, H, -1)[:, :T].astype(q.dtype)
@@ -153,7 +168,8 @@ def ring_prefill(k: Array, v: Array, cache: RingCache) -> RingCache:
 
 
 @jax.jit
-def ring_decode_step(q_t: Array, k_t: Array, v_t: Array, cache: RingCache) -> tuple[Array, RingCache]:
+def ring_decode_step(q_t: Array, k_t: Array, v_t: Array, cache: RingCache,
+                     scale: Optional[float] = None) -> tuple[Array, RingCache]:
   """One token: ``q_t [B,1,H,D]``, ``k_t [B,1,Hkv,D]``, ``v_t [B,1,Hkv,Dv]`` -> ``y [B,1,H,Dv]``."""
   B, _, H, D = q_t.shape
   Hkv = k_t.shape[2]
@@ -175,9 +191,9 @@ def ring_decode_step(q_t: Array, k_t: Array, v_t: Array, cache: RingCache) -> tu
     state_k = jnp.zeros((B, Hkv, 1, D), keys.dtype)
     state_v = jnp.zeros((B, Hkv, 1, values.shape[-1]), values.dtype)
     state_valid = jnp.zeros((1, 1), bool)
-  ones = jnp.ones((Hkv, H // Hkv), jnp.float32)
+  temp = _scale_as_temperature(scale, q_t, Hkv)
   y = joint_attention(q_t.reshape(B, 1, Hkv, H // Hkv, D), state_k, state_v, state_valid, keys,
-                      values, window_valid, ones, ones)
+                      values, window_valid, temp, temp)
   y = jnp.where(t < cache.max_len, y, jnp.nan).reshape(B, 1, H, -1).astype(q_t.dtype)
   return y, dataclasses.replace(cache, keys=keys, values=values, sink_keys=sink_keys,
                                 sink_values=sink_values, length=t + 1)
