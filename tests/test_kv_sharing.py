@@ -1,0 +1,191 @@
+"""Cross-layer KV sharing (FusedKV, FusedKV-Lite, YOCO, CLA; window-only fusion for KVM layers):
+init equivalence, folded == materialized, the relative-position property of tied rotary pairs,
+decode == forward, cache bytes, gradients and bad configs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvm_jax as kj
+from kvm_jax.nn.model import LM
+from kvm_jax.ops import attention as attn_ops
+from kvm_jax.ops import kv_fusion
+from kvm_jax.ops.rope import apply_rope, rope_tables
+from tests.conftest import make_model
+
+MODES = ("fusedkv", "fusedkv_lite", "yoco", "cla")
+
+
+def _random_weights(key, S, Hkv, D, r):
+  k1, k2 = jax.random.split(key)
+  return kv_fusion.expand_key_weights(jax.random.normal(k1, (S, Hkv, r // 2)),
+                                      jax.random.normal(k2, (S, Hkv, D - r)))
+
+
+@pytest.mark.parametrize("kind", ["full", "swa", "bswa"])
+def test_folded_attention_equals_materialized(kind):
+  """(q⊙a_1)·K_1 + (q⊙a_n)·K_n over the stacked head dim == q·(a_1⊙K_1 + a_n⊙K_n)."""
+  B, T, H, Hkv, D = 2, 29, 4, 2, 16
+  ks = jax.random.split(jax.random.PRNGKey(0), 8)
+  q = jax.random.normal(ks[0], (B, T, H, D))
+  keys = [jax.random.normal(ks[i], (B, T, Hkv, D)) for i in (1, 2)]
+  values = [jax.random.normal(ks[i], (B, T, Hkv, D)) for i in (3, 4)]
+  key_w = _random_weights(ks[5], 2, Hkv, D, 8)
+  value_w = jax.random.normal(ks[6], (2, Hkv, D))
+  ops = {"full": attn_ops.full_attention,
+         "swa": lambda q, k, v, scale=None: attn_ops.sliding_window_attention(q, k, v, 5, scale),
+         "bswa": lambda q, k, v, scale=None: attn_ops.block_sliding_window_attention(
+             q, k, v, 8, 2, 1, scale=scale)}
+  op = ops[kind]
+  folded = kv_fusion.unfold_output(
+      op(kv_fusion.fold_queries(q, key_w), kv_fusion.stack_sources(keys),
+         kv_fusion.stack_sources(values), scale=1 / np.sqrt(D)), value_w)
+  materialized = op(q, kv_fusion.materialize(keys, key_w), kv_fusion.materialize(values, value_w))
+  # float32; the folded logits sum 2D products in another order
+  np.testing.assert_allclose(folded, materialized, rtol=2e-5, atol=2e-5)
+
+
+def test_tied_rotary_pairs_keep_logits_relative():
+  """Shifting every position leaves fused logits unchanged iff the two weights of each rotary pair
+  are tied (interleaved RoPE pairs channels (2j, 2j+1)); untied weights break it."""
+  Hkv, D, r, T = 2, 16, 12, 6
+  ks = jax.random.split(jax.random.PRNGKey(1), 6)
+  q = jax.random.normal(ks[0], (1, T, Hkv, D))
+  k1, kn = (jax.random.normal(k, (1, T, Hkv, D)) for k in ks[1:3])
+  tied = _random_weights(ks[3], 2, Hkv, D, r)
+  untied = jax.random.normal(ks[4], (2, Hkv, D))
+
+  def logits(weights, offset):
+    cos, sin = rope_tables(jnp.arange(T)[None] + offset, D, r, 10000.0, jnp.float32)
+    rot = lambda x: apply_rope(x, cos, sin)
+    fused = kv_fusion.materialize([rot(k1), rot(kn)], weights)
+    return jnp.einsum("bqhd,bkhd->bhqk", rot(q), fused)
+
+  np.testing.assert_allclose(logits(tied, 0), logits(tied, 1000), rtol=1e-4, atol=1e-4)
+  assert float(jnp.max(jnp.abs(logits(untied, 0) - logits(untied, 1000)))) > 1e-2
+
+
+def _copy_common_params(src: LM, dst: LM) -> None:
+  """Gives ``dst`` every parameter it shares (by path) with ``src``."""
+  nnx.update(dst, nnx.state(src, nnx.Param))
+
+
+@pytest.mark.parametrize("mixer", ["full", "kvm"])
+def test_fusedkv_at_init_equals_lite(mixer):
+  lite = make_model(mixer, seed=2, num_layers=4, kv_sharing="fusedkv_lite")
+  fused = kj.LM(kj.presets.tiny(mixers=mixer, num_layers=4, kv_sharing="fusedkv"),
+                rngs=nnx.Rngs(0))
+  _copy_common_params(lite, fused)
+  tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 30), 0, 256)
+  # Identical in exact arithmetic (weights 0 and 1); float32 sums over the stacked head dim.
+  np.testing.assert_allclose(fused(tokens), lite(tokens), rtol=0, atol=2e-6)
+  mean = kj.LM(kj.presets.tiny(mixers=mixer, num_layers=4, kv_sharing="fusedkv",
+                               fusedkv_init="mean"), rngs=nnx.Rngs(0))
+  _copy_common_params(lite, mean)
+  assert float(jnp.max(jnp.abs(mean(tokens) - lite(tokens)))) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def shared_models():
+  out = {}
+  for mixer in ("full", "swa", "bswa", "kvm"):
+    for mode in ("none",) + MODES:
+      if mixer in ("swa", "bswa") and mode not in ("none", "fusedkv", "cla"):
+        continue
+      out[mixer, mode] = make_model(mixer, seed=4, num_layers=4, num_kv_heads=2,
+                                    kv_sharing=mode, fusedkv_init="mean")
+  return out
+
+
+def _decode_all(model, tokens, prompt):
+  caches = model.init_cache(tokens.shape[0], tokens.shape[1])
+  logits, caches = model.prefill(tokens[:, :prompt], caches)
+  outs = [logits]
+  for t in range(prompt, tokens.shape[1]):
+    step, caches = model.decode_step(tokens[:, t:t + 1], caches)
+    outs.append(step)
+  return jnp.concatenate(outs, axis=1), caches
+
+
+@pytest.mark.parametrize("mixer,mode", [("full", m) for m in MODES] + [("kvm", m) for m in MODES]
+                         + [("swa", "fusedkv"), ("bswa", "fusedkv"), ("bswa", "cla")])
+def test_decode_matches_forward_and_cache_bytes(shared_models, mixer, mode):
+  model, vanilla = shared_models[mixer, mode], shared_models[mixer, "none"]
+  tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 37), 0, 256)
+  decoded, caches = _decode_all(model, tokens, prompt=19)
+  np.testing.assert_allclose(decoded, model(tokens), rtol=1e-5, atol=2e-5)
+  vanilla_caches = vanilla.init_cache(2, tokens.shape[1])  # bytes do not depend on contents
+  per_layer, vanilla_per_layer = LM.cache_bytes(caches), LM.cache_bytes(vanilla_caches)
+  storage = [i for i in range(4) if model.cfg.kv_sources(i) is None]
+  assert storage == ([0, 2] if mode == "cla" else [0, 1])
+  if mixer != "kvm":  # reconstruction layers store nothing: n/L (FusedKV/Lite/YOCO), 1/2 (CLA)
+    assert sum(per_layer) * 2 == sum(vanilla_per_layer)
+    assert all(per_layer[i] == 0 for i in range(4) if i not in storage)
+  else:  # window-only fusion: an upper KVM layer keeps its state, not its window K/V
+    cache = caches[3].mixer
+    assert cache.window_keys is None and cache.window_values is None
+    window_kv = (vanilla_caches[3].mixer.window_keys.nbytes
+                 + vanilla_caches[3].mixer.window_values.nbytes)
+    assert per_layer[3] == vanilla_per_layer[3] - window_kv
+
+
+@pytest.mark.parametrize("mixer", ["full", "kvm"])
+def test_gradients_reach_the_fusion_weights(mixer):
+  model = make_model(mixer, seed=6, num_layers=4, kv_sharing="fusedkv")
+  graphdef, params = nnx.split(model, nnx.Param)
+  tokens = jax.random.randint(jax.random.PRNGKey(7), (2, 24), 0, 256)
+
+  def loss(p):
+    logits = nnx.merge(graphdef, p)(tokens)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+  grads = jax.grad(loss)(params)
+  for layer in (2, 3):
+    attn = grads["blocks"][layer]["attn"]
+    for name in ("fuse_k_rotary", "fuse_k_free", "fuse_v"):
+      assert float(jnp.max(jnp.abs(attn[name][...]))) > 0, (layer, name)
+    assert "c_k" not in attn and "c_v" not in attn  # reconstruction layers project no K/V
+
+
+def test_reconstruction_layers_have_no_kv_projections():
+  vanilla = kj.count_params(kj.presets.tiny(mixers="full", num_layers=4))["total"]
+  lite = kj.count_params(kj.presets.tiny(mixers="full", num_layers=4,
+                                         kv_sharing="fusedkv_lite"))["total"]
+  fused = kj.count_params(kj.presets.tiny(mixers="full", num_layers=4,
+                                          kv_sharing="fusedkv"))["total"]
+  cfg = kj.presets.tiny(mixers="full", num_layers=4)
+  C, H, D = cfg.hidden_size, cfg.kv_heads, cfg.qk_head_dim
+  per_layer_kv = (2 * C * H * D                  # c_k, c_v (no biases)
+                  + 2 * D                        # ln_k
+                  + 2 * H * D                    # token-shift x_k, x_v
+                  + H * D                        # value-residual v_gate0
+                  + C * cfg.value_lora_width     # v_gate1
+                  + cfg.value_lora_width * H * D)  # v_gate2
+  assert vanilla - lite == 2 * per_layer_kv
+  r = cfg.rope_dims
+  assert fused - lite == 2 * 2 * H * (r // 2 + (D - r) + D)  # 2 layers x 2 sources
+
+
+def test_bad_sharing_configs():
+  with pytest.raises(ValueError, match="even num_layers"):
+    kj.presets.tiny(mixers="full", num_layers=3, kv_sharing="fusedkv")
+  with pytest.raises(ValueError, match="adjacent pairs"):
+    kj.presets.tiny(mixers="full", num_layers=5, kv_sharing="cla")
+  with pytest.raises(ValueError, match="layer 2 \\(swa\\) would reuse the K/V of layer 1 \\(full\\)"):
+    kj.presets.tiny(mixers=("full", "full", "swa", "swa"), num_layers=4, kv_sharing="yoco")
+  with pytest.raises(ValueError, match="kv_sharing='mla'"):
+    kj.presets.tiny(kv_sharing="mla")
+  with pytest.raises(ValueError, match="fusedkv_init"):
+    kj.presets.tiny(num_layers=4, kv_sharing="fusedkv", fusedkv_init="zeros")
+  with pytest.raises(ValueError, match="shared routing is not implemented"):
+    kj.presets.tiny(num_layers=4, kv_sharing="fusedkv", kvm_kv_sharing="shared_routing")
+  # GQA composes: the sources and the reconstruction layers share one KV-head layout.
+  cfg = kj.presets.tiny(mixers="full", num_layers=4, num_kv_heads=2, kv_sharing="fusedkv")
+  assert cfg.kv_layout(0) == cfg.kv_layout(3)
+  assert dataclasses.replace(cfg, kv_sharing="none").kv_sources(3) is None
