@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from kvm_jax.config import KVMConfig
 
 KV_SHARING = ("none", "fusedkv", "fusedkv_lite", "yoco", "cla")
-KVM_KV_SHARING = ("window",)
+KVM_KV_SHARING = ("window", "shared_routing")
 MIXERS = ("full", "swa", "bswa", "kvm")
 _DTYPES = ("float32", "bfloat16")
 
@@ -51,7 +51,10 @@ class ModelConfig:
       "mean" (all four weights 0.5).
     kvm_kv_sharing: how a ``kvm`` reconstruction layer shares: "window" (window-only fusion: its
       exact window comes from the source layers' windows on demand, while it keeps its own
-      compressed state, updated from the fused per-token K/V with its own merge gates).
+      compressed state, updated from the fused per-token K/V with its own merge gates) or
+      "shared_routing" (every KVM source layer applies layer 0's routing decisions, so source
+      states are row-aligned; reconstruction layers fuse the source *states* row by row and store
+      nothing at all).
   """
 
   vocab_size: int = 50304
@@ -130,7 +133,11 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.fusedkv_init={self.fusedkv_init!r}; choose 'lite' or 'mean'.")
     if self.kvm_kv_sharing not in KVM_KV_SHARING:
       raise ValueError(f"ModelConfig.kvm_kv_sharing={self.kvm_kv_sharing!r}; choose from "
-                       f"{KVM_KV_SHARING} (shared routing is not implemented yet).")
+                       f"{KVM_KV_SHARING}.")
+    if (self.kvm_kv_sharing == "shared_routing" and self.kv_sharing != "none"
+        and "kvm" in mixers and self.kvm.readout_value_dtype is not None):
+      raise ValueError("kvm_kv_sharing='shared_routing' fuses float32 readout states; it does not "
+                       "support kvm.readout_value_dtype (set it to None).")
     if self.kv_sharing == "none":
       return
     L = self.num_layers
@@ -204,6 +211,23 @@ class ModelConfig:
     if mode == "yoco":
       return (n - 1,), (n - 1,)
     return (layer - 1,), (layer - 1,)  # cla
+
+  def shares_state(self, layer: int) -> bool:
+    """A ``kvm`` reconstruction layer whose compressed state is fused from its sources' states."""
+    return (self.kvm_kv_sharing == "shared_routing" and self.layer_mixers[layer] == "kvm"
+            and self.kv_sources(layer) is not None)
+
+  def routing_leader(self, layer: int) -> Optional[int]:
+    """The layer whose routing decisions this storage ``kvm`` layer applies (shared routing: the
+    second source of FusedKV/Lite follows layer 0 so that both source states are row-aligned)."""
+    if self.kv_sources(layer) is not None or layer == 0:
+      return None
+    for upper in range(self.num_layers):
+      if self.shares_state(upper):
+        key_sources, value_sources = self.kv_sources(upper)
+        if layer in key_sources + value_sources and len(set(key_sources + value_sources)) > 1:
+          return 0
+    return None
 
   def kv_layout(self, layer: int) -> tuple:
     """What must agree between a layer and the layers whose K/V it reuses."""

@@ -100,6 +100,11 @@ def shared_models():
         continue
       out[mixer, mode] = make_model(mixer, seed=4, num_layers=4, num_kv_heads=2,
                                     kv_sharing=mode, fusedkv_init="mean")
+  for mode in MODES:
+    out["kvm-shared", mode] = make_model("kvm", seed=4, num_layers=4, num_kv_heads=2,
+                                         kv_sharing=mode, fusedkv_init="mean",
+                                         kvm_kv_sharing="shared_routing")
+  out["kvm-shared", "none"] = out["kvm", "none"]
   return out
 
 
@@ -114,10 +119,12 @@ def _decode_all(model, tokens, prompt):
 
 
 @pytest.mark.parametrize("mixer,mode", [("full", m) for m in MODES] + [("kvm", m) for m in MODES]
+                         + [("kvm-shared", m) for m in MODES]
                          + [("swa", "fusedkv"), ("bswa", "fusedkv"), ("bswa", "cla")])
 def test_decode_matches_forward_and_cache_bytes(shared_models, mixer, mode):
   model, vanilla = shared_models[mixer, mode], shared_models[mixer, "none"]
-  tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 37), 0, 256)
+  # 45 tokens with C=8, L=16: the decode crosses several state updates (folds at 32 and 40).
+  tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 45), 0, 256)
   decoded, caches = _decode_all(model, tokens, prompt=19)
   np.testing.assert_allclose(decoded, model(tokens), rtol=1e-5, atol=2e-5)
   vanilla_caches = vanilla.init_cache(2, tokens.shape[1])  # bytes do not depend on contents
@@ -125,6 +132,7 @@ def test_decode_matches_forward_and_cache_bytes(shared_models, mixer, mode):
   storage = [i for i in range(4) if model.cfg.kv_sources(i) is None]
   assert storage == ([0, 2] if mode == "cla" else [0, 1])
   if mixer != "kvm":  # reconstruction layers store nothing: n/L (FusedKV/Lite/YOCO), 1/2 (CLA)
+    # (kvm-shared: shared routing, the upper layers read their sources' states and windows)
     assert sum(per_layer) * 2 == sum(vanilla_per_layer)
     assert all(per_layer[i] == 0 for i in range(4) if i not in storage)
   else:  # window-only fusion: an upper KVM layer keeps its state, not its window K/V
@@ -135,9 +143,10 @@ def test_decode_matches_forward_and_cache_bytes(shared_models, mixer, mode):
     assert per_layer[3] == vanilla_per_layer[3] - window_kv
 
 
-@pytest.mark.parametrize("mixer", ["full", "kvm"])
+@pytest.mark.parametrize("mixer", ["full", "kvm", "kvm-shared"])
 def test_gradients_reach_the_fusion_weights(mixer):
-  model = make_model(mixer, seed=6, num_layers=4, kv_sharing="fusedkv")
+  extra = {"kvm_kv_sharing": "shared_routing"} if mixer == "kvm-shared" else {}
+  model = make_model(mixer.split("-")[0], seed=6, num_layers=4, kv_sharing="fusedkv", **extra)
   graphdef, params = nnx.split(model, nnx.Param)
   tokens = jax.random.randint(jax.random.PRNGKey(7), (2, 24), 0, 256)
 
@@ -183,9 +192,76 @@ def test_bad_sharing_configs():
     kj.presets.tiny(kv_sharing="mla")
   with pytest.raises(ValueError, match="fusedkv_init"):
     kj.presets.tiny(num_layers=4, kv_sharing="fusedkv", fusedkv_init="zeros")
-  with pytest.raises(ValueError, match="shared routing is not implemented"):
-    kj.presets.tiny(num_layers=4, kv_sharing="fusedkv", kvm_kv_sharing="shared_routing")
+  with pytest.raises(ValueError, match="kvm_kv_sharing='rows'"):
+    kj.presets.tiny(num_layers=4, kv_sharing="fusedkv", kvm_kv_sharing="rows")
+  bf16_readout = kj.KVMConfig(chunk_size=8, window_chunks=2, rope_dims=8,
+                              budget=kj.PowerLawBudget(4.0, 0.5, min_rows=8),
+                              readout_value_dtype="bfloat16")
+  with pytest.raises(ValueError, match="does not support kvm.readout_value_dtype"):
+    kj.presets.tiny(num_layers=4, kv_sharing="fusedkv", kvm_kv_sharing="shared_routing",
+                    kvm=bf16_readout)
   # GQA composes: the sources and the reconstruction layers share one KV-head layout.
   cfg = kj.presets.tiny(mixers="full", num_layers=4, num_kv_heads=2, kv_sharing="fusedkv")
   assert cfg.kv_layout(0) == cfg.kv_layout(3)
   assert dataclasses.replace(cfg, kv_sharing="none").kv_sources(3) is None
+
+
+# -- shared routing: the decisions are applied exactly, and replaying a state reproduces it ------
+
+
+def _op_inputs(seed, T=53, H=4, Hkv=2, D=16):
+  from tests.conftest import make_inputs, make_params
+  q, k, v, g = make_inputs(seed, 2, T, H, Hkv, D, D)
+  return q, k, v, g, make_params(seed, D, H)
+
+
+OP_CFG = kj.KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1, rope_dims=8,
+                      budget=kj.PowerLawBudget(4.0, 0.5, min_rows=8))
+
+
+def test_given_routing_is_applied_exactly():
+  from kvm_jax.ops.kvm import kvm_attention_xla
+  q, k, v, g, params = _op_inputs(0)
+  y, state, routing = kvm_attention_xla(q, k, v, g, params, cfg=OP_CFG, return_routing=True)
+  # (a) Feeding a run's own decisions back changes nothing.
+  y2, state2 = kvm_attention_xla(q, k, v, g, params, cfg=OP_CFG, routing=routing)
+  np.testing.assert_array_equal(y2, y)
+  np.testing.assert_array_equal(state2.keys, state.keys)
+  # (b) Other tokens under these decisions: each row's value sum, rebuilt in numpy from the
+  # decisions alone, matches (initial rows = the first chunk's tokens; appends ungated; merges
+  # gated, spec §6.7).
+  _, k_b, v_b, g_b, _ = _op_inputs(1)
+  _, state_b = kvm_attention_xla(q, k_b, v_b, g_b, params, cfg=OP_CFG, routing=routing)
+  sched = kj.kvm_schedule(OP_CFG, q.shape[1])
+  C, R = OP_CFG.chunk_size, sched.final_rows
+  vb, gb = np.asarray(v_b, np.float64), np.asarray(g_b, np.float64)
+  dest, target = (np.asarray(x) for x in routing)
+  want = np.zeros((2, 2, R + 1, 16))
+  want[:, :, :C] = np.transpose(vb[:, :C], (0, 2, 1, 3))
+  for c, fired in enumerate(sched.update_after):
+    if not fired:
+      continue
+    start = (c - OP_CFG.window_chunks + 1) * C  # the chunk leaving the window
+    for b in range(2):
+      for h in range(2):
+        for i in range(C):
+          tok = start + i
+          if dest[c, b, h, i] < R:
+            want[b, h, dest[c, b, h, i]] += vb[b, tok, h]
+          if target[c, b, h, i] < R:
+            want[b, h, target[c, b, h, i]] += gb[b, tok, h] * vb[b, tok, h]
+  np.testing.assert_allclose(np.asarray(state_b.values), want[:, :, :R], rtol=1e-5, atol=1e-5)
+  assert int(state_b.num_rows) == int(state.num_rows)
+
+
+def test_replayed_state_reproduces_the_layer():
+  """A fused-state layer with one source and weight 1 replays that source's state from its tokens
+  and routing; with the source's own queries it must reproduce the source layer's output."""
+  from kvm_jax.ops.kvm import kvm_attention_xla
+  from kvm_jax.ops.kvm_shared import SourceTrack, kvm_attention_shared_state
+  q, k, v, g, params = _op_inputs(2)
+  y, _, routing = kvm_attention_xla(q, k, v, g, params, cfg=OP_CFG, return_routing=True)
+  replayed = kvm_attention_shared_state(q, k, v, (SourceTrack(k, v, g, params),), None, None,
+                                        params, routing, cfg=OP_CFG, key_tracks=(0,),
+                                        value_tracks=(0,))
+  np.testing.assert_allclose(replayed, y, rtol=1e-5, atol=1e-5)

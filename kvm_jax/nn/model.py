@@ -23,6 +23,8 @@ from kvm_jax.ops import kv_fusion
 from kvm_jax.ops.common import KVMParams, tree_nbytes
 from kvm_jax.ops.kvm import kvm_attention
 from kvm_jax.ops.kvm_decode import kvm_decode_step, kvm_init_cache, kvm_prefill
+from kvm_jax.ops.kvm_shared import (SourceTrack, kvm_attention_shared_state,
+                                    kvm_decode_shared_state)
 from kvm_jax.ops.rope import apply_rope, rope_tables
 
 Array = jax.Array
@@ -79,18 +81,16 @@ jax.tree_util.register_dataclass(
 
 @dataclasses.dataclass(frozen=True)
 class SharedKV:
-  """What a reconstruction layer (``ModelConfig.kv_sources``) reads from its source layers.
+  """What a layer reads from the layers below it (cross-layer KV sharing).
 
-  keys / values: the sources' post-RoPE keys ``[B, T, Hkv, D]`` and values of this call, one per
-    key (value) source layer.
-  key_caches / value_caches: the sources' mixer caches as they were *before* this call (decode):
-    with the new keys/values they give everything the layer's own cache would have held.
+  exports: per lower layer, what it computed in this call (``Attention.__call__``): ``k``/``v``
+    (post-RoPE keys ``[B, T, Hkv, D]``, values), and for ``kvm`` layers the merge gates ``g``, its
+    KVM ``params``, its ``cache`` after this call and, for the routing leader, ``routing``.
+  old_caches: the layers' mixer caches as they were *before* this call (None without caches).
   """
 
-  keys: tuple
-  values: tuple
-  key_caches: Optional[tuple] = None
-  value_caches: Optional[tuple] = None
+  exports: dict
+  old_caches: Optional[list] = None
 
 
 def _without_window_kv(cache):
@@ -109,6 +109,11 @@ class Attention(nnx.Module):
     self.cfg, self.layer, self.kind = cfg, layer, cfg.layer_mixers[layer]
     self.sources = cfg.kv_sources(layer)  # None: this layer computes and stores its own K/V
     self.fused = self.sources is not None and len(self.sources[0]) > 1
+    self.shares_state = cfg.shares_state(layer)        # kvm: state fused from the sources' states
+    self.routing_leader = cfg.routing_leader(layer)    # kvm: applies this layer's routing
+    # kvm: a source of a fused-state layer, which replays this layer's state with its routing
+    self.exports_routing = any(cfg.shares_state(i) and layer in sum(cfg.kv_sources(i), ())
+                               for i in range(cfg.num_layers))
     C, H, Hkv, D, Dv = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.qk_head_dim, cfg.v_head_dim
     dq, dk, dv = H * D, Hkv * D, Hkv * Dv
     pd = cfg.jnp_param_dtype
@@ -144,9 +149,10 @@ class Attention(nnx.Module):
                              init=jax.nn.initializers.orthogonal(scale=0.1))
     if self.kind == "kvm":
       kc = cfg.kvm
-      self.ln_s = _layer_norm(cfg, D, rngs)
-      if kc.uses_gate:
-        self.key_weighting = _linear(cfg, C, Hkv, rngs)
+      if not self.shares_state:  # a fused state is built by the sources' LN_s and gates
+        self.ln_s = _layer_norm(cfg, D, rngs)
+        if kc.uses_gate:
+          self.key_weighting = _linear(cfg, C, Hkv, rngs)
       if kc.head_temperatures:
         self.window_temperature = nnx.Param(jnp.ones((H,), pd))
         self.state_temperature = nnx.Param(jnp.ones((H,), pd))
@@ -198,13 +204,19 @@ class Attention(nnx.Module):
     return q, k, v, tails
 
   def kvm_params(self) -> KVMParams:
-    """The layer's KVM parameters; temperatures are ones when the config disables them."""
+    """The layer's KVM parameters; temperatures are ones when the config disables them (a layer
+    with a fused state has no LN_s of its own: identity placeholders)."""
     if self.cfg.kvm.head_temperatures:
       window_temp, state_temp = self.window_temperature[...], self.state_temperature[...]
     else:
       window_temp = state_temp = jnp.ones((self.cfg.num_heads,), jnp.float32)
-    return KVMParams(ln_scale=self.ln_s.scale[...], ln_bias=self.ln_s.bias[...],
-                     window_temperature=window_temp, state_temperature=state_temp)
+    if self.shares_state:
+      D = self.cfg.qk_head_dim
+      ln_scale, ln_bias = jnp.ones((D,), jnp.float32), jnp.zeros((D,), jnp.float32)
+    else:
+      ln_scale, ln_bias = self.ln_s.scale[...], self.ln_s.bias[...]
+    return KVMParams(ln_scale=ln_scale, ln_bias=ln_bias, window_temperature=window_temp,
+                     state_temperature=state_temp)
 
   def merge_gate(self, x: Array) -> Array:
     if not self.cfg.kvm.uses_gate:
@@ -216,6 +228,8 @@ class Attention(nnx.Module):
     dtype = cfg.jnp_compute_dtype
     common = dict(batch=batch, kv_heads=cfg.kv_heads, head_dim=cfg.qk_head_dim,
                   value_dim=cfg.v_head_dim, max_len=max_len, dtype=dtype)
+    if self.shares_state:
+      return None  # reads the sources' states and windows
     if self.kind == "kvm":
       cache = kvm_init_cache(cfg.kvm, **common)
       return cache if self.sources is None else _without_window_kv(cache)
@@ -232,24 +246,59 @@ class Attention(nnx.Module):
                shared: Optional[SharedKV] = None):
     """Whole sequence (``decode=False``; fills ``cache.mixer`` if a cache is given) or one token.
 
-    Returns ``(output, new mixer cache, token-shift tails, (k, v))``; ``(k, v)`` are this layer's
-    keys and values for the layers that share them (None for a reconstruction layer).
+    Returns ``(output, new mixer cache, token-shift tails, exports)``; ``exports`` is what layers
+    above may read (see :class:`SharedKV`).
     """
     q, k, v, tails = self._qkv(x, v_first, positions, cache if decode else None)
     mixer_cache = None if cache is None else cache.mixer
+    exports = {}
     if self.sources is None:
-      y, mixer_cache = self._mix(x, q, k, v, mixer_cache, decode)
+      y, mixer_cache, exports = self._mix_own(x, q, k, v, mixer_cache, decode, shared)
+    elif self.shares_state:
+      y, mixer_cache = self._mix_kvm_shared_state(q, shared, decode), None
     elif self.kind == "kvm":
       y, mixer_cache = self._mix_kvm_window_fusion(x, q, shared, mixer_cache, decode)
     else:
-      y = self._mix_folded(q, shared, decode)
-      mixer_cache = None
+      y, mixer_cache = self._mix_folded(q, shared, decode), None
     B, T = x.shape[:2]
     out = self.c_proj(y.reshape(B, T, -1).astype(x.dtype))
-    return out, mixer_cache, tails, (k, v)
+    return out, mixer_cache, tails, exports
+
+  def _source_weights(self):
+    """``(key sources, value sources, key weights or None, value weights or None)``."""
+    key_w, value_w = self.fusion_weights() if self.fused else (None, None)
+    return self.sources[0], self.sources[1], key_w, value_w
+
+  def _mix_own(self, x, q, k, v, mixer_cache, decode, shared):
+    """A storage layer: its own K/V (and, for kvm, its own state, possibly with shared routing)."""
+    exports = {"k": k, "v": v}
+    if self.kind != "kvm":
+      y, mixer_cache = self._mix(x, q, k, v, mixer_cache, decode)
+      return y, mixer_cache, exports
+    cfg = self.cfg
+    g, params = self.merge_gate(x), self.kvm_params()
+    routing = None
+    if self.routing_leader is not None:
+      routing = shared.exports[self.routing_leader]["routing"]
+    want = self.exports_routing
+    if decode:
+      out = kvm_decode_step(q, k, v, g, params, cfg.kvm, mixer_cache, routing=routing,
+                            return_routing=want)
+    elif mixer_cache is not None:
+      out = kvm_prefill(q, k, v, g, params, cfg.kvm, mixer_cache, routing=routing,
+                        return_routing=want)
+    else:
+      out = kvm_attention(q, k, v, g, params, cfg.kvm, implementation=cfg.kvm_implementation,
+                          routing=routing, return_routing=want)
+      out = (out[0], None) + tuple(out[2:])
+    y, mixer_cache = out[0], out[1]
+    exports.update(g=g, params=params, cache=mixer_cache)
+    if want:
+      exports["routing"] = out[2]
+    return y, mixer_cache, exports
 
   def _mix(self, x, q, k, v, mixer_cache, decode, scale=None):
-    """This layer's mixer over its own (or stacked) keys and values."""
+    """This layer's mixer over its own (or stacked / fused) keys and values."""
     cfg, kind = self.cfg, self.kind
     if kind == "kvm":
       g, params = self.merge_gate(x), self.kvm_params()
@@ -275,15 +324,17 @@ class Attention(nnx.Module):
   def _mix_folded(self, q, shared: SharedKV, decode: bool):
     """full/swa/bswa reconstruction layer: one attention over the sources stacked along the head
     dim, queries folded with the key weights, value slices weighted after (never a fused K/V)."""
-    keys, values = kv_fusion.stack_sources(shared.keys), kv_fusion.stack_sources(shared.values)
+    ks, vs, key_w, value_w = self._source_weights()
+    ex = shared.exports
+    keys = kv_fusion.stack_sources([ex[j]["k"] for j in ks])
+    values = kv_fusion.stack_sources([ex[j]["v"] for j in vs])
     scale = None
     if self.fused:
-      key_w, value_w = self.fusion_weights()
       q = kv_fusion.fold_queries(q, key_w)
       scale = 1.0 / math.sqrt(self.cfg.qk_head_dim)  # of one source, not of the stack
     view = None
     if decode:  # the sources' caches before this token, stacked the same way (a view, not kept)
-      kc, vc = shared.key_caches, shared.value_caches
+      kc, vc = [shared.old_caches[j] for j in ks], [shared.old_caches[j] for j in vs]
       view = dataclasses.replace(
           kc[0], keys=kv_fusion.stack_sources([c.keys for c in kc]),
           values=kv_fusion.stack_sources([c.values for c in vc]),
@@ -296,26 +347,44 @@ class Attention(nnx.Module):
     """kvm reconstruction layer, window-only fusion: the window keys/values are fused from the
     sources on demand; the compressed state is this layer's own, built from the fused per-token
     K/V with this layer's merge gates (states of different layers are not row-aligned)."""
-    if self.fused:
-      key_w, value_w = self.fusion_weights()
-      fuse_k = lambda xs: kv_fusion.materialize(xs, key_w)
-      fuse_v = lambda xs: kv_fusion.materialize(xs, value_w)
-    else:
-      fuse_k = fuse_v = lambda xs: xs[0]
-    k, v = fuse_k(shared.keys), fuse_v(shared.values)
+    ks, vs, key_w, value_w = self._source_weights()
+    fuse_k = (lambda xs: xs[0]) if key_w is None else (lambda xs: kv_fusion.materialize(xs, key_w))
+    fuse_v = (lambda xs: xs[0]) if value_w is None else (
+        lambda xs: kv_fusion.materialize(xs, value_w))
+    ex = shared.exports
+    k, v = fuse_k([ex[j]["k"] for j in ks]), fuse_v([ex[j]["v"] for j in vs])
     view = None
     if mixer_cache is not None:
-      if decode:
-        ring_k = fuse_k([c.window_keys for c in shared.key_caches])
-        ring_v = fuse_v([c.window_values for c in shared.value_caches])
+      kc, vc = [shared.old_caches[j] for j in ks], [shared.old_caches[j] for j in vs]
+      if decode:  # the sources' rings before this token: the fold may need the slot t overwrites
+        ring_k = fuse_k([c.window_keys for c in kc])
+        ring_v = fuse_v([c.window_values for c in vc])
       else:  # prefill replaces the contents: zeros of the right shape suffice
-        ring_k = jnp.zeros_like(shared.key_caches[0].window_keys) \
-            if shared.key_caches else None
-        ring_v = jnp.zeros_like(shared.value_caches[0].window_values) \
-            if shared.value_caches else None
+        ring_k, ring_v = jnp.zeros_like(kc[0].window_keys), jnp.zeros_like(vc[0].window_values)
       view = dataclasses.replace(mixer_cache, window_keys=ring_k, window_values=ring_v)
     y, new_cache = self._mix(x, q, k, v, view, decode)
     return y, (None if new_cache is None else _without_window_kv(new_cache))
+
+  def _mix_kvm_shared_state(self, q, shared: SharedKV, decode: bool):
+    """kvm reconstruction layer with shared routing: state and window fused from the sources."""
+    ks, vs, key_w, value_w = self._source_weights()
+    ex = shared.exports
+    tracks = tuple(sorted(set(ks) | set(vs)))
+    key_tracks = tuple(tracks.index(j) for j in ks)
+    value_tracks = tuple(tracks.index(j) for j in vs)
+    params = self.kvm_params()
+    if decode:
+      return kvm_decode_shared_state(q, [ex[j]["cache"] for j in tracks],
+                                     [ex[j]["params"] for j in tracks], key_w, value_w,
+                                     key_tracks, value_tracks, params, self.cfg.kvm)
+    fuse = lambda xs, w: xs[0] if w is None else kv_fusion.materialize(xs, w)
+    k, v = fuse([ex[j]["k"] for j in ks], key_w), fuse([ex[j]["v"] for j in vs], value_w)
+    source_tracks = tuple(SourceTrack(ex[j]["k"], ex[j]["v"], ex[j]["g"], ex[j]["params"])
+                          for j in tracks)
+    return kvm_attention_shared_state(q, k, v, source_tracks, key_w, value_w, params,
+                                      ex[tracks[0]]["routing"],  # = every track's (shared)
+                                      cfg=self.cfg.kvm, key_tracks=key_tracks,
+                                      value_tracks=value_tracks)
 
 
 class MLP(nnx.Module):
@@ -347,7 +416,7 @@ class Block(nnx.Module):
   def __call__(self, x, v_first, positions, cache: Optional[LayerCache] = None, decode=False,
                shared: Optional[SharedKV] = None):
     dtype = x.dtype
-    h, mixer_cache, tails, kv = self.attn(self.ln_attn(x).astype(dtype), v_first, positions, cache,
+    h, mixer_cache, tails, exports = self.attn(self.ln_attn(x).astype(dtype), v_first, positions, cache,
                                           decode, shared)
     x = x + self.cfg.scale * h
     m_in = self.ln_mlp(x).astype(dtype)
@@ -356,7 +425,7 @@ class Block(nnx.Module):
     if cache is not None:
       new_cache = LayerCache(mixer=mixer_cache, last_q=tails[0], last_k=tails[1], last_v=tails[2],
                              last_mlp=m_in[:, -1:])
-    return x, new_cache, kv
+    return x, new_cache, exports
 
 
 class LM(nnx.Module):
@@ -392,16 +461,12 @@ class LM(nnx.Module):
     for layer in sorted({cfg.value_anchor(i) for i in range(cfg.num_layers)}):
       block = self.blocks[layer]
       anchors[layer] = block.attn.anchor_value(block.ln_attn(x0).astype(x0.dtype))
-    x, new_caches, kv = x0, [], {}
+    x, new_caches, exports = x0, [], {}
+    old_caches = None if caches is None else [c.mixer for c in caches]
     for i, block in enumerate(self.blocks):
-      sources, shared = cfg.kv_sources(i), None
-      if sources is not None:
-        old = lambda layers: None if caches is None else tuple(caches[j].mixer for j in layers)
-        shared = SharedKV(keys=tuple(kv[j][0] for j in sources[0]),
-                          values=tuple(kv[j][1] for j in sources[1]),
-                          key_caches=old(sources[0]), value_caches=old(sources[1]))
-      x, c, kv[i] = block(x, anchors[cfg.value_anchor(i)], positions,
-                          None if caches is None else caches[i], decode, shared)
+      shared = SharedKV(exports=exports, old_caches=old_caches) if cfg.kv_sharing != "none" else None
+      x, c, exports[i] = block(x, anchors[cfg.value_anchor(i)], positions,
+                               None if caches is None else caches[i], decode, shared)
       new_caches.append(c)
     logits = self.lm_head(self.ln_head(x).astype(x.dtype)).astype(jnp.float32)
     return logits, (None if caches is None else new_caches)

@@ -399,7 +399,8 @@ def _row_adder(row_update: str):
 
 def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow_g: Array,
                  n_append: Array, params: KVMParams, cfg: KVMConfig,
-                 row_update: str = "auto", read_keys: Array | None = None) -> KVMState:
+                 row_update: str = "auto", read_keys: Array | None = None,
+                 routing: tuple[Array, Array] | None = None, return_routing: bool = False):
   """Folds one overflow chunk into the state (spec §6.7).
 
   The ``n_append`` tokens least similar to the current state become new rows (in token order); every
@@ -413,9 +414,14 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
     row_update: how rows are accumulated: "scatter", "onehot" or "auto" (by backend).
     read_keys: optional LN_s(state.keys) already computed for the readout; saves recomputing it
       for novelty, and for routing when nothing is appended.
+    routing: optional decisions ``(dest, target)`` to apply instead of computing them (shared
+      routing across layers, ``ModelConfig.kvm_kv_sharing="shared_routing"``): ``dest`` is the new
+      row of each appended token (``capacity`` = not appended), ``target`` the row each other
+      token merges into (``capacity`` = none), both ``[B, Hkv, C]`` int32.
+    return_routing: also return the ``(dest, target)`` that were applied.
   Returns:
-    The updated state with ``num_rows + n_append`` rows. Routing decisions carry no gradient; the
-    merged sums, appended rows and radii are differentiable.
+    The updated state with ``num_rows + n_append`` rows (and the routing if asked). Routing
+    decisions carry no gradient; the merged sums, appended rows and radii are differentiable.
   """
   add_rows = _row_adder(row_update)
   R = state.capacity
@@ -428,6 +434,9 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
   v_gated = v_raw * gate if cfg.gate_values else v_raw
   k_app, v_app = (k_gated, v_gated) if cfg.gate_appends else (k_bar, v_raw)
   m = state.num_rows
+  if routing is not None:
+    return _apply_routing(state, k_gated, v_gated, k_app, v_app, n_append, routing, add_rows,
+                          return_routing)
   if read_keys is None:
     read_keys = layer_norm(state.keys, params.ln_scale, params.ln_bias, cfg.ln_eps)
   old_read = jax.lax.stop_gradient(read_keys)  # routing is a constant: no gradient through it
@@ -449,6 +458,7 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
     return s.keys, s.values, s.radius, jnp.zeros(k_bar.shape[:3], bool), old_read
 
   keys, values, radius, is_append, new_read = jax.lax.cond(n_append > 0, append, no_append, state)
+  dest = jnp.where(is_append, m + jnp.cumsum(is_append, axis=-1) - 1, R).astype(jnp.int32)
   m_new = m + n_append
 
   # Routing: gated key vs the post-append rows, sinks excluded, first index wins ties.
@@ -456,7 +466,22 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
                       precision=precision)
   target_ok = (row >= cfg.sink_rows) & (row < m_new)
   target = first_argmax(jnp.where(target_ok, logits, -jnp.inf))                      # [B,Hkv,C]
-  target = jnp.where(is_append, R, target)  # appended tokens merge nowhere
+  target = jnp.where(is_append, R, target).astype(jnp.int32)  # appended tokens merge nowhere
   keys = add_rows(keys, target, k_gated)
   values = add_rows(values, target, v_gated)
-  return KVMState(keys=keys, values=values, radius=radius, num_rows=m_new.astype(jnp.int32))
+  new = KVMState(keys=keys, values=values, radius=radius, num_rows=m_new.astype(jnp.int32))
+  return (new, (dest, target)) if return_routing else new
+
+
+def _apply_routing(state: KVMState, k_gated, v_gated, k_app, v_app, n_append, routing, add_rows,
+                   return_routing):
+  """The scatter half of :func:`update_state` with the decisions given (``[B, Hkv, C, ·]`` inputs)."""
+  dest, target = routing
+  keys = add_rows(state.keys, dest, k_app)
+  values = add_rows(state.values, dest, v_app)
+  radius = add_rows(state.radius[..., None], dest, safe_l2_norm(v_app)[..., None])[..., 0]
+  keys = add_rows(keys, target, k_gated)
+  values = add_rows(values, target, v_gated)
+  new = KVMState(keys=keys, values=values, radius=radius,
+                 num_rows=(state.num_rows + n_append).astype(jnp.int32))
+  return (new, routing) if return_routing else new

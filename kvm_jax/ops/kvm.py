@@ -42,11 +42,16 @@ def _window_stack(x: Array, num_chunks: int, chunk: int, window_chunks: int) -> 
   return jnp.concatenate([chunks[j:j + num_chunks] for j in range(window_chunks)], axis=2)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "remat", "row_update"))
+@functools.partial(jax.jit, static_argnames=("cfg", "remat", "row_update", "return_routing"))
 def kvm_attention_xla(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
-                      cfg: KVMConfig, remat: bool = True,
-                      row_update: str = "auto") -> tuple[Array, KVMState]:
-  """Chunked-scan KVM; see :func:`kvm_attention` for the contract (inputs are not re-validated)."""
+                      cfg: KVMConfig, remat: bool = True, row_update: str = "auto",
+                      routing=None, return_routing: bool = False):
+  """Chunked-scan KVM; see :func:`kvm_attention` for the contract (inputs are not re-validated).
+
+  ``routing``: per-chunk decisions ``(dest, target)``, each ``[num_chunks, B, Hkv, C]`` int32, to
+  apply instead of computing them (shared routing); ``return_routing=True`` also returns the
+  decisions this call applied, in that form (chunks without an update hold ``capacity``: no-op).
+  """
   B, T, H, D = q.shape
   Hkv, Dv = k.shape[2], v.shape[3]
   G = H // Hkv
@@ -69,6 +74,8 @@ def kvm_attention_xla(q: Array, k: Array, v: Array, merge_gate: Array, params: K
       "update": jnp.asarray(sched.update_after),
       "n_append": jnp.asarray(sched.n_append, jnp.int32),
   }
+  if routing is not None:
+    xs["routing"] = routing
   state0 = initial_state(k_p[:, :C], v_p[:, :C], g_p[:, :C], sched.initial_rows, sched.final_rows,
                          params, cfg)
   state_temp, window_temp = temperatures(params, cfg, Hkv)
@@ -85,24 +92,27 @@ def kvm_attention_xla(q: Array, k: Array, v: Array, merge_gate: Array, params: K
     window_valid = causal & in_sequence[None, :]
     y = joint_attention(x["q"], state_keys, state_values, state_valid, x["win_k"], x["win_v"],
                         window_valid, state_temp, window_temp)
+    none = jnp.full((B, Hkv, C), sched.final_rows, jnp.int32)  # "no row": a no-op scatter
+    decisions = (none, none)
     if any_update:
-      state = jax.lax.cond(
+      state, decisions = jax.lax.cond(
           x["update"],
           lambda s: update_state(s, x["win_k"][:, :C], x["win_v"][:, :C], x["overflow_g"],
-                                 x["n_append"], params, cfg, row_update, state_keys),
-          lambda s: s, state)
-    return state, y.astype(q.dtype)
+                                 x["n_append"], params, cfg, row_update, state_keys,
+                                 routing=x.get("routing"), return_routing=True),
+          lambda s: (s, decisions), state)
+    return state, (y.astype(q.dtype), decisions if return_routing else None)
 
   if remat:
     step = jax.checkpoint(step, prevent_cse=False)
-  state, y = jax.lax.scan(step, state0, xs)
+  state, (y, decisions) = jax.lax.scan(step, state0, xs)
   y = jnp.moveaxis(y, 0, 1).reshape(B, nC * C, H, Dv)[:, :T]  # [batch, time, heads, value_dim]
-  return y, state
+  return (y, state, decisions) if return_routing else (y, state)
 
 
 def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
-                  cfg: KVMConfig, *, implementation: str = "xla",
-                  remat: bool = True) -> tuple[Array, KVMState]:
+                  cfg: KVMConfig, *, implementation: str = "xla", remat: bool = True,
+                  routing=None, return_routing: bool = False):
   """KVM attention over a whole sequence (prefill / training forward), jit-compiled.
 
   Args:
@@ -115,6 +125,8 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
     implementation: "xla" (the chunked ``lax.scan``).
     remat: rematerialize each chunk in the backward pass (memory O(T/C · R) for the stored states
       instead of every chunk's attention probabilities).
+    routing / return_routing: apply given per-chunk routing decisions / also return the applied
+      ones (shared routing across layers; see :func:`kvm_attention_xla`).
   Returns:
     ``y [B, T, H, Dv]`` in q's dtype, and the final :class:`KVMState` (float32, capacity = the
     number of rows the schedule reaches at T).
@@ -123,4 +135,5 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation={implementation!r} is not available; choose one of "
                      f"{IMPLEMENTATIONS}.")
-  return kvm_attention_xla(q, k, v, merge_gate, params, cfg=cfg, remat=remat)
+  return kvm_attention_xla(q, k, v, merge_gate, params, cfg=cfg, remat=remat, routing=routing,
+                           return_routing=return_routing)

@@ -88,19 +88,21 @@ def _check_against_cache(k, v, cache: KVMCache, where: str) -> None:
         "create the cache with kvm_init_cache using the same sizes.")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _prefill(q, k, v, merge_gate, params, cfg, cache):
+@functools.partial(jax.jit, static_argnames=("cfg", "return_routing"))
+def _prefill(q, k, v, merge_gate, params, cfg, cache, routing=None, return_routing=False):
   T = q.shape[1]
-  y, state = kvm_attention_xla(q, k, v, merge_gate, params, cfg=cfg, remat=False)
-  return y, KVMCache(
+  y, state, decisions = kvm_attention_xla(q, k, v, merge_gate, params, cfg=cfg, remat=False,
+                                          routing=routing, return_routing=True)
+  new = KVMCache(
       state=pad_rows(state, cache.state.capacity),
       window_keys=fill_ring(cache.window_keys, k), window_values=fill_ring(cache.window_values, v),
       window_gates=fill_ring(cache.window_gates, merge_gate),
       length=jnp.asarray(T, jnp.int32), max_len=cache.max_len)
+  return (y, new, decisions) if return_routing else (y, new)
 
 
 def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
-                cfg: KVMConfig, cache: KVMCache) -> tuple[Array, KVMCache]:
+                cfg: KVMConfig, cache: KVMCache, *, routing=None, return_routing: bool = False):
   """Runs a prompt of any length >= 1 and returns its outputs and the filled cache.
 
   The prompt starts a new sequence: ``cache`` provides sizes, ``max_len`` and dtype, and its
@@ -111,7 +113,8 @@ def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPara
   if q.shape[1] > cache.max_len:
     raise ValueError(f"kvm_prefill: prompt of {q.shape[1]} tokens exceeds the cache's max_len="
                      f"{cache.max_len}; create the cache with a larger max_len.")
-  return _prefill(q, k, v, merge_gate, params, cfg=cfg, cache=cache)
+  return _prefill(q, k, v, merge_gate, params, cfg=cfg, cache=cache, routing=routing,
+                  return_routing=return_routing)
 
 
 @functools.lru_cache(maxsize=64)
@@ -125,8 +128,26 @@ def _rows_after_overflow(cfg: KVMConfig, max_len: int) -> np.ndarray:
   return rows
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _decode_step(q_t, k_t, v_t, g_t, params, cfg, cache):
+def decode_attention(q_t: Array, state_keys: Array, state_values: Array, num_rows: Array,
+                     window_keys: Array, window_values: Array, t: Array, state_temp: Array,
+                     window_temp: Array, cfg: KVMConfig) -> Array:
+  """Token ``t`` attends to readout state rows (once ``t >= L``) and the window ring (positions
+  ``[bswa_begin(t + 1), t]``): ``q_t [B,1,H,D]`` -> ``[B,1,Hkv,G,Dv]`` float32."""
+  B, _, H, D = q_t.shape
+  Hkv = window_keys.shape[2]
+  C, L = cfg.chunk_size, cfg.window_len
+  position = ring_positions(t, L)
+  window_begin = jnp.maximum(0, (t // C + 1) * C - L)
+  window_valid = (position >= window_begin)[None, :]
+  rows = jnp.arange(state_keys.shape[2])
+  state_valid = ((rows < num_rows) & (t >= L))[None, :]
+  return joint_attention(q_t.reshape(B, 1, Hkv, H // Hkv, D), state_keys, state_values,
+                         state_valid, window_keys, window_values, window_valid, state_temp,
+                         window_temp)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "return_routing"))
+def _decode_step(q_t, k_t, v_t, g_t, params, cfg, cache, routing=None, return_routing=False):
   B, _, H, D = q_t.shape
   Hkv = k_t.shape[2]
   C, nb, L = cfg.chunk_size, cfg.window_chunks, cfg.window_len
@@ -148,16 +169,18 @@ def _decode_step(q_t, k_t, v_t, g_t, params, cfg, cache):
   rows_table = _rows_after_overflow(cfg, cache.max_len)
   fire = (t % C == 0) & (t >= L + C) & (t < cache.max_len)
 
-  def fold(s: KVMState) -> KVMState:
+  def fold(s: KVMState):
     start = t % L  # == (t - L) % L, a multiple of C: the chunk is contiguous in the ring
     ov_k = jax.lax.dynamic_slice_in_dim(cache.window_keys, start, C, axis=1)
     ov_v = jax.lax.dynamic_slice_in_dim(cache.window_values, start, C, axis=1)
     ov_g = jax.lax.dynamic_slice_in_dim(cache.window_gates, start, C, axis=1)
     overflow_index = jnp.clip(t // C - nb, 0, rows_table.shape[0] - 1)
     n_append = jnp.asarray(rows_table)[overflow_index] - s.num_rows
-    return update_state(s, ov_k, ov_v, ov_g, n_append, params, cfg)
+    return update_state(s, ov_k, ov_v, ov_g, n_append, params, cfg, routing=routing,
+                        return_routing=True)
 
-  state = jax.lax.cond(fire, fold, lambda s: s, state)
+  none = jnp.full((B, Hkv, C), R, jnp.int32)  # "no row": the decisions of a step without a fold
+  state, decisions = jax.lax.cond(fire, fold, lambda s: (s, (none, none)), state)
 
   # 3) The token enters the ring (after the fold, which may still need the slot it overwrites).
   window_keys = write_ring(cache.window_keys, k_t, t)
@@ -165,24 +188,23 @@ def _decode_step(q_t, k_t, v_t, g_t, params, cfg, cache):
   window_gates = write_ring(cache.window_gates, g_t, t)
 
   # 4) Attend: state rows (once t >= L) and the window [bswa_begin(t + 1), t].
-  position = ring_positions(t, L)
-  window_begin = jnp.maximum(0, (t // C + 1) * C - L)
-  window_valid = (position >= window_begin)[None, :]
-  state_valid = ((row < state.num_rows) & (t >= L))[None, :]
   state_keys, state_values = state_readout(state, params, cfg, H // Hkv)
-  state_temp, window_temp = temperatures(params, cfg, Hkv)
-  y = joint_attention(q_t.reshape(B, 1, Hkv, H // Hkv, D), state_keys, state_values, state_valid,
-                      window_keys, window_values, window_valid, state_temp, window_temp)
+  y = decode_attention(q_t, state_keys, state_values, state.num_rows, window_keys, window_values,
+                       t, *temperatures(params, cfg, Hkv), cfg)
   # Past max_len the state has no room for the schedule: poison the output instead of lying.
   y = jnp.where(t < cache.max_len, y, jnp.nan).reshape(B, 1, H, -1).astype(q_t.dtype)
-  return y, KVMCache(state=state, window_keys=window_keys, window_values=window_values,
-                     window_gates=window_gates, length=t + 1, max_len=cache.max_len)
+  new = KVMCache(state=state, window_keys=window_keys, window_values=window_values,
+                 window_gates=window_gates, length=t + 1, max_len=cache.max_len)
+  return (y, new, decisions) if return_routing else (y, new)
 
 
 def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParams,
-                    cfg: KVMConfig, cache: KVMCache) -> tuple[Array, KVMCache]:
+                    cfg: KVMConfig, cache: KVMCache, *, routing=None, return_routing: bool = False):
   """Processes one token: ``q_t [B,1,H,D]``, ``k_t [B,1,Hkv,D]``, ``v_t [B,1,Hkv,Dv]``,
   ``g_t [B,1,Hkv]``; returns ``y_t [B,1,H,Dv]`` and the advanced cache.
+
+  ``routing`` / ``return_routing``: as in :func:`kvm_jax.ops.kvm.kvm_attention_xla`, for this
+  step's fold (``(dest, target)`` ``[B, Hkv, C]``; all ``capacity`` when no fold happens).
 
   Raises ValueError past ``max_len`` when the cache length is concrete; under an outer ``jit`` the
   length is traced, and outputs past ``max_len`` are NaN rather than silently wrong.
@@ -193,4 +215,5 @@ def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMP
     raise ValueError(
         f"kvm_decode_step: the cache already holds {int(cache.length)} tokens = max_len="
         f"{cache.max_len}; create the cache with a larger max_len to decode further.")
-  return _decode_step(q_t, k_t, v_t, g_t, params, cfg=cfg, cache=cache)
+  return _decode_step(q_t, k_t, v_t, g_t, params, cfg=cfg, cache=cache, routing=routing,
+                      return_routing=return_routing)

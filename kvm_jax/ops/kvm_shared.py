@@ -1,0 +1,153 @@
+"""KVM reconstruction layers with *shared routing* (``ModelConfig.kvm_kv_sharing="shared_routing"``).
+
+Compressed states of different layers are row-aligned only if the same routing built them: which
+tokens were appended as new rows and which row every other token merged into. With shared routing
+every KVM source layer applies the routing of one leader layer (``update_state(routing=...)``), so
+row ``r`` of each source summarizes the same tokens, and a reconstruction layer can fuse the
+sources' *states* row by row, exactly as it fuses their per-token keys and values::
+
+    state keys   = sum_j a_j ⊙ LN_s^{src_j}(S_K^{src_j})          (readout keys of each source)
+    state values = sum_j b_j ⊙ normalize(S_V^{src_j}) · r^{src_j}  (readout values of each source)
+
+The reconstruction layer then stores nothing: in decode it reads the sources' caches; in a
+whole-sequence pass (prefill, training) it replays the sources' state updates chunk by chunk from
+their per-token keys, values, gates and the shared decisions (scatter-adds only, no routing work),
+so no per-chunk state is ever stored.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvm_jax.budget import kvm_schedule
+from kvm_jax.config import KVMConfig
+from kvm_jax.ops.common import (KVMParams, initial_state, joint_attention, state_readout,
+                                temperatures, update_state)
+from kvm_jax.ops.kvm import _to_chunks, _window_stack
+from kvm_jax.ops.kvm_decode import KVMCache, decode_attention
+
+Array = jax.Array
+
+
+class SourceTrack(NamedTuple):
+  """One source layer's per-token inputs to its state (``[B, T, Hkv, ·]``) and its parameters."""
+
+  k: Array
+  v: Array
+  g: Array
+  params: KVMParams
+
+
+def fuse_readouts(readouts: Sequence[Array], mix: Sequence[tuple[int, Optional[Array]]]) -> Array:
+  """``sum_j w_j ⊙ readouts[track_j]`` for readout rows ``[B, Hkv, R, X]`` and ``w_j [Hkv, X]``
+  (``None`` = weight 1, a plain copy)."""
+  out = None
+  for track, w in mix:
+    x = readouts[track] if w is None else readouts[track] * w.astype(jnp.float32)[None, :, None, :]
+    out = x if out is None else out + x
+  return out
+
+
+def _fused_state(states, tracks_params, key_mix, value_mix, cfg):
+  reads = [state_readout(s, p, cfg) for s, p in zip(states, tracks_params)]
+  return (fuse_readouts([r[0] for r in reads], key_mix),
+          fuse_readouts([r[1] for r in reads], value_mix))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "key_tracks", "value_tracks", "remat"))
+def kvm_attention_shared_state(q: Array, k: Array, v: Array, tracks: tuple, key_weights,
+                               value_weights, params: KVMParams, routing, cfg: KVMConfig,
+                               key_tracks: tuple, value_tracks: tuple, remat: bool = True) -> Array:
+  """Whole-sequence KVM for a reconstruction layer whose state is fused from its sources'.
+
+  Args:
+    q: ``[B, T, H, D]`` this layer's queries; k / v: ``[B, T, Hkv, ·]`` its (fused) per-token keys
+      and values, used for the exact window.
+    tracks: :class:`SourceTrack` per source layer whose state is replayed.
+    key_weights / value_weights: ``[S, Hkv, D]`` / ``[S, Hkv, Dv]`` fusion weights, or None (one
+      source, weight 1); ``key_tracks[j]`` / ``value_tracks[j]`` name the track of source j.
+    params: this layer's KVM parameters (its temperatures; LN_s belongs to the sources).
+    routing: the leader's per-chunk ``(dest, target)``, each ``[num_chunks, B, Hkv, C]``.
+  Returns:
+    ``y [B, T, H, Dv]``.
+  """
+  B, T, H, D = q.shape
+  Hkv, Dv = k.shape[2], v.shape[3]
+  G = H // Hkv
+  C, nb = cfg.chunk_size, cfg.window_chunks
+  sched = kvm_schedule(cfg, T)
+  nC = sched.num_chunks
+  pad_time = lambda x: jnp.pad(x, [(0, 0), (0, nC * C - T)] + [(0, 0)] * (x.ndim - 2))
+  overflow = lambda x: _window_stack(pad_time(x), nC, C, nb)[:, :, :C]   # chunk c - nb + 1
+  xs = {
+      "chunk": jnp.arange(nC, dtype=jnp.int32),
+      "q": _to_chunks(pad_time(q), nC, C).reshape(nC, B, C, Hkv, G, D),
+      "win_k": _window_stack(pad_time(k), nC, C, nb),
+      "win_v": _window_stack(pad_time(v), nC, C, nb),
+      "tracks": [(overflow(t.k), overflow(t.v), overflow(t.g)) for t in tracks],
+      "visible": jnp.asarray(sched.state_visible),
+      "update": jnp.asarray(sched.update_after),
+      "n_append": jnp.asarray(sched.n_append, jnp.int32),
+      "routing": routing,
+  }
+  track_params = [t.params for t in tracks]
+  key_mix = [(tr, None if key_weights is None else key_weights[j])
+             for j, tr in enumerate(key_tracks)]
+  value_mix = [(tr, None if value_weights is None else value_weights[j])
+               for j, tr in enumerate(value_tracks)]
+  states0 = tuple(initial_state(pad_time(t.k)[:, :C], pad_time(t.v)[:, :C], pad_time(t.g)[:, :C],
+                                sched.initial_rows, sched.final_rows, t.params, cfg)
+                  for t in tracks)
+  state_temp, window_temp = temperatures(params, cfg, Hkv)
+  rows = jnp.arange(sched.final_rows)
+  slot = np.arange(nb * C)
+  causal = slot[None, :] <= (nb - 1) * C + np.arange(C)[:, None]
+
+  def step(states, x):
+    state_keys, state_values = _fused_state(states, track_params, key_mix, value_mix, cfg)
+    state_valid = ((rows < states[0].num_rows) & x["visible"])[None, :]
+    window_valid = causal & ((x["chunk"] - (nb - 1)) * C + slot >= 0)[None, :]
+    y = joint_attention(x["q"], state_keys, state_values, state_valid, x["win_k"], x["win_v"],
+                        window_valid, state_temp, window_temp)
+
+    def replay(ss):
+      return tuple(update_state(s, ok, ov, og, x["n_append"], p, cfg, routing=x["routing"])
+                   for s, (ok, ov, og), p in zip(ss, x["tracks"], track_params))
+
+    if any(sched.update_after):
+      states = jax.lax.cond(x["update"], replay, lambda ss: ss, states)
+    return states, y.astype(q.dtype)
+
+  if remat:
+    step = jax.checkpoint(step, prevent_cse=False)
+  _, y = jax.lax.scan(step, states0, xs)
+  return jnp.moveaxis(y, 0, 1).reshape(B, nC * C, H, Dv)[:, :T]
+
+
+def kvm_decode_shared_state(q_t: Array, caches: Sequence[KVMCache], track_params, key_weights,
+                            value_weights, key_tracks, value_tracks, params: KVMParams,
+                            cfg: KVMConfig) -> Array:
+  """One token of a reconstruction layer: ``caches`` are the source layers' caches *after* this
+  token's step (state folded, token in the ring). Returns ``y [B, 1, H, Dv]``."""
+  B, _, H, _ = q_t.shape
+  Hkv = caches[0].window_keys.shape[2]
+  key_mix = [(tr, None if key_weights is None else key_weights[j])
+             for j, tr in enumerate(key_tracks)]
+  value_mix = [(tr, None if value_weights is None else value_weights[j])
+               for j, tr in enumerate(value_tracks)]
+  states = [c.state for c in caches]
+  state_keys, state_values = _fused_state(states, track_params, key_mix, value_mix, cfg)
+  window = lambda name, mix: fuse_readouts(
+      [jnp.swapaxes(getattr(c, name), 1, 2) for c in caches], mix)           # [B, Hkv, L, ·]
+  window_keys = jnp.swapaxes(window("window_keys", key_mix), 1, 2).astype(q_t.dtype)
+  window_values = jnp.swapaxes(window("window_values", value_mix), 1, 2).astype(q_t.dtype)
+  t = caches[0].length - 1
+  y = decode_attention(q_t, state_keys, state_values, states[0].num_rows, window_keys,
+                       window_values, t, *temperatures(params, cfg, Hkv), cfg)
+  y = jnp.where(t < caches[0].max_len, y, jnp.nan)
+  return y.reshape(B, 1, H, -1).astype(q_t.dtype)
