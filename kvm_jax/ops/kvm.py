@@ -21,7 +21,33 @@ from kvm_jax.ops.common import (KVMParams, KVMState, initial_state, joint_attent
                                 temperatures, update_state, validate_inputs)
 
 Array = jax.Array
-IMPLEMENTATIONS = ("xla",)
+IMPLEMENTATIONS = ("xla", "pallas", "auto")
+# Backends on which "auto" picks the Pallas kernels: only where a benchmark (kvm-bench
+# --implementation pallas) measured them faster than the XLA scan. None has been measured yet.
+AUTO_PALLAS_BACKENDS: frozenset = frozenset()
+
+
+def resolve_implementation(implementation: str) -> str:
+  """"xla" or "pallas" for this backend ("auto": Pallas only where it was measured to win)."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation={implementation!r} is not available; choose one of "
+                     f"{IMPLEMENTATIONS}.")
+  if implementation == "auto":
+    return "pallas" if jax.default_backend() in AUTO_PALLAS_BACKENDS else "xla"
+  return implementation
+
+
+def chunk_functions(implementation: str, interpret=None):
+  """``(attend, update)`` with the contracts of ``joint_attention`` and ``update_state``: the XLA
+  ops, or the fused Pallas kernels (interpret mode where no Pallas compiler exists)."""
+  if implementation == "xla":
+    return joint_attention, update_state
+  from pallas_kernels import backend
+  from pallas_kernels.readout import joint_attention_pallas
+  from pallas_kernels.update import update_state_pallas
+  interpret = backend.default_interpret() if interpret is None else interpret
+  return (functools.partial(joint_attention_pallas, interpret=interpret),
+          functools.partial(update_state_pallas, interpret=interpret))
 
 
 def _to_chunks(x: Array, num_chunks: int, chunk: int) -> Array:
@@ -42,16 +68,42 @@ def _window_stack(x: Array, num_chunks: int, chunk: int, window_chunks: int) -> 
   return jnp.concatenate([chunks[j:j + num_chunks] for j in range(window_chunks)], axis=2)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "remat", "row_update", "return_routing"))
 def kvm_attention_xla(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
                       cfg: KVMConfig, remat: bool = True, row_update: str = "auto",
-                      routing=None, return_routing: bool = False):
+                      routing=None, return_routing: bool = False, implementation: str = "xla",
+                      interpret=None, target=None):
   """Chunked-scan KVM; see :func:`kvm_attention` for the contract (inputs are not re-validated).
 
   ``routing``: per-chunk decisions ``(dest, target)``, each ``[num_chunks, B, Hkv, C]`` int32, to
   apply instead of computing them (shared routing); ``return_routing=True`` also returns the
   decisions this call applied, in that form (chunks without an update hold ``capacity``: no-op).
+  ``implementation="pallas"`` runs the same scan with the fused kernels in the body, built for
+  ``target`` ("tpu", "cuda", "cpu"; default: this machine's backend).
   """
+  if implementation == "pallas" and target is None:
+    from pallas_kernels import backend
+    target = backend.platform()  # part of the jit cache key: kernels differ per target
+  return _kvm_scan(q, k, v, merge_gate, params, cfg=cfg, remat=remat, row_update=row_update,
+                   routing=routing, return_routing=return_routing,
+                   implementation=implementation, interpret=interpret, target=target)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "remat", "row_update", "return_routing",
+                                             "implementation", "interpret", "target"))
+def _kvm_scan(q, k, v, merge_gate, params, cfg, remat, row_update, routing, return_routing,
+              implementation, interpret, target):
+  if target is not None:
+    from pallas_kernels import backend
+    with backend.target(target):
+      return _kvm_scan_body(q, k, v, merge_gate, params, cfg, remat, row_update, routing,
+                            return_routing, implementation, interpret)
+  return _kvm_scan_body(q, k, v, merge_gate, params, cfg, remat, row_update, routing,
+                        return_routing, implementation, interpret)
+
+
+def _kvm_scan_body(q, k, v, merge_gate, params, cfg, remat, row_update, routing, return_routing,
+                   implementation, interpret):
+  attend, update = chunk_functions(implementation, interpret)
   B, T, H, D = q.shape
   Hkv, Dv = k.shape[2], v.shape[3]
   G = H // Hkv
@@ -90,16 +142,16 @@ def kvm_attention_xla(q: Array, k: Array, v: Array, merge_gate: Array, params: K
     state_valid = ((rows < state.num_rows) & x["visible"])[None, :]
     in_sequence = (x["chunk"] - (nb - 1)) * C + slot >= 0                 # chunks before 0
     window_valid = causal & in_sequence[None, :]
-    y = joint_attention(x["q"], state_keys, state_values, state_valid, x["win_k"], x["win_v"],
-                        window_valid, state_temp, window_temp)
+    y = attend(x["q"], state_keys, state_values, state_valid, x["win_k"], x["win_v"],
+               window_valid, state_temp, window_temp)
     none = jnp.full((B, Hkv, C), sched.final_rows, jnp.int32)  # "no row": a no-op scatter
     decisions = (none, none)
     if any_update:
       state, decisions = jax.lax.cond(
           x["update"],
-          lambda s: update_state(s, x["win_k"][:, :C], x["win_v"][:, :C], x["overflow_g"],
-                                 x["n_append"], params, cfg, row_update, state_keys,
-                                 routing=x.get("routing"), return_routing=True),
+          lambda s: update(s, x["win_k"][:, :C], x["win_v"][:, :C], x["overflow_g"],
+                           x["n_append"], params, cfg, row_update, state_keys,
+                           routing=x.get("routing"), return_routing=True),
           lambda s: (s, decisions), state)
     return state, (y.astype(q.dtype), decisions if return_routing else None)
 
@@ -122,7 +174,9 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
     merge_gate: ``[B, T, Hkv]`` g = 1 + ELU(x W_g) > 0 (ones to disable).
     params: :class:`KVMParams` (LN_s and temperatures).
     cfg: :class:`KVMConfig` (static).
-    implementation: "xla" (the chunked ``lax.scan``).
+    implementation: "xla" (the chunked ``lax.scan``), "pallas" (the same scan with the fused
+      readout and routing/update kernels of ``pallas_kernels``; interpret mode on CPU) or "auto"
+      (Pallas only on backends listed in ``AUTO_PALLAS_BACKENDS``, where it was measured faster).
     remat: rematerialize each chunk in the backward pass (memory O(T/C · R) for the stored states
       instead of every chunk's attention probabilities).
     routing / return_routing: apply given per-chunk routing decisions / also return the applied
@@ -132,8 +186,9 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
     number of rows the schedule reaches at T).
   """
   validate_inputs(q, k, v, merge_gate, params, cfg)
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation={implementation!r} is not available; choose one of "
-                     f"{IMPLEMENTATIONS}.")
+  implementation = resolve_implementation(implementation)
+  if implementation == "pallas" and cfg.readout_value_dtype is not None:
+    raise ValueError("implementation='pallas' reads float32 state values; it does not reproduce "
+                     "readout_value_dtype (use implementation='xla' for that).")
   return kvm_attention_xla(q, k, v, merge_gate, params, cfg=cfg, remat=remat, routing=routing,
-                           return_routing=return_routing)
+                           return_routing=return_routing, implementation=implementation)
