@@ -41,7 +41,8 @@ class ModelConfig:
     param_dtype / compute_dtype: parameter and activation dtypes; logits, loss and the KVM state
       are float32 regardless.
     rope_table_dtype: "float32" (default) or "bfloat16" (the authors' cast cos/sin tables).
-    kvm_implementation: passed to :func:`kvm_jax.kvm_attention` ("xla"; kernels plug in here).
+    kvm_implementation: the KVM core of every ``kvm`` layer in forward, prefill and decode: "xla"
+      (the chunked scan), "pallas" (fused kernels; interpret mode on CPU) or "auto".
     kv_sharing: cross-layer KV sharing (``shared/design/fusedkv.md``). With n = num_layers / 2,
       layers >= n are *reconstruction* layers (no K/V projections, no K/V cache):
       "none"; "fusedkv" (``K^i = a_i1⊙K^1 + a_in⊙K^n``, ``V^i = b_i1⊙V^1 + b_in⊙V^n``, learnable
@@ -124,6 +125,9 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}.")
     if self.bswa_sink_rows < 0:
       raise ValueError(f"ModelConfig.bswa_sink_rows must be >= 0, got {self.bswa_sink_rows}.")
+    if self.kvm_implementation not in ("xla", "pallas", "auto"):
+      raise ValueError(f"ModelConfig.kvm_implementation={self.kvm_implementation!r}; choose "
+                       "'xla', 'pallas' or 'auto'.")
     self._validate_kv_sharing(mixers)
 
   def _validate_kv_sharing(self, mixers) -> None:

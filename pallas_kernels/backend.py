@@ -1,13 +1,17 @@
-"""Which Pallas backend a kernel is being built for, and its compiler parameters.
+"""Which Pallas backend a kernel is built for, and everything that depends on it.
 
 Kernels run natively on TPU (Mosaic) and GPU (Triton), and in interpret mode everywhere else (the
-CPU reference path of the tests). ``target("tpu")`` / ``target("cuda")`` overrides the choice so a
+CPU reference path of the tests). A :class:`KernelConfig` is fixed when the caller is traced and
+passed to the kernels as a static argument — never read from global state while a kernel is
+traced, because ``custom_vjp`` traces its forward rule lazily, under ``grad``, outside any
+context. ``target("tpu")`` / ``target("cuda")`` selects the platform for that first decision, so a
 CPU-only machine can lower the kernels for an accelerator (the lowering tests).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Optional
 
 import jax
@@ -39,36 +43,61 @@ def default_interpret() -> bool:
   return platform() not in ("tpu", "gpu")
 
 
-def compiler_params(grid_dims: int):
-  p = platform()
-  if p == "tpu":
-    from jax.experimental.pallas import tpu as pltpu
-    return pltpu.CompilerParams(dimension_semantics=("parallel",) * grid_dims)
-  if p == "gpu":
-    from jax.experimental.pallas import triton as pltriton
-    return pltriton.CompilerParams(num_warps=4, num_stages=2)
-  return None
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Static facts a kernel is built with: the platform and whether it is interpreted."""
 
+  platform: str
+  interpret: bool
 
-def needs_min_rows() -> bool:
-  """Triton's matmuls need at least 16 rows per operand."""
-  return platform() == "gpu"
+  @classmethod
+  def current(cls, interpret: Optional[bool] = None) -> "KernelConfig":
+    return cls(platform(), default_interpret() if interpret is None else bool(interpret))
 
-
-def matmul_precision(dtype):
-  """float32 inputs: exact float32 products (as the XLA path's HIGHEST); Triton takes the default
-  (it has no precision knob and computes float32 dots in IEEE float32 unless TF32 is enabled)."""
-  if platform() == "gpu" or jnp.dtype(dtype) != jnp.float32:
+  def compiler_params(self, grid_dims: int):
+    if self.interpret:
+      return None
+    if self.platform == "tpu":
+      from jax.experimental.pallas import tpu as pltpu
+      return pltpu.CompilerParams(dimension_semantics=("parallel",) * grid_dims)
+    if self.platform == "gpu":
+      from jax.experimental.pallas import triton as pltriton
+      return pltriton.CompilerParams(num_warps=4, num_stages=2)
     return None
-  return jax.lax.Precision.HIGHEST
 
+  @property
+  def triton(self) -> bool:
+    return self.platform == "gpu" and not self.interpret
 
-def padded_size(n: int) -> int:
-  """Triton needs power-of-two array sizes: the size a kernel dimension is padded to (elsewhere
-  the size itself; Mosaic takes whole-array blocks of any size)."""
-  if platform() != "gpu":
-    return n
-  return max(16, 1 << (n - 1).bit_length())
+  def padded_size(self, n: int) -> int:
+    """Triton needs power-of-two array sizes (and matmul operands of >= 16 rows): the size a
+    kernel dimension is padded to. Mosaic takes whole-array blocks of any size."""
+    return max(16, 1 << (n - 1).bit_length()) if self.triton else n
+
+  def matmul_precision(self, dtype):
+    """float32: exact float32 products (as the XLA path's HIGHEST); Triton has no precision knob
+    (IEEE float32 unless TF32 is enabled); bfloat16: the default."""
+    if self.triton or jnp.dtype(dtype) != jnp.float32:
+      return None
+    return jax.lax.Precision.HIGHEST
+
+  def for_matmul(self, x):
+    """Matmul operand: as is when compiled; interpreted on CPU, bfloat16 is widened to float32
+    (exact: bfloat16 products are exact in float32 and the accumulation is float32 on both),
+    because XLA:CPU has no bfloat16 x bfloat16 -> float32 dot."""
+    if not self.interpret or x.dtype == jnp.float32:
+      return x
+    return x.astype(jnp.float32)
+
+  def check_sizes(self, **sizes: int) -> None:
+    """Triton cannot pad the chunk or head dimensions (they are semantic): require powers of two
+    there, with the fix in the message."""
+    if not self.triton:
+      return
+    bad = {k: v for k, v in sizes.items() if v & (v - 1)}
+    if bad:
+      raise ValueError(f"the Pallas GPU (Triton) kernels need power-of-two sizes, got {bad}; "
+                       "use e.g. chunk_size=256 and head dims 64/128, or implementation='xla'.")
 
 
 def pad_axis(x, axis: int, size: int, value=0):
@@ -79,14 +108,3 @@ def pad_axis(x, axis: int, size: int, value=0):
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, extra)
   return jnp.pad(x, widths, constant_values=value)
-
-
-def check_sizes(**sizes: int) -> None:
-  """Triton cannot pad the chunk or head dimensions for us (they are semantic): require powers of
-  two there, with the fix in the message."""
-  if platform() != "gpu":
-    return
-  bad = {k: v for k, v in sizes.items() if v & (v - 1)}
-  if bad:
-    raise ValueError(f"the Pallas GPU (Triton) kernels need power-of-two sizes, got {bad}; use "
-                     "e.g. chunk_size=256 and head dims 64/128, or implementation='xla'.")

@@ -33,11 +33,12 @@ MASKED = -1e30  # as kvm_jax.ops.common: finite, so fully masked rows never prod
 
 
 def _readout_kernel(q_ref, sk_ref, sv_ref, sbias_ref, wk_ref, wv_ref, wbias_ref, st_ref, wt_ref,
-                    y_ref, lse_ref, *, state_block: int):
+                    y_ref, lse_ref, *, state_block: int, kc: backend.KernelConfig):
   q = q_ref[...]                                   # [G*Tq, D] input dtype
   value_dtype = wv_ref.dtype
   rows = q.shape[0]
-  precision = backend.matmul_precision(q.dtype)
+  precision = kc.matmul_precision(q.dtype)
+  mm = kc.for_matmul
   st, wt = st_ref[...], wt_ref[...]                # [G*Tq, 1] float32: temperature * 1/sqrt(D)
   m = jnp.full((rows, 1), MASKED, jnp.float32)
   l = jnp.zeros((rows, 1), jnp.float32)
@@ -49,7 +50,7 @@ def _readout_kernel(q_ref, sk_ref, sv_ref, sbias_ref, wk_ref, wv_ref, wbias_ref,
     correction = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new)
     l = l * correction + jnp.sum(p, axis=-1, keepdims=True)
-    acc = acc * correction + jnp.dot(p.astype(value_dtype), v.astype(value_dtype),
+    acc = acc * correction + jnp.dot(mm(p.astype(value_dtype)), mm(v.astype(value_dtype)),
                                      precision=precision, preferred_element_type=jnp.float32)
     return m_new, l, acc
 
@@ -58,12 +59,14 @@ def _readout_kernel(q_ref, sk_ref, sv_ref, sbias_ref, wk_ref, wv_ref, wbias_ref,
   for start in range(0, num_rows, state_block):    # static: the state capacity is static
     k = sk_ref[pl.ds(start, state_block), :].astype(q.dtype)
     v = sv_ref[pl.ds(start, state_block), :]
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+    s = jax.lax.dot_general(mm(q), mm(k),
+                            (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32)
     s = s * st + sbias_ref[:, pl.ds(start, state_block)]
     carry = absorb(carry, s, v)
   k, v = wk_ref[...], wv_ref[...]
-  s = jax.lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=precision,
+  s = jax.lax.dot_general(mm(q), mm(k.astype(q.dtype)),
+                          (((1,), (1,)), ((), ())), precision=precision,
                           preferred_element_type=jnp.float32)
   carry = absorb(carry, s * wt + wbias_ref[...], v)
   m, l, acc = carry
@@ -76,13 +79,13 @@ def _state_block(rows: int) -> int:
 
 
 def _forward(q, state_keys, state_values, state_bias, window_keys, window_values, window_bias,
-             state_scale, window_scale, interpret):
+             state_scale, window_scale, kc):
   B, Hkv, GT, D = q.shape
   R, W, Dv = state_keys.shape[2], window_keys.shape[2], window_values.shape[3]
   per_head = lambda *tail: pl.BlockSpec((None, None, *tail), lambda b, h: (b, h, 0, 0))
   whole = lambda *shape: pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
   per_kv_head = lambda *tail: pl.BlockSpec((None, *tail), lambda b, h: (h, 0, 0))
-  kernel = functools.partial(_readout_kernel, state_block=_state_block(R))
+  kernel = functools.partial(_readout_kernel, state_block=_state_block(R), kc=kc)
   y, lse = pl.pallas_call(
       kernel,
       grid=(B, Hkv),
@@ -91,8 +94,8 @@ def _forward(q, state_keys, state_values, state_bias, window_keys, window_values
       out_specs=[per_head(GT, Dv), per_head(GT, 1)],
       out_shape=[jax.ShapeDtypeStruct((B, Hkv, GT, Dv), q.dtype),
                  jax.ShapeDtypeStruct((B, Hkv, GT, 1), jnp.float32)],
-      interpret=interpret,
-      compiler_params=backend.compiler_params(2),
+      interpret=kc.interpret,
+      compiler_params=kc.compiler_params(2),
       name="kvm_fused_readout",
   )(q, state_keys, state_values, state_bias, window_keys, window_values, window_bias,
     state_scale, window_scale)
@@ -101,7 +104,7 @@ def _forward(q, state_keys, state_values, state_bias, window_keys, window_values
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
 def fused_readout(q, state_keys, state_values, state_bias, window_keys, window_values, window_bias,
-                  state_scale, window_scale, interpret=False):
+                  state_scale, window_scale, kc: backend.KernelConfig):
   """``y [B, Hkv, G·Tq, Dv]`` (q's dtype) and ``lse [B, Hkv, G·Tq, 1]`` (float32).
 
   Args:
@@ -112,28 +115,28 @@ def fused_readout(q, state_keys, state_values, state_bias, window_keys, window_v
     window_bias: ``[G·Tq, W]`` float32 additive mask (causal, in-sequence; the same for every
       head of a group).
     state_scale / window_scale: ``[Hkv, G·Tq, 1]`` float32 temperature · 1/sqrt(D) per row.
+    kc: the :class:`backend.KernelConfig` (static).
   """
   return _forward(q, state_keys, state_values, state_bias, window_keys, window_values,
-                  window_bias, state_scale, window_scale, interpret)
+                  window_bias, state_scale, window_scale, kc)
 
 
 def _fwd(q, state_keys, state_values, state_bias, window_keys, window_values, window_bias,
-         state_scale, window_scale, interpret):
+         state_scale, window_scale, kc):
   y, lse = _forward(q, state_keys, state_values, state_bias, window_keys, window_values,
-                    window_bias, state_scale, window_scale, interpret)
+                    window_bias, state_scale, window_scale, kc)
   saved = (q, state_keys, state_values, state_bias, window_keys, window_values, window_bias,
            state_scale, window_scale, y, lse)
   return (y, lse), saved
 
 
-def _bwd(interpret, saved, cotangents):
+def _bwd(kc, saved, cotangents):
   """Flash-attention backward from the saved log-sum-exp (the LSE's own cotangent is ignored:
   nothing downstream differentiates it)."""
-  del interpret
   (q, state_keys, state_values, state_bias, window_keys, window_values, window_bias, state_scale,
    window_scale, y, lse) = saved
   dy = cotangents[0].astype(jnp.float32)
-  precision = backend.matmul_precision(q.dtype)
+  precision = kc.matmul_precision(q.dtype) if not kc.triton else None
   value_dtype = window_values.dtype
   qf = q.astype(jnp.float32)
   # delta_i = sum_v dy_iv y_iv  (= sum_j p_ij dp_ij)
@@ -164,17 +167,17 @@ fused_readout.defvjp(_fwd, _bwd)
 
 
 def joint_attention_pallas(q, state_keys, state_values, state_valid, window_keys, window_values,
-                           window_valid, state_temp, window_temp, *, interpret: bool):
+                           window_valid, state_temp, window_temp, *, kc: backend.KernelConfig):
   """Drop-in for :func:`kvm_jax.ops.common.joint_attention` (same shapes and semantics) that
   runs :func:`fused_readout`: ``q [B, Tq, Hkv, G, D]`` -> ``[B, Tq, Hkv, G, Dv]`` float32."""
   B, Tq, Hkv, G, D = q.shape
   R, W = state_keys.shape[2], window_keys.shape[1]
   if state_values.ndim == 5:
     raise ValueError("the fused readout needs float32 state values (readout_value_dtype=None).")
-  backend.check_sizes(head_dim=D, value_dim=window_values.shape[3])
+  kc.check_sizes(head_dim=D, value_dim=window_values.shape[3])
   # Triton: power-of-two sizes and matmul operands of at least 16 rows (no-ops elsewhere).
-  Tp = backend.padded_size(G * Tq) // G if backend.needs_min_rows() else Tq
-  Rp, Wp = backend.padded_size(R), backend.padded_size(W)
+  Tp = kc.padded_size(G * Tq) // G if kc.triton else Tq
+  Rp, Wp = kc.padded_size(R), kc.padded_size(W)
   pad = backend.pad_axis
   qh = pad(jnp.transpose(q, (0, 2, 3, 1, 4)), 3, Tp).reshape(B, Hkv, G * Tp, D)
   wk = pad(jnp.transpose(window_keys, (0, 2, 1, 3)), 2, Wp)
@@ -188,6 +191,6 @@ def joint_attention_pallas(q, state_keys, state_values, state_valid, window_keys
                        pad(state_values.astype(jnp.float32), 2, Rp),
                        pad(state_bias.astype(jnp.float32), 1, Rp, MASKED), wk, wv,
                        jnp.tile(window_bias.astype(jnp.float32), (G, 1)), rows(state_temp),
-                       rows(window_temp), interpret)
+                       rows(window_temp), kc)
   y = y.reshape(B, Hkv, G, Tp, -1)[:, :, :, :Tq]
   return jnp.transpose(y, (0, 3, 1, 2, 4)).astype(jnp.float32)

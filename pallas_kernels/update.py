@@ -36,10 +36,11 @@ def _nt(a, b, precision):
 
 def _update_kernel(keys_ref, values_ref, radius_ref, read_ref, kbar_ref, kapp_ref, kgate_ref,
                    vapp_ref, vgate_ref, vnorm_ref, lnw_ref, lnb_ref, counts_ref,
-                   keys_out, values_out, radius_out, dest_out, target_out, *, sink_rows, eps):
+                   keys_out, values_out, radius_out, dest_out, target_out, *, sink_rows, eps,
+                   kc: backend.KernelConfig):
   keys, values, radius = keys_ref[...], values_ref[...], radius_ref[...]   # [R,D] [R,Dv] [R,1]
   R, C = keys.shape[0], kbar_ref.shape[0]
-  precision = backend.matmul_precision(jnp.float32)
+  precision = kc.matmul_precision(jnp.float32)
   m, n_append = counts_ref[:, pl.ds(0, 1)], counts_ref[:, pl.ds(1, 1)]     # [1, 1] int32 each
   row_col = jax.lax.broadcasted_iota(jnp.int32, (R, 1), 0)
   row_row = jax.lax.broadcasted_iota(jnp.int32, (1, R), 1)
@@ -89,12 +90,12 @@ def _update_kernel(keys_ref, values_ref, radius_ref, read_ref, kbar_ref, kapp_re
 
 
 def _forward(keys, values, radius, read, kbar, kapp, kgate, vapp, vgate, vnorm, ln_scale, ln_bias,
-             counts, sink_rows, eps, interpret):
+             counts, sink_rows, eps, kc):
   B, Hkv, R, D = keys.shape
   C, Dv = kbar.shape[2], values.shape[3]
   per_head = lambda *tail: pl.BlockSpec((None, None, *tail), lambda b, h: (b, h, 0, 0))
   whole = lambda *shape: pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
-  kernel = functools.partial(_update_kernel, sink_rows=sink_rows, eps=eps)
+  kernel = functools.partial(_update_kernel, sink_rows=sink_rows, eps=eps, kc=kc)
   f32, i32 = jnp.float32, jnp.int32
   return pl.pallas_call(
       kernel,
@@ -109,15 +110,15 @@ def _forward(keys, values, radius, read, kbar, kapp, kgate, vapp, vgate, vnorm, 
                  jax.ShapeDtypeStruct((B, Hkv, R, 1), f32),
                  jax.ShapeDtypeStruct((B, Hkv, 1, C), i32),
                  jax.ShapeDtypeStruct((B, Hkv, 1, C), i32)],
-      interpret=interpret,
-      compiler_params=backend.compiler_params(2),
+      interpret=kc.interpret,
+      compiler_params=kc.compiler_params(2),
       name="kvm_fused_update",
   )(keys, values, radius, read, kbar, kapp, kgate, vapp, vgate, vnorm, ln_scale, ln_bias, counts)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(13, 14, 15))
 def fused_update(keys, values, radius, read, kbar, kapp, kgate, vapp, vgate, vnorm, ln_scale,
-                 ln_bias, counts, sink_rows, eps, interpret):
+                 ln_bias, counts, sink_rows, eps, kc):
   """One overflow chunk folded into the state; all arrays head-major ``[B, Hkv, ·, ·]`` float32.
 
   ``keys [R, D]``, ``values [R, Dv]``, ``radius [R, 1]``: the state; ``read [R, D]``: LN_s of the
@@ -127,13 +128,13 @@ def fused_update(keys, values, radius, read, kbar, kapp, kgate, vapp, vgate, vno
   Returns the new keys, values, radius and the decisions ``dest``, ``target`` ``[B, Hkv, 1, C]``.
   """
   return _forward(keys, values, radius, read, kbar, kapp, kgate, vapp, vgate, vnorm, ln_scale,
-                  ln_bias, counts, sink_rows, eps, interpret)
+                  ln_bias, counts, sink_rows, eps, kc)
 
 
 def _fwd(keys, values, radius, read, kbar, kapp, kgate, vapp, vgate, vnorm, ln_scale, ln_bias,
-         counts, sink_rows, eps, interpret):
+         counts, sink_rows, eps, kc):
   out = _forward(keys, values, radius, read, kbar, kapp, kgate, vapp, vgate, vnorm, ln_scale,
-                 ln_bias, counts, sink_rows, eps, interpret)
+                 ln_bias, counts, sink_rows, eps, kc)
   return out, (out[3], out[4], read, kbar, ln_scale, ln_bias, counts)
 
 
@@ -145,8 +146,8 @@ def _gather_rows(cotangent, index):
   return jnp.where((idx < R)[..., None], rows, 0.0)
 
 
-def _bwd(sink_rows, eps, interpret, saved, cotangents):
-  del sink_rows, eps, interpret
+def _bwd(sink_rows, eps, kc, saved, cotangents):
+  del sink_rows, eps, kc
   dest, target, read, kbar, ln_scale, ln_bias, counts = saved
   d_keys, d_values, d_radius = cotangents[:3]
   del read, kbar, ln_scale, ln_bias, counts  # routing inputs: no gradient (None below)
@@ -161,7 +162,7 @@ fused_update.defvjp(_fwd, _bwd)
 
 def update_state_pallas(state: KVMState, overflow_k, overflow_v, overflow_g, n_append, params,
                         cfg, row_update="auto", read_keys=None, routing=None,
-                        return_routing=False, *, interpret: bool):
+                        return_routing=False, *, kc: backend.KernelConfig):
   """Drop-in for :func:`kvm_jax.ops.common.update_state` running :func:`fused_update`.
 
   Given decisions (shared routing) are applied by the XLA path: there is nothing to fuse.
@@ -171,7 +172,7 @@ def update_state_pallas(state: KVMState, overflow_k, overflow_v, overflow_g, n_a
     return update_state(state, overflow_k, overflow_v, overflow_g, n_append, params, cfg,
                         row_update, read_keys, routing, return_routing)
   del row_update
-  backend.check_sizes(chunk_size=overflow_k.shape[1], head_dim=overflow_k.shape[3],
+  kc.check_sizes(chunk_size=overflow_k.shape[1], head_dim=overflow_k.shape[3],
                       value_dim=overflow_v.shape[3])
   head_major = lambda x: jnp.transpose(x, (0, 2, 1, 3))
   k_bar = head_major(prepare_state_keys(overflow_k, params, cfg))          # [B, Hkv, C, D]
@@ -184,14 +185,14 @@ def update_state_pallas(state: KVMState, overflow_k, overflow_v, overflow_g, n_a
     read_keys = layer_norm(state.keys, params.ln_scale, params.ln_bias, cfg.ln_eps)
   counts = jnp.stack([state.num_rows, jnp.asarray(n_append, jnp.int32)]).astype(jnp.int32)
   R = state.keys.shape[2]
-  Rp = backend.padded_size(R)  # Triton: power-of-two rows; padded rows are never valid
+  Rp = kc.padded_size(R)  # Triton: power-of-two rows; padded rows are never valid
   pad = lambda x: backend.pad_axis(x, 2, Rp)
   keys, values, radius, dest, target = fused_update(
       pad(state.keys), pad(state.values), pad(state.radius[..., None]),
       pad(jax.lax.stop_gradient(read_keys)), jax.lax.stop_gradient(k_bar), k_app, k_gated,
       v_app, v_gated, safe_l2_norm(v_app)[:, :, None, :],
       params.ln_scale.astype(jnp.float32)[None], params.ln_bias.astype(jnp.float32)[None],
-      counts.reshape(1, 2), cfg.sink_rows, cfg.ln_eps, interpret)
+      counts.reshape(1, 2), cfg.sink_rows, cfg.ln_eps, kc)
   keys, values, radius = keys[:, :, :R], values[:, :, :R], radius[:, :, :R]
   dest, target = jnp.minimum(dest, R), jnp.minimum(target, R)  # "none" is R again
   new = KVMState(keys=keys, values=values, radius=radius[..., 0],

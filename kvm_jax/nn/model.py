@@ -283,10 +283,10 @@ class Attention(nnx.Module):
     want = self.exports_routing
     if decode:
       out = kvm_decode_step(q, k, v, g, params, cfg.kvm, mixer_cache, routing=routing,
-                            return_routing=want)
+                            return_routing=want, implementation=cfg.kvm_implementation)
     elif mixer_cache is not None:
       out = kvm_prefill(q, k, v, g, params, cfg.kvm, mixer_cache, routing=routing,
-                        return_routing=want)
+                        return_routing=want, implementation=cfg.kvm_implementation)
     else:
       out = kvm_attention(q, k, v, g, params, cfg.kvm, implementation=cfg.kvm_implementation,
                           routing=routing, return_routing=want)
@@ -302,10 +302,11 @@ class Attention(nnx.Module):
     cfg, kind = self.cfg, self.kind
     if kind == "kvm":
       g, params = self.merge_gate(x), self.kvm_params()
+      impl = cfg.kvm_implementation
       if decode:
-        return kvm_decode_step(q, k, v, g, params, cfg.kvm, mixer_cache)
+        return kvm_decode_step(q, k, v, g, params, cfg.kvm, mixer_cache, implementation=impl)
       if mixer_cache is not None:
-        return kvm_prefill(q, k, v, g, params, cfg.kvm, mixer_cache)
+        return kvm_prefill(q, k, v, g, params, cfg.kvm, mixer_cache, implementation=impl)
       return kvm_attention(q, k, v, g, params, cfg.kvm, implementation=cfg.kvm_implementation)[0], None
     if decode:
       return attn_ops.ring_decode_step(q, k, v, mixer_cache, scale=scale)

@@ -193,6 +193,15 @@ def validate_inputs(q, k, v, merge_gate, params: KVMParams, cfg: KVMConfig, *,
 # ----------------------------------------------------------------------------------------------
 
 
+def matmul_operand(x: Array) -> Array:
+  """A bfloat16 matmul operand, widened to float32 on CPU only: XLA:CPU has no bfloat16 x
+  bfloat16 -> float32 dot for larger operands, and the widening is exact (bfloat16 products are
+  exact in float32, and the accumulation is float32 either way). Accelerators keep bfloat16."""
+  if x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+    return x.astype(jnp.float32)
+  return x
+
+
 def precision_for(dtype) -> jax.lax.Precision:
   """float32 inputs get true float32 matmuls (no TF32/bf16 passes on GPU/TPU)."""
   return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
@@ -293,10 +302,11 @@ def joint_attention(q: Array, state_keys: Array, state_values: Array, state_vali
   dtype = q.dtype
   precision = precision_for(dtype)
   scale = 1.0 / np.sqrt(q.shape[-1])
-  s_state = jnp.einsum("bqhgd,bhrd->bhgqr", q, state_keys.astype(dtype), precision=precision,
-                       preferred_element_type=jnp.float32)
-  s_window = jnp.einsum("bqhgd,bwhd->bhgqw", q, window_keys.astype(dtype), precision=precision,
-                        preferred_element_type=jnp.float32)
+  mm = matmul_operand
+  s_state = jnp.einsum("bqhgd,bhrd->bhgqr", mm(q), mm(state_keys.astype(dtype)),
+                       precision=precision, preferred_element_type=jnp.float32)
+  s_window = jnp.einsum("bqhgd,bwhd->bhgqw", mm(q), mm(window_keys.astype(dtype)),
+                        precision=precision, preferred_element_type=jnp.float32)
   s_state = s_state * (state_temp * scale)[None, :, :, None, None]
   s_window = s_window * (window_temp * scale)[None, :, :, None, None]
   s_state = jnp.where(state_valid, s_state, _MASKED)
@@ -308,11 +318,12 @@ def joint_attention(q: Array, state_keys: Array, state_values: Array, state_vali
   denom = jnp.sum(p_state, axis=-1) + jnp.sum(p_window, axis=-1)  # [B, Hkv, G, Tq]
   value_dtype = window_values.dtype
   per_head = "bhgrv" if state_values.ndim == 5 else "bhrv"
-  out = jnp.einsum(f"bhgqr,{per_head}->bqhgv", p_state.astype(value_dtype),
-                   state_values.astype(value_dtype), precision=precision,
+  out = jnp.einsum(f"bhgqr,{per_head}->bqhgv", mm(p_state.astype(value_dtype)),
+                   mm(state_values.astype(value_dtype)), precision=precision,
                    preferred_element_type=jnp.float32)
-  out = out + jnp.einsum("bhgqw,bwhv->bqhgv", p_window.astype(value_dtype), window_values,
-                         precision=precision, preferred_element_type=jnp.float32)
+  out = out + jnp.einsum("bhgqw,bwhv->bqhgv", mm(p_window.astype(value_dtype)),
+                         mm(window_values), precision=precision,
+                         preferred_element_type=jnp.float32)
   return out / jnp.transpose(denom, (0, 3, 1, 2))[..., None]
 
 

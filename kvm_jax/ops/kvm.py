@@ -45,9 +45,9 @@ def chunk_functions(implementation: str, interpret=None):
   from pallas_kernels import backend
   from pallas_kernels.readout import joint_attention_pallas
   from pallas_kernels.update import update_state_pallas
-  interpret = backend.default_interpret() if interpret is None else interpret
-  return (functools.partial(joint_attention_pallas, interpret=interpret),
-          functools.partial(update_state_pallas, interpret=interpret))
+  kc = backend.KernelConfig.current(interpret)  # fixed now: custom_vjp traces lazily
+  return (functools.partial(joint_attention_pallas, kc=kc),
+          functools.partial(update_state_pallas, kc=kc))
 
 
 def _to_chunks(x: Array, num_chunks: int, chunk: int) -> Array:

@@ -21,9 +21,9 @@ from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig
 from kvm_jax.ops.common import (KVMParams, KVMState, empty_state, fill_ring, joint_attention,
                                 pad_rows, ring_positions, state_readout, temperatures,
-                                token_rows, tree_nbytes, update_state, validate_inputs,
+                                token_rows, tree_nbytes, validate_inputs,
                                 write_ring, _is_concrete)
-from kvm_jax.ops.kvm import kvm_attention_xla
+from kvm_jax.ops.kvm import chunk_functions, kvm_attention_xla, resolve_implementation
 
 Array = jax.Array
 
@@ -88,11 +88,13 @@ def _check_against_cache(k, v, cache: KVMCache, where: str) -> None:
         "create the cache with kvm_init_cache using the same sizes.")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "return_routing"))
-def _prefill(q, k, v, merge_gate, params, cfg, cache, routing=None, return_routing=False):
+@functools.partial(jax.jit, static_argnames=("cfg", "return_routing", "implementation", "target"))
+def _prefill(q, k, v, merge_gate, params, cfg, cache, routing=None, return_routing=False,
+             implementation="xla", target=None):
   T = q.shape[1]
   y, state, decisions = kvm_attention_xla(q, k, v, merge_gate, params, cfg=cfg, remat=False,
-                                          routing=routing, return_routing=True)
+                                          routing=routing, return_routing=True,
+                                          implementation=implementation, target=target)
   new = KVMCache(
       state=pad_rows(state, cache.state.capacity),
       window_keys=fill_ring(cache.window_keys, k), window_values=fill_ring(cache.window_values, v),
@@ -102,7 +104,8 @@ def _prefill(q, k, v, merge_gate, params, cfg, cache, routing=None, return_routi
 
 
 def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
-                cfg: KVMConfig, cache: KVMCache, *, routing=None, return_routing: bool = False):
+                cfg: KVMConfig, cache: KVMCache, *, routing=None, return_routing: bool = False,
+                implementation: str = "xla"):
   """Runs a prompt of any length >= 1 and returns its outputs and the filled cache.
 
   The prompt starts a new sequence: ``cache`` provides sizes, ``max_len`` and dtype, and its
@@ -113,8 +116,21 @@ def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPara
   if q.shape[1] > cache.max_len:
     raise ValueError(f"kvm_prefill: prompt of {q.shape[1]} tokens exceeds the cache's max_len="
                      f"{cache.max_len}; create the cache with a larger max_len.")
+  implementation, target = _implementation(implementation, cfg)
   return _prefill(q, k, v, merge_gate, params, cfg=cfg, cache=cache, routing=routing,
-                  return_routing=return_routing)
+                  return_routing=return_routing, implementation=implementation, target=target)
+
+
+def _implementation(implementation: str, cfg: KVMConfig):
+  """(resolved implementation, kernel target) — the target is part of the jit cache key."""
+  implementation = resolve_implementation(implementation)
+  if implementation != "pallas":
+    return implementation, None
+  if cfg.readout_value_dtype is not None:
+    raise ValueError("implementation='pallas' reads float32 state values; it does not reproduce "
+                     "readout_value_dtype (use implementation='xla' for that).")
+  from pallas_kernels import backend
+  return implementation, backend.platform()
 
 
 @functools.lru_cache(maxsize=64)
@@ -130,7 +146,7 @@ def _rows_after_overflow(cfg: KVMConfig, max_len: int) -> np.ndarray:
 
 def decode_attention(q_t: Array, state_keys: Array, state_values: Array, num_rows: Array,
                      window_keys: Array, window_values: Array, t: Array, state_temp: Array,
-                     window_temp: Array, cfg: KVMConfig) -> Array:
+                     window_temp: Array, cfg: KVMConfig, attend=joint_attention) -> Array:
   """Token ``t`` attends to readout state rows (once ``t >= L``) and the window ring (positions
   ``[bswa_begin(t + 1), t]``): ``q_t [B,1,H,D]`` -> ``[B,1,Hkv,G,Dv]`` float32."""
   B, _, H, D = q_t.shape
@@ -141,13 +157,25 @@ def decode_attention(q_t: Array, state_keys: Array, state_values: Array, num_row
   window_valid = (position >= window_begin)[None, :]
   rows = jnp.arange(state_keys.shape[2])
   state_valid = ((rows < num_rows) & (t >= L))[None, :]
-  return joint_attention(q_t.reshape(B, 1, Hkv, H // Hkv, D), state_keys, state_values,
-                         state_valid, window_keys, window_values, window_valid, state_temp,
-                         window_temp)
+  return attend(q_t.reshape(B, 1, Hkv, H // Hkv, D), state_keys, state_values, state_valid,
+                window_keys, window_values, window_valid, state_temp, window_temp)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "return_routing"))
-def _decode_step(q_t, k_t, v_t, g_t, params, cfg, cache, routing=None, return_routing=False):
+@functools.partial(jax.jit, static_argnames=("cfg", "return_routing", "implementation", "target"))
+def _decode_step(q_t, k_t, v_t, g_t, params, cfg, cache, routing=None, return_routing=False,
+                 implementation="xla", target=None):
+  if target is None:
+    return _decode_step_body(q_t, k_t, v_t, g_t, params, cfg, cache, routing, return_routing,
+                             implementation)
+  from pallas_kernels import backend
+  with backend.target(target):
+    return _decode_step_body(q_t, k_t, v_t, g_t, params, cfg, cache, routing, return_routing,
+                             implementation)
+
+
+def _decode_step_body(q_t, k_t, v_t, g_t, params, cfg, cache, routing, return_routing,
+                      implementation):
+  attend, update = chunk_functions(implementation)
   B, _, H, D = q_t.shape
   Hkv = k_t.shape[2]
   C, nb, L = cfg.chunk_size, cfg.window_chunks, cfg.window_len
@@ -176,8 +204,8 @@ def _decode_step(q_t, k_t, v_t, g_t, params, cfg, cache, routing=None, return_ro
     ov_g = jax.lax.dynamic_slice_in_dim(cache.window_gates, start, C, axis=1)
     overflow_index = jnp.clip(t // C - nb, 0, rows_table.shape[0] - 1)
     n_append = jnp.asarray(rows_table)[overflow_index] - s.num_rows
-    return update_state(s, ov_k, ov_v, ov_g, n_append, params, cfg, routing=routing,
-                        return_routing=True)
+    return update(s, ov_k, ov_v, ov_g, n_append, params, cfg, routing=routing,
+                  return_routing=True)
 
   none = jnp.full((B, Hkv, C), R, jnp.int32)  # "no row": the decisions of a step without a fold
   state, decisions = jax.lax.cond(fire, fold, lambda s: (s, (none, none)), state)
@@ -190,7 +218,7 @@ def _decode_step(q_t, k_t, v_t, g_t, params, cfg, cache, routing=None, return_ro
   # 4) Attend: state rows (once t >= L) and the window [bswa_begin(t + 1), t].
   state_keys, state_values = state_readout(state, params, cfg, H // Hkv)
   y = decode_attention(q_t, state_keys, state_values, state.num_rows, window_keys, window_values,
-                       t, *temperatures(params, cfg, Hkv), cfg)
+                       t, *temperatures(params, cfg, Hkv), cfg, attend=attend)
   # Past max_len the state has no room for the schedule: poison the output instead of lying.
   y = jnp.where(t < cache.max_len, y, jnp.nan).reshape(B, 1, H, -1).astype(q_t.dtype)
   new = KVMCache(state=state, window_keys=window_keys, window_values=window_values,
@@ -199,7 +227,8 @@ def _decode_step(q_t, k_t, v_t, g_t, params, cfg, cache, routing=None, return_ro
 
 
 def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParams,
-                    cfg: KVMConfig, cache: KVMCache, *, routing=None, return_routing: bool = False):
+                    cfg: KVMConfig, cache: KVMCache, *, routing=None, return_routing: bool = False,
+                    implementation: str = "xla"):
   """Processes one token: ``q_t [B,1,H,D]``, ``k_t [B,1,Hkv,D]``, ``v_t [B,1,Hkv,Dv]``,
   ``g_t [B,1,Hkv]``; returns ``y_t [B,1,H,Dv]`` and the advanced cache.
 
@@ -215,5 +244,6 @@ def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMP
     raise ValueError(
         f"kvm_decode_step: the cache already holds {int(cache.length)} tokens = max_len="
         f"{cache.max_len}; create the cache with a larger max_len to decode further.")
+  implementation, target = _implementation(implementation, cfg)
   return _decode_step(q_t, k_t, v_t, g_t, params, cfg=cfg, cache=cache, routing=routing,
-                      return_routing=return_routing)
+                      return_routing=return_routing, implementation=implementation, target=target)
