@@ -86,13 +86,15 @@ def _timed_steps(step, token_args, carry, T, n):
   return times, carry
 
 
-def time_kvm_decode(cfg, params, q, k, v, g, T: int, n: int):
+def time_kvm_decode(cfg, params, q, k, v, g, T: int, n: int, implementation: str = "xla"):
   """(per-step ms, final cache) of n KVM decode steps after prefilling T tokens."""
   B, _, H, D = q.shape
   cache = kj.kvm_init_cache(cfg, batch=B, kv_heads=k.shape[2], head_dim=D, value_dim=v.shape[3],
                             max_len=T + n, dtype=q.dtype)
-  _, cache = kj.kvm_prefill(q[:, :T], k[:, :T], v[:, :T], g[:, :T], params, cfg, cache)
-  step = jax.jit(lambda q, k, v, g, c: kj.kvm_decode_step(q, k, v, g, params, cfg, c),
+  _, cache = kj.kvm_prefill(q[:, :T], k[:, :T], v[:, :T], g[:, :T], params, cfg, cache,
+                            implementation=implementation)
+  step = jax.jit(lambda q, k, v, g, c: kj.kvm_decode_step(q, k, v, g, params, cfg, c,
+                                                          implementation=implementation),
                  donate_argnums=(4,))
   token = lambda t: (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1])
   return _timed_steps(step, token, cache, T, n)

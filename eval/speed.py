@@ -57,8 +57,8 @@ def time_prefill_backward(T, args, dtype, phases):
   for budget in args.budgets:
     cfg = kvm_config(budget, args.head_dim)
     params = kj.KVMParams.init(args.head_dim, args.heads)
-    arms[budget] = (lambda cfg, params: lambda q, k, v: kj.kvm_attention(q, k, v, g, params,
-                                                                           cfg)[0])(cfg, params)
+    arms[budget] = (lambda cfg, params: lambda q, k, v: kj.kvm_attention(
+        q, k, v, g, params, cfg, implementation=args.implementation)[0])(cfg, params)
   out = {}
   for name, fn in arms.items():
     row = {}
@@ -72,6 +72,27 @@ def time_prefill_backward(T, args, dtype, phases):
   return out
 
 
+def kvm_prefill_work(cfg: kj.KVMConfig, T: int, B: int, H: int, Hkv: int, D: int, Dv: int,
+                     itemsize: int) -> tuple[float, float]:
+  """(FLOPs, HBM bytes) of one KVM prefill, counted from the schedule: per chunk the QK and PV
+  matmuls over the visible state rows and the nb·C window slots, per update the novelty and merge
+  logits and the one-hot accumulation; bytes = q/k/v/output once plus, per chunk, the state rows
+  (float32) and the window. A model of the work, so achieved rates are comparable across runs."""
+  sched = kj.kvm_schedule(cfg, T)
+  C, nb = cfg.chunk_size, cfg.window_chunks
+  flops = bytes_ = 0.0
+  for c in range(sched.num_chunks):
+    rows = sched.rows_before[c] if sched.state_visible[c] else 0
+    flops += 2.0 * B * H * C * (rows + nb * C) * (D + Dv)
+    bytes_ += B * Hkv * (rows * (D + Dv) * 4 + nb * C * (D + Dv) * itemsize)
+    if sched.update_after[c]:
+      R = sched.rows_before[c] + sched.n_append[c]
+      flops += 2.0 * B * Hkv * C * R * (2 * D + D + Dv)
+      bytes_ += 2 * B * Hkv * R * (D + Dv) * 4
+  bytes_ += B * T * (2 * H * D + Hkv * D + Hkv * Dv) * itemsize  # q, k, v in; y out (Dv = D)
+  return flops, bytes_
+
+
 def time_decode(T, args, dtype):
   n = args.decode_steps
   q, k, v, g = _inputs(jax.random.PRNGKey(T + 1), args.batch, T + n, args.heads, args.head_dim,
@@ -80,7 +101,7 @@ def time_decode(T, args, dtype):
   for budget in args.budgets:
     cfg = kvm_config(budget, args.head_dim)
     times, cache = time_kvm_decode(cfg, kj.KVMParams.init(args.head_dim, args.heads), q, k, v, g,
-                                   T, n)
+                                   T, n, implementation=args.implementation)
     out[budget] = {"decode_ms": statistics.fmean(times), "cache_bytes": cache.nbytes()["total"],
                    "state_rows": int(cache.state.num_rows)}
   times, full_bytes = time_full_decode(q, k, v, T, n)
@@ -133,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="subset of prefill,decode,backward (default: %(default)s)")
   p.add_argument("--budgets", default="fixed256,sqrt16",
                  help="KVM budgets to time: fixed256, sqrt16 (default: %(default)s)")
+  p.add_argument("--implementation", default="xla", choices=["xla", "pallas", "auto"],
+                 help="KVM core: the XLA scan or the fused Pallas kernels (compiled on GPU/TPU, "
+                      "interpreted — slow, for checking only — on CPU) (default: %(default)s)")
   p.add_argument("--paper", action="store_true",
                  help="the paper's operator setup: B=8, H=32, D=128, bfloat16")
   p.add_argument("--batch", type=int, default=1, help="batch B (default: %(default)s)")
@@ -173,7 +197,8 @@ def main(argv=None) -> int:
     lengths = [int(x) for x in args.lengths.split(",") if x]
   dtype = jnp.dtype(args.dtype)
   print(f"{jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
-        f"B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}; C=256 L=512; full "
+        f"B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}; C=256 L=512; KVM "
+        f"implementation={args.implementation}; full "
         f"attention: dot_product_attention({full_attention_impl()})", flush=True)
   rows = []
   for T in (lengths if phases else []):
@@ -191,6 +216,17 @@ def main(argv=None) -> int:
         ratios = " ".join(f"{b} {row[f'full_{phase}_ms'] / row[f'{b}_{phase}_ms']:.2f}x"
                           for b in args.budgets)
         cells.append(f"{phase}: full {row[f'full_{phase}_ms']:.2f} ms, {ratios}")
+    if "prefill" in phases:
+      for b in args.budgets:
+        flops, nbytes = kvm_prefill_work(kvm_config(b, args.head_dim), T, args.batch, args.heads,
+                                         args.heads, args.head_dim, args.head_dim,
+                                         jnp.dtype(dtype).itemsize)
+        seconds = row[f"{b}_prefill_ms"] / 1e3
+        row[f"{b}_prefill_tflops"] = flops / seconds / 1e12
+        row[f"{b}_prefill_gbps"] = nbytes / seconds / 1e9
+      cells.append("achieved " + " ".join(
+          f"{b} {row[f'{b}_prefill_tflops']:.3f} TFLOP/s {row[f'{b}_prefill_gbps']:.1f} GB/s"
+          for b in args.budgets))
     print(f"T={T:>6}  " + " | ".join(cells), flush=True)
   if "prefill" in phases:
     for b in args.budgets:

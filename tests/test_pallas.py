@@ -199,3 +199,14 @@ def test_gpu_target_rejects_non_power_of_two_chunks():
                                    target="cuda")
   with pytest.raises(ValueError, match="power-of-two sizes, got {'chunk_size': 24}"):
     jax.jit(f).trace(q, k, v, g, make_params(0, 16, 2))
+
+
+def test_kvm_check_cli(capsys):
+  from pallas_kernels import check
+  assert check.main(["--cases", "2", "--no-grads"]) == 0
+  out = capsys.readouterr().out
+  assert "xla vs pallas" in out and "same" in out and "3/3 checks passed" in out
+  # A failing comparison turns into a non-zero exit status.
+  rows = [{"case": "c", "pair": "p", "output": 1.0, "state": float("nan"), "routing": "-",
+           "tolerance": 1e-5, "ok": False}]
+  assert "FAIL" in check.format_table(rows)
