@@ -28,6 +28,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend
+from pallas_kernels.sharding import per_shard
 
 MASKED = -1e30  # as kvm_jax.ops.common: finite, so fully masked rows never produce NaN
 
@@ -187,10 +188,11 @@ def joint_attention_pallas(q, state_keys, state_values, state_valid, window_keys
   state_bias = jnp.where(jnp.broadcast_to(state_valid, (Tq, R))[:1], 0.0, MASKED)
   window_bias = jnp.where(jnp.broadcast_to(window_valid, (Tq, W)), 0.0, MASKED)
   window_bias = pad(pad(window_bias, 0, Tp), 1, Wp, MASKED)
-  y, _ = fused_readout(qh, pad(state_keys.astype(jnp.float32), 2, Rp),
-                       pad(state_values.astype(jnp.float32), 2, Rp),
-                       pad(state_bias.astype(jnp.float32), 1, Rp, MASKED), wk, wv,
-                       jnp.tile(window_bias.astype(jnp.float32), (G, 1)), rows(state_temp),
-                       rows(window_temp), kc)
+  args = (qh, pad(state_keys.astype(jnp.float32), 2, Rp),
+          pad(state_values.astype(jnp.float32), 2, Rp),
+          pad(state_bias.astype(jnp.float32), 1, Rp, MASKED), wk, wv,
+          jnp.tile(window_bias.astype(jnp.float32), (G, 1)), rows(state_temp), rows(window_temp))
+  y, _ = per_shard(lambda *a: fused_readout(*a, kc), args,
+                   ("bh", "bh", "bh", "r", "bh", "bh", "r", "h", "h"), ("bh", "bh"), B, Hkv)
   y = y.reshape(B, Hkv, G, Tp, -1)[:, :, :, :Tq]
   return jnp.transpose(y, (0, 3, 1, 2, 4)).astype(jnp.float32)

@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 
 from kvm_jax.ops.common import KVMState, layer_norm, prepare_state_keys, safe_l2_norm
 from pallas_kernels import backend
+from pallas_kernels.sharding import per_shard
 
 _NEG = -jnp.inf
 
@@ -187,12 +188,15 @@ def update_state_pallas(state: KVMState, overflow_k, overflow_v, overflow_g, n_a
   R = state.keys.shape[2]
   Rp = kc.padded_size(R)  # Triton: power-of-two rows; padded rows are never valid
   pad = lambda x: backend.pad_axis(x, 2, Rp)
-  keys, values, radius, dest, target = fused_update(
-      pad(state.keys), pad(state.values), pad(state.radius[..., None]),
-      pad(jax.lax.stop_gradient(read_keys)), jax.lax.stop_gradient(k_bar), k_app, k_gated,
-      v_app, v_gated, safe_l2_norm(v_app)[:, :, None, :],
-      params.ln_scale.astype(jnp.float32)[None], params.ln_bias.astype(jnp.float32)[None],
-      counts.reshape(1, 2), cfg.sink_rows, cfg.ln_eps, kc)
+  args = (pad(state.keys), pad(state.values), pad(state.radius[..., None]),
+          pad(jax.lax.stop_gradient(read_keys)), jax.lax.stop_gradient(k_bar), k_app, k_gated,
+          v_app, v_gated, safe_l2_norm(v_app)[:, :, None, :],
+          params.ln_scale.astype(jnp.float32)[None], params.ln_bias.astype(jnp.float32)[None],
+          counts.reshape(1, 2))
+  B, Hkv = state.keys.shape[:2]
+  keys, values, radius, dest, target = per_shard(
+      lambda *a: fused_update(*a, cfg.sink_rows, cfg.ln_eps, kc), args,
+      ("bh",) * 10 + ("r",) * 3, ("bh",) * 5, B, Hkv)
   keys, values, radius = keys[:, :, :R], values[:, :, :R], radius[:, :, :R]
   dest, target = jnp.minimum(dest, R), jnp.minimum(target, R)  # "none" is R again
   new = KVMState(keys=keys, values=values, radius=radius[..., 0],

@@ -8,6 +8,7 @@ current step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import signal
@@ -271,7 +272,11 @@ def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dic
   tokens_per_step = cfg.batch_size * cfg.sequence_length
   last: dict[str, Any] = {"step": start}
   t0, ran = time.perf_counter(), 0
+  # The Pallas kernels split themselves over the mesh (shard_map) when it is the current mesh.
+  mesh_context = (jax.set_mesh(shardings[2].mesh) if cfg.model.kvm_implementation != "xla"
+                  else contextlib.nullcontext())
   try:
+    mesh_context.__enter__()
     for step in range(start, cfg.steps):
       batch = put_batch(next(iterator), shardings[2])
       params, opt_state, loss = train_step(params, opt_state, batch)
@@ -296,6 +301,7 @@ def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dic
       if final:
         break
   finally:
+    mesh_context.__exit__(None, None, None)
     ckpt.close()
     metrics.close()
     if previous is not None:
