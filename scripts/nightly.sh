@@ -6,3 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 KVM_TEST_FAST_COMPILE=0 JAX_PLATFORMS=${JAX_PLATFORMS:-cpu} python -m pytest -n 2 --runslow
 python -m eval.core_speed "$@"
+python -m pallas_kernels.check
