@@ -31,6 +31,9 @@ def test_notebook_executes_and_plots(path, tmp_path, monkeypatch):
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.setenv("KVM_NOTEBOOK_STEPS", "30")
+  # As conftest does in-process: tiny programs compile much faster without XLA's optimizations.
+  monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS",
+                     "1" if os.environ.get("KVM_TEST_FAST_COMPILE", "1") == "1" else "0")
   monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
   start = time.perf_counter()
   client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
