@@ -68,6 +68,41 @@ def _window_stack(x: Array, num_chunks: int, chunk: int, window_chunks: int) -> 
   return jnp.concatenate([chunks[j:j + num_chunks] for j in range(window_chunks)], axis=2)
 
 
+def scan_inputs(q: Array, k: Array, v: Array, cfg: KVMConfig):
+  """What every chunked KVM scan feeds its body: ``(schedule, xs, pad_time, window_mask)``.
+
+  ``xs`` holds, per query chunk, its index, queries ``[B, C, Hkv, G, D]``, the window keys and
+  values ``[B, nb·C, Hkv, ·]`` and the schedule flags; ``pad_time`` pads a ``[B, T, ...]`` array to
+  whole chunks; ``window_mask(chunk)`` is the ``[C, nb·C]`` causal, in-sequence window mask.
+  """
+  B, T, H, D = q.shape
+  Hkv = k.shape[2]
+  C, nb = cfg.chunk_size, cfg.window_chunks
+  sched = kvm_schedule(cfg, T)
+  nC = sched.num_chunks
+
+  def pad_time(x):
+    return jnp.pad(x, [(0, 0), (0, nC * C - T)] + [(0, 0)] * (x.ndim - 2))
+
+  xs = {
+      "chunk": jnp.arange(nC, dtype=jnp.int32),
+      "q": _to_chunks(pad_time(q), nC, C).reshape(nC, B, C, Hkv, H // Hkv, D),
+      "win_k": _window_stack(pad_time(k), nC, C, nb),                  # [nC, B, nb*C, Hkv, D]
+      "win_v": _window_stack(pad_time(v), nC, C, nb),                  # [nC, B, nb*C, Hkv, Dv]
+      "visible": jnp.asarray(sched.state_visible),
+      "update": jnp.asarray(sched.update_after),
+      "n_append": jnp.asarray(sched.n_append, jnp.int32),
+  }
+  slot = np.arange(nb * C)
+  # Causal within the window: query i of the chunk sees slot s iff s <= (nb-1)*C + i.
+  causal = slot[None, :] <= (nb - 1) * C + np.arange(C)[:, None]       # [C, nb*C] static
+
+  def window_mask(chunk):
+    return causal & ((chunk - (nb - 1)) * C + slot >= 0)[None, :]    # chunks before 0 are empty
+
+  return sched, xs, pad_time, window_mask
+
+
 def kvm_attention_xla(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
                       cfg: KVMConfig, remat: bool = True, row_update: str = "auto",
                       routing=None, return_routing: bool = False, implementation: str = "xla",
@@ -107,41 +142,22 @@ def _kvm_scan_body(q, k, v, merge_gate, params, cfg, remat, row_update, routing,
   B, T, H, D = q.shape
   Hkv, Dv = k.shape[2], v.shape[3]
   G = H // Hkv
-  C, nb = cfg.chunk_size, cfg.window_chunks
-  sched = kvm_schedule(cfg, T)
-  nC = sched.num_chunks
-  pad = nC * C - T
-
-  def pad_time(x):
-    return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-
-  q_p, k_p, v_p, g_p = map(pad_time, (q, k, v, merge_gate))
-  xs = {
-      "chunk": jnp.arange(nC, dtype=jnp.int32),
-      "q": _to_chunks(q_p, nC, C).reshape(nC, B, C, Hkv, G, D),       # [nC, B, C, Hkv, G, D]
-      "win_k": _window_stack(k_p, nC, C, nb),                          # [nC, B, nb*C, Hkv, D]
-      "win_v": _window_stack(v_p, nC, C, nb),                          # [nC, B, nb*C, Hkv, Dv]
-      "overflow_g": _window_stack(g_p, nC, C, nb)[:, :, :C],           # [nC, B, C, Hkv]
-      "visible": jnp.asarray(sched.state_visible),
-      "update": jnp.asarray(sched.update_after),
-      "n_append": jnp.asarray(sched.n_append, jnp.int32),
-  }
+  C = cfg.chunk_size
+  sched, xs, pad_time, window_mask = scan_inputs(q, k, v, cfg)
+  k_p, v_p, g_p = map(pad_time, (k, v, merge_gate))
+  xs["overflow_g"] = _window_stack(g_p, sched.num_chunks, C, cfg.window_chunks)[:, :, :C]
   if routing is not None:
     xs["routing"] = routing
   state0 = initial_state(k_p[:, :C], v_p[:, :C], g_p[:, :C], sched.initial_rows, sched.final_rows,
                          params, cfg)
   state_temp, window_temp = temperatures(params, cfg, Hkv)
   rows = jnp.arange(sched.final_rows)
-  slot = np.arange(nb * C)
-  # Causal within the window: query i of the chunk sees slot s iff s <= (nb-1)*C + i.
-  causal = slot[None, :] <= (nb - 1) * C + np.arange(C)[:, None]       # [C, nb*C] static
   any_update = any(sched.update_after)
 
   def step(state: KVMState, x):
     state_keys, state_values = state_readout(state, params, cfg, G)
     state_valid = ((rows < state.num_rows) & x["visible"])[None, :]
-    in_sequence = (x["chunk"] - (nb - 1)) * C + slot >= 0                 # chunks before 0
-    window_valid = causal & in_sequence[None, :]
+    window_valid = window_mask(x["chunk"])
     y = attend(x["q"], state_keys, state_values, state_valid, x["win_k"], x["win_v"],
                window_valid, state_temp, window_temp)
     none = jnp.full((B, Hkv, C), sched.final_rows, jnp.int32)  # "no row": a no-op scatter
@@ -158,7 +174,7 @@ def _kvm_scan_body(q, k, v, merge_gate, params, cfg, remat, row_update, routing,
   if remat:
     step = jax.checkpoint(step, prevent_cse=False)
   state, (y, decisions) = jax.lax.scan(step, state0, xs)
-  y = jnp.moveaxis(y, 0, 1).reshape(B, nC * C, H, Dv)[:, :T]  # [batch, time, heads, value_dim]
+  y = jnp.moveaxis(y, 0, 1).reshape(B, sched.num_chunks * C, H, Dv)[:, :T]  # [batch, time, heads, value_dim]
   return (y, state, decisions) if return_routing else (y, state)
 
 

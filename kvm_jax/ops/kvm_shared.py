@@ -22,13 +22,11 @@ from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig
 from kvm_jax.ops.common import (KVMParams, initial_state, joint_attention, state_readout,
                                 temperatures, update_state)
-from kvm_jax.ops.kvm import _to_chunks, _window_stack
+from kvm_jax.ops.kvm import _window_stack, scan_inputs
 from kvm_jax.ops.kvm_decode import KVMCache, decode_attention
 
 Array = jax.Array
@@ -78,23 +76,11 @@ def kvm_attention_shared_state(q: Array, k: Array, v: Array, tracks: tuple, key_
   """
   B, T, H, D = q.shape
   Hkv, Dv = k.shape[2], v.shape[3]
-  G = H // Hkv
   C, nb = cfg.chunk_size, cfg.window_chunks
-  sched = kvm_schedule(cfg, T)
-  nC = sched.num_chunks
-  pad_time = lambda x: jnp.pad(x, [(0, 0), (0, nC * C - T)] + [(0, 0)] * (x.ndim - 2))
-  overflow = lambda x: _window_stack(pad_time(x), nC, C, nb)[:, :, :C]   # chunk c - nb + 1
-  xs = {
-      "chunk": jnp.arange(nC, dtype=jnp.int32),
-      "q": _to_chunks(pad_time(q), nC, C).reshape(nC, B, C, Hkv, G, D),
-      "win_k": _window_stack(pad_time(k), nC, C, nb),
-      "win_v": _window_stack(pad_time(v), nC, C, nb),
-      "tracks": [(overflow(t.k), overflow(t.v), overflow(t.g)) for t in tracks],
-      "visible": jnp.asarray(sched.state_visible),
-      "update": jnp.asarray(sched.update_after),
-      "n_append": jnp.asarray(sched.n_append, jnp.int32),
-      "routing": routing,
-  }
+  sched, xs, pad_time, window_mask = scan_inputs(q, k, v, cfg)
+  overflow = lambda x: _window_stack(pad_time(x), sched.num_chunks, C, nb)[:, :, :C]
+  xs["tracks"] = [(overflow(t.k), overflow(t.v), overflow(t.g)) for t in tracks]
+  xs["routing"] = routing
   track_params = [t.params for t in tracks]
   key_mix = [(tr, None if key_weights is None else key_weights[j])
              for j, tr in enumerate(key_tracks)]
@@ -105,13 +91,11 @@ def kvm_attention_shared_state(q: Array, k: Array, v: Array, tracks: tuple, key_
                   for t in tracks)
   state_temp, window_temp = temperatures(params, cfg, Hkv)
   rows = jnp.arange(sched.final_rows)
-  slot = np.arange(nb * C)
-  causal = slot[None, :] <= (nb - 1) * C + np.arange(C)[:, None]
 
   def step(states, x):
     state_keys, state_values = _fused_state(states, track_params, key_mix, value_mix, cfg)
     state_valid = ((rows < states[0].num_rows) & x["visible"])[None, :]
-    window_valid = causal & ((x["chunk"] - (nb - 1)) * C + slot >= 0)[None, :]
+    window_valid = window_mask(x["chunk"])
     y = joint_attention(x["q"], state_keys, state_values, state_valid, x["win_k"], x["win_v"],
                         window_valid, state_temp, window_temp)
 
@@ -126,7 +110,7 @@ def kvm_attention_shared_state(q: Array, k: Array, v: Array, tracks: tuple, key_
   if remat:
     step = jax.checkpoint(step, prevent_cse=False)
   _, y = jax.lax.scan(step, states0, xs)
-  return jnp.moveaxis(y, 0, 1).reshape(B, nC * C, H, Dv)[:, :T]
+  return jnp.moveaxis(y, 0, 1).reshape(B, sched.num_chunks * C, H, Dv)[:, :T]
 
 
 def kvm_decode_shared_state(q_t: Array, caches: Sequence[KVMCache], track_params, key_weights,
