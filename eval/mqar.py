@@ -22,8 +22,9 @@ def mqar_recall(logits_fn: Callable[[jax.Array], jax.Array], *, seq_len: int, vo
                 batch_size: int = 16) -> list[dict]:
   """One row per pair count: ``{"pairs", "recall", "recall_in_window", "recall_state_only",
   "answers_in_window", "answers_state_only"}``."""
+  from eval.progress import progress
   rows = []
-  for n in pairs:
+  for n in progress(pairs, desc="mqar"):
     spec = data.MQARSpec(seq_len=seq_len, vocab_size=vocab_size, num_pairs=n)
     it = data.batched_iterator(data.mqar_dataset(seed, spec), batch_size)
     counts = None

@@ -36,7 +36,8 @@ def position_nll(logits_fn: Callable[[jax.Array], jax.Array], windows: np.ndarra
   if context % bucket:
     raise ValueError(f"context {context} is not a multiple of the bucket size {bucket}.")
   total = np.zeros(context, np.float64)
-  for start in range(0, len(windows), batch_size):
+  from eval.progress import progress
+  for start in progress(range(0, len(windows), batch_size), desc="position loss"):
     chunk = jnp.asarray(windows[start:start + batch_size])
     logits = logits_fn(chunk[:, :-1])
     nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), chunk[:, 1:])
