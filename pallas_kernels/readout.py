@@ -34,8 +34,9 @@ MASKED = -1e30  # as kvm_jax.ops.common: finite, so fully masked rows never prod
 
 
 def _readout_kernel(q_ref, sk_ref, sv_ref, sbias_ref, wk_ref, wv_ref, wbias_ref, st_ref, wt_ref,
-                    y_ref, lse_ref, *, state_block: int, kc: backend.KernelConfig):
-  q = q_ref[...]                                   # [G*Tq, D] input dtype
+                    y_ref, lse_ref, *, state_block: int, window_block: int,
+                    kc: backend.KernelConfig):
+  q = q_ref[...]                                   # [query block, D] input dtype
   value_dtype = wv_ref.dtype
   rows = q.shape[0]
   precision = kc.matmul_precision(q.dtype)
@@ -65,38 +66,45 @@ def _readout_kernel(q_ref, sk_ref, sv_ref, sbias_ref, wk_ref, wv_ref, wbias_ref,
                             preferred_element_type=jnp.float32)
     s = s * st + sbias_ref[:, pl.ds(start, state_block)]
     carry = absorb(carry, s, v)
-  k, v = wk_ref[...], wv_ref[...]
-  s = jax.lax.dot_general(mm(q), mm(k.astype(q.dtype)),
-                          (((1,), (1,)), ((), ())), precision=precision,
-                          preferred_element_type=jnp.float32)
-  carry = absorb(carry, s * wt + wbias_ref[...], v)
+  for start in range(0, wk_ref.shape[0], window_block):
+    k = wk_ref[pl.ds(start, window_block), :]
+    v = wv_ref[pl.ds(start, window_block), :]
+    s = jax.lax.dot_general(mm(q), mm(k.astype(q.dtype)),
+                            (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32)
+    carry = absorb(carry, s * wt + wbias_ref[:, pl.ds(start, window_block)], v)
   m, l, acc = carry
   y_ref[...] = (acc / l).astype(y_ref.dtype)
   lse_ref[...] = m + jnp.log(l)
 
 
-def _state_block(rows: int) -> int:
-  return 128 if rows % 128 == 0 else rows
+def _block(n: int, size: int = 128) -> int:
+  """Key/query rows handled at once: 128 (a TPU lane tile; a Triton-sized tile) when it divides."""
+  return size if n % size == 0 else n
 
 
 def _forward(q, state_keys, state_values, state_bias, window_keys, window_values, window_bias,
              state_scale, window_scale, kc):
   B, Hkv, GT, D = q.shape
   R, W, Dv = state_keys.shape[2], window_keys.shape[2], window_values.shape[3]
-  per_head = lambda *tail: pl.BlockSpec((None, None, *tail), lambda b, h: (b, h, 0, 0))
-  whole = lambda *shape: pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
-  per_kv_head = lambda *tail: pl.BlockSpec((None, *tail), lambda b, h: (h, 0, 0))
-  kernel = functools.partial(_readout_kernel, state_block=_state_block(R), kc=kc)
+  BM = _block(GT)  # query rows per program: rows are independent (online softmax per row)
+  per_head = lambda *tail: pl.BlockSpec((None, None, *tail), lambda b, h, i: (b, h, 0, 0))
+  rows_of = lambda *tail: pl.BlockSpec((None, None, BM, *tail), lambda b, h, i: (b, h, i, 0))
+  whole = lambda *shape: pl.BlockSpec(shape, lambda b, h, i: (0,) * len(shape))
+  row_mask = pl.BlockSpec((BM, W), lambda b, h, i: (i, 0))
+  row_scale = pl.BlockSpec((None, BM, 1), lambda b, h, i: (h, i, 0))
+  kernel = functools.partial(_readout_kernel, state_block=_block(R), window_block=_block(W),
+                             kc=kc)
   y, lse = pl.pallas_call(
       kernel,
-      grid=(B, Hkv),
-      in_specs=[per_head(GT, D), per_head(R, D), per_head(R, Dv), whole(1, R), per_head(W, D),
-                per_head(W, Dv), whole(GT, W), per_kv_head(GT, 1), per_kv_head(GT, 1)],
-      out_specs=[per_head(GT, Dv), per_head(GT, 1)],
+      grid=(B, Hkv, GT // BM),
+      in_specs=[rows_of(D), per_head(R, D), per_head(R, Dv), whole(1, R), per_head(W, D),
+                per_head(W, Dv), row_mask, row_scale, row_scale],
+      out_specs=[rows_of(Dv), rows_of(1)],
       out_shape=[jax.ShapeDtypeStruct((B, Hkv, GT, Dv), q.dtype),
                  jax.ShapeDtypeStruct((B, Hkv, GT, 1), jnp.float32)],
       interpret=kc.interpret,
-      compiler_params=kc.compiler_params(2),
+      compiler_params=kc.compiler_params(3),
       name="kvm_fused_readout",
   )(q, state_keys, state_values, state_bias, window_keys, window_values, window_bias,
     state_scale, window_scale)

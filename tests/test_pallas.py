@@ -77,16 +77,19 @@ def test_kernel_vjps_match_xla(name):
     assert rel_rms(b, a) < (1e-4 if dtype == jnp.float32 else 5e-2), n
 
 
-def test_readout_kernel_log_sum_exp_and_masks():
+@pytest.mark.parametrize("shape", [(1, 2, 2, 8, 12, 16, 16), (1, 1, 2, 128, 256, 256, 16)],
+                         ids=["one_block", "blocked"])
+def test_readout_kernel_log_sum_exp_and_masks(shape):
   """The kernel's LSE equals logsumexp over the visible [state ; window] scores computed
-  densely, and masked rows/slots get no weight."""
-  B, Hkv, G, Tq, R, W, D = 1, 2, 2, 8, 12, 16, 16
+  densely, and masked rows/slots get no weight. "blocked": 2 query blocks x 2 state blocks x 2
+  window blocks of 128, so the online softmax really streams."""
+  B, Hkv, G, Tq, R, W, D = shape
   ks = jax.random.split(jax.random.PRNGKey(0), 6)
   q = jax.random.normal(ks[0], (B, Hkv, G * Tq, D))
   sk, sv = jax.random.normal(ks[1], (B, Hkv, R, D)), jax.random.normal(ks[2], (B, Hkv, R, D))
   wk, wv = jax.random.normal(ks[3], (B, Hkv, W, D)), jax.random.normal(ks[4], (B, Hkv, W, D))
-  state_ok = np.arange(R) < 7
-  window_ok = np.arange(W)[None, :] <= 8 + np.arange(Tq)[:, None]
+  state_ok = np.arange(R) < (7 if R < 100 else 200)
+  window_ok = np.arange(W)[None, :] <= W - Tq + np.arange(Tq)[:, None]
   sbias = jnp.where(state_ok, 0.0, -1e30)[None]
   wbias = jnp.tile(jnp.where(window_ok, 0.0, -1e30), (G, 1))
   scale = jnp.full((Hkv, G * Tq, 1), 0.25)
@@ -99,7 +102,7 @@ def test_readout_kernel_log_sum_exp_and_masks():
   want = jnp.einsum("bhqk,bhkv->bhqv", p, jnp.concatenate([sv, wv], axis=2))
   np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
   # Changing a masked state row changes nothing.
-  sv2 = sv.at[:, :, 9].set(100.0)
+  sv2 = sv.at[:, :, R - 3].set(100.0)
   y2, _ = fused_readout(q, sk, sv2, sbias, wk, wv, wbias, scale, scale, kc)
   np.testing.assert_array_equal(np.asarray(y2), np.asarray(y))
 
