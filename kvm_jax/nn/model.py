@@ -464,8 +464,9 @@ class LM(nnx.Module):
       anchors[layer] = block.attn.anchor_value(block.ln_attn(x0).astype(x0.dtype))
     x, new_caches, exports = x0, [], {}
     old_caches = None if caches is None else [c.mixer for c in caches]
+    sharing = cfg.kv_sharing != "none"
     for i, block in enumerate(self.blocks):
-      shared = SharedKV(exports=exports, old_caches=old_caches) if cfg.kv_sharing != "none" else None
+      shared = SharedKV(exports=exports, old_caches=old_caches) if sharing else None
       x, c, exports[i] = block(x, anchors[cfg.value_anchor(i)], positions,
                                None if caches is None else caches[i], decode, shared)
       new_caches.append(c)
