@@ -3,44 +3,29 @@
 Kernels run natively on TPU (Mosaic) and GPU (Triton), and in interpret mode everywhere else (the
 CPU reference path of the tests). A :class:`KernelConfig` is fixed when the caller is traced and
 passed to the kernels as a static argument — never read from global state while a kernel is
-traced, because ``custom_vjp`` traces its forward rule lazily, under ``grad``, outside any
-context. ``target("tpu")`` / ``target("cuda")`` selects the platform for that first decision, so a
-CPU-only machine can lower the kernels for an accelerator (the lowering tests).
+traced, because ``custom_vjp`` traces its forward rule lazily, under ``grad``. An explicit target
+("tpu", "cuda") lets a CPU-only machine lower the kernels for an accelerator (the lowering tests).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-_override: Optional[str] = None
+def platform(target: Optional[str] = None) -> str:
+  """"tpu", "gpu" or "cpu": ``target`` ("tpu", "cuda"/"gpu", "cpu"), default this machine's."""
+  p = target or jax.default_backend()
+  if p not in ("tpu", "cuda", "gpu", "cpu"):
+    raise ValueError(f"unknown Pallas target {p!r}; choose tpu, cuda or cpu.")
+  return "gpu" if p == "cuda" else p
 
 
-@contextlib.contextmanager
-def target(platform: str):
-  """Build kernels for ``platform`` ("tpu", "cuda"/"gpu" or "cpu") inside this block."""
-  global _override
-  if platform not in ("tpu", "cuda", "gpu", "cpu"):
-    raise ValueError(f"unknown Pallas target {platform!r}; choose tpu, cuda or cpu.")
-  previous, _override = _override, ("gpu" if platform == "cuda" else platform)
-  try:
-    yield
-  finally:
-    _override = previous
-
-
-def platform() -> str:
-  """"tpu", "gpu" or "cpu": the target being built for."""
-  return _override or jax.default_backend()
-
-
-def default_interpret() -> bool:
+def default_interpret(target: Optional[str] = None) -> bool:
   """Interpret mode where no Pallas compiler exists (CPU)."""
-  return platform() not in ("tpu", "gpu")
+  return platform(target) not in ("tpu", "gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +36,10 @@ class KernelConfig:
   interpret: bool
 
   @classmethod
-  def current(cls, interpret: Optional[bool] = None) -> "KernelConfig":
-    return cls(platform(), default_interpret() if interpret is None else bool(interpret))
+  def for_target(cls, target: Optional[str] = None,
+                 interpret: Optional[bool] = None) -> "KernelConfig":
+    """Kernels for ``target`` (default: this machine), interpreted where no compiler exists."""
+    return cls(platform(target), default_interpret(target) if interpret is None else bool(interpret))
 
   def compiler_params(self, grid_dims: int):
     if self.interpret:

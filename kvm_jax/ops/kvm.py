@@ -10,6 +10,7 @@ so the whole computation is one compiled loop with ``O(T · (R + L))`` work.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -27,25 +28,33 @@ IMPLEMENTATIONS = ("xla", "pallas", "auto")
 AUTO_PALLAS_BACKENDS: frozenset = frozenset()
 
 
-def resolve_implementation(implementation: str) -> str:
-  """"xla" or "pallas" for this backend ("auto": Pallas only where it was measured to win)."""
+def resolve_implementation(implementation: str, cfg: KVMConfig) -> tuple[str, Optional[str]]:
+  """``(implementation, kernel target)`` for this machine: "xla" (target None) or "pallas" with
+  the backend it is built for — a static argument of every jitted caller, because the kernels
+  differ per target. "auto" is Pallas only where it was measured to win."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation={implementation!r} is not available; choose one of "
                      f"{IMPLEMENTATIONS}.")
   if implementation == "auto":
-    return "pallas" if jax.default_backend() in AUTO_PALLAS_BACKENDS else "xla"
-  return implementation
+    implementation = "pallas" if jax.default_backend() in AUTO_PALLAS_BACKENDS else "xla"
+  if implementation == "xla":
+    return implementation, None
+  if cfg.readout_value_dtype is not None:
+    raise ValueError("implementation='pallas' reads float32 state values; it does not reproduce "
+                     "readout_value_dtype (use implementation='xla' for that).")
+  return implementation, jax.default_backend()
 
 
-def chunk_functions(implementation: str, interpret=None):
+def chunk_functions(implementation: str, interpret: Optional[bool] = None,
+                    target: Optional[str] = None):
   """``(attend, update)`` with the contracts of ``joint_attention`` and ``update_state``: the XLA
-  ops, or the fused Pallas kernels (interpret mode where no Pallas compiler exists)."""
+  ops, or the fused Pallas kernels built for ``target`` (interpreted where it has no compiler)."""
   if implementation == "xla":
     return joint_attention, update_state
   from pallas_kernels import backend
   from pallas_kernels.readout import joint_attention_pallas
   from pallas_kernels.update import update_state_pallas
-  kc = backend.KernelConfig.current(interpret)  # fixed now: custom_vjp traces lazily
+  kc = backend.KernelConfig.for_target(target, interpret)
   return (functools.partial(joint_attention_pallas, kc=kc),
           functools.partial(update_state_pallas, kc=kc))
 
@@ -103,10 +112,12 @@ def scan_inputs(q: Array, k: Array, v: Array, cfg: KVMConfig):
   return sched, xs, pad_time, window_mask
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "remat", "row_update", "return_routing",
+                                             "implementation", "interpret", "target"))
 def kvm_attention_xla(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
                       cfg: KVMConfig, remat: bool = True, row_update: str = "auto",
                       routing=None, return_routing: bool = False, implementation: str = "xla",
-                      interpret=None, target=None):
+                      interpret: Optional[bool] = None, target: Optional[str] = None):
   """Chunked-scan KVM; see :func:`kvm_attention` for the contract (inputs are not re-validated).
 
   ``routing``: per-chunk decisions ``(dest, target)``, each ``[num_chunks, B, Hkv, C]`` int32, to
@@ -115,30 +126,7 @@ def kvm_attention_xla(q: Array, k: Array, v: Array, merge_gate: Array, params: K
   ``implementation="pallas"`` runs the same scan with the fused kernels in the body, built for
   ``target`` ("tpu", "cuda", "cpu"; default: this machine's backend).
   """
-  if implementation == "pallas" and target is None:
-    from pallas_kernels import backend
-    target = backend.platform()  # part of the jit cache key: kernels differ per target
-  return _kvm_scan(q, k, v, merge_gate, params, cfg=cfg, remat=remat, row_update=row_update,
-                   routing=routing, return_routing=return_routing,
-                   implementation=implementation, interpret=interpret, target=target)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "remat", "row_update", "return_routing",
-                                             "implementation", "interpret", "target"))
-def _kvm_scan(q, k, v, merge_gate, params, cfg, remat, row_update, routing, return_routing,
-              implementation, interpret, target):
-  if target is not None:
-    from pallas_kernels import backend
-    with backend.target(target):
-      return _kvm_scan_body(q, k, v, merge_gate, params, cfg, remat, row_update, routing,
-                            return_routing, implementation, interpret)
-  return _kvm_scan_body(q, k, v, merge_gate, params, cfg, remat, row_update, routing,
-                        return_routing, implementation, interpret)
-
-
-def _kvm_scan_body(q, k, v, merge_gate, params, cfg, remat, row_update, routing, return_routing,
-                   implementation, interpret):
-  attend, update = chunk_functions(implementation, interpret)
+  attend, update = chunk_functions(implementation, interpret, target)
   B, T, H, D = q.shape
   Hkv, Dv = k.shape[2], v.shape[3]
   G = H // Hkv
@@ -174,7 +162,7 @@ def _kvm_scan_body(q, k, v, merge_gate, params, cfg, remat, row_update, routing,
   if remat:
     step = jax.checkpoint(step, prevent_cse=False)
   state, (y, decisions) = jax.lax.scan(step, state0, xs)
-  y = jnp.moveaxis(y, 0, 1).reshape(B, sched.num_chunks * C, H, Dv)[:, :T]  # [batch, time, heads, value_dim]
+  y = jnp.moveaxis(y, 0, 1).reshape(B, sched.num_chunks * C, H, Dv)[:, :T]  # [B, T, H, Dv]
   return (y, state, decisions) if return_routing else (y, state)
 
 
@@ -202,9 +190,7 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
     number of rows the schedule reaches at T).
   """
   validate_inputs(q, k, v, merge_gate, params, cfg)
-  implementation = resolve_implementation(implementation)
-  if implementation == "pallas" and cfg.readout_value_dtype is not None:
-    raise ValueError("implementation='pallas' reads float32 state values; it does not reproduce "
-                     "readout_value_dtype (use implementation='xla' for that).")
+  implementation, target = resolve_implementation(implementation, cfg)
   return kvm_attention_xla(q, k, v, merge_gate, params, cfg=cfg, remat=remat, routing=routing,
-                           return_routing=return_routing, implementation=implementation)
+                           return_routing=return_routing, implementation=implementation,
+                           target=target)

@@ -92,15 +92,15 @@ def _check_against_cache(k, v, cache: KVMCache, where: str) -> None:
 def _prefill(q, k, v, merge_gate, params, cfg, cache, routing=None, return_routing=False,
              implementation="xla", target=None):
   T = q.shape[1]
-  y, state, decisions = kvm_attention_xla(q, k, v, merge_gate, params, cfg=cfg, remat=False,
-                                          routing=routing, return_routing=True,
-                                          implementation=implementation, target=target)
+  y, state, *decisions = kvm_attention_xla(q, k, v, merge_gate, params, cfg=cfg, remat=False,
+                                           routing=routing, return_routing=return_routing,
+                                           implementation=implementation, target=target)
   new = KVMCache(
       state=pad_rows(state, cache.state.capacity),
       window_keys=fill_ring(cache.window_keys, k), window_values=fill_ring(cache.window_values, v),
       window_gates=fill_ring(cache.window_gates, merge_gate),
       length=jnp.asarray(T, jnp.int32), max_len=cache.max_len)
-  return (y, new, decisions) if return_routing else (y, new)
+  return (y, new, *decisions)
 
 
 def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
@@ -116,21 +116,9 @@ def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPara
   if q.shape[1] > cache.max_len:
     raise ValueError(f"kvm_prefill: prompt of {q.shape[1]} tokens exceeds the cache's max_len="
                      f"{cache.max_len}; create the cache with a larger max_len.")
-  implementation, target = _implementation(implementation, cfg)
+  implementation, target = resolve_implementation(implementation, cfg)
   return _prefill(q, k, v, merge_gate, params, cfg=cfg, cache=cache, routing=routing,
                   return_routing=return_routing, implementation=implementation, target=target)
-
-
-def _implementation(implementation: str, cfg: KVMConfig):
-  """(resolved implementation, kernel target) — the target is part of the jit cache key."""
-  implementation = resolve_implementation(implementation)
-  if implementation != "pallas":
-    return implementation, None
-  if cfg.readout_value_dtype is not None:
-    raise ValueError("implementation='pallas' reads float32 state values; it does not reproduce "
-                     "readout_value_dtype (use implementation='xla' for that).")
-  from pallas_kernels import backend
-  return implementation, backend.platform()
 
 
 @functools.lru_cache(maxsize=64)
@@ -164,18 +152,7 @@ def decode_attention(q_t: Array, state_keys: Array, state_values: Array, num_row
 @functools.partial(jax.jit, static_argnames=("cfg", "return_routing", "implementation", "target"))
 def _decode_step(q_t, k_t, v_t, g_t, params, cfg, cache, routing=None, return_routing=False,
                  implementation="xla", target=None):
-  if target is None:
-    return _decode_step_body(q_t, k_t, v_t, g_t, params, cfg, cache, routing, return_routing,
-                             implementation)
-  from pallas_kernels import backend
-  with backend.target(target):
-    return _decode_step_body(q_t, k_t, v_t, g_t, params, cfg, cache, routing, return_routing,
-                             implementation)
-
-
-def _decode_step_body(q_t, k_t, v_t, g_t, params, cfg, cache, routing, return_routing,
-                      implementation):
-  attend, update = chunk_functions(implementation)
+  attend, update = chunk_functions(implementation, target=target)
   B, _, H, D = q_t.shape
   Hkv = k_t.shape[2]
   C, nb, L = cfg.chunk_size, cfg.window_chunks, cfg.window_len
@@ -244,6 +221,6 @@ def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMP
     raise ValueError(
         f"kvm_decode_step: the cache already holds {int(cache.length)} tokens = max_len="
         f"{cache.max_len}; create the cache with a larger max_len to decode further.")
-  implementation, target = _implementation(implementation, cfg)
+  implementation, target = resolve_implementation(implementation, cfg)
   return _decode_step(q_t, k_t, v_t, g_t, params, cfg=cfg, cache=cache, routing=routing,
                       return_routing=return_routing, implementation=implementation, target=target)
