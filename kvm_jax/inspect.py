@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig
-from kvm_jax.ops.common import (KVMParams, KVMState, layer_norm, pad_rows, prepare_state_keys,
+from kvm_jax.ops.common import (KVMParams, KVMState, layer_norm, pad_rows, overflow_rows,
                                 state_readout, temperatures, update_state, _MASKED)
 from kvm_jax.ops.kvm import kvm_attention_xla
 
@@ -115,7 +115,7 @@ def update_anatomy(k: Array, v: Array, g: Array, params: KVMParams, cfg: KVMConf
   start = (chunk - nb + 1) * C
   ov = slice(start, start + C)
   read = layer_norm(state.keys, params.ln_scale, params.ln_bias, cfg.ln_eps)
-  k_bar = jnp.transpose(prepare_state_keys(k[:, ov], params, cfg), (0, 2, 1, 3))
+  k_bar = overflow_rows(k[:, ov], v[:, ov], g[:, ov], params, cfg).k_bar
   sim = jnp.einsum("bhcd,bhrd->bhcr", k_bar, read, precision=jax.lax.Precision.HIGHEST)
   valid = np.arange(capacity) < int(state.num_rows)
   novelty = jnp.max(jnp.where(valid, sim, -jnp.inf), axis=-1)

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kvm_jax.ops.common import KVMState, layer_norm, prepare_state_keys, safe_l2_norm
+from kvm_jax.ops.common import (KVMState, layer_norm, overflow_rows, safe_l2_norm,
+                                update_state)
 from pallas_kernels import backend
 from pallas_kernels.sharding import per_shard
 
@@ -168,20 +169,13 @@ def update_state_pallas(state: KVMState, overflow_k, overflow_v, overflow_g, n_a
 
   Given decisions (shared routing) are applied by the XLA path: there is nothing to fuse.
   """
-  from kvm_jax.ops.common import update_state
   if routing is not None:
     return update_state(state, overflow_k, overflow_v, overflow_g, n_append, params, cfg,
                         row_update, read_keys, routing, return_routing)
   del row_update
   kc.check_sizes(chunk_size=overflow_k.shape[1], head_dim=overflow_k.shape[3],
-                      value_dim=overflow_v.shape[3])
-  head_major = lambda x: jnp.transpose(x, (0, 2, 1, 3))
-  k_bar = head_major(prepare_state_keys(overflow_k, params, cfg))          # [B, Hkv, C, D]
-  v_raw = head_major(overflow_v.astype(jnp.float32))
-  gate = jnp.transpose(overflow_g.astype(jnp.float32), (0, 2, 1))[..., None]
-  k_gated = k_bar * gate if cfg.gate_keys else k_bar
-  v_gated = v_raw * gate if cfg.gate_values else v_raw
-  k_app, v_app = (k_gated, v_gated) if cfg.gate_appends else (k_bar, v_raw)
+                 value_dim=overflow_v.shape[3])
+  rows = overflow_rows(overflow_k, overflow_v, overflow_g, params, cfg)
   if read_keys is None:
     read_keys = layer_norm(state.keys, params.ln_scale, params.ln_bias, cfg.ln_eps)
   counts = jnp.stack([state.num_rows, jnp.asarray(n_append, jnp.int32)]).astype(jnp.int32)
@@ -189,8 +183,8 @@ def update_state_pallas(state: KVMState, overflow_k, overflow_v, overflow_g, n_a
   Rp = kc.padded_size(R)  # Triton: power-of-two rows; padded rows are never valid
   pad = lambda x: backend.pad_axis(x, 2, Rp)
   args = (pad(state.keys), pad(state.values), pad(state.radius[..., None]),
-          pad(jax.lax.stop_gradient(read_keys)), jax.lax.stop_gradient(k_bar), k_app, k_gated,
-          v_app, v_gated, safe_l2_norm(v_app)[:, :, None, :],
+          pad(jax.lax.stop_gradient(read_keys)), jax.lax.stop_gradient(rows.k_bar), rows.k_app,
+          rows.k_gated, rows.v_app, rows.v_gated, safe_l2_norm(rows.v_app)[:, :, None, :],
           params.ln_scale.astype(jnp.float32)[None], params.ln_bias.astype(jnp.float32)[None],
           counts.reshape(1, 2))
   B, Hkv = state.keys.shape[:2]

@@ -275,39 +275,37 @@ class Attention(nnx.Module):
     if self.kind != "kvm":
       y, mixer_cache = self._mix(x, q, k, v, mixer_cache, decode)
       return y, mixer_cache, exports
-    cfg = self.cfg
-    g, params = self.merge_gate(x), self.kvm_params()
     routing = None
     if self.routing_leader is not None:
       routing = shared.exports[self.routing_leader]["routing"]
-    want = self.exports_routing
-    if decode:
-      out = kvm_decode_step(q, k, v, g, params, cfg.kvm, mixer_cache, routing=routing,
-                            return_routing=want, implementation=cfg.kvm_implementation)
-    elif mixer_cache is not None:
-      out = kvm_prefill(q, k, v, g, params, cfg.kvm, mixer_cache, routing=routing,
-                        return_routing=want, implementation=cfg.kvm_implementation)
-    else:
-      out = kvm_attention(q, k, v, g, params, cfg.kvm, implementation=cfg.kvm_implementation,
-                          routing=routing, return_routing=want)
-      out = (out[0], None) + tuple(out[2:])
-    y, mixer_cache = out[0], out[1]
-    exports.update(g=g, params=params, cache=mixer_cache)
-    if want:
-      exports["routing"] = out[2]
+    y, mixer_cache, decisions = self._mix_kvm(x, q, k, v, mixer_cache, decode, routing,
+                                              self.exports_routing)
+    exports.update(g=self.merge_gate(x), params=self.kvm_params(), cache=mixer_cache)
+    if self.exports_routing:
+      exports["routing"] = decisions
     return y, mixer_cache, exports
+
+  def _mix_kvm(self, x, q, k, v, mixer_cache, decode, routing=None, return_routing=False):
+    """The KVM core over this layer's (or fused) keys and values: whole sequence, prefill into
+    ``mixer_cache``, or one decode step. Returns ``(y, cache, decisions or None)``."""
+    cfg = self.cfg
+    g, params = self.merge_gate(x), self.kvm_params()
+    kw = dict(routing=routing, return_routing=return_routing,
+              implementation=cfg.kvm_implementation)
+    if decode:
+      out = kvm_decode_step(q, k, v, g, params, cfg.kvm, mixer_cache, **kw)
+    elif mixer_cache is not None:
+      out = kvm_prefill(q, k, v, g, params, cfg.kvm, mixer_cache, **kw)
+    else:
+      y, _, *decisions = kvm_attention(q, k, v, g, params, cfg.kvm, **kw)
+      out = (y, None, *decisions)
+    return out[0], out[1], (out[2] if return_routing else None)
 
   def _mix(self, x, q, k, v, mixer_cache, decode, scale=None):
     """This layer's mixer over its own (or stacked / fused) keys and values."""
     cfg, kind = self.cfg, self.kind
     if kind == "kvm":
-      g, params = self.merge_gate(x), self.kvm_params()
-      impl = cfg.kvm_implementation
-      if decode:
-        return kvm_decode_step(q, k, v, g, params, cfg.kvm, mixer_cache, implementation=impl)
-      if mixer_cache is not None:
-        return kvm_prefill(q, k, v, g, params, cfg.kvm, mixer_cache, implementation=impl)
-      return kvm_attention(q, k, v, g, params, cfg.kvm, implementation=cfg.kvm_implementation)[0], None
+      return self._mix_kvm(x, q, k, v, mixer_cache, decode)[:2]
     if decode:
       return attn_ops.ring_decode_step(q, k, v, mixer_cache, scale=scale)
     if kind == "full":
@@ -349,17 +347,14 @@ class Attention(nnx.Module):
     sources on demand; the compressed state is this layer's own, built from the fused per-token
     K/V with this layer's merge gates (states of different layers are not row-aligned)."""
     ks, vs, key_w, value_w = self._source_weights()
-    fuse_k = (lambda xs: xs[0]) if key_w is None else (lambda xs: kv_fusion.materialize(xs, key_w))
-    fuse_v = (lambda xs: xs[0]) if value_w is None else (
-        lambda xs: kv_fusion.materialize(xs, value_w))
-    ex = shared.exports
-    k, v = fuse_k([ex[j]["k"] for j in ks]), fuse_v([ex[j]["v"] for j in vs])
+    ex, fuse = shared.exports, kv_fusion.materialize
+    k, v = fuse([ex[j]["k"] for j in ks], key_w), fuse([ex[j]["v"] for j in vs], value_w)
     view = None
     if mixer_cache is not None:
       kc, vc = [shared.old_caches[j] for j in ks], [shared.old_caches[j] for j in vs]
       if decode:  # the sources' rings before this token: the fold may need the slot t overwrites
-        ring_k = fuse_k([c.window_keys for c in kc])
-        ring_v = fuse_v([c.window_values for c in vc])
+        ring_k = fuse([c.window_keys for c in kc], key_w)
+        ring_v = fuse([c.window_values for c in vc], value_w)
       else:  # prefill replaces the contents: zeros of the right shape suffice
         ring_k, ring_v = jnp.zeros_like(kc[0].window_keys), jnp.zeros_like(vc[0].window_values)
       view = dataclasses.replace(mixer_cache, window_keys=ring_k, window_values=ring_v)
@@ -378,7 +373,7 @@ class Attention(nnx.Module):
       return kvm_decode_shared_state(q, [ex[j]["cache"] for j in tracks],
                                      [ex[j]["params"] for j in tracks], key_w, value_w,
                                      key_tracks, value_tracks, params, self.cfg.kvm)
-    fuse = lambda xs, w: xs[0] if w is None else kv_fusion.materialize(xs, w)
+    fuse = kv_fusion.materialize
     k, v = fuse([ex[j]["k"] for j in ks], key_w), fuse([ex[j]["v"] for j in vs], value_w)
     source_tracks = tuple(SourceTrack(ex[j]["k"], ex[j]["v"], ex[j]["g"], ex[j]["params"])
                           for j in tracks)
@@ -417,8 +412,8 @@ class Block(nnx.Module):
   def __call__(self, x, v_first, positions, cache: Optional[LayerCache] = None, decode=False,
                shared: Optional[SharedKV] = None):
     dtype = x.dtype
-    h, mixer_cache, tails, exports = self.attn(self.ln_attn(x).astype(dtype), v_first, positions, cache,
-                                          decode, shared)
+    h, mixer_cache, tails, exports = self.attn(self.ln_attn(x).astype(dtype), v_first, positions,
+                                               cache, decode, shared)
     x = x + self.cfg.scale * h
     m_in = self.ln_mlp(x).astype(dtype)
     x = x + self.cfg.scale * self.mlp(m_in, cache.last_mlp if (decode and cache) else None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -438,61 +438,73 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
   R = state.capacity
   row = jnp.arange(R)
   precision = jax.lax.Precision.HIGHEST
+  rows = overflow_rows(overflow_k, overflow_v, overflow_g, params, cfg)
+  m = state.num_rows
+  m_new = m + n_append
+  if routing is not None:
+    dest, target = routing
+    keys, values, radius = _add_appended(state.keys, state.values, state.radius, dest, rows,
+                                         add_rows)
+  else:
+    if read_keys is None:
+      read_keys = layer_norm(state.keys, params.ln_scale, params.ln_bias, cfg.ln_eps)
+    old_read = jax.lax.stop_gradient(read_keys)  # routing is a constant: no gradient through it
+
+    def append(s: KVMState):
+      # Novelty: max similarity of the ungated prepared key to the valid pre-append rows (sinks
+      # too); the n_append least similar tokens take rows m, m+1, ... in token order.
+      sim = jnp.einsum("bhcd,bhrd->bhcr", jax.lax.stop_gradient(rows.k_bar), old_read,
+                       precision=precision)
+      novelty = jnp.max(jnp.where(row < m, sim, -jnp.inf), axis=-1)                  # [B,Hkv,C]
+      is_append = _ranks_ascending(novelty) < n_append
+      dest = jnp.where(is_append, m + jnp.cumsum(is_append, axis=-1) - 1, R).astype(jnp.int32)
+      keys, values, radius = _add_appended(s.keys, s.values, s.radius, dest, rows, add_rows)
+      new_read = layer_norm(jax.lax.stop_gradient(keys), params.ln_scale, params.ln_bias,
+                            cfg.ln_eps)
+      return keys, values, radius, dest, new_read
+
+    def no_append(s: KVMState):
+      return s.keys, s.values, s.radius, jnp.full(rows.k_bar.shape[:3], R, jnp.int32), old_read
+
+    keys, values, radius, dest, new_read = jax.lax.cond(n_append > 0, append, no_append, state)
+    # Merge: gated key vs the post-append rows, sinks excluded, first index wins ties.
+    logits = jnp.einsum("bhcd,bhrd->bhcr", jax.lax.stop_gradient(rows.k_gated), new_read,
+                        precision=precision)
+    target_ok = (row >= cfg.sink_rows) & (row < m_new)
+    target = first_argmax(jnp.where(target_ok, logits, -jnp.inf))                    # [B,Hkv,C]
+    target = jnp.where(dest < R, R, target).astype(jnp.int32)  # appended tokens merge nowhere
+  keys = add_rows(keys, target, rows.k_gated)
+  values = add_rows(values, target, rows.v_gated)
+  new = KVMState(keys=keys, values=values, radius=radius, num_rows=m_new.astype(jnp.int32))
+  return (new, (dest, target)) if return_routing else new
+
+
+class OverflowRows(NamedTuple):
+  """One overflow chunk as state rows, head-major ``[B, Hkv, C, ·]`` float32 (spec §6.7):
+  prepared keys (routing), gated keys/values (merges), and what appended rows store."""
+
+  k_bar: Array
+  k_gated: Array
+  v_gated: Array
+  k_app: Array
+  v_app: Array
+
+
+def overflow_rows(overflow_k: Array, overflow_v: Array, overflow_g: Array, params: KVMParams,
+                  cfg: KVMConfig) -> OverflowRows:
+  """``[B, C, Hkv, ·]`` overflow keys/values/gates -> :class:`OverflowRows`."""
   k_bar = jnp.transpose(prepare_state_keys(overflow_k, params, cfg), (0, 2, 1, 3))  # [B,Hkv,C,D]
   v_raw = jnp.transpose(overflow_v.astype(jnp.float32), (0, 2, 1, 3))              # [B,Hkv,C,Dv]
   gate = jnp.transpose(overflow_g.astype(jnp.float32), (0, 2, 1))[..., None]        # [B,Hkv,C,1]
   k_gated = k_bar * gate if cfg.gate_keys else k_bar
   v_gated = v_raw * gate if cfg.gate_values else v_raw
   k_app, v_app = (k_gated, v_gated) if cfg.gate_appends else (k_bar, v_raw)
-  m = state.num_rows
-  if routing is not None:
-    return _apply_routing(state, k_gated, v_gated, k_app, v_app, n_append, routing, add_rows,
-                          return_routing)
-  if read_keys is None:
-    read_keys = layer_norm(state.keys, params.ln_scale, params.ln_bias, cfg.ln_eps)
-  old_read = jax.lax.stop_gradient(read_keys)  # routing is a constant: no gradient through it
-
-  def append(s: KVMState):
-    # Novelty: max similarity of the ungated prepared key to the valid pre-append rows (sinks too).
-    sim = jnp.einsum("bhcd,bhrd->bhcr", jax.lax.stop_gradient(k_bar), old_read,
-                     precision=precision)
-    novelty = jnp.max(jnp.where(row < m, sim, -jnp.inf), axis=-1)                    # [B,Hkv,C]
-    is_append = _ranks_ascending(novelty) < n_append
-    dest = jnp.where(is_append, m + jnp.cumsum(is_append, axis=-1) - 1, R)  # token order; R = drop
-    keys = add_rows(s.keys, dest, k_app)
-    values = add_rows(s.values, dest, v_app)
-    radius = add_rows(s.radius[..., None], dest, safe_l2_norm(v_app)[..., None])[..., 0]
-    new_read = layer_norm(jax.lax.stop_gradient(keys), params.ln_scale, params.ln_bias, cfg.ln_eps)
-    return keys, values, radius, is_append, new_read
-
-  def no_append(s: KVMState):
-    return s.keys, s.values, s.radius, jnp.zeros(k_bar.shape[:3], bool), old_read
-
-  keys, values, radius, is_append, new_read = jax.lax.cond(n_append > 0, append, no_append, state)
-  dest = jnp.where(is_append, m + jnp.cumsum(is_append, axis=-1) - 1, R).astype(jnp.int32)
-  m_new = m + n_append
-
-  # Routing: gated key vs the post-append rows, sinks excluded, first index wins ties.
-  logits = jnp.einsum("bhcd,bhrd->bhcr", jax.lax.stop_gradient(k_gated), new_read,
-                      precision=precision)
-  target_ok = (row >= cfg.sink_rows) & (row < m_new)
-  target = first_argmax(jnp.where(target_ok, logits, -jnp.inf))                      # [B,Hkv,C]
-  target = jnp.where(is_append, R, target).astype(jnp.int32)  # appended tokens merge nowhere
-  keys = add_rows(keys, target, k_gated)
-  values = add_rows(values, target, v_gated)
-  new = KVMState(keys=keys, values=values, radius=radius, num_rows=m_new.astype(jnp.int32))
-  return (new, (dest, target)) if return_routing else new
+  return OverflowRows(k_bar, k_gated, v_gated, k_app, v_app)
 
 
-def _apply_routing(state: KVMState, k_gated, v_gated, k_app, v_app, n_append, routing, add_rows,
-                   return_routing):
-  """The scatter half of :func:`update_state` with the decisions given (``[B, Hkv, C, ·]`` inputs)."""
-  dest, target = routing
-  keys = add_rows(state.keys, dest, k_app)
-  values = add_rows(state.values, dest, v_app)
-  radius = add_rows(state.radius[..., None], dest, safe_l2_norm(v_app)[..., None])[..., 0]
-  keys = add_rows(keys, target, k_gated)
-  values = add_rows(values, target, v_gated)
-  new = KVMState(keys=keys, values=values, radius=radius,
-                 num_rows=(state.num_rows + n_append).astype(jnp.int32))
-  return (new, routing) if return_routing else new
+def _add_appended(keys, values, radius, dest, rows: OverflowRows, add_rows):
+  """Appended tokens become rows ``dest`` (``capacity`` = not appended); radius = ‖value‖."""
+  keys = add_rows(keys, dest, rows.k_app)
+  values = add_rows(values, dest, rows.v_app)
+  radius = add_rows(radius[..., None], dest, safe_l2_norm(rows.v_app)[..., None])[..., 0]
+  return keys, values, radius

@@ -19,7 +19,7 @@ construction and attention logits keep depending only on relative positions.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,9 +56,15 @@ def unfold_output(y: Array, value_weights: Array) -> Array:
   return jnp.einsum("bthsd,shd->bthd", parts, w.astype(jnp.float32)).astype(y.dtype)
 
 
-def materialize(xs: Sequence[Array], weights: Array) -> Array:
-  """``sum_s w_s ⊙ x_s`` for ``x_s [B, T, Hkv, D]`` and ``weights [S, Hkv, D]``."""
-  out = xs[0] * weights[0].astype(xs[0].dtype)
-  for x, w in zip(xs[1:], weights[1:]):
-    out = out + x * w.astype(x.dtype)
+def materialize(xs: Sequence[Array], weights: Optional[Array], head_axis: int = 2) -> Array:
+  """``sum_s w_s ⊙ x_s`` for ``x_s`` with KV heads on ``head_axis`` and channels last, and
+  ``weights [S, Hkv, X]``; ``weights=None`` is one source with weight 1 (Lite, YOCO, CLA)."""
+  if weights is None:
+    return xs[0]
+  out = None
+  for x, w in zip(xs, weights):
+    w = jnp.expand_dims(w, tuple(range(head_axis))) if head_axis else w
+    w = w.reshape(w.shape[:head_axis + 1] + (1,) * (x.ndim - head_axis - 2) + w.shape[-1:])
+    term = x * w.astype(x.dtype)
+    out = term if out is None else out + term
   return out

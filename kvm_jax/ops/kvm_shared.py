@@ -18,7 +18,7 @@ so no per-chunk state is ever stored.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,7 @@ from kvm_jax.config import KVMConfig
 from kvm_jax.ops.common import (KVMParams, initial_state, joint_attention, state_readout,
                                 temperatures, update_state)
 from kvm_jax.ops.kvm import _window_stack, scan_inputs
+from kvm_jax.ops.kv_fusion import materialize
 from kvm_jax.ops.kvm_decode import KVMCache, decode_attention
 
 Array = jax.Array
@@ -41,20 +42,13 @@ class SourceTrack(NamedTuple):
   params: KVMParams
 
 
-def fuse_readouts(readouts: Sequence[Array], mix: Sequence[tuple[int, Optional[Array]]]) -> Array:
-  """``sum_j w_j ⊙ readouts[track_j]`` for readout rows ``[B, Hkv, R, X]`` and ``w_j [Hkv, X]``
-  (``None`` = weight 1, a plain copy)."""
-  out = None
-  for track, w in mix:
-    x = readouts[track] if w is None else readouts[track] * w.astype(jnp.float32)[None, :, None, :]
-    out = x if out is None else out + x
-  return out
-
-
-def _fused_state(states, tracks_params, key_mix, value_mix, cfg):
-  reads = [state_readout(s, p, cfg) for s, p in zip(states, tracks_params)]
-  return (fuse_readouts([r[0] for r in reads], key_mix),
-          fuse_readouts([r[1] for r in reads], value_mix))
+def _fused_state(states, track_params, key_weights, value_weights, key_tracks, value_tracks,
+                 cfg):
+  """Readout keys/values ``[B, Hkv, R, ·]`` of the fused state: each source's readout (its own
+  LN_s and radius) combined row by row with the fusion weights."""
+  reads = [state_readout(s, p, cfg) for s, p in zip(states, track_params)]
+  return (materialize([reads[t][0] for t in key_tracks], key_weights, head_axis=1),
+          materialize([reads[t][1] for t in value_tracks], value_weights, head_axis=1))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "key_tracks", "value_tracks", "remat"))
@@ -82,10 +76,6 @@ def kvm_attention_shared_state(q: Array, k: Array, v: Array, tracks: tuple, key_
   xs["tracks"] = [(overflow(t.k), overflow(t.v), overflow(t.g)) for t in tracks]
   xs["routing"] = routing
   track_params = [t.params for t in tracks]
-  key_mix = [(tr, None if key_weights is None else key_weights[j])
-             for j, tr in enumerate(key_tracks)]
-  value_mix = [(tr, None if value_weights is None else value_weights[j])
-               for j, tr in enumerate(value_tracks)]
   states0 = tuple(initial_state(pad_time(t.k)[:, :C], pad_time(t.v)[:, :C], pad_time(t.g)[:, :C],
                                 sched.initial_rows, sched.final_rows, t.params, cfg)
                   for t in tracks)
@@ -93,7 +83,8 @@ def kvm_attention_shared_state(q: Array, k: Array, v: Array, tracks: tuple, key_
   rows = jnp.arange(sched.final_rows)
 
   def step(states, x):
-    state_keys, state_values = _fused_state(states, track_params, key_mix, value_mix, cfg)
+    state_keys, state_values = _fused_state(states, track_params, key_weights, value_weights,
+                                            key_tracks, value_tracks, cfg)
     state_valid = ((rows < states[0].num_rows) & x["visible"])[None, :]
     window_valid = window_mask(x["chunk"])
     y = joint_attention(x["q"], state_keys, state_values, state_valid, x["win_k"], x["win_v"],
@@ -120,16 +111,13 @@ def kvm_decode_shared_state(q_t: Array, caches: Sequence[KVMCache], track_params
   token's step (state folded, token in the ring). Returns ``y [B, 1, H, Dv]``."""
   B, _, H, _ = q_t.shape
   Hkv = caches[0].window_keys.shape[2]
-  key_mix = [(tr, None if key_weights is None else key_weights[j])
-             for j, tr in enumerate(key_tracks)]
-  value_mix = [(tr, None if value_weights is None else value_weights[j])
-               for j, tr in enumerate(value_tracks)]
   states = [c.state for c in caches]
-  state_keys, state_values = _fused_state(states, track_params, key_mix, value_mix, cfg)
-  window = lambda name, mix: fuse_readouts(
-      [jnp.swapaxes(getattr(c, name), 1, 2) for c in caches], mix)           # [B, Hkv, L, ·]
-  window_keys = jnp.swapaxes(window("window_keys", key_mix), 1, 2).astype(q_t.dtype)
-  window_values = jnp.swapaxes(window("window_values", value_mix), 1, 2).astype(q_t.dtype)
+  state_keys, state_values = _fused_state(states, track_params, key_weights, value_weights,
+                                          key_tracks, value_tracks, cfg)
+  window_keys = materialize([caches[t].window_keys for t in key_tracks],
+                            key_weights).astype(q_t.dtype)
+  window_values = materialize([caches[t].window_values for t in value_tracks],
+                              value_weights).astype(q_t.dtype)
   t = caches[0].length - 1
   y = decode_attention(q_t, state_keys, state_values, states[0].num_rows, window_keys,
                        window_values, t, *temperatures(params, cfg, Hkv), cfg)
