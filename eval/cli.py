@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import kvm_jax as kj
@@ -65,9 +64,9 @@ def run_niah(predict: Callable[[str, int], str], count_tokens: Callable[[str], i
     examples = niah_lib.make_examples(task, length, count_tokens, seed=seed, depths=depths,
                                       generation_budget=generation_budget)
     predictions = [predict(ex.prompt, length) for ex in examples]
-    hits = [ex.answer.lower() in p.lower() for ex, p in zip(examples, predictions)]
-    rows.append({"task": task, "length": length,
-                 "score": niah_lib.score(predictions, [ex.answer for ex in examples]),
+    answers = [ex.answer for ex in examples]
+    hits = niah_lib.hits(predictions, answers)
+    rows.append({"task": task, "length": length, "score": niah_lib.score(predictions, answers),
                  "examples": len(examples),
                  "depths": [float(ex.depth) for ex in examples], "hits": hits})
   return rows
@@ -79,13 +78,10 @@ def greedy_predictor(model, tokenizer, generation_budget: int, bucket: int = 64)
 
   def predict(prompt: str, length: int) -> str:
     ids = tokenizer.encode(prompt)
-    tokens, lengths = kj.generate(
-        model, jnp.asarray([ids], jnp.int32), max_new_tokens=generation_budget,
-        key=jax.random.key(0), sampling=kj.SamplingConfig(temperature=0.0),
-        stop_tokens=(tokenizer.eos_id,), pad_token=tokenizer.eos_id,
-        max_len=max(length, len(ids) + generation_budget), prefill_bucket=bucket)
-    new = np.asarray(tokens[0, len(ids):len(ids) + int(lengths[0])]).tolist()
-    return tokenizer.decode([t for t in new if t != tokenizer.eos_id])
+    return kj.generate_text(model, tokenizer, ids, max_new_tokens=generation_budget,
+                            key=jax.random.key(0),
+                            max_len=max(length, len(ids) + generation_budget),
+                            prefill_bucket=bucket)
 
   return predict
 
@@ -123,11 +119,6 @@ def find_runs(paths: Sequence[str]) -> list[Path]:
   return runs
 
 
-def tokenizer_of(train_cfg):
-  return data.HFTokenizer(train_cfg.tokenizer_file) if train_cfg.tokenizer_file \
-      else data.ByteTokenizer()
-
-
 def evaluate_run(run: Path, args) -> dict[str, Any]:
   from train.loop import load_trained
   cfg, model, step = load_trained(run)
@@ -135,7 +126,7 @@ def evaluate_run(run: Path, args) -> dict[str, Any]:
   out: dict[str, Any] = {"model": name, "run": str(run), "step": step,
                          "mixers": list(cfg.model.layer_mixers),
                          "parameters": kj.count_params(cfg.model)["total"]}
-  tok = tokenizer_of(cfg)
+  tok = data.tokenizer(cfg.tokenizer_file)
   text_ok = tok.vocab_size <= cfg.model.vocab_size
   no_text = (f"model vocabulary {cfg.model.vocab_size} is smaller than the tokenizer's "
              f"{tok.vocab_size} (trained on a synthetic task, cannot read text)")

@@ -94,8 +94,7 @@ class KVMEvalLM(_HarnessLM):
         raise ValueError("pass either a model or checkpoint=, not both.")
       from train.loop import load_trained
       cfg, model, _ = load_trained(checkpoint)
-      tokenizer = tokenizer or (data.HFTokenizer(cfg.tokenizer_file) if cfg.tokenizer_file
-                                else data.ByteTokenizer())
+      tokenizer = tokenizer or data.tokenizer(cfg.tokenizer_file)
     if model is None or tokenizer is None:
       raise ValueError("KVMEvalLM needs a model and a tokenizer (or checkpoint=RUN_DIR).")
     vocab = getattr(tokenizer, "vocab_size", None)
@@ -196,15 +195,10 @@ class KVMEvalLM(_HarnessLM):
       keep = max(self.max_length - max_new, 1)
       if len(ids) > keep:
         ids, self.truncated = ids[-keep:], self.truncated + 1
-      prompt = jnp.asarray([ids], jnp.int32)
-      tokens, lengths = kj.generate(
-          self.model, prompt, max_new_tokens=max_new, key=jax.random.key(len(out)),
-          sampling=sampling, stop_tokens=(self.eot_token_id,), pad_token=self.eot_token_id,
-          max_len=-(-(len(ids) + max_new) // self.pad_multiple) * self.pad_multiple,
-          prefill_bucket=self.pad_multiple)
-      new = [t for t in np.asarray(tokens[0, len(ids):len(ids) + int(lengths[0])]).tolist()
-             if t != self.eot_token_id]
-      text = self.tokenizer.decode(new)
+      text = kj.generate_text(
+          self.model, self.tokenizer, ids, max_new_tokens=max_new, key=jax.random.key(len(out)),
+          sampling=sampling, prefill_bucket=self.pad_multiple,
+          max_len=-(-(len(ids) + max_new) // self.pad_multiple) * self.pad_multiple)
       for stop in until:
         if stop and stop in text:
           text = text[:text.index(stop)]

@@ -118,11 +118,14 @@ def make_examples(task: str, length: int, count_tokens: Callable[[str], int], se
   return [make_example(task, length, d, seed, count_tokens, generation_budget) for d in depths]
 
 
-def score(predictions: Sequence[str], answers: Sequence[str]) -> float:
-  """RULER's string match: percentage of predictions containing their answer (case-insensitive)."""
+def hits(predictions: Sequence[str], answers: Sequence[str]) -> list[bool]:
+  """Per prediction: does it contain its answer (case-insensitive)?"""
   if len(predictions) != len(answers):
     raise ValueError(f"{len(predictions)} predictions for {len(answers)} answers.")
-  if not answers:
-    return 0.0
-  hits = [a.lower() in p.lower() for p, a in zip(predictions, answers)]
-  return 100.0 * sum(hits) / len(hits)
+  return [a.lower() in p.lower() for p, a in zip(predictions, answers)]
+
+
+def score(predictions: Sequence[str], answers: Sequence[str]) -> float:
+  """RULER's string match: percentage of predictions containing their answer (case-insensitive)."""
+  found = hits(predictions, answers)
+  return 100.0 * sum(found) / len(found) if found else 0.0

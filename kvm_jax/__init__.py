@@ -16,7 +16,7 @@ from kvm_jax.ops import (KVMCache, KVMParams, KVMState, kvm_attention, kvm_atten
 
 from kvm_jax.nn.model import LM, count_params
 from kvm_jax import presets
-from kvm_jax.generate import SamplingConfig, generate, sample_logits
+from kvm_jax.generate import SamplingConfig, generate, generate_text, sample_logits
 
 __version__ = "0.1.0"
 
@@ -24,5 +24,5 @@ __all__ = [
     "KVMConfig", "FixedBudget", "PowerLawBudget", "SaturatingBudget", "CallableBudget",
     "KVMSchedule", "kvm_schedule", "state_rows_after", "KVMParams", "KVMState", "KVMCache",
     "kvm_attention", "kvm_attention_reference", "kvm_init_cache", "kvm_prefill", "kvm_decode_step",
-    "ModelConfig", "LM", "count_params", "presets", "generate", "SamplingConfig", "sample_logits",
+    "ModelConfig", "LM", "count_params", "presets", "generate", "generate_text", "SamplingConfig", "sample_logits",
 ]

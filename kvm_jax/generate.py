@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 Array = jax.Array
@@ -135,3 +136,16 @@ def generate(model, prompt: Array, *, max_new_tokens: int, key: Array,
   generated = jnp.stack(out, axis=1)
   pad = jnp.full((B, max_new_tokens - generated.shape[1]), pad_token, jnp.int32)
   return jnp.concatenate([prompt.astype(jnp.int32), generated, pad], axis=1), lengths
+
+
+def generate_text(model, tokenizer, ids: Sequence[int], *, max_new_tokens: int, key: Array,
+                  sampling: SamplingConfig = SamplingConfig(temperature=0.0),
+                  max_len: Optional[int] = None, prefill_bucket: Optional[int] = None) -> str:
+  """The decoded continuation of one prompt ``ids``, stopped at (and without) the tokenizer's
+  EOS. ``tokenizer`` has ``decode(ids)`` and ``eos_id``; other arguments as :func:`generate`."""
+  tokens, lengths = generate(model, jnp.asarray([list(ids)], jnp.int32),
+                             max_new_tokens=max_new_tokens, key=key, sampling=sampling,
+                             stop_tokens=(tokenizer.eos_id,), pad_token=tokenizer.eos_id,
+                             max_len=max_len, prefill_bucket=prefill_bucket)
+  new = np.asarray(tokens[0, len(ids):len(ids) + int(lengths[0])]).tolist()
+  return tokenizer.decode([t for t in new if t != tokenizer.eos_id])

@@ -125,14 +125,10 @@ class NIAHSpec:
       raise ValueError(f"NIAHSpec.min_len={self.min_len} must lie in [0, seq_len={self.seq_len}].")
 
 
-def _tokenizer(tokenizer_file: str):
-  return HFTokenizer(tokenizer_file) if tokenizer_file else ByteTokenizer()
-
-
-def niah_example(seed: int, index: int, spec: NIAHSpec, tokenizer=None) -> dict[str, np.ndarray]:
+def niah_example(seed: int, index: int, spec: NIAHSpec, tok=None) -> dict[str, np.ndarray]:
   """Example ``index`` of the NIAH training stream ``seed``: ``inputs``/``labels`` ``[seq_len]``."""
   from eval import niah
-  tok = tokenizer or _tokenizer(spec.tokenizer_file)
+  tok = tok or tokenizer(spec.tokenizer_file)
   rng = np.random.default_rng([seed, index, 77])
   answer_budget = 48 if spec.task == "niah_single_3" else 16  # " <value>." + EOS, with margin
   count = lambda t: len(tok.encode(t))
@@ -155,7 +151,7 @@ def niah_example(seed: int, index: int, spec: NIAHSpec, tokenizer=None) -> dict[
 
 
 def niah_dataset(seed: int, spec: NIAHSpec) -> grain.MapDataset:
-  tok = _tokenizer(spec.tokenizer_file)
+  tok = tokenizer(spec.tokenizer_file)
   return grain.MapDataset.range(2 ** 31 - 1).map(lambda i: niah_example(seed, int(i), spec, tok))
 
 
@@ -195,6 +191,11 @@ class HFTokenizer:
 
   def decode(self, ids: Iterable[int]) -> str:
     return self._tok.decode(list(int(i) for i in ids))
+
+
+def tokenizer(tokenizer_file: str = ""):
+  """The tokenizer of a run: a local ``tokenizer.json`` file, or bytes when ``""``."""
+  return HFTokenizer(tokenizer_file) if tokenizer_file else ByteTokenizer()
 
 
 def embedded_corpus() -> list[str]:

@@ -34,8 +34,7 @@ def model_configs() -> dict[str, kj.ModelConfig]:
   # vocab 320 = the byte tokenizer's: MQAR uses ids < 64, and `kvm-eval` can still run the text
   # suites (NIAH, position-wise loss) on these models.
   base = dict(vocab_size=data.ByteTokenizer.vocab_size, num_layers=2, hidden_size=64, num_heads=2,
-              rope_dims=16,
-              swa_rope_dims=32, mup_base_dim=64, bswa_chunk_size=CHUNK,
+              rope_dims=16, swa_rope_dims=32, mup_base_dim=64, bswa_chunk_size=CHUNK,
               bswa_window_chunks=WINDOW_CHUNKS, bswa_sink_rows=0)
   kvm = lambda budget: kj.KVMConfig(chunk_size=CHUNK, window_chunks=WINDOW_CHUNKS, sink_rows=1,
                                     rope_dims=16, budget=budget)

@@ -107,7 +107,7 @@ def _dataset(cfg: TrainConfig, split: str):
     return data.mqar_dataset(seed, cfg.mqar)
   if cfg.task == "niah":
     return data.niah_dataset(seed, cfg.niah)
-  tok = data.HFTokenizer(cfg.tokenizer_file) if cfg.tokenizer_file else data.ByteTokenizer()
+  tok = data.tokenizer(cfg.tokenizer_file)
   if cfg.hf_dataset:
     docs = data.read_hf_documents(cfg.hf_dataset, cfg.hf_split, cfg.hf_text_field)
   elif cfg.text_files:
@@ -272,11 +272,11 @@ def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dic
   tokens_per_step = cfg.batch_size * cfg.sequence_length
   last: dict[str, Any] = {"step": start}
   t0, ran = time.perf_counter(), 0
-  # The Pallas kernels split themselves over the mesh (shard_map) when it is the current mesh.
-  mesh_context = (jax.set_mesh(shardings[2].mesh) if cfg.model.kvm_implementation != "xla"
-                  else contextlib.nullcontext())
+  contexts = contextlib.ExitStack()
+  if cfg.model.kvm_implementation != "xla":
+    # The Pallas kernels split themselves over the current mesh (shard_map).
+    contexts.enter_context(jax.set_mesh(shardings[2].mesh))
   try:
-    mesh_context.__enter__()
     for step in range(start, cfg.steps):
       batch = put_batch(next(iterator), shardings[2])
       params, opt_state, loss = train_step(params, opt_state, batch)
@@ -301,7 +301,7 @@ def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dic
       if final:
         break
   finally:
-    mesh_context.__exit__(None, None, None)
+    contexts.close()
     ckpt.close()
     metrics.close()
     if previous is not None:
@@ -342,8 +342,9 @@ def load_trained(workdir: str | Path, step: int | None = None,
   graphdef, abstract_params = nnx.split(abstract_model)
   abstract_opt = jax.eval_shape(make_optimizer(cfg, abstract_params).init, abstract_params)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                                  {"params": abstract_params, "opt_state": abstract_opt})
+  target = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+      {"params": abstract_params, "opt_state": abstract_opt})
   ckpt = Checkpointer(workdir / "checkpoints")
   try:
     if ckpt.latest_step() is None:
