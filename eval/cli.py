@@ -5,12 +5,13 @@
 ``--checkpoint`` takes run directories (a ``kvm-train`` workdir, or a directory of them such as the
 ``kvm-demo`` workdir, whose sub-directories are each one model). For each model it runs
 
-* **niah** — RULER single-needle S1 / S2-style / S3-style (``eval.niah``) at each ``--niah-lengths``
-  and ``--niah-depths`` needle depths, greedy generation, RULER's string-match score (0–100);
+* **niah** — RULER single-needle S1 / S2-style / S3-style (``kvm_jax.tasks.niah``) at each
+  ``--niah-lengths`` and ``--niah-depths`` needle depths, greedy generation, RULER's string-match
+  score (0–100);
 * **mqar** — MQAR recall per number of pairs, split by whether the queried key is inside the exact
-  window or only in the compressed state (``eval.mqar``);
+  window or only in the compressed state (``kvm_jax.eval.mqar``);
 * **position_loss** — mean NLL per ``--position-bucket`` tokens over long local documents
-  (``eval.position_loss``), plotted with one curve per model;
+  (``kvm_jax.eval.position_loss``), plotted with one curve per model;
 
 and writes ``results.json`` (everything, per depth and per bucket) and ``report.md`` (one row per
 model, the paper's Table 2 layout: NIAH columns per length, MQAR recall, loss at the first and last
@@ -26,78 +27,20 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-import jax
 import numpy as np
 
-import kvm_jax as kj
-from eval import mqar as mqar_lib
-from eval import niah as niah_lib
-from eval import position_loss as position_lib
-from eval.progress import progress
-from train import data
+from kvm_jax.eval import mqar as mqar_eval
+from kvm_jax.eval import niah as niah_eval
+from kvm_jax.eval import position_loss as position_lib
+from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.model import count_params
+from kvm_jax.runs.directory import is_run_directory, load_trained, logits_fn
+from kvm_jax.tasks import mqar, niah, text
+from kvm_jax.tasks.tokenizers import tokenizer
 
 SUITES = ("niah", "mqar", "position_loss")
-
-
-# ----------------------------------------------------------------------------------------------
-# Suites (model-agnostic where possible, so they can be tested with oracle "models")
-# ----------------------------------------------------------------------------------------------
-
-
-def pick_depths(count: int) -> np.ndarray:
-  """``count`` of RULER's 40 evenly spaced depths, spread over the whole range."""
-  if not 1 <= count <= len(niah_lib.DEPTHS):
-    raise ValueError(f"--niah-depths must be in [1, {len(niah_lib.DEPTHS)}], got {count}.")
-  return niah_lib.DEPTHS[np.round(np.linspace(0, len(niah_lib.DEPTHS) - 1, count)).astype(int)]
-
-
-def run_niah(predict: Callable[[str, int], str], count_tokens: Callable[[str], int], *,
-             tasks: Sequence[str], lengths: Sequence[int], depths: Sequence[float],
-             generation_budget: int, seed: int = 0, desc: str = "niah") -> list[dict]:
-  """Scores ``predict(prompt, length) -> generated text`` on each (task, length): one row each
-  with the score (0–100), the number of examples and the per-depth hits."""
-  rows = []
-  jobs = [(t, n) for t in tasks for n in lengths]
-  for task, length in progress(jobs, desc=desc):
-    examples = niah_lib.make_examples(task, length, count_tokens, seed=seed, depths=depths,
-                                      generation_budget=generation_budget)
-    predictions = [predict(ex.prompt, length) for ex in examples]
-    answers = [ex.answer for ex in examples]
-    hits = niah_lib.hits(predictions, answers)
-    rows.append({"task": task, "length": length, "score": niah_lib.score(predictions, answers),
-                 "examples": len(examples),
-                 "depths": [float(ex.depth) for ex in examples], "hits": hits})
-  return rows
-
-
-def greedy_predictor(model, tokenizer, generation_budget: int, bucket: int = 64):
-  """``predict(prompt, length)``: greedy continuation of up to ``generation_budget`` tokens, stopped
-  at EOS, with the cache sized to the example's target length."""
-
-  def predict(prompt: str, length: int) -> str:
-    ids = tokenizer.encode(prompt)
-    return kj.generate_text(model, tokenizer, ids, max_new_tokens=generation_budget,
-                            key=jax.random.key(0),
-                            max_len=max(length, len(ids) + generation_budget),
-                            prefill_bucket=bucket)
-
-  return predict
-
-
-def logits_function(model) -> Callable[[jax.Array], jax.Array]:
-  """``tokens [B, T] -> logits [B, T, V]``, jitted once per shape."""
-  from flax import nnx
-  from train.loop import _logits
-  graphdef, params = nnx.split(model)
-  return lambda tokens: _logits(graphdef, params, tokens)
-
-
-def reference_window(model_cfg: kj.ModelConfig) -> int:
-  """The exact-window length that splits MQAR recall into in-window / state-only (the KVM window;
-  for the baselines of the default job it is the same length, so their rows line up)."""
-  return model_cfg.kvm.window_len
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,14 +48,20 @@ def reference_window(model_cfg: kj.ModelConfig) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+def reference_window(model_cfg: ModelConfig) -> int:
+  """The exact-window length that splits MQAR recall into in-window / state-only (the KVM window;
+  for the baselines of the default job it is the same length, so their rows line up)."""
+  return model_cfg.kvm.window_len
+
+
 def find_runs(paths: Sequence[str]) -> list[Path]:
   """Run directories named by ``paths``: each path is a run (has ``config.json``) or holds runs."""
   runs = []
   for p in map(Path, paths):
-    if (p / "config.json").exists():
+    if is_run_directory(p):
       runs.append(p)
-    elif p.is_dir() and any((c / "config.json").exists() for c in p.iterdir()):
-      runs.extend(sorted(c for c in p.iterdir() if (c / "config.json").exists()))
+    elif p.is_dir() and any(is_run_directory(c) for c in p.iterdir()):
+      runs.extend(sorted(c for c in p.iterdir() if is_run_directory(c)))
     else:
       raise SystemExit(f"--checkpoint {str(p)!r}: not a run directory (no config.json) and holds "
                        "none; point it at a kvm-train/kvm-demo --workdir.")
@@ -120,13 +69,12 @@ def find_runs(paths: Sequence[str]) -> list[Path]:
 
 
 def evaluate_run(run: Path, args) -> dict[str, Any]:
-  from train.loop import load_trained
   cfg, model, step = load_trained(run)
   name = run.name
   out: dict[str, Any] = {"model": name, "run": str(run), "step": step,
                          "mixers": list(cfg.model.layer_mixers),
-                         "parameters": kj.count_params(cfg.model)["total"]}
-  tok = data.tokenizer(cfg.tokenizer_file)
+                         "parameters": count_params(cfg.model)["total"]}
+  tok = tokenizer(cfg.tokenizer_file)
   text_ok = tok.vocab_size <= cfg.model.vocab_size
   no_text = (f"model vocabulary {cfg.model.vocab_size} is smaller than the tokenizer's "
              f"{tok.vocab_size} (trained on a synthetic task, cannot read text)")
@@ -136,24 +84,24 @@ def evaluate_run(run: Path, args) -> dict[str, Any]:
     if not text_ok:
       out["niah"] = {"skipped": no_text}
     else:
-      out["niah"] = run_niah(greedy_predictor(model, tok, args.niah_gen_tokens), count,
-                             tasks=args.niah_tasks, lengths=args.niah_lengths,
-                             depths=pick_depths(args.niah_depths),
-                             generation_budget=args.niah_gen_tokens, seed=args.seed,
-                             desc=f"{name} niah")
+      out["niah"] = niah_eval.run_niah(
+          niah_eval.greedy_predictor(model, tok, args.niah_gen_tokens), count,
+          tasks=args.niah_tasks, lengths=args.niah_lengths,
+          depths=niah_eval.pick_depths(args.niah_depths), generation_budget=args.niah_gen_tokens,
+          seed=args.seed, desc=f"{name} niah")
     out["niah_seconds"] = time.perf_counter() - t0
   if "mqar" in args.suite:
-    spec = cfg.mqar if cfg.task == "mqar" else data.MQARSpec(
+    spec = cfg.mqar if cfg.task == "mqar" else mqar.MQARSpec(
         seq_len=args.mqar_seq_len or 256, vocab_size=min(cfg.model.vocab_size, 256))
     seq_len = args.mqar_seq_len or spec.seq_len
     pairs, bad = [], []
     for n in args.mqar_pairs:
       try:
-        data.MQARSpec(seq_len=seq_len, vocab_size=spec.vocab_size, num_pairs=n)
+        mqar.MQARSpec(seq_len=seq_len, vocab_size=spec.vocab_size, num_pairs=n)
         pairs.append(n)
       except ValueError as e:
         bad.append(f"{n}: {e}")
-    rows = mqar_lib.mqar_recall(logits_function(model), seq_len=seq_len,
+    rows = mqar_eval.mqar_recall(logits_fn(model), seq_len=seq_len,
                                 vocab_size=spec.vocab_size, pairs=pairs,
                                 window=reference_window(cfg.model), seed=args.seed + 10_000,
                                 batches=args.mqar_batches, batch_size=args.mqar_batch_size)
@@ -163,10 +111,10 @@ def evaluate_run(run: Path, args) -> dict[str, Any]:
     if not text_ok:
       out["position_loss"] = {"skipped": no_text}
     else:
-      docs = (data.read_documents(args.text_files) if args.text_files
-              else data.embedded_corpus())
+      docs = (text.read_documents(args.text_files) if args.text_files
+              else text.embedded_corpus())
       windows = position_lib.long_documents(docs, tok, args.position_context, args.position_docs)
-      curve = position_lib.position_nll(logits_function(model), windows, args.position_bucket)
+      curve = position_lib.position_nll(logits_fn(model), windows, args.position_bucket)
       out["position_loss"] = {"bucket": args.position_bucket, "documents": int(len(windows)),
                               "nll": [float(x) for x in curve]}
   return out
@@ -251,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "checkpoint>/eval)")
   p.add_argument("--seed", type=int, default=0, help="seed of every generated example")
   g = p.add_argument_group("NIAH")
-  g.add_argument("--niah-tasks", type=_names(niah_lib.TASKS), default=list(niah_lib.TASKS),
+  g.add_argument("--niah-tasks", type=_names(niah.TASKS), default=list(niah.TASKS),
                  help="RULER tasks (default: all three single-needle tasks)")
   g.add_argument("--niah-lengths", type=_ints, default=[4096, 8192, 16384, 32768],
                  help="target lengths in tokens, prompt + generation (default: 4K,8K,16K,32K)")

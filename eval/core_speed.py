@@ -1,7 +1,7 @@
 """Operator-level speed of the KVM core vs full causal attention, measured in one run.
 
 Both arms take q/k/v in ``[batch, time, heads, dim]`` (projections, RoPE and output projection
-excluded, as in the authors' benchmark, spec §10):
+excluded, as in the authors' benchmark, docs/kvm-spec.md §10):
 
 * prefill: ``kvm_attention`` forward vs ``jax.nn.dot_product_attention(is_causal=True)``
   (cuDNN on GPU, XLA elsewhere);
@@ -11,125 +11,41 @@ excluded, as in the authors' benchmark, spec §10):
   includes the state update that fires at the chunk boundary (amortized, as a user would see it);
   the median step and the update step are printed too.
 
-Run ``python -m eval.core_speed --help``. Defaults are the issue #2 setup (C=256, L=512, fixed 256
-rows, B=1, H=4, D=64, float32 on CPU).
+Run ``kvm-bench-core --help``. Defaults: C=256, L=512, fixed 256 rows, B=1, H=4, D=64, float32
+(a CPU-sized setup; ``kvm-bench`` covers more lengths, budgets and the paper's shapes).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 import kvm_jax as kj
-
-
-def _time(fn, *args, repeats: int, warmup: int = 1) -> float:
-  """Median wall time in ms of ``fn(*args)`` (outputs blocked on)."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    samples.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(samples)
-
-
-def _inputs(key, B, T, H, D, dtype):
-  kq, kk, kv, kg = jax.random.split(key, 4)
-  q = jax.random.normal(kq, (B, T, H, D), dtype)
-  k = jax.random.normal(kk, (B, T, H, D), dtype)
-  v = jax.random.normal(kv, (B, T, H, D), dtype)
-  g = 1.0 + jax.nn.elu(jax.random.normal(kg, (B, T, H), jnp.float32))
-  return q, k, v, g
-
-
-def full_attention_impl() -> str:
-  """The strongest stock baseline per backend: cuDNN flash attention on GPU, XLA elsewhere."""
-  return "cudnn" if jax.default_backend() == "gpu" else "xla"
-
-
-@functools.partial(jax.jit, donate_argnums=(3, 4), static_argnames=("implementation",))
-def _full_decode_step(q_t, k_t, v_t, k_cache, v_cache, position, implementation="xla"):
-  """Full attention decode: write token ``position`` into the cache, attend over [0, position]."""
-  k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k_t, position, axis=1)
-  v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v_t, position, axis=1)
-  lengths = jnp.full((q_t.shape[0],), position + 1, jnp.int32)
-  y = jax.nn.dot_product_attention(q_t, k_cache, v_cache, key_value_seq_lengths=lengths,
-                                   implementation=implementation)
-  return y, k_cache, v_cache
-
-
-def _timed_steps(step, token_args, carry, T, n):
-  """Per-step wall times (ms) of ``carry = step(*token_args(t), carry)`` for t in [T, T+n).
-
-  Two warm-up steps run on a copy, so the timed run starts exactly at position T.
-  """
-  warm = jax.tree_util.tree_map(jnp.copy, carry)
-  for t in range(T, T + 2):
-    _, warm = step(*token_args(t), warm)
-  jax.block_until_ready(warm)
-  times = []
-  for t in range(T, T + n):
-    args_t = jax.block_until_ready(token_args(t))
-    start = time.perf_counter()
-    y, carry = step(*args_t, carry)
-    jax.block_until_ready(y)
-    times.append((time.perf_counter() - start) * 1e3)
-  return times, carry
-
-
-def time_kvm_decode(cfg, params, q, k, v, g, T: int, n: int, implementation: str = "xla"):
-  """(per-step ms, final cache) of n KVM decode steps after prefilling T tokens."""
-  B, _, H, D = q.shape
-  cache = kj.kvm_init_cache(cfg, batch=B, kv_heads=k.shape[2], head_dim=D, value_dim=v.shape[3],
-                            max_len=T + n, dtype=q.dtype)
-  _, cache = kj.kvm_prefill(q[:, :T], k[:, :T], v[:, :T], g[:, :T], params, cfg, cache,
-                            implementation=implementation)
-  step = jax.jit(lambda q, k, v, g, c: kj.kvm_decode_step(q, k, v, g, params, cfg, c,
-                                                          implementation=implementation),
-                 donate_argnums=(4,))
-  token = lambda t: (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1])
-  return _timed_steps(step, token, cache, T, n)
-
-
-def time_full_decode(q, k, v, T: int, n: int):
-  """(per-step ms, KV-cache bytes at T) of n full-attention decode steps after T tokens."""
-  B, _, H, D = k.shape
-  impl = full_attention_impl()
-  caches = (jnp.zeros((B, T + n, H, D), k.dtype).at[:, :T].set(k[:, :T]),
-            jnp.zeros((B, T + n, H, v.shape[3]), v.dtype).at[:, :T].set(v[:, :T]))
-
-  def step(q_t, k_t, v_t, t, kv):
-    y, k_cache, v_cache = _full_decode_step(q_t, k_t, v_t, *kv, jnp.int32(t), implementation=impl)
-    return y, (k_cache, v_cache)
-
-  token = lambda t: (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], t)
-  times, _ = _timed_steps(step, token, caches, T, n)
-  return times, int(k[:, :T].nbytes + v[:, :T].nbytes)
+from kvm_jax.eval.timing import (full_attention_impl, median_ms, time_full_decode,
+                                 time_kvm_decode)
+from kvm_jax.ops.kvm.cases import random_inputs
 
 
 def bench_prefill(T, args, cfg, params, dtype):
-  q, k, v, g = _inputs(jax.random.PRNGKey(T), args.batch, T, args.heads, args.head_dim, dtype)
+  q, k, v, g = random_inputs(T, args.batch, T, args.heads, args.heads, args.head_dim,
+                             args.head_dim, dtype)
   kvm = jax.jit(lambda q, k, v, g: kj.kvm_attention(q, k, v, g, params, cfg)[0])
   full = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=True, implementation=full_attention_impl()))
-  t_kvm = _time(kvm, q, k, v, g, repeats=args.repeats)
-  t_full = _time(full, q, k, v, repeats=args.repeats)
+  t_kvm = median_ms(kvm, q, k, v, g, repeats=args.repeats)
+  t_full = median_ms(full, q, k, v, repeats=args.repeats)
   return t_kvm, t_full
 
 
 def bench_decode(T, args, cfg, params, dtype):
   n = args.decode_steps
-  q, k, v, g = _inputs(jax.random.PRNGKey(T + 1), args.batch, T + n, args.heads, args.head_dim,
-                       dtype)
+  q, k, v, g = random_inputs(T + 1, args.batch, T + n, args.heads, args.heads, args.head_dim,
+                             args.head_dim, dtype)
   kvm_steps, cache = time_kvm_decode(cfg, params, q, k, v, g, T, n)
   full_steps, full_bytes = time_full_decode(q, k, v, T, n)
   return {

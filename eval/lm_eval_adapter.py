@@ -2,16 +2,16 @@
 
 Python::
 
-    from eval.lm_eval_adapter import KVMEvalLM, local_task_manager
+    from kvm_jax.eval.lm_eval_adapter import KVMEvalLM, local_task_manager
     import lm_eval
-    lm = KVMEvalLM.from_checkpoint("runs/text")            # or KVMEvalLM(model, tokenizer)
-    out = lm_eval.simple_evaluate(model=lm, tasks=["kvm_local_qa"],
+    lm = KVMEvalLM(checkpoint="runs/text")                 # or KVMEvalLM(model, tokenizer)
+    out = lm_eval.simple_evaluate(model=lm, tasks=["kvm_local_choice"],
                                   task_manager=local_task_manager())
 
 Command line (registers the model as ``kvm_jax`` and then runs lm-eval's own CLI)::
 
-    python -m eval.lm_eval_adapter run --model kvm_jax --model_args checkpoint=runs/text \\
-        --tasks kvm_local_qa --include_path eval/lm_eval_tasks
+    python -m kvm_jax.eval.lm_eval_adapter run --model kvm_jax --model_args checkpoint=runs/text \\
+        --tasks kvm_local_choice --include_path eval/lm_eval_tasks
 
 Scoring follows lm-eval's conventions: ``loglikelihood`` sums log p(continuation | context) and
 reports whether the continuation is the greedy one; contexts longer than ``max_length`` are cut
@@ -43,15 +43,17 @@ except ImportError as e:  # pragma: no cover - depends on the environment
   raise ImportError("the lm-eval adapter needs lm-evaluation-harness: pip install 'kvm-jax[eval]' "
                     "(or pip install lm_eval)") from e
 
-import kvm_jax as kj
-from train import data
+from kvm_jax.generate import SamplingConfig, generate_text
+from kvm_jax.runs.directory import load_trained
+from kvm_jax.tasks.tokenizers import tokenizer as run_tokenizer
 
 log = logging.getLogger(__name__)
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 
 
 def local_task_manager(*extra_dirs: str | Path):
-  """An lm-eval ``TaskManager`` that also knows the offline tasks in ``eval/lm_eval_tasks``."""
+  """An lm-eval ``TaskManager`` that also knows the offline example tasks shipped with the package
+  (``kvm_jax/eval/lm_eval_tasks``; ``eval/lm_eval_tasks`` in the repository)."""
   from lm_eval.tasks import TaskManager
   return TaskManager(include_path=[str(TASKS_DIR), *map(str, extra_dirs)])
 
@@ -72,7 +74,7 @@ class KVMEvalLM(_HarnessLM):
   Args:
     model: an ``kvm_jax.LM`` (``nnx`` module with parameters) — or pass ``checkpoint``.
     tokenizer: anything with ``encode(str) -> list[int]``, ``decode(ids) -> str`` and ``eos_id``
-      (``train.data.ByteTokenizer``, ``train.data.HFTokenizer``).
+      (``kvm_jax.tasks.ByteTokenizer``, ``kvm_jax.tasks.HFTokenizer``).
     checkpoint: a run directory (``kvm-train``/``kvm-demo`` workdir with ``config.json``); the model
       and tokenizer are loaded from it.
     max_length: the longest token sequence scored in one forward pass.
@@ -92,9 +94,8 @@ class KVMEvalLM(_HarnessLM):
     if checkpoint is not None:
       if model is not None:
         raise ValueError("pass either a model or checkpoint=, not both.")
-      from train.loop import load_trained
       cfg, model, _ = load_trained(checkpoint)
-      tokenizer = tokenizer or data.tokenizer(cfg.tokenizer_file)
+      tokenizer = tokenizer or run_tokenizer(cfg.tokenizer_file)
     if model is None or tokenizer is None:
       raise ValueError("KVMEvalLM needs a model and a tokenizer (or checkpoint=RUN_DIR).")
     vocab = getattr(tokenizer, "vocab_size", None)
@@ -187,15 +188,15 @@ class KVMEvalLM(_HarnessLM):
       temperature = float(kwargs.pop("temperature", 0.0))
       if not kwargs.pop("do_sample", temperature > 0):
         temperature = 0.0
-      sampling = kj.SamplingConfig(temperature=temperature, top_k=kwargs.pop("top_k", None),
-                                   top_p=kwargs.pop("top_p", None))
+      sampling = SamplingConfig(temperature=temperature, top_k=kwargs.pop("top_k", None),
+                                top_p=kwargs.pop("top_p", None))
       if kwargs:
         log.warning("generate_until ignores unsupported arguments %s", sorted(kwargs))
       ids = self.tokenizer.encode(context) or [self.eot_token_id]
       keep = max(self.max_length - max_new, 1)
       if len(ids) > keep:
         ids, self.truncated = ids[-keep:], self.truncated + 1
-      text = kj.generate_text(
+      text = generate_text(
           self.model, self.tokenizer, ids, max_new_tokens=max_new, key=jax.random.key(len(out)),
           sampling=sampling, prefill_bucket=self.pad_multiple,
           max_len=-(-(len(ids) + max_new) // self.pad_multiple) * self.pad_multiple)
@@ -207,7 +208,7 @@ class KVMEvalLM(_HarnessLM):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-  """``python -m eval.lm_eval_adapter run --model kvm_jax --model_args checkpoint=DIR ...``:
+  """``python -m kvm_jax.eval.lm_eval_adapter run --model kvm_jax --model_args checkpoint=DIR ...``:
   lm-eval's own CLI with the ``kvm_jax`` model registered."""
   import sys
   from lm_eval.__main__ import cli_evaluate

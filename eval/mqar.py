@@ -1,6 +1,6 @@
 """MQAR recall of a model, sliced by number of key-value pairs and by where the queried key lives.
 
-The generator is ``train.data.mqar_example`` (Zoology's ``multiquery_ar`` recipe). For each
+The generator is :func:`kvm_jax.tasks.mqar.mqar_example` (Zoology's ``multiquery_ar`` recipe). For each
 ``num_pairs`` this evaluates ``batches × batch_size`` held-out sequences and reports recall at the
 answer positions overall, for keys still inside the exact window (distance < ``window``) and for
 keys only reachable through the compressed state (distance >= ``window``).
@@ -14,7 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import data
+from kvm_jax.progress import progress
+from kvm_jax.tasks import mqar
+from kvm_jax.tasks.pipeline import batched_iterator
 
 
 def mqar_recall(logits_fn: Callable[[jax.Array], jax.Array], *, seq_len: int, vocab_size: int,
@@ -22,18 +24,17 @@ def mqar_recall(logits_fn: Callable[[jax.Array], jax.Array], *, seq_len: int, vo
                 batch_size: int = 16) -> list[dict]:
   """One row per pair count: ``{"pairs", "recall", "recall_in_window", "recall_state_only",
   "answers_in_window", "answers_state_only"}``."""
-  from eval.progress import progress
   rows = []
   for n in progress(pairs, desc="mqar"):
-    spec = data.MQARSpec(seq_len=seq_len, vocab_size=vocab_size, num_pairs=n)
-    it = data.batched_iterator(data.mqar_dataset(seed, spec), batch_size)
+    spec = mqar.MQARSpec(seq_len=seq_len, vocab_size=vocab_size, num_pairs=n)
+    it = batched_iterator(mqar.mqar_dataset(seed, spec), batch_size)
     counts = None
     for _ in range(batches):
       batch = next(it)
       pred = np.asarray(jnp.argmax(logits_fn(jnp.asarray(batch["inputs"])), axis=-1))
-      c = data.recall_counts(pred, batch["labels"], batch["distance"], window)
+      c = mqar.recall_counts(pred, batch["labels"], batch["distance"], window)
       counts = c if counts is None else {k: counts[k] + c[k] for k in c}
-    rows.append({"pairs": n, **data.recall_ratios(counts),
+    rows.append({"pairs": n, **mqar.recall_ratios(counts),
                  "answers_in_window": int(counts["in_window"][1]),
                  "answers_state_only": int(counts["state_only"][1])})
   return rows

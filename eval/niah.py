@@ -1,131 +1,53 @@
-"""Needle-in-a-haystack, RULER's single-needle tasks (NVIDIA/RULER ``synthetic.yaml``), offline.
-
-* **S1** — haystack of the repeated noise sentences, 7-digit number values;
-* **S2-style** — essay-like English prose, 7-digit number values;
-* **S3-style** — the same prose, UUID values.
-
-RULER's S2/S3 download Paul Graham essays at run time; here the prose is the CPython documentation
-text that ships with Python (``pydoc_data``), hence "S2/S3-style". The needle is "One of the special
-magic {numbers|uuids} for {key} is: {value}." with an adjective-noun key, inserted at one of 40
-evenly spaced depths; the haystack is fitted with the model's tokenizer so that prompt + the
-generation budget stays within the target length. Score: case-insensitive containment × 100.
-"""
+"""NIAH evaluation: greedy generation on RULER's single-needle tasks (the examples and the score are
+:mod:`kvm_jax.tasks.niah`), per task, length and needle depth."""
 
 from __future__ import annotations
 
-import dataclasses
-import uuid
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 
-NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
-         "again.")
-TEMPLATE = ("Some special magic {kind} are hidden within the following text. Make sure to "
-            "memorize it. I will quiz you about the {kind} afterwards.\n{context}\nWhat are all "
-            "the special magic {kind} for {key} mentioned in the provided text?")
-ANSWER_PREFIX = " The special magic {kind} for {key} mentioned in the provided text are"
-NEEDLE = "One of the special magic {kind} for {key} is: {value}."
-DEPTHS = np.linspace(0, 100, 40)
-_ADJECTIVES = ("abundant", "brave", "calm", "dark", "eager", "fancy", "gentle", "happy", "icy",
-               "jolly", "kind", "lively", "misty", "noisy", "odd", "proud", "quiet", "rapid",
-               "shiny", "tidy", "upbeat", "vast", "witty", "young", "zealous", "bitter", "clever",
-               "dusty", "empty", "fierce")
-_NOUNS = ("apple", "bridge", "candle", "desert", "engine", "forest", "garden", "harbor", "island",
-          "jacket", "kettle", "ladder", "mirror", "needle", "orchard", "pencil", "quarry", "river",
-          "saddle", "temple", "umbrella", "valley", "window", "yacht", "zebra", "anchor", "basket",
-          "castle", "dragon", "feather")
-TASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
+from kvm_jax.generate import generate_text
+from kvm_jax.progress import progress
+from kvm_jax.tasks import niah
 
 
-@dataclasses.dataclass(frozen=True)
-class NIAHExample:
-  prompt: str        # the full input, ending with the answer prefix
-  answer: str        # the value to find
-  depth: float       # needle depth in percent of the haystack
-  task: str
-  length: int        # target length in tokens
+def pick_depths(count: int) -> np.ndarray:
+  """``count`` of RULER's 40 evenly spaced depths, spread over the whole range."""
+  if not 1 <= count <= len(niah.DEPTHS):
+    raise ValueError(f"--niah-depths must be in [1, {len(niah.DEPTHS)}], got {count}.")
+  return niah.DEPTHS[np.round(np.linspace(0, len(niah.DEPTHS) - 1, count)).astype(int)]
 
 
-def _prose() -> list[str]:
-  from pydoc_data import topics
-  sentences = []
-  for name in sorted(topics.topics):
-    for line in topics.topics[name].split("\n"):
-      line = " ".join(line.split())
-      if len(line) > 40 and line[0].isalpha() and not line.startswith(("Note", "Changed")):
-        sentences.append(line)
-  return sentences
+def run_niah(predict: Callable[[str, int], str], count_tokens: Callable[[str], int], *,
+             tasks: Sequence[str], lengths: Sequence[int], depths: Sequence[float],
+             generation_budget: int, seed: int = 0, desc: str = "niah") -> list[dict]:
+  """Scores ``predict(prompt, length) -> generated text`` on each (task, length): one row each
+  with the score (0–100), the number of examples and the per-depth hits. ``predict`` may be any
+  function (an oracle, a model)."""
+  rows = []
+  jobs = [(t, n) for t in tasks for n in lengths]
+  for task, length in progress(jobs, desc=desc):
+    examples = niah.make_examples(task, length, count_tokens, seed=seed, depths=depths,
+                                  generation_budget=generation_budget)
+    predictions = [predict(ex.prompt, length) for ex in examples]
+    answers = [ex.answer for ex in examples]
+    hits = niah.hits(predictions, answers)
+    rows.append({"task": task, "length": length, "score": niah.score(predictions, answers),
+                 "examples": len(examples),
+                 "depths": [float(ex.depth) for ex in examples], "hits": hits})
+  return rows
 
 
-def _needle_kind(task: str) -> str:
-  return "uuids" if task == "niah_single_3" else "numbers"
+def greedy_predictor(model, tokenizer, generation_budget: int, bucket: int = 64):
+  """``predict(prompt, length)``: greedy continuation of up to ``generation_budget`` tokens, stopped
+  at EOS, with the cache sized to the example's target length."""
 
+  def predict(prompt: str, length: int) -> str:
+    ids = tokenizer.encode(prompt)
+    return generate_text(model, tokenizer, ids, max_new_tokens=generation_budget,
+                         key=jax.random.key(0), max_len=max(length, len(ids) + generation_budget),
+                         prefill_bucket=bucket)
 
-def make_example(task: str, length: int, depth: float, seed: int,
-                 count_tokens: Callable[[str], int], generation_budget: int = 128) -> NIAHExample:
-  """One example whose tokenized prompt + ``generation_budget`` fits in ``length`` tokens."""
-  if task not in TASKS:
-    raise ValueError(f"unknown NIAH task {task!r}; choose from {TASKS}.")
-  rng = np.random.default_rng([seed, int(depth * 1000), length, TASKS.index(task)])
-  key = f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
-  kind = _needle_kind(task)
-  if kind == "uuids":
-    value = str(uuid.UUID(int=int(rng.integers(0, 2 ** 63)) << 64 | int(rng.integers(0, 2 ** 63))))
-  else:
-    value = str(int(rng.integers(1_000_000, 10_000_000)))
-  needle = NEEDLE.format(kind=kind, key=key, value=value)
-  units = [NOISE] if task == "niah_single_1" else _prose()
-
-  def build(n_units: int) -> str:
-    if task == "niah_single_1":
-      hay = [NOISE] * n_units
-    else:
-      hay = [units[i % len(units)] for i in range(n_units)]
-    at = int(round(len(hay) * depth / 100))
-    hay = hay[:at] + [needle] + hay[at:]
-    context = " ".join(hay)
-    return (TEMPLATE.format(kind=kind, key=key, context=context)
-            + ANSWER_PREFIX.format(kind=kind, key=key))
-
-  budget = length - generation_budget
-  if count_tokens(build(0)) > budget:
-    raise ValueError(f"length={length} is too short for the NIAH template and a "
-                     f"{generation_budget}-token answer.")
-  lo, hi = 0, 1
-  while count_tokens(build(hi)) <= budget:  # exponential then binary search on haystack size
-    lo, hi = hi, hi * 2
-  while hi - lo > 1:
-    mid = (lo + hi) // 2
-    lo, hi = (mid, hi) if count_tokens(build(mid)) <= budget else (lo, mid)
-  return NIAHExample(prompt=build(lo), answer=value, depth=float(depth), task=task, length=length)
-
-
-def shortest_length(task: str, count_tokens: Callable[[str], int],
-                    generation_budget: int = 128) -> int:
-  """The smallest target length for which :func:`make_example` succeeds for every key and depth
-  (the template, the longest key and value, no haystack, plus the generation budget)."""
-  kind = _needle_kind(task)
-  key = f"{max(_ADJECTIVES, key=len)}-{max(_NOUNS, key=len)}"
-  value = "x" * (36 if kind == "uuids" else 7)
-  text = (TEMPLATE.format(kind=kind, key=key, context=NEEDLE.format(kind=kind, key=key, value=value))
-          + ANSWER_PREFIX.format(kind=kind, key=key))
-  return count_tokens(text) + generation_budget + 8  # margin: tokenizers may merge differently
-
-
-def make_examples(task: str, length: int, count_tokens: Callable[[str], int], seed: int = 0,
-                  depths: Sequence[float] = DEPTHS, generation_budget: int = 128):
-  return [make_example(task, length, d, seed, count_tokens, generation_budget) for d in depths]
-
-
-def hits(predictions: Sequence[str], answers: Sequence[str]) -> list[bool]:
-  """Per prediction: does it contain its answer (case-insensitive)?"""
-  if len(predictions) != len(answers):
-    raise ValueError(f"{len(predictions)} predictions for {len(answers)} answers.")
-  return [a.lower() in p.lower() for p, a in zip(predictions, answers)]
-
-
-def score(predictions: Sequence[str], answers: Sequence[str]) -> float:
-  """RULER's string match: percentage of predictions containing their answer (case-insensitive)."""
-  found = hits(predictions, answers)
-  return 100.0 * sum(found) / len(found) if found else 0.0
+  return predict

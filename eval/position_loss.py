@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kvm_jax.progress import progress
+
 
 def long_documents(docs: Iterable[str], tokenizer, context: int, limit: int) -> np.ndarray:
   """``[n, context + 1]`` token windows from documents at least that long (first ``limit``)."""
@@ -36,7 +38,6 @@ def position_nll(logits_fn: Callable[[jax.Array], jax.Array], windows: np.ndarra
   if context % bucket:
     raise ValueError(f"context {context} is not a multiple of the bucket size {bucket}.")
   total = np.zeros(context, np.float64)
-  from eval.progress import progress
   for start in progress(range(0, len(windows), batch_size), desc="position loss"):
     chunk = jnp.asarray(windows[start:start + batch_size])
     logits = logits_fn(chunk[:, :-1])

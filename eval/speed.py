@@ -33,9 +33,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 import kvm_jax as kj
+from kvm_jax.config import KVM_IMPLEMENTATIONS
+from kvm_jax.eval.timing import (full_attention_impl, median_ms, time_full_decode,
+                                 time_kvm_decode)
+from kvm_jax.generate import prefill_logits, sample_step
 from kvm_jax.ops.common import tree_nbytes
-from eval.core_speed import (_inputs, _time, full_attention_impl, time_full_decode,
-                             time_kvm_decode)
+from kvm_jax.ops.kvm.cases import random_inputs
 
 BUDGETS = {
     "fixed256": lambda: kj.FixedBudget(256),
@@ -49,7 +52,8 @@ def kvm_config(budget: str, head_dim: int) -> kj.KVMConfig:
 
 
 def time_prefill_backward(T, args, dtype, phases):
-  q, k, v, g = _inputs(jax.random.PRNGKey(T), args.batch, T, args.heads, args.head_dim, dtype)
+  q, k, v, g = random_inputs(T, args.batch, T, args.heads, args.heads, args.head_dim,
+                             args.head_dim, dtype)
   w = jax.random.normal(jax.random.PRNGKey(1), q.shape, dtype)
   impl = full_attention_impl()
   full = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
@@ -63,11 +67,11 @@ def time_prefill_backward(T, args, dtype, phases):
   for name, fn in arms.items():
     row = {}
     if "prefill" in phases:
-      row["prefill_ms"] = _time(jax.jit(fn), q, k, v, repeats=args.repeats)
+      row["prefill_ms"] = median_ms(jax.jit(fn), q, k, v, repeats=args.repeats)
     if "backward" in phases:
       grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w),
                               argnums=(0, 1, 2)))
-      row["backward_ms"] = _time(grad, q, k, v, repeats=args.repeats)
+      row["backward_ms"] = median_ms(grad, q, k, v, repeats=args.repeats)
     out[name] = row
   return out
 
@@ -95,8 +99,8 @@ def kvm_prefill_work(cfg: kj.KVMConfig, T: int, B: int, H: int, Hkv: int, D: int
 
 def time_decode(T, args, dtype):
   n = args.decode_steps
-  q, k, v, g = _inputs(jax.random.PRNGKey(T + 1), args.batch, T + n, args.heads, args.head_dim,
-                       dtype)
+  q, k, v, g = random_inputs(T + 1, args.batch, T + n, args.heads, args.heads, args.head_dim,
+                             args.head_dim, dtype)
   out = {}
   for budget in args.budgets:
     cfg = kvm_config(budget, args.head_dim)
@@ -111,7 +115,6 @@ def time_decode(T, args, dtype):
 
 def time_model_decode(name: str, context: int, steps: int, batch: int, dtype: str) -> dict:
   """Whole-model greedy decoding of preset ``name`` after a ``context``-token prompt."""
-  from kvm_jax.generate import _prefill, _step  # the jitted halves kj.generate runs
   if name.startswith("tiny-"):  # test-sized models: tiny-kvm, tiny-full, tiny-bswa, tiny-swa
     cfg = kj.presets.tiny(mixers=name[len("tiny-"):])
   elif name in kj.presets.PRESETS:
@@ -126,15 +129,15 @@ def time_model_decode(name: str, context: int, steps: int, batch: int, dtype: st
   prompt = jax.random.randint(jax.random.PRNGKey(0), (batch, context), 0, cfg.vocab_size)
   greedy = kj.SamplingConfig(temperature=0.0)
   t0 = time.perf_counter()
-  logits, caches = _prefill(graphdef, state, prompt, caches)
+  logits, caches = prefill_logits(graphdef, state, prompt, caches)  # what kj.generate runs
   token = jnp.argmax(logits, -1).astype(jnp.int32).block_until_ready()
   prefill_s = time.perf_counter() - t0  # includes compilation
   key = jax.random.PRNGKey(0)
-  token, caches = _step(graphdef, state, token, caches, key, greedy)  # compile + warm-up
+  token, caches = sample_step(graphdef, state, token, caches, key, greedy)  # compile + warm-up
   token.block_until_ready()
   t0 = time.perf_counter()
   for _ in range(steps):
-    token, caches = _step(graphdef, state, token, caches, key, greedy)
+    token, caches = sample_step(graphdef, state, token, caches, key, greedy)
   token.block_until_ready()
   elapsed = time.perf_counter() - t0
   per_layer = [tree_nbytes(c.mixer) for c in caches]
@@ -154,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="subset of prefill,decode,backward (default: %(default)s)")
   p.add_argument("--budgets", default="fixed256,sqrt16",
                  help="KVM budgets to time: fixed256, sqrt16 (default: %(default)s)")
-  p.add_argument("--implementation", default="xla", choices=["xla", "pallas", "auto"],
+  p.add_argument("--implementation", default="xla", choices=KVM_IMPLEMENTATIONS,
                  help="KVM core: the XLA scan or the fused Pallas kernels (compiled on GPU/TPU, "
                       "interpreted — slow, for checking only — on CPU) (default: %(default)s)")
   p.add_argument("--paper", action="store_true",

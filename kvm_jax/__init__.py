@@ -1,18 +1,22 @@
 """kvm_jax: Key-Value Means attention in JAX.
 
-Curated public surface (see ``shared/design/architecture.md``)::
+Curated public surface (docs/design.md)::
 
     import kvm_jax as kj
     cfg = kj.KVMConfig(chunk_size=256, window_chunks=2, budget=kj.PowerLawBudget(16.0, 0.5, 256))
     y, state = kj.kvm_attention(q, k, v, merge_gate, kj.KVMParams.init(D, H), cfg)
+
+Everything installed lives under this name: the op and model here, and the sub-packages
+``kvm_jax.kernels`` (Pallas), ``kvm_jax.tasks`` (MQAR, NIAH, text), ``kvm_jax.runs`` (run
+directories), ``kvm_jax.train`` and ``kvm_jax.eval``.
 """
 
 from kvm_jax.budget import (CallableBudget, FixedBudget, KVMSchedule, PowerLawBudget,
                             SaturatingBudget, kvm_schedule, state_rows_after)
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
-from kvm_jax.ops import (KVMCache, KVMParams, KVMState, kvm_attention, kvm_attention_reference,
-                         kvm_decode_step, kvm_init_cache, kvm_prefill)
+from kvm_jax.ops.kvm import (KVMCache, KVMParams, KVMState, kvm_attention, kvm_attention_reference,
+                             kvm_decode_step, kvm_init_cache, kvm_prefill)
 
 from kvm_jax.nn.model import LM, count_params
 from kvm_jax import presets

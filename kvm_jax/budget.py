@@ -2,7 +2,7 @@
 
 A budget answers one question: *how many state rows should exist once ``ctx_len`` tokens have been
 processed?* The KVM layer then grows its state towards that target, one overflow chunk at a time,
-under the extra caps of spec §6.3 (``available`` tokens, ``max_state_rows``, never shrink, at most
+under the extra caps of docs/kvm-spec.md §6.3 (``available`` tokens, ``max_state_rows``, never shrink, at most
 ``chunk_size`` appends per update).
 
 Because every quantity here depends only on token *positions* (never on values), the whole schedule
@@ -45,7 +45,7 @@ class FixedBudget:
   """A constant target of ``rows`` state rows (the paper's KVM-256: ``FixedBudget(256)``).
 
   This is a *target*, not a cap: the initial state always holds the first ``min(T, chunk_size)``
-  tokens, so a fixed budget below ``chunk_size`` never shrinks it (spec §6.3); with
+  tokens, so a fixed budget below ``chunk_size`` never shrinks it (docs/kvm-spec.md §6.3); with
   ``rows == chunk_size`` the state is full after the first chunk and never appends.
   """
 
@@ -143,7 +143,7 @@ def as_budget(budget: BudgetLike) -> Budget:
 
 def desired_rows(budget: Budget, ctx_len: int, available: int, current: int,
                  max_state_rows: int | None) -> int:
-  """The authors' ``_desired_state_len`` (spec §6.3): target, capped, never below ``current``."""
+  """The authors' ``_desired_state_len`` (docs/kvm-spec.md §6.3): target, capped, never below ``current``."""
   target = budget.target_rows(max(int(ctx_len), 0))
   target = min(target, max(int(available), 0))
   if max_state_rows is not None:
@@ -152,7 +152,7 @@ def desired_rows(budget: Budget, ctx_len: int, available: int, current: int,
 
 
 def bswa_begin(num_tokens: int, chunk_size: int, window_chunks: int) -> int:
-  """First token of the exact window once ``num_tokens`` tokens exist (spec §6.4)."""
+  """First token of the exact window once ``num_tokens`` tokens exist (docs/kvm-spec.md §6.4)."""
   chunk_end = _round_down_to_multiple(num_tokens + chunk_size - 1, chunk_size)
   return max(0, chunk_end - window_chunks * chunk_size)
 
@@ -186,7 +186,7 @@ class KVMSchedule:
 
 @functools.lru_cache(maxsize=256)
 def kvm_schedule(cfg, seq_len: int) -> KVMSchedule:
-  """Replays the authors' prefill loop (spec §6.5) on positions only.
+  """Replays the authors' prefill loop (docs/kvm-spec.md §6.5) on positions only.
 
   ``cfg`` is a :class:`kvm_jax.config.KVMConfig` (hashable, so the result is cached per shape).
   """

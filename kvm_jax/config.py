@@ -1,7 +1,7 @@
 """Configuration of the KVM layer: a frozen, hashable dataclass validated at construction.
 
-Field names follow the public API of issue #2; the spec's names for the authors' fields are given in
-each docstring so that a config of the authors' code can be translated field by field.
+Each docstring names the authors' field (docs/kvm-spec.md §2) so that a config of their code can be
+translated field by field.
 """
 
 from __future__ import annotations
@@ -11,13 +11,16 @@ from typing import Optional
 
 from kvm_jax.budget import (BudgetLike, CallableBudget, FixedBudget, SaturatingBudget, as_budget)
 
+# What ``implementation=`` of the KVM op (and ``ModelConfig.kvm_implementation``) accepts; the
+# registry that gives each name its meaning is ``kvm_jax.ops.kvm.api``.
+KVM_IMPLEMENTATIONS = ("xla", "pallas", "auto")
 _VALUE_NORMS = ("radius", "none")
 _READOUT_DTYPES = (None, "bfloat16", "float16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
 class KVMConfig:
-  """Hyper-parameters of one KVM layer (spec §2, "Decisions for kvm_jax").
+  """Hyper-parameters of one KVM layer (docs/kvm-spec.md §2 and its list of decisions).
 
   Attributes:
     chunk_size: C, tokens per chunk (authors: ``chunk_len``, paper 256). Queries are processed and
@@ -30,7 +33,7 @@ class KVMConfig:
       in state keys before LN_s. Must be even; 0 means no rotary channels.
     budget: target state rows as a function of tokens processed: ``FixedBudget(rows)``,
       ``PowerLawBudget(factor, exponent, min_rows)``, ``SaturatingBudget(limit, min_rows)`` or any
-      callable ``ctx_len -> rows`` (``state_budget_mode`` & co., spec §6.3).
+      callable ``ctx_len -> rows`` (``state_budget_mode`` & co., docs/kvm-spec.md §6.3).
     max_state_rows: hard cap on state rows (authors: ``chunk_len * n_max_d_chunks``); ``None`` means
       only the budget limits growth. The static state capacity is sized from the budget at the
       sequence length, never from this cap alone.
@@ -44,7 +47,7 @@ class KVMConfig:
     value_norm: "radius" (state values read out as normalize(sum)·‖v of the creating token‖, the
       paper) or "none" (raw sums; an honest replacement of the authors' buggy ``kvm_use_vlens=0``).
     readout_value_dtype: None keeps the state-value readout in float32; "bfloat16" reproduces the
-      authors' hard-coded ``.bfloat16()`` cast of normalize(S_V)·radius (spec §11.6), forward and
+      authors' hard-coded ``.bfloat16()`` cast of normalize(S_V)·radius (docs/kvm-spec.md §11.6), forward and
       gradient.
     ln_eps: epsilon of LN_s (1e-5 like every LayerNorm of the authors).
   """
@@ -131,4 +134,4 @@ class KVMConfig:
           f"rope_dims <= {head_dim}.")
 
 
-__all__ = ["KVMConfig", "CallableBudget"]
+__all__ = ["KVMConfig", "CallableBudget", "KVM_IMPLEMENTATIONS"]

@@ -64,14 +64,18 @@ def sample_logits(logits: Array, key: Array, sampling: SamplingConfig) -> Array:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def _prefill(graphdef, state, tokens, caches):
+def prefill_logits(graphdef, state, tokens: Array, caches):
+  """The jitted prefill of :func:`generate`: ``(logits of the last prompt token [B, V], caches)``
+  for ``tokens [B, P]`` of the model ``nnx.merge(graphdef, state)``."""
   model = nnx.merge(graphdef, state)
   logits, caches = model.prefill(tokens, caches)
   return logits[:, -1], caches
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnums=(3,))
-def _step(graphdef, state, token, caches, key, sampling):
+def sample_step(graphdef, state, token: Array, caches, key: Array, sampling: SamplingConfig):
+  """The jitted decode step of :func:`generate`: feeds ``token [B]`` and draws the next one,
+  ``(next token [B], caches)``; ``caches`` are donated."""
   model = nnx.merge(graphdef, state)
   logits, caches = model.decode_step(token[:, None], caches)
   return sample_logits(logits[:, 0], key, sampling), caches
@@ -103,7 +107,7 @@ def generate(model, prompt: Array, *, max_new_tokens: int, key: Array,
     raise ValueError(f"prompt must be [batch, length >= 1] token ids, got shape {prompt.shape}.")
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
-  model._check_tokens(prompt)
+  model.check_tokens(prompt)
   B, P = prompt.shape
   needed = P + max_new_tokens
   max_len = needed if max_len is None else max_len
@@ -115,13 +119,14 @@ def generate(model, prompt: Array, *, max_new_tokens: int, key: Array,
   graphdef, state = nnx.split(model)
   caches = model.init_cache(B, max_len)
   prefilled = P if prefill_bucket is None else max(P - P % prefill_bucket, 1)
-  last_logits, caches = _prefill(graphdef, state, prompt[:, :prefilled], caches)
+  last_logits, caches = prefill_logits(graphdef, state, prompt[:, :prefilled], caches)
   stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
   key, sub = jax.random.split(key)
   token = sample_logits(last_logits, sub, sampling)
   for i in range(prefilled, P):  # the prompt's tail, token by token (its samples are discarded)
     key, sub = jax.random.split(key)
-    token, caches = _step(graphdef, state, prompt[:, i].astype(jnp.int32), caches, sub, sampling)
+    token, caches = sample_step(graphdef, state, prompt[:, i].astype(jnp.int32), caches, sub,
+                                sampling)
   out, done = [], jnp.zeros((B,), bool)
   lengths = jnp.zeros((B,), jnp.int32)
   pad_id = jnp.int32(pad_token)
@@ -132,7 +137,7 @@ def generate(model, prompt: Array, *, max_new_tokens: int, key: Array,
     if step == max_new_tokens - 1 or (stop_tokens and bool(jnp.all(done))):
       break
     key, sub = jax.random.split(key)
-    token, caches = _step(graphdef, state, emitted, caches, sub, sampling)
+    token, caches = sample_step(graphdef, state, emitted, caches, sub, sampling)
   generated = jnp.stack(out, axis=1)
   pad = jnp.full((B, max_new_tokens - generated.shape[1]), pad_token, jnp.int32)
   return jnp.concatenate([prompt.astype(jnp.int32), generated, pad], axis=1), lengths

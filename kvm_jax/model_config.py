@@ -1,4 +1,4 @@
-"""``ModelConfig``: the GPTAlpha-2 backbone with one sequence mixer per layer (spec §3–§4)."""
+"""``ModelConfig``: the GPTAlpha-2 backbone with one sequence mixer per layer (docs/kvm-spec.md §3–§4)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,18 @@ from typing import Optional, Union
 
 import jax.numpy as jnp
 
-from kvm_jax.config import KVMConfig
+from kvm_jax.config import KVM_IMPLEMENTATIONS, KVMConfig
 
 KV_SHARING = ("none", "fusedkv", "fusedkv_lite", "yoco", "cla")
 KVM_KV_SHARING = ("window", "shared_routing")
 MIXERS = ("full", "swa", "bswa", "kvm")
 _DTYPES = ("float32", "bfloat16")
+
+
+def value_lora_width(width: int) -> int:
+  """Width of the value-residual LoRA for model width ``width``: max(32, round(1.3·√width / 32)·32)
+  (docs/kvm-spec.md §4; 32 for widths 768 and 1024)."""
+  return max(32, int(round(1.3 * width ** 0.5 / 32) * 32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +32,7 @@ class ModelConfig:
     head_dim / value_head_dim: D / Dv (None = hidden_size // num_heads).
     mixers: one mixer name per layer ("full", "swa", "bswa", "kvm"), or one name for all layers.
     kvm: :class:`KVMConfig` of the ``kvm`` layers; its chunk geometry also defines ``bswa``.
-    rope_dims / rope_theta: rotary channels (first ``rope_dims`` of D) and base (spec §5) for
+    rope_dims / rope_theta: rotary channels (first ``rope_dims`` of D) and base (docs/kvm-spec.md §5) for
       ``full``/``bswa``/``kvm`` layers; ``kvm.rope_dims`` must equal ``rope_dims``.
     swa_window / swa_rope_dims: the token window and rotary width of ``swa`` layers (the paper's
       hybrids: 256 tokens, full RoPE 128; ``swa_rope_dims=0`` is NoPE, D/2 HalfRoPE).
@@ -34,7 +40,7 @@ class ModelConfig:
       paper's BSWA baseline: 256-token chunks, 3 chunks, no sink).
     ffn_expansion: MLP width factor; width = int(ffn_expansion·C)//32·32.
     residual_scale: multiplies both branches of every block (CompleteP depth rule 12/L); None = 1.
-    tokenshift_attention / tokenshift_mlp / value_residual: the front-end options of spec §4.
+    tokenshift_attention / tokenshift_mlp / value_residual: the front-end options of docs/kvm-spec.md §4.
     share_value_anchor: every layer uses layer 0's value anchor (authors' ``alt_share_v0``);
       otherwise each mixer kind anchors on its own first layer (the paper's hybrids).
     mup_base_dim: width the value-residual LoRA rule is relative to (768).
@@ -43,7 +49,7 @@ class ModelConfig:
     rope_table_dtype: "float32" (default) or "bfloat16" (the authors' cast cos/sin tables).
     kvm_implementation: the KVM core of every ``kvm`` layer in forward, prefill and decode: "xla"
       (the chunked scan), "pallas" (fused kernels; interpret mode on CPU) or "auto".
-    kv_sharing: cross-layer KV sharing (``shared/design/fusedkv.md``). With n = num_layers / 2,
+    kv_sharing: cross-layer KV sharing (``docs/fusedkv.md``). With n = num_layers / 2,
       layers >= n are *reconstruction* layers (no K/V projections, no K/V cache):
       "none"; "fusedkv" (``K^i = a_i1⊙K^1 + a_in⊙K^n``, ``V^i = b_i1⊙V^1 + b_in⊙V^n``, learnable
       channel-wise weights, rotary pairs tied); "fusedkv_lite" (``K^i = K^n``, ``V^i = V^1``);
@@ -125,9 +131,9 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}.")
     if self.bswa_sink_rows < 0:
       raise ValueError(f"ModelConfig.bswa_sink_rows must be >= 0, got {self.bswa_sink_rows}.")
-    if self.kvm_implementation not in ("xla", "pallas", "auto"):
+    if self.kvm_implementation not in KVM_IMPLEMENTATIONS:
       raise ValueError(f"ModelConfig.kvm_implementation={self.kvm_implementation!r}; choose "
-                       "'xla', 'pallas' or 'auto'.")
+                       f"from {KVM_IMPLEMENTATIONS}.")
     self._validate_kv_sharing(mixers)
 
   def _validate_kv_sharing(self, mixers) -> None:
@@ -192,7 +198,7 @@ class ModelConfig:
 
   @property
   def value_lora_width(self) -> int:
-    return max(32, int(round(1.3 * self.hidden_size ** 0.5 / 32) * 32))
+    return value_lora_width(self.hidden_size)
 
   @property
   def scale(self) -> float:

@@ -1,13 +1,16 @@
-"""Model presets reproducing the paper's configurations (spec §3; the authors' ``configs/prolong``).
+"""Model presets reproducing the paper's configurations (docs/kvm-spec.md §3; the authors'
+``configs/prolong``).
 
 Every function returns a :class:`kvm_jax.ModelConfig`. ``*_120m``: 12 layers, width 768, 6 heads of
 128, residual scale 1.0; ``*_350m``: 24 layers, width 1024, 8 heads of 128, residual scale 0.5.
 All use vocabulary 50304, MLP ×4, token shift on attention and MLP, value residual, RoPE on the first
-64 of 128 channels. ``tiny_*`` presets are the same architectures at CPU-test size.
+64 of 128 channels. :func:`tiny` is the same architecture at CPU-test size. :data:`PRESETS` maps
+each paper preset's name to its function.
 """
 
 from __future__ import annotations
 
+from typing import Callable
 
 from kvm_jax.budget import FixedBudget, PowerLawBudget, SaturatingBudget
 from kvm_jax.config import KVMConfig
@@ -18,55 +21,130 @@ _SIZES = {
     "350m": dict(num_layers=24, hidden_size=1024, num_heads=8, residual_scale=0.5),
 }
 _PAPER_KVM = dict(chunk_size=256, window_chunks=2, sink_rows=1, rope_dims=64)
+_NO_CAP = 256 * 10000  # the authors' n_max_d_chunks = 10000: no cap in practice
 
 
-def _kvm(budget, max_state_rows) -> KVMConfig:
-  return KVMConfig(budget=budget, max_state_rows=max_state_rows, **_PAPER_KVM)
-
-
-def _hybrid(main: str, layers: int) -> tuple[str, ...]:
-  """The authors' ``alt_layer_every: 2``: SWA on even layers, ``main`` on odd layers."""
-  return tuple("swa" if i % 2 == 0 else main for i in range(layers))
-
-
-def _build(size: str, **kw) -> ModelConfig:
+def _paper(size: str, **kw) -> ModelConfig:
   kw.setdefault("rope_dims", 64)
   return ModelConfig(vocab_size=50304, **_SIZES[size], **kw)
 
 
-def _family(size: str) -> dict:
-  n = _SIZES[size]["num_layers"]
-  return {
-      "gpta2": lambda: _build(size, mixers="full"),
-      "kvm256": lambda: _build(size, mixers="kvm", kvm=_kvm(FixedBudget(256), 256)),
-      "kvm_sqrt16": lambda: _build(size, mixers="kvm", kvm=_kvm(
-          PowerLawBudget(16.0, 0.5, min_rows=256), 256 * 10000)),
-      "kvm_swa_sat1024": lambda: _build(size, mixers=_hybrid("kvm", n), swa_window=256,
-                                        swa_rope_dims=128, kvm=_kvm(
-                                            SaturatingBudget(1024, min_rows=1), 256 * 10000)),
-      "bswa": lambda: _build(size, mixers="bswa", bswa_chunk_size=256, bswa_window_chunks=3,
-                             bswa_sink_rows=0),
-      # GPTA-2 full-attention layers with HalfRoPE / NoPE, interleaved with full-RoPE SWA-256.
-      "swa_halfrope": lambda: _build(size, mixers=_hybrid("full", n), swa_window=256,
-                                     swa_rope_dims=128),
-      "swa_nope": lambda: _build(size, mixers=_hybrid("full", n), rope_dims=0, swa_window=256,
-                                 swa_rope_dims=128),
-  }
+def _hybrid(main: str, size: str) -> tuple[str, ...]:
+  """The authors' ``alt_layer_every: 2``: SWA on even layers, ``main`` on odd layers."""
+  return tuple("swa" if i % 2 == 0 else main for i in range(_SIZES[size]["num_layers"]))
 
 
-def _export():
-  table = {}
-  for size in _SIZES:
-    for name, fn in _family(size).items():
-      key = f"{name}_{size}"
-      fn.__name__ = key
-      fn.__doc__ = f"The paper's {name} model at {size.upper()} (see module docstring)."
-      table[key] = fn
-  return table
+# One builder per family; the presets below bind the size.
+
+def _gpta2(size: str) -> ModelConfig:
+  return _paper(size, mixers="full")
 
 
-PRESETS = _export()
-globals().update(PRESETS)
+def _kvm256(size: str) -> ModelConfig:
+  return _paper(size, mixers="kvm", kvm=KVMConfig(budget=FixedBudget(256), max_state_rows=256,
+                                                  **_PAPER_KVM))
+
+
+def _kvm_sqrt16(size: str) -> ModelConfig:
+  return _paper(size, mixers="kvm", kvm=KVMConfig(
+      budget=PowerLawBudget(16.0, 0.5, min_rows=256), max_state_rows=_NO_CAP, **_PAPER_KVM))
+
+
+def _kvm_swa_sat1024(size: str) -> ModelConfig:
+  return _paper(size, mixers=_hybrid("kvm", size), swa_window=256, swa_rope_dims=128,
+                kvm=KVMConfig(budget=SaturatingBudget(1024, min_rows=1), max_state_rows=_NO_CAP,
+                              **_PAPER_KVM))
+
+
+def _bswa(size: str) -> ModelConfig:
+  return _paper(size, mixers="bswa", bswa_chunk_size=256, bswa_window_chunks=3, bswa_sink_rows=0)
+
+
+def _swa_halfrope(size: str) -> ModelConfig:
+  return _paper(size, mixers=_hybrid("full", size), swa_window=256, swa_rope_dims=128)
+
+
+def _swa_nope(size: str) -> ModelConfig:
+  return _paper(size, mixers=_hybrid("full", size), rope_dims=0, swa_window=256,
+                swa_rope_dims=128)
+
+
+def gpta2_120m() -> ModelConfig:
+  """GPTAlpha-2, the full-attention baseline, at 120M."""
+  return _gpta2("120m")
+
+
+def gpta2_350m() -> ModelConfig:
+  """GPTAlpha-2, the full-attention baseline, at 350M."""
+  return _gpta2("350m")
+
+
+def kvm256_120m() -> ModelConfig:
+  """KVM with a fixed 256-row state (``kvm_wd``) at 120M."""
+  return _kvm256("120m")
+
+
+def kvm256_350m() -> ModelConfig:
+  """KVM with a fixed 256-row state (``kvm_wd``) at 350M."""
+  return _kvm256("350m")
+
+
+def kvm_sqrt16_120m() -> ModelConfig:
+  """KVM with a 16·√N-row state, at least 256 (``kvm_sqrt16_wd``), at 120M."""
+  return _kvm_sqrt16("120m")
+
+
+def kvm_sqrt16_350m() -> ModelConfig:
+  """KVM with a 16·√N-row state, at least 256 (``kvm_sqrt16_wd``), at 350M."""
+  return _kvm_sqrt16("350m")
+
+
+def kvm_swa_sat1024_120m() -> ModelConfig:
+  """Hybrid: full-RoPE SWA-256 on even layers, KVM saturating toward 1024 rows on odd layers
+  (``kvm_swa_saturate1024_wd``), at 120M."""
+  return _kvm_swa_sat1024("120m")
+
+
+def kvm_swa_sat1024_350m() -> ModelConfig:
+  """Hybrid: full-RoPE SWA-256 on even layers, KVM saturating toward 1024 rows on odd layers
+  (``kvm_swa_saturate1024_wd``), at 350M."""
+  return _kvm_swa_sat1024("350m")
+
+
+def bswa_120m() -> ModelConfig:
+  """Block sliding window, 3 chunks of 256, no sink (the BSWA baseline), at 120M."""
+  return _bswa("120m")
+
+
+def bswa_350m() -> ModelConfig:
+  """Block sliding window, 3 chunks of 256, no sink (the BSWA baseline), at 350M."""
+  return _bswa("350m")
+
+
+def swa_halfrope_120m() -> ModelConfig:
+  """Hybrid: full-RoPE SWA-256 on even layers, HalfRoPE full attention on odd layers, 120M."""
+  return _swa_halfrope("120m")
+
+
+def swa_halfrope_350m() -> ModelConfig:
+  """Hybrid: full-RoPE SWA-256 on even layers, HalfRoPE full attention on odd layers, 350M."""
+  return _swa_halfrope("350m")
+
+
+def swa_nope_120m() -> ModelConfig:
+  """Hybrid: full-RoPE SWA-256 on even layers, NoPE full attention on odd layers, 120M."""
+  return _swa_nope("120m")
+
+
+def swa_nope_350m() -> ModelConfig:
+  """Hybrid: full-RoPE SWA-256 on even layers, NoPE full attention on odd layers, 350M."""
+  return _swa_nope("350m")
+
+
+PRESETS: dict[str, Callable[[], ModelConfig]] = {f.__name__: f for f in (
+    gpta2_120m, kvm256_120m, kvm_sqrt16_120m, kvm_swa_sat1024_120m, bswa_120m, swa_halfrope_120m,
+    swa_nope_120m, gpta2_350m, kvm256_350m, kvm_sqrt16_350m, kvm_swa_sat1024_350m, bswa_350m,
+    swa_halfrope_350m, swa_nope_350m)}
 
 
 def tiny(mixers="kvm", **overrides) -> ModelConfig:

@@ -1,11 +1,13 @@
-"""Fused Pallas kernels for the KVM hot path: fast paths of ``kvm_jax.ops`` selected with
-``implementation="pallas"`` (or ``"auto"``).
+"""Fused Pallas kernels for the KVM hot path (installed as ``kvm_jax.kernels``): fast paths of the
+per-chunk operations of :mod:`kvm_jax.ops.kvm`, selected with ``implementation="pallas"`` (or
+``"auto"``) by the op's registry (``kvm_jax.ops.kvm.api``).
 
-* :mod:`pallas_kernels.readout` — the fused readout over ``[state ; window]`` (+ ``custom_vjp``);
-* :mod:`pallas_kernels.update` — the fused routing and state update (+ ``custom_vjp``);
-* :mod:`pallas_kernels.backend` — TPU (Mosaic) / GPU (Triton) / CPU-interpret choices;
-* :mod:`pallas_kernels.sharding` — per-shard execution under a mesh;
-* :mod:`pallas_kernels.check` — ``kvm-check``, the user-facing equivalence command.
+* :mod:`kvm_jax.kernels.readout` — the fused readout over ``[state ; window]`` (+ ``custom_vjp``);
+* :mod:`kvm_jax.kernels.update` — the fused routing and state update (+ ``custom_vjp``);
+* :mod:`kvm_jax.kernels.backend` — TPU (Mosaic) / GPU (Triton) / CPU-interpret choices;
+* :mod:`kvm_jax.kernels.sharding` — per-shard execution under a mesh, over caller-named axes.
 
-The XLA ``lax.scan`` (``implementation="xla"``) stays the default and the reference.
+Kernels import only lower-level op helpers (``kvm_jax.ops.common``, ``kvm_jax.ops.kvm.state``),
+never the dispatcher that calls them. The XLA scan (``implementation="xla"``) stays the default
+and the reference; ``kvm-check`` compares the two on any machine.
 """

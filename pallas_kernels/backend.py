@@ -15,6 +15,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from kvm_jax.kernels.sharding import ShardAxes
+
+
 def platform(target: Optional[str] = None) -> str:
   """"tpu", "gpu" or "cpu": ``target`` ("tpu", "cuda"/"gpu", "cpu"), default this machine's."""
   p = target or jax.default_backend()
@@ -30,16 +33,19 @@ def default_interpret(target: Optional[str] = None) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-  """Static facts a kernel is built with: the platform and whether it is interpreted."""
+  """Static facts a kernel is built with: the platform, whether it is interpreted, and the mesh
+  axes it may split over (:class:`ShardAxes`, given by the caller)."""
 
   platform: str
   interpret: bool
+  shard_axes: ShardAxes = ShardAxes()
 
   @classmethod
-  def for_target(cls, target: Optional[str] = None,
-                 interpret: Optional[bool] = None) -> "KernelConfig":
+  def for_target(cls, target: Optional[str] = None, interpret: Optional[bool] = None,
+                 shard_axes: ShardAxes = ShardAxes()) -> "KernelConfig":
     """Kernels for ``target`` (default: this machine), interpreted where no compiler exists."""
-    return cls(platform(target), default_interpret(target) if interpret is None else bool(interpret))
+    return cls(platform(target), default_interpret(target) if interpret is None else bool(interpret),
+               shard_axes)
 
   def compiler_params(self, grid_dims: int):
     if self.interpret:

@@ -27,10 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels import backend
-from pallas_kernels.sharding import per_shard
-
-MASKED = -1e30  # as kvm_jax.ops.common: finite, so fully masked rows never produce NaN
+from kvm_jax.kernels import backend
+from kvm_jax.kernels.sharding import per_shard
+from kvm_jax.ops.common import MASKED
 
 
 def _readout_kernel(q_ref, sk_ref, sv_ref, sbias_ref, wk_ref, wv_ref, wbias_ref, st_ref, wt_ref,
@@ -201,6 +200,7 @@ def joint_attention_pallas(q, state_keys, state_values, state_valid, window_keys
           pad(state_bias.astype(jnp.float32), 1, Rp, MASKED), wk, wv,
           jnp.tile(window_bias.astype(jnp.float32), (G, 1)), rows(state_temp), rows(window_temp))
   y, _ = per_shard(lambda *a: fused_readout(*a, kc), args,
-                   ("bh", "bh", "bh", "r", "bh", "bh", "r", "h", "h"), ("bh", "bh"), B, Hkv)
+                   ("bh", "bh", "bh", "r", "bh", "bh", "r", "h", "h"), ("bh", "bh"), B, Hkv,
+                   kc.shard_axes)
   y = y.reshape(B, Hkv, G, Tp, -1)[:, :, :, :Tq]
   return jnp.transpose(y, (0, 3, 1, 2, 4)).astype(jnp.float32)

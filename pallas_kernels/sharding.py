@@ -2,23 +2,33 @@
 
 A ``pallas_call`` is an opaque custom call to XLA's SPMD partitioner, which would gather its
 operands onto every device. Every KVM program is independent per (batch row, KV head), so under a
-mesh (``with jax.set_mesh(mesh):``, or the ``mesh`` argument) the kernels run inside
-``jax.shard_map``: the batch dimension is split over the mesh axes named in ``BATCH_AXES`` that
-are present and divide it, the KV-head dimension over ``HEAD_AXIS`` when it divides it, and
-everything else (masks, LayerNorm weights, row counts) is replicated. Without a mesh, or when no
-axis divides, the kernel is called directly.
+mesh (``with jax.set_mesh(mesh):``) the kernels can run inside ``jax.shard_map``: the batch
+dimension split over the mesh axes their caller names in :class:`ShardAxes` (those present in the
+mesh that divide it), the KV-head dimension over the named head axis when it divides it, and
+everything else (masks, LayerNorm weights, row counts) replicated. Without a mesh, without axis
+names, or when no axis divides, the kernel is called directly.
+
+The axis names always come from the caller (``kvm_jax.ops.kvm.kernel_sharding``): this module
+knows no mesh convention of its own.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import dataclasses
+from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-BATCH_AXES = ("data", "fsdp")   # train.sharding's batch axes
-HEAD_AXIS = "tensor"
+
+@dataclasses.dataclass(frozen=True)
+class ShardAxes:
+  """Mesh axes a kernel may split over: ``batch`` (in order) for the batch dimension, ``heads``
+  for the KV-head dimension. Empty: never split."""
+
+  batch: tuple[str, ...] = ()
+  heads: Optional[str] = None
 
 
 def _mesh():
@@ -26,32 +36,32 @@ def _mesh():
   return None if mesh is None or mesh.empty else mesh
 
 
-def layout(batch: int, kv_heads: int):
+def layout(batch: int, kv_heads: int, axes: ShardAxes):
   """``(mesh, batch axes, head axis)`` to split over, or None when nothing is split."""
   mesh = _mesh()
-  if mesh is None:
+  if mesh is None or (not axes.batch and axes.heads is None):
     return None
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   batch_axes = []
-  for name in BATCH_AXES:
+  for name in axes.batch:
     if sizes.get(name, 1) > 1 and batch % (int(np.prod([sizes[a] for a in batch_axes]))
                                            * sizes[name]) == 0:
       batch_axes.append(name)
-  head_axis = HEAD_AXIS if sizes.get(HEAD_AXIS, 1) > 1 and kv_heads % sizes[HEAD_AXIS] == 0 \
-      else None
+  head_axis = axes.heads if (axes.heads is not None and sizes.get(axes.heads, 1) > 1
+                             and kv_heads % sizes[axes.heads] == 0) else None
   if not batch_axes and head_axis is None:
     return None
   return mesh, tuple(batch_axes) or None, head_axis
 
 
 def per_shard(fn: Callable, args: Sequence, kinds: Sequence[str], out_kinds: Sequence[str],
-              batch: int, kv_heads: int):
+              batch: int, kv_heads: int, axes: ShardAxes):
   """Calls ``fn(*args)``, inside ``shard_map`` when a mesh splits batch or KV heads.
 
   ``kinds``/``out_kinds`` say how each argument / output is laid out: "bh" (``[B, Hkv, ...]``),
   "h" (``[Hkv, ...]``) or "r" (replicated).
   """
-  plan = layout(batch, kv_heads)
+  plan = layout(batch, kv_heads, axes)
   if plan is None:
     return fn(*args)
   mesh, batch_axes, head_axis = plan

@@ -1,4 +1,5 @@
-"""Fused KVM routing + state update for one overflow chunk (spec §6.7), one program per (b, KV head).
+"""Fused KVM routing + state update of one overflow chunk (docs/kvm-spec.md §6.7), one program per
+(batch row, KV head).
 
 In one kernel: novelty of each token (max similarity of its prepared key to the valid pre-append
 rows, sinks included), rank of the novelties (ascending, ties to the lower token), append of the
@@ -22,10 +23,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kvm_jax.ops.common import (KVMState, layer_norm, overflow_rows, safe_l2_norm,
-                                update_state)
-from pallas_kernels import backend
-from pallas_kernels.sharding import per_shard
+from kvm_jax.kernels import backend
+from kvm_jax.kernels.sharding import per_shard
+from kvm_jax.ops.common import layer_norm
+from kvm_jax.ops.kvm.state import KVMState, overflow_rows, safe_l2_norm, update_state
 
 _NEG = -jnp.inf
 
@@ -165,7 +166,7 @@ fused_update.defvjp(_fwd, _bwd)
 def update_state_pallas(state: KVMState, overflow_k, overflow_v, overflow_g, n_append, params,
                         cfg, row_update="auto", read_keys=None, routing=None,
                         return_routing=False, *, kc: backend.KernelConfig):
-  """Drop-in for :func:`kvm_jax.ops.common.update_state` running :func:`fused_update`.
+  """Drop-in for :func:`kvm_jax.ops.kvm.state.update_state` running :func:`fused_update`.
 
   Given decisions (shared routing) are applied by the XLA path: there is nothing to fuse.
   """
@@ -190,7 +191,7 @@ def update_state_pallas(state: KVMState, overflow_k, overflow_v, overflow_g, n_a
   B, Hkv = state.keys.shape[:2]
   keys, values, radius, dest, target = per_shard(
       lambda *a: fused_update(*a, cfg.sink_rows, cfg.ln_eps, kc), args,
-      ("bh",) * 10 + ("r",) * 3, ("bh",) * 5, B, Hkv)
+      ("bh",) * 10 + ("r",) * 3, ("bh",) * 5, B, Hkv, kc.shard_axes)
   keys, values, radius = keys[:, :, :R], values[:, :, :R], radius[:, :, :R]
   dest, target = jnp.minimum(dest, R), jnp.minimum(target, R)  # "none" is R again
   new = KVMState(keys=keys, values=values, radius=radius[..., 0],

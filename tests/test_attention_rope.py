@@ -9,7 +9,7 @@ import pytest
 
 from kvm_jax.ops import attention as att
 from kvm_jax.ops.rope import apply_rope, rope_frequencies, rope_tables
-from tests.conftest import make_inputs, rel_rms
+from kvm_jax.ops.kvm.cases import random_inputs, rel_rms
 
 
 def dense_reference(q, k, v, visible):
@@ -49,7 +49,7 @@ def _prefill(kind, q, k, v, kw):
 @pytest.mark.parametrize("kind, kw", KINDS, ids=[k for k, _ in KINDS])
 def test_prefill_matches_dense_mask_and_decode_matches_prefill(kind, kw):
   B, T, H, Hkv, D = 2, 19, 4, 2, 8
-  q, k, v, _ = make_inputs(0, B, T, H, Hkv, D, D)
+  q, k, v, _ = random_inputs(0, B, T, H, Hkv, D, D)
   visible = masks(T, kind.split("_")[0], kw.get("window", 0), kw.get("chunk_size", 0),
                   kw.get("window_chunks", 0), kw.get("sink_rows", 0))
   y = _prefill(kind.split("_")[0], q, k, v, kw)

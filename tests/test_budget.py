@@ -1,4 +1,4 @@
-"""Budgets and the static schedule against the numbers of spec §3 and the rules of §6.3."""
+"""Budgets and the static schedule against the numbers of docs/kvm-spec.md §3 and the rules of §6.3."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_fixed256_is_always_256():
 
 
 def test_sqrt16_matches_spec_table():
-  # spec §3: sqrt16 -> 256 (N<=768), 443, 677, 991, 1425, 2031, 2884, 4087, 5786.
+  # docs/kvm-spec.md §3: sqrt16 -> 256 (N<=768), 443, 677, 991, 1425, 2031, 2884, 4087, 5786.
   expected = [256, 256, 443, 677, 991, 1425, 2031, 2884, 4087, 5786]
   budget = kj.PowerLawBudget(factor=16.0, exponent=0.5, min_rows=256)
   got = [_final_rows(budget, n, max_state_rows=256 * 10000) for n in LENGTHS]
@@ -32,7 +32,7 @@ def test_sqrt16_matches_spec_table():
 
 
 def test_sat1024_matches_spec_table():
-  # spec §3: sat1024 -> 256 (<=768), 438, 651, 808, 906, 962, 992, 1008, 1016.
+  # docs/kvm-spec.md §3: sat1024 -> 256 (<=768), 438, 651, 808, 906, 962, 992, 1008, 1016.
   expected = [256, 256, 438, 651, 808, 906, 962, 992, 1008, 1016]
   budget = kj.SaturatingBudget(limit=1024, min_rows=1)
   assert [_final_rows(budget, n, max_state_rows=256 * 10000) for n in LENGTHS] == expected
@@ -85,5 +85,5 @@ def test_schedule_structure():
 
 
 def test_bswa_begin():
-  # spec §6.4: max(0, ceil(n/C)*C - L)
+  # docs/kvm-spec.md §6.4: max(0, ceil(n/C)*C - L)
   assert [bswa_begin(n, 4, 2) for n in (1, 8, 9, 12, 13)] == [0, 0, 4, 4, 8]

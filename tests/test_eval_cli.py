@@ -11,12 +11,16 @@ import numpy as np
 import pytest
 
 import kvm_jax as kj
-from eval import cli, niah
 from kvm_jax import config_io
-from train import data
-from train.loop import TRAIN_CLASSES, TrainConfig, load_trained, train
+from kvm_jax.eval import cli
+from kvm_jax.eval import niah as niah_eval
+from kvm_jax.runs import TRAIN_CLASSES, TrainConfig, load_trained
+from kvm_jax.tasks import mqar, niah
+from kvm_jax.tasks.labels import IGNORE
+from kvm_jax.tasks.tokenizers import ByteTokenizer
+from kvm_jax.train import train
 
-TOK = data.ByteTokenizer()
+TOK = ByteTokenizer()
 COUNT = lambda text: len(TOK.encode(text))
 
 
@@ -27,19 +31,20 @@ def _needle_reader(prompt: str, length: int) -> str:
 
 @pytest.mark.parametrize("task", niah.TASKS)
 def test_niah_oracle_scores_100_and_silence_scores_0(task):
-  kw = dict(tasks=[task], lengths=[600, 900], depths=cli.pick_depths(5), generation_budget=16)
-  perfect = cli.run_niah(_needle_reader, COUNT, **kw)
-  silent = cli.run_niah(lambda prompt, length: "", COUNT, **kw)
+  kw = dict(tasks=[task], lengths=[600, 900], depths=niah_eval.pick_depths(5),
+            generation_budget=16)
+  perfect = niah_eval.run_niah(_needle_reader, COUNT, **kw)
+  silent = niah_eval.run_niah(lambda prompt, length: "", COUNT, **kw)
   assert [r["score"] for r in perfect] == [100.0, 100.0]
   assert [r["score"] for r in silent] == [0.0, 0.0]
   assert all(r["examples"] == 5 and len(r["hits"]) == 5 for r in perfect)
 
 
 def test_pick_depths_spans_the_range():
-  np.testing.assert_array_equal(cli.pick_depths(40), niah.DEPTHS)
-  assert cli.pick_depths(2).tolist() == [0.0, 100.0]
+  np.testing.assert_array_equal(niah_eval.pick_depths(40), niah.DEPTHS)
+  assert niah_eval.pick_depths(2).tolist() == [0.0, 100.0]
   with pytest.raises(ValueError, match="--niah-depths"):
-    cli.pick_depths(41)
+    niah_eval.pick_depths(41)
 
 
 def test_markdown_report_layout():
@@ -69,7 +74,7 @@ def test_config_json_round_trip_of_every_preset(name):
 
 def test_train_config_round_trip_and_bad_configs(tmp_path):
   cfg = TrainConfig(model=kj.presets.tiny(mixers=("swa", "kvm")), task="niah",
-                    niah=data.NIAHSpec(seq_len=640), text_files=("a.txt",))
+                    niah=niah.NIAHSpec(seq_len=640), text_files=("a.txt",))
   config_io.save(tmp_path / "c.json", cfg)
   assert config_io.load(tmp_path / "c.json", TRAIN_CLASSES) == cfg
   custom = kj.presets.tiny(kvm=kj.KVMConfig(chunk_size=8, rope_dims=8, budget=lambda n: 16))
@@ -82,12 +87,12 @@ def test_train_config_round_trip_and_bad_configs(tmp_path):
 
 
 def test_niah_training_stream():
-  spec = data.NIAHSpec(seq_len=640)
-  a, b = data.niah_example(0, 5, spec), data.niah_example(0, 5, spec)
+  spec = niah.NIAHSpec(seq_len=640)
+  a, b = niah.niah_example(0, 5, spec), niah.niah_example(0, 5, spec)
   np.testing.assert_array_equal(a["inputs"], b["inputs"])
   for i in range(6):
-    ex = data.niah_example(1, i, spec)
-    scored = ex["labels"] != data.IGNORE
+    ex = niah.niah_example(1, i, spec)
+    scored = ex["labels"] != IGNORE
     answer = TOK.decode(ex["labels"][scored])
     assert re.fullmatch(r" \d{7}\.", answer), answer  # " <7 digits>." then EOS
     assert ex["labels"][scored][-1] == TOK.eos_id
@@ -99,9 +104,9 @@ def test_niah_training_stream():
     idx = idx[idx + 1 < len(ex["inputs"])]
     np.testing.assert_array_equal(ex["labels"][idx], ex["inputs"][idx + 1])
   with pytest.raises(ValueError, match="too short"):
-    data.niah_example(0, 0, data.NIAHSpec(seq_len=300))
+    niah.niah_example(0, 0, niah.NIAHSpec(seq_len=300))
   with pytest.raises(ValueError, match="task"):
-    data.NIAHSpec(task="niah_multikey_1")
+    niah.NIAHSpec(task="niah_multikey_1")
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +116,7 @@ def run_dir(tmp_path_factory):
   kvm = kj.KVMConfig(chunk_size=16, window_chunks=2, sink_rows=1, rope_dims=8,
                      budget=kj.PowerLawBudget(4.0, 0.5, min_rows=16))
   cfg = TrainConfig(model=kj.presets.tiny("kvm", kvm=kvm, vocab_size=320), task="mqar",
-                    mqar=data.MQARSpec(seq_len=64, vocab_size=64, num_pairs=4), batch_size=4,
+                    mqar=mqar.MQARSpec(seq_len=64, vocab_size=64, num_pairs=4), batch_size=4,
                     steps=3, warmup_steps=1, log_every=1, checkpoint_every=3)
   out = train(cfg, workdir, verbose=False)
   return workdir, cfg, out

@@ -20,12 +20,12 @@ lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 
 import kvm_jax as kj  # noqa: E402
-from eval.lm_eval_adapter import KVMEvalLM, local_task_manager  # noqa: E402
+from kvm_jax.eval.lm_eval_adapter import KVMEvalLM, local_task_manager  # noqa: E402
+from kvm_jax.tasks.tokenizers import ByteTokenizer  # noqa: E402
 from tests.conftest import make_model  # noqa: E402
-from train import data  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-TOK = data.ByteTokenizer()
+TOK = ByteTokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -145,13 +145,13 @@ def test_lm_eval_cli_on_a_run_directory(tmp_path):
   run = tmp_path / "run"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), HF_DATASETS_OFFLINE="1",
              HF_HUB_OFFLINE="1")
-  subprocess.run([sys.executable, "-m", "train.main", "--config=train/configs/tiny_mqar.py",
+  subprocess.run([sys.executable, "-m", "kvm_jax.train.main", "--config=train/configs/tiny_mqar.py",
                   f"--workdir={run}", "--config.steps=2", "--config.batch_size=4",
                   "--config.model.vocab_size=320", "--config.mqar.seq_len=32",
                   "--config.mqar.num_pairs=2", "--config.warmup_steps=1"],
                  cwd=ROOT, env=env, check=True, capture_output=True)
   proc = subprocess.run(
-      [sys.executable, "-m", "eval.lm_eval_adapter", "run", "--model", "kvm_jax",
+      [sys.executable, "-m", "kvm_jax.eval.lm_eval_adapter", "run", "--model", "kvm_jax",
        "--model_args", f"checkpoint={run},max_length=128", "--tasks", "kvm_local_choice",
        "--include_path", str(ROOT / "eval/lm_eval_tasks"), "--limit", "3",
        ], cwd=ROOT, env=env, capture_output=True, text=True)

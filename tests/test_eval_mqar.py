@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.mqar import mqar_recall
+from kvm_jax.eval.mqar import mqar_recall
 
 SPEC = dict(seq_len=64, vocab_size=64)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from eval import niah
-from train.data import ByteTokenizer
+from kvm_jax.tasks import niah
+from kvm_jax.tasks.tokenizers import ByteTokenizer
 
 TOK = ByteTokenizer()
 COUNT = lambda s: len(TOK.encode(s))

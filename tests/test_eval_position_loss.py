@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 import kvm_jax as kj
-from eval import position_loss
-from train.data import ByteTokenizer
+from kvm_jax.eval import position_loss
+from kvm_jax.tasks.tokenizers import ByteTokenizer
 
 
 def test_buckets_match_a_direct_computation(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from eval import speed
+from kvm_jax.eval import speed
 
 
 def test_kvm_bench_smoke(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""kvm_jax.inspect: the attention map reproduces the layer's output, the update anatomy is the
+"""kvm_jax.introspect: the attention map reproduces the layer's output, the update anatomy is the
 update the scan applies."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import kvm_jax as kj
-from kvm_jax import inspect
-from tests.conftest import make_inputs, make_params, rel_rms
+from kvm_jax import introspect
+from kvm_jax.ops.kvm.cases import random_inputs, random_params, rel_rms
 
 CFG = kj.KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1, rope_dims=8,
                    budget=kj.PowerLawBudget(4.0, 0.5, min_rows=8))
@@ -16,15 +16,15 @@ CFG = kj.KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1, rope_dims=8,
 
 @pytest.fixture(scope="module")
 def layer():
-  q, k, v, g = make_inputs(0, 2, 56, 4, 2, 16, 16)
-  return q, k, v, g, make_params(0, 16, 4)
+  q, k, v, g = random_inputs(0, 2, 56, 4, 2, 16, 16)
+  return q, k, v, g, random_params(0, 16, 4)
 
 
 @pytest.mark.parametrize("chunk", [0, 1, 2, 5])
 def test_attention_map_reproduces_the_output(layer, chunk):
   q, k, v, g, params = layer
   y, _ = kj.kvm_attention(q, k, v, g, params, CFG)
-  amap = inspect.chunk_attention(q, k, v, g, params, CFG, chunk)
+  amap = introspect.chunk_attention(q, k, v, g, params, CFG, chunk)
   np.testing.assert_allclose(np.asarray(amap["probs"]).sum(-1), 1.0, rtol=1e-5)
   assert rel_rms(amap["output"], y[:, chunk * 8:(chunk + 1) * 8]) < 1e-5
   R = amap["capacity"]
@@ -39,7 +39,7 @@ def test_update_anatomy_is_the_applied_update(layer):
   q, k, v, g, params = layer
   sched = kj.kvm_schedule(CFG, 56)
   chunk = next(c for c, u in enumerate(sched.update_after) if u and sched.n_append[c] > 0)
-  info = inspect.update_anatomy(k, v, g, params, CFG, chunk)
+  info = introspect.update_anatomy(k, v, g, params, CFG, chunk)
   n = sched.n_append[chunk]
   assert info["rows_after"] - info["rows_before"] == n
   assert np.all(info["appended"].sum(-1) == n)
@@ -56,4 +56,4 @@ def test_update_anatomy_is_the_applied_update(layer):
   grew = info["radius_after"] != info["radius_before"]
   assert np.all(np.flatnonzero(grew.any(axis=(0, 1))) >= info["rows_before"])
   with pytest.raises(ValueError, match="no state update runs after chunk 0"):
-    inspect.update_anatomy(k, v, g, params, CFG, 0)
+    introspect.update_anatomy(k, v, g, params, CFG, 0)

@@ -16,6 +16,9 @@ import kvm_jax as kj
 from kvm_jax.nn.model import LM
 from kvm_jax.ops import attention as attn_ops
 from kvm_jax.ops import kv_fusion
+from kvm_jax.ops.kvm.cases import random_inputs, random_params
+from kvm_jax.ops.kvm.scan import kvm_attention_scan
+from kvm_jax.ops.kvm.shared_routing import SourceTrack, kvm_attention_shared_state
 from kvm_jax.ops.rope import apply_rope, rope_tables
 from tests.conftest import make_model
 
@@ -210,9 +213,8 @@ def test_bad_sharing_configs():
 
 
 def _op_inputs(seed, T=53, H=4, Hkv=2, D=16):
-  from tests.conftest import make_inputs, make_params
-  q, k, v, g = make_inputs(seed, 2, T, H, Hkv, D, D)
-  return q, k, v, g, make_params(seed, D, H)
+  q, k, v, g = random_inputs(seed, 2, T, H, Hkv, D, D)
+  return q, k, v, g, random_params(seed, D, H)
 
 
 OP_CFG = kj.KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1, rope_dims=8,
@@ -220,18 +222,17 @@ OP_CFG = kj.KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1, rope_dims=8,
 
 
 def test_given_routing_is_applied_exactly():
-  from kvm_jax.ops.kvm import kvm_attention_xla
   q, k, v, g, params = _op_inputs(0)
-  y, state, routing = kvm_attention_xla(q, k, v, g, params, cfg=OP_CFG, return_routing=True)
+  y, state, routing = kvm_attention_scan(q, k, v, g, params, cfg=OP_CFG, return_routing=True)
   # (a) Feeding a run's own decisions back changes nothing.
-  y2, state2 = kvm_attention_xla(q, k, v, g, params, cfg=OP_CFG, routing=routing)
+  y2, state2 = kvm_attention_scan(q, k, v, g, params, cfg=OP_CFG, routing=routing)
   np.testing.assert_array_equal(y2, y)
   np.testing.assert_array_equal(state2.keys, state.keys)
   # (b) Other tokens under these decisions: each row's value sum, rebuilt in numpy from the
   # decisions alone, matches (initial rows = the first chunk's tokens; appends ungated; merges
-  # gated, spec §6.7).
+  # gated, docs/kvm-spec.md §6.7).
   _, k_b, v_b, g_b, _ = _op_inputs(1)
-  _, state_b = kvm_attention_xla(q, k_b, v_b, g_b, params, cfg=OP_CFG, routing=routing)
+  _, state_b = kvm_attention_scan(q, k_b, v_b, g_b, params, cfg=OP_CFG, routing=routing)
   sched = kj.kvm_schedule(OP_CFG, q.shape[1])
   C, R = OP_CFG.chunk_size, sched.final_rows
   vb, gb = np.asarray(v_b, np.float64), np.asarray(g_b, np.float64)
@@ -257,10 +258,8 @@ def test_given_routing_is_applied_exactly():
 def test_replayed_state_reproduces_the_layer():
   """A fused-state layer with one source and weight 1 replays that source's state from its tokens
   and routing; with the source's own queries it must reproduce the source layer's output."""
-  from kvm_jax.ops.kvm import kvm_attention_xla
-  from kvm_jax.ops.kvm_shared import SourceTrack, kvm_attention_shared_state
   q, k, v, g, params = _op_inputs(2)
-  y, _, routing = kvm_attention_xla(q, k, v, g, params, cfg=OP_CFG, return_routing=True)
+  y, _, routing = kvm_attention_scan(q, k, v, g, params, cfg=OP_CFG, return_routing=True)
   replayed = kvm_attention_shared_state(q, k, v, (SourceTrack(k, v, g, params),), None, None,
                                         params, routing, cfg=OP_CFG, key_tracks=(0,),
                                         value_tracks=(0,))

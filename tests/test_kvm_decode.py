@@ -9,25 +9,11 @@ import numpy as np
 import pytest
 
 import kvm_jax as kj
-from tests.conftest import make_inputs, make_params, rel_rms, valid_state
+from kvm_jax.ops.kvm.cases import (TOLERANCE, random_inputs, random_params, rel_rms, select,
+                                   valid_rows)
 
-TOL = 2e-5  # float32; same terms summed in a different order (see test_kvm_equivalence)
-
-
-def _cfg(**kw):
-  base = dict(chunk_size=4, window_chunks=2, sink_rows=1, rope_dims=2,
-              budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))
-  base.update(kw)
-  return kj.KVMConfig(**base)
-
-
-CONFIGS = {
-    "powerlaw_gqa": (_cfg(), 4, 2),
-    "fixed_C": (_cfg(budget=kj.FixedBudget(4)), 2, 2),
-    "saturating_nb3_gated_init": (_cfg(window_chunks=3, budget=kj.SaturatingBudget(16),
-                                       gate_initial_state=True, gate_appends=True), 2, 1),
-}
-T = 31
+TOL = TOLERANCE["float32"]["output"]  # same terms summed in another order (cases.TOLERANCE)
+CASES = {c.name: c for c in select("decode")}
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +22,12 @@ def decode_step_jit():
   return jax.jit(kj.kvm_decode_step, static_argnames=("cfg",))
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_decode_after_prefill_matches_full_sequence(name, decode_step_jit):
-  cfg, H, Hkv = CONFIGS[name]
-  B, D, Dv = 2, 8, 6
-  q, k, v, g = make_inputs(11, B, T, H, Hkv, D, Dv)
-  params = make_params(11, D, H)
+  case = CASES[name]
+  cfg, B, T, Hkv = case.cfg, case.batch, case.seq_len, case.kv_heads
+  D, Dv = case.head_dim, case.value_dim
+  q, k, v, g, params = case.inputs(11)
   y_full, s_full = kj.kvm_attention(q, k, v, g, params, cfg)
   cache0 = kj.kvm_init_cache(cfg, batch=B, kv_heads=Hkv, head_dim=D, value_dim=Dv, max_len=T)
   assert cache0.state.capacity == kj.state_rows_after(cfg, T)
@@ -59,17 +45,18 @@ def test_decode_after_prefill_matches_full_sequence(name, decode_step_jit):
     assert int(cache.length) == T
     assert int(cache.state.num_rows) == int(s_full.num_rows)
     n = int(s_full.num_rows)
-    for got, want in zip(valid_state(cache.state), valid_state(s_full)):
+    for got, want in zip(valid_rows(cache.state), valid_rows(s_full)):
       assert rel_rms(got, want) < TOL, prefix
     # Rows beyond the count stay zero (nothing written outside the schedule).
     assert not np.any(np.asarray(cache.state.keys[:, :, n:]))
 
 
 def test_decode_from_empty_cache_and_single_trace():
-  cfg, H, Hkv = CONFIGS["powerlaw_gqa"]
+  case = CASES["decode_powerlaw_gqa"]
+  cfg, H, Hkv = case.cfg, case.heads, case.kv_heads
   B, D, Dv, n = 1, 8, 6, 23
-  q, k, v, g = make_inputs(5, B, n, H, Hkv, D, Dv)
-  params = make_params(5, D, H)
+  q, k, v, g = random_inputs(5, B, n, H, Hkv, D, Dv)
+  params = random_params(5, D, H)
   y_full, _ = kj.kvm_attention(q, k, v, g, params, cfg)
 
   @jax.jit
@@ -87,10 +74,11 @@ def test_decode_from_empty_cache_and_single_trace():
 
 
 def test_decode_past_max_len_is_an_error_or_nan():
-  cfg, H, Hkv = CONFIGS["fixed_C"]
+  case = CASES["decode_fixed_C"]
+  cfg, H, Hkv = case.cfg, case.heads, case.kv_heads
   B, D, Dv, n = 1, 8, 6, 5
-  q, k, v, g = make_inputs(6, B, n + 1, H, Hkv, D, Dv)
-  params = make_params(6, D, H)
+  q, k, v, g = random_inputs(6, B, n + 1, H, Hkv, D, Dv)
+  params = random_params(6, D, H)
   cache = kj.kvm_init_cache(cfg, batch=B, kv_heads=Hkv, head_dim=D, value_dim=Dv, max_len=n)
   _, cache = kj.kvm_prefill(q[:, :n], k[:, :n], v[:, :n], g[:, :n], params, cfg, cache)
   last = (q[:, n:], k[:, n:], v[:, n:], g[:, n:])
@@ -115,7 +103,8 @@ def test_cache_bytes_are_measured_from_arrays():
 
 
 def test_kvm_attention_traces_once_per_shape():
-  cfg, H, Hkv = CONFIGS["powerlaw_gqa"]
+  case = CASES["decode_powerlaw_gqa"]
+  cfg, H, Hkv = case.cfg, case.heads, case.kv_heads
 
   @jax.jit
   @chex.assert_max_traces(n=1)
@@ -123,6 +112,6 @@ def test_kvm_attention_traces_once_per_shape():
     return kj.kvm_attention(q, k, v, g, params, cfg)
 
   for seed in range(3):  # new values, same shapes: no retrace
-    q, k, v, g = make_inputs(seed, 1, 19, H, Hkv, 8, 6)
-    run(q, k, v, g, make_params(seed, 8, H))
+    q, k, v, g = random_inputs(seed, 1, 19, H, Hkv, 8, 6)
+    run(q, k, v, g, random_params(seed, 8, H))
   chex.clear_trace_counter()

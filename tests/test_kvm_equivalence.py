@@ -18,73 +18,16 @@ import numpy as np
 import pytest
 
 import kvm_jax as kj
-from kvm_jax.ops.kvm import kvm_attention_xla
-from tests.conftest import make_inputs, make_params, rel_rms, valid_state
+from kvm_jax.ops.kvm.cases import TOLERANCE, Case, get, rel_rms, select, valid_rows
+from kvm_jax.ops.kvm.scan import kvm_attention_scan
 
-OUT_TOL = 2e-5
-GRAD_TOL = 1e-4
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  name: str
-  T: int
-  cfg: kj.KVMConfig
-  H: int = 2
-  Hkv: int = 2
-  D: int = 8
-  Dv: int = 6
-  B: int = 2
-
-
-def _cfg(**kw):
-  base = dict(chunk_size=4, window_chunks=2, sink_rows=1, rope_dims=2,
-              budget=kj.FixedBudget(rows=4))
-  base.update(kw)
-  return kj.KVMConfig(**base)
-
-
-CASES = [
-    Case("fixed_C_no_append_ragged", 29, _cfg()),
-    Case("fixed_above_C_appends_gqa_sink0", 30, _cfg(sink_rows=0, budget=kj.FixedBudget(7)),
-         H=4, Hkv=2),
-    Case("powerlaw_gqa", 37, _cfg(budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4)), H=4, Hkv=1),
-    Case("saturating", 40, _cfg(budget=kj.SaturatingBudget(limit=12, min_rows=1))),
-    Case("callable_budget_cap", 41, _cfg(budget=lambda n: n // 2, max_state_rows=11)),
-    Case("T_below_C", 3, _cfg()),
-    Case("T_below_L", 6, _cfg()),
-    Case("T_equals_L", 8, _cfg()),
-    Case("T_L_plus_1", 9, _cfg(budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
-    Case("first_update", 13, _cfg(budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
-    Case("no_gates_no_temps", 27, _cfg(gate_keys=False, gate_values=False,
-                                       head_temperatures=False,
-                                       budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
-    Case("keys_gated_only", 27, _cfg(gate_values=False,
-                                     budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
-    Case("gate_appends_and_initial", 33, _cfg(gate_appends=True, gate_initial_state=True,
-                                              budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
-    Case("value_norm_none", 30, _cfg(value_norm="none",
-                                     budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
-    Case("bf16_readout_cast", 30, _cfg(readout_value_dtype="bfloat16",
-                                       budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
-    Case("bf16_readout_cast_gqa", 30, _cfg(readout_value_dtype="bfloat16",
-                                           budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4)),
-         H=4, Hkv=1),
-    Case("one_window_chunk", 23, _cfg(window_chunks=1,
-                                      budget=kj.PowerLawBudget(3.0, 0.5, min_rows=4))),
-    Case("three_window_chunks", 35, _cfg(window_chunks=3, sink_rows=2,
-                                         budget=kj.SaturatingBudget(limit=14))),
-    Case("no_rope_channels", 26, _cfg(rope_dims=0, budget=kj.FixedBudget(6))),
-    Case("all_rope_channels", 26, _cfg(rope_dims=8, budget=kj.FixedBudget(6))),
-]
-GRAD_CASES = {"fixed_C_no_append_ragged", "fixed_above_C_appends_gqa_sink0", "powerlaw_gqa",
-              "gate_appends_and_initial", "value_norm_none", "bf16_readout_cast", "bf16_readout_cast_gqa", "T_below_L",
-              "no_gates_no_temps"}
+OUT_TOL = TOLERANCE["float32"]["output"]
+GRAD_TOL = TOLERANCE["float32"]["grad"]
+CASES = select("oracle")
 
 
 def _run_both(case: Case, seed: int = 0):
-  q, k, v, g = make_inputs(seed, case.B, case.T, case.H, case.Hkv, case.D, case.Dv)
-  params = make_params(seed, case.D, case.H)
+  q, k, v, g, params = case.inputs(seed)
   ref = kj.kvm_attention_reference(q, k, v, g, params, case.cfg)
   out = kj.kvm_attention(q, k, v, g, params, case.cfg)
   return (q, k, v, g, params), ref, out
@@ -93,11 +36,12 @@ def _run_both(case: Case, seed: int = 0):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_forward_and_state_match_oracle(case):
   _, (y_ref, s_ref), (y, s) = _run_both(case)
-  assert y.shape == (case.B, case.T, case.H, case.Dv) and y.dtype == jnp.float32
-  assert int(s.num_rows) == int(s_ref.num_rows) == kj.state_rows_after(case.cfg, case.T)
+  assert y.shape == (case.batch, case.seq_len, case.heads, case.value_dim)
+  assert y.dtype == jnp.float32
+  assert int(s.num_rows) == int(s_ref.num_rows) == kj.state_rows_after(case.cfg, case.seq_len)
   assert s.keys.shape[2] == int(s.num_rows)  # capacity = rows reached at this length
   assert rel_rms(y, y_ref) < OUT_TOL
-  for got, want in zip(valid_state(s), valid_state(s_ref)):
+  for got, want in zip(valid_rows(s), valid_rows(s_ref)):
     assert got.shape == want.shape
     assert rel_rms(got, want) < OUT_TOL
 
@@ -116,14 +60,12 @@ def _loss_fn(fn, cfg, weights):
 def _shorter(case: Case) -> Case:
   """Gradient cases keep >= 3 state updates but fewer chunks: the unrolled oracle's backward
   compiles in time roughly linear in the number of chunks."""
-  return dataclasses.replace(case, T=min(case.T, 4 * case.cfg.window_len - 3))
+  return dataclasses.replace(case, seq_len=min(case.seq_len, 4 * case.cfg.window_len - 3))
 
 
-@pytest.mark.parametrize("case", [_shorter(c) for c in CASES if c.name in GRAD_CASES],
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [_shorter(c) for c in select("grad")], ids=lambda c: c.name)
 def test_gradients_match_oracle(case):
-  q, k, v, g = make_inputs(0, case.B, case.T, case.H, case.Hkv, case.D, case.Dv)
-  params = make_params(0, case.D, case.H)
+  q, k, v, g, params = case.inputs(0)
   # Output shapes without compiling a forward pass.
   y_ref, s_ref = jax.eval_shape(
       lambda *a: kj.kvm_attention_reference(*a, case.cfg), q, k, v, g, params)
@@ -148,7 +90,7 @@ def test_gradients_match_oracle(case):
       assert rel_rms(a, b) < GRAD_TOL, (name, jax.tree_util.keystr(path[0]), rel_rms(a, b))
   # Sanity: the checked gradients are non-trivial where the spec says gradients flow.
   assert np.any(np.asarray(grads[1])) and np.any(np.asarray(grads[2]))
-  if case.cfg.uses_gate and any(kj.kvm_schedule(case.cfg, case.T).update_after):
+  if case.cfg.uses_gate and any(kj.kvm_schedule(case.cfg, case.seq_len).update_after):
     assert np.any(np.asarray(grads[3]))  # the gate gets gradient through merged sums
   if case.cfg.head_temperatures:
     assert np.any(np.asarray(grads[4].window_temperature))
@@ -156,9 +98,8 @@ def test_gradients_match_oracle(case):
 
 def test_rope_channels_get_no_gradient_through_the_state_only():
   """Zeroed RoPE channels: with queries and window cut off, k's RoPE channels get no gradient."""
-  case = CASES[1]
-  q, k, v, g = make_inputs(3, case.B, case.T, case.H, case.Hkv, case.D, case.Dv)
-  params = make_params(3, case.D, case.H)
+  case = get("fixed_above_C_appends_gqa_sink0")
+  q, k, v, g, params = case.inputs(3)
 
   def state_only(k):
     _, s = kj.kvm_attention(q, k, v, g, params, case.cfg)
@@ -169,24 +110,23 @@ def test_rope_channels_get_no_gradient_through_the_state_only():
   assert np.any(grad_k[..., case.cfg.rope_dims:] != 0)
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [get("fixed_above_C_appends_gqa_sink0"), get("powerlaw_gqa")],
+                         ids=lambda c: c.name)
 def test_scatter_and_onehot_row_updates_agree(case):
   """The CPU (scatter) and GPU/TPU (one-hot matmul) state accumulation paths are equivalent."""
-  q, k, v, g = make_inputs(1, case.B, case.T, case.H, case.Hkv, case.D, case.Dv)
-  params = make_params(1, case.D, case.H)
+  q, k, v, g, params = case.inputs(1)
   outs = {}
   for mode in ("scatter", "onehot"):
-    outs[mode] = kvm_attention_xla(q, k, v, g, params, cfg=case.cfg, row_update=mode)
+    outs[mode] = kvm_attention_scan(q, k, v, g, params, cfg=case.cfg, row_update=mode)
   assert rel_rms(outs["scatter"][0], outs["onehot"][0]) < OUT_TOL
-  for a, b in zip(valid_state(outs["scatter"][1]), valid_state(outs["onehot"][1])):
+  for a, b in zip(valid_rows(outs["scatter"][1]), valid_rows(outs["onehot"][1])):
     assert rel_rms(a, b) < OUT_TOL
 
 
 def test_bf16_activations_track_float32():
   """bf16 q/k/v with float32 state statistics stays within bf16 rounding of the float32 run."""
-  case = CASES[2]
-  q, k, v, g = make_inputs(2, case.B, case.T, case.H, case.Hkv, case.D, case.Dv)
-  params = make_params(2, case.D, case.H)
+  case = get("powerlaw_gqa")
+  q, k, v, g, params = case.inputs(2)
   y32, s32 = kj.kvm_attention(q, k, v, g, params, case.cfg)
   cast = lambda x: x.astype(jnp.bfloat16)
   y16, s16 = kj.kvm_attention(cast(q), cast(k), cast(v), g, params, case.cfg)
@@ -201,9 +141,8 @@ def test_bf16_activations_track_float32():
 
 def test_readout_cast_changes_values_like_bf16():
   """readout_value_dtype='bfloat16' reproduces the authors' cast: a bf16-sized, non-zero change."""
-  case = CASES[2]
-  q, k, v, g = make_inputs(4, case.B, case.T, case.H, case.Hkv, case.D, case.Dv)
-  params = make_params(4, case.D, case.H)
+  case = get("powerlaw_gqa")
+  q, k, v, g, params = case.inputs(4)
   y_plain, _ = kj.kvm_attention(q, k, v, g, params, case.cfg)
   y_cast, _ = kj.kvm_attention(q, k, v, g, params,
                                dataclasses.replace(case.cfg, readout_value_dtype="bfloat16"))
@@ -211,20 +150,8 @@ def test_readout_cast_changes_values_like_bf16():
   assert 1e-5 < err < 1e-2
 
 
-LARGE_CASES = [
-    Case("C32_T700_growth", 700, kj.KVMConfig(chunk_size=32, window_chunks=2, sink_rows=1,
-                                              rope_dims=16,
-                                              budget=kj.PowerLawBudget(8.0, 0.5, min_rows=32)),
-         H=4, Hkv=2, D=32, Dv=32),
-    Case("paper_geometry_sqrt16_T2500", 2500,
-         kj.KVMConfig(chunk_size=256, window_chunks=2, sink_rows=1, rope_dims=32,
-                      budget=kj.PowerLawBudget(16.0, 0.5, min_rows=256)),
-         H=4, Hkv=4, D=64, Dv=64, B=1),
-    pytest.param(Case("paper_heads_sat1024_T8200", 8200,
-                      kj.KVMConfig(chunk_size=256, window_chunks=2, sink_rows=1, rope_dims=64,
-                                   budget=kj.SaturatingBudget(limit=1024, min_rows=1)),
-                      H=4, Hkv=2, D=128, Dv=128, B=1), marks=pytest.mark.slow),
-]
+LARGE_CASES = [pytest.param(c, marks=pytest.mark.slow) if c.slow else c
+               for c in select("oracle-large")]
 
 
 @pytest.mark.parametrize("case", LARGE_CASES, ids=lambda c: c.name)
@@ -233,5 +160,5 @@ def test_larger_shapes_match_oracle(case):
   _, (y_ref, s_ref), (y, s) = _run_both(case, seed=3)
   assert int(s.num_rows) == int(s_ref.num_rows) > case.cfg.chunk_size
   assert rel_rms(y, y_ref) < OUT_TOL
-  for got, want in zip(valid_state(s), valid_state(s_ref)):
+  for got, want in zip(valid_rows(s), valid_rows(s_ref)):
     assert rel_rms(got, want) < OUT_TOL

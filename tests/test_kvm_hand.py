@@ -75,7 +75,7 @@ def test_two_token_merge_and_readout():
   want_keys = np.stack([ln(E1) + 0.5 * ln(E1), ln(E2) + 1.5 * ln(E2)])
   want_values = np.stack([values[0] + 0.5 * values[3], values[1] + 1.5 * values[2]])
   want_radius = np.linalg.norm(values[:2], axis=-1)       # radius fixed at row creation
-  # Readout for query 4 (window = token 4 only) and query 5 (tokens 4, 5), spec §6.6.
+  # Readout for query 4 (window = token 4 only) and query 5 (tokens 4, 5), docs/kvm-spec.md §6.6.
   read_k = ln(want_keys)
   read_v = want_values / np.linalg.norm(want_values, axis=-1, keepdims=True) * want_radius[:, None]
   def attend(t, window):
@@ -152,8 +152,8 @@ def test_novelty_ties_append_lowest_token_index():
 
 
 def test_rope_channels_are_zeroed_then_layer_normed():
-  """prep(k): RoPE channels zeroed *before* LN_s, so they come out as the LN bias (spec §11.2)."""
-  from kvm_jax.ops.common import prepare_state_keys
+  """prep(k): RoPE channels zeroed *before* LN_s, so they come out as the LN bias (docs/kvm-spec.md §11.2)."""
+  from kvm_jax.ops.kvm.state import prepare_state_keys
   cfg = _cfg(rope_dims=2)
   params = kj.KVMParams(ln_scale=jnp.array([2.0, 3.0, 0.5, 1.5]),
                         ln_bias=jnp.array([0.1, -0.2, 0.3, 0.4]),

@@ -35,7 +35,7 @@ def test_paper_parameter_counts():
   c = kj.count_params(kj.presets.kvm_sqrt16_350m())
   assert round(c["total"] / 1e6, 2) == 407.03 and round(c["non_embedding"] / 1e6, 2) == 304.00
   assert round(c["without_lm_head"] / 1e6, 2) == 355.51
-  # KVM-specific parameters (LN_s, W_g, two temperature vectors): spec §3.
+  # KVM-specific parameters (LN_s, W_g, two temperature vectors): docs/kvm-spec.md §3.
   kvm_extra = c["total"] - kj.count_params(kj.presets.gpta2_350m())["total"]
   assert kvm_extra == 203136
   assert kj.count_params(kj.presets.kvm256_120m())["total"] - kj.count_params(

@@ -14,8 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train import data, sharding
-from train.main import apply_override, load_config
+from kvm_jax.runs.checkpoint import Checkpointer
+from kvm_jax.tasks import mqar, text
+from kvm_jax.tasks.labels import IGNORE
+from kvm_jax.tasks.pipeline import batched_iterator
+from kvm_jax.tasks.tokenizers import ByteTokenizer
+from kvm_jax.train import sharding
+from kvm_jax.train import default_job
+from kvm_jax.train.loop import train
+from kvm_jax.train.main import apply_override, load_config, main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config=train/configs/tiny_mqar.py", "--config.steps=30", "--config.batch_size=8",
@@ -39,12 +46,14 @@ def _losses(workdir: Path) -> dict[int, float]:
 def test_sharded_train_step_matches_single_device():
   script = textwrap.dedent("""
     import jax, numpy as np, dataclasses
-    from train.main import load_config
-    from train import loop, sharding, data
+    from kvm_jax.tasks.mqar import MQARSpec
+    from kvm_jax.tasks.pipeline import batched_iterator
+    from kvm_jax.train import loop, sharding
+    from kvm_jax.train.main import load_config
     cfg = load_config("train/configs/tiny_mqar.py")
-    cfg = dataclasses.replace(cfg, batch_size=8, mqar=data.MQARSpec(seq_len=64, vocab_size=128,
+    cfg = dataclasses.replace(cfg, batch_size=8, mqar=MQARSpec(seq_len=64, vocab_size=128,
                               num_pairs=4))
-    batch = next(data.batched_iterator(loop._dataset(cfg, "train"), cfg.batch_size))
+    batch = next(batched_iterator(loop.task_dataset(cfg, "train"), cfg.batch_size))
     results = []
     for mesh in (sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]),
                  sharding.make_mesh(2, 2, 2)):
@@ -71,7 +80,7 @@ def test_sharded_train_step_matches_single_device():
 
 
 def _train_cmd(workdir):
-  return [sys.executable, "-m", "train.main", f"--workdir={workdir}", *TINY]
+  return [sys.executable, "-m", "kvm_jax.train.main", f"--workdir={workdir}", *TINY]
 
 
 def test_kill_and_resume_is_exact(tmp_path):
@@ -116,16 +125,16 @@ def test_sigterm_saves_and_resumes(tmp_path):
 
 
 def test_mqar_examples_are_deterministic_and_well_formed():
-  spec = data.MQARSpec(seq_len=64, vocab_size=128, num_pairs=6)
-  a, b = data.mqar_example(3, 17, spec), data.mqar_example(3, 17, spec)
+  spec = mqar.MQARSpec(seq_len=64, vocab_size=128, num_pairs=6)
+  a, b = mqar.mqar_example(3, 17, spec), mqar.mqar_example(3, 17, spec)
   for k in a:
     np.testing.assert_array_equal(a[k], b[k])
-  assert not np.array_equal(a["inputs"], data.mqar_example(3, 18, spec)["inputs"])
+  assert not np.array_equal(a["inputs"], mqar.mqar_example(3, 18, spec)["inputs"])
   inputs, labels, dist = a["inputs"], a["labels"], a["distance"]
   keys, values = inputs[0:12:2], inputs[1:12:2]
   assert np.all((keys >= 1) & (keys < 64)) and len(set(keys.tolist())) == 6
   assert np.all((values >= 64) & (values < 128))
-  answer = np.flatnonzero(labels != data.IGNORE)
+  answer = np.flatnonzero(labels != IGNORE)
   assert len(answer) == 6                        # one answer per pair, loss only there
   for pos in answer:                             # the input at an answer is the queried key...
     key = inputs[pos]
@@ -135,29 +144,29 @@ def test_mqar_examples_are_deterministic_and_well_formed():
 
 
 def test_cram_packing_and_labels():
-  tok = data.ByteTokenizer()
+  tok = ByteTokenizer()
   docs = ["abc", "defgh", "x" * 50, "ij"]
-  windows = data.cram_pack(docs, tok, seq_len=7)
+  windows = text.cram_pack(docs, tok, seq_len=7)
   # "abc"+EOS (4) + "defgh"+EOS (6) -> buffer 10 >= 8: first 8 emitted, the rest dropped;
   # 50 x's truncated to 8 -> a window alone; "ij"+EOS stays in the buffer (never emitted).
   assert windows.shape == (2, 8)
   assert tok.decode(windows[0]) == "abcdefg" and windows[0][3] == tok.eos_id
   assert tok.decode(windows[1]) == "x" * 8
-  ex = data.lm_example(windows[0], tok.eos_id)
+  ex = text.lm_example(windows[0], tok.eos_id)
   np.testing.assert_array_equal(ex["inputs"], windows[0][:-1])
-  assert ex["labels"][3] == data.IGNORE           # input token 3 is EOS: no loss across docs
+  assert ex["labels"][3] == IGNORE           # input token 3 is EOS: no loss across docs
   assert ex["labels"][2] == tok.eos_id
-  corpus = data.embedded_corpus()                 # the default corpus ships with Python
+  corpus = text.embedded_corpus()                 # the default corpus ships with Python
   assert len(corpus) > 50 and sum(map(len, corpus)) > 300_000
 
 
 def test_iterator_resume_neither_repeats_nor_skips():
-  spec = data.MQARSpec(seq_len=32, vocab_size=64, num_pairs=2)
-  it = data.batched_iterator(data.mqar_dataset(0, spec), 4)
+  spec = mqar.MQARSpec(seq_len=32, vocab_size=64, num_pairs=2)
+  it = batched_iterator(mqar.mqar_dataset(0, spec), 4)
   first = [next(it)["inputs"] for _ in range(3)]
   state = it.get_state()
   rest = [next(it)["inputs"] for _ in range(2)]
-  fresh = data.batched_iterator(data.mqar_dataset(0, spec), 4)
+  fresh = batched_iterator(mqar.mqar_dataset(0, spec), 4)
   fresh.set_state(state)
   np.testing.assert_array_equal(next(fresh)["inputs"], rest[0])
   np.testing.assert_array_equal(next(fresh)["inputs"], rest[1])
@@ -176,9 +185,8 @@ def test_bad_training_input(tmp_path):
   with pytest.raises(ValueError, match="batch_size=3 is not divisible"):
     _check_batch_on_fake_mesh()
   with pytest.raises(ValueError, match="data file 'nope.txt' does not exist"):
-    data.read_documents(["nope.txt"])
+    text.read_documents(["nope.txt"])
   # A corrupt checkpoint is a clear error and nothing is overwritten.
-  from train.checkpoint import Checkpointer
   import jax.numpy as jnp
   ck = Checkpointer(tmp_path / "ck")
   ck.save(5, {"w": jnp.ones(3)}, {"next_index": 5}, force=True)
@@ -212,13 +220,13 @@ def _check_batch_on_fake_mesh():
 
 
 def test_resume_flag_requires_a_checkpoint(tmp_path):
-  from train.main import main
   with pytest.raises(SystemExit, match="--resume: no checkpoint"):
     main(["--config=train/configs/tiny_mqar.py", f"--workdir={tmp_path}", "--resume"])
 
 
 def test_cli_help_explains_flags():
-  out = subprocess.run([sys.executable, "-m", "train.main", "--help"], cwd=ROOT, env=_env(),
+  out = subprocess.run([sys.executable, "-m", "kvm_jax.train.main", "--help"], cwd=ROOT,
+                       env=_env(),
                        capture_output=True, text=True, timeout=120)
   assert out.returncode == 0
   for flag in ("--config", "--workdir", "--config.FIELD=VALUE", "resumes", "--resume",
@@ -228,7 +236,6 @@ def test_cli_help_explains_flags():
 
 def test_default_job_end_to_end_small(tmp_path):
   """The README's main job at a few steps: trains, evaluates, writes table/plot, resumes."""
-  from train import default_job
   assert default_job.main(["--workdir", str(tmp_path), "--steps", "30",
                            "--models", "kvm-sqrt"]) == 0
   summary = json.loads((tmp_path / "summary.json").read_text())
@@ -245,7 +252,6 @@ def test_default_job_end_to_end_small(tmp_path):
 def test_tiny_text_training_loss_falls(tmp_path):
   """End to end on the embedded corpus: byte-level loss falls by more than half in 40 steps."""
   import dataclasses
-  from train.loop import train
   cfg = dataclasses.replace(load_config(str(ROOT / "train/configs/tiny_text.py")), steps=40,
                             warmup_steps=5, log_every=1, eval_every=0, checkpoint_every=40,
                             seq_len=128)

@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 import kvm_jax as kj
-from train import adamc as adamc_lib
-from train import completep
+from kvm_jax.train import adamc as adamc_lib
+from kvm_jax.train import completep
 
 
 def _reference_adamw(params, grads_per_step, lr_fn, lr_peak, wd_peak, lr_scale, wd_scale,

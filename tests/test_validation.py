@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import kvm_jax as kj
-from tests.conftest import make_inputs, make_params
+from kvm_jax.ops.kvm.cases import random_inputs, random_params
 
 CFG = kj.KVMConfig(chunk_size=4, window_chunks=2, sink_rows=1, rope_dims=2,
                    budget=kj.FixedBudget(4))
@@ -52,8 +52,8 @@ def test_config_is_hashable_and_frozen():
 
 
 def _inputs():
-  q, k, v, g = make_inputs(0, 1, 9, 4, 2, 8, 6)
-  return q, k, v, g, make_params(0, 8, 4)
+  q, k, v, g = random_inputs(0, 1, 9, 4, 2, 8, 6)
+  return q, k, v, g, random_params(0, 8, 4)
 
 
 @pytest.mark.parametrize("mutate, match", [

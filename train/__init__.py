@@ -1,1 +1,11 @@
-"""Training (AdamC, CompleteP, sharding, data, checkpoints, CLI). Lands with the training issue (#4)."""
+"""Training (installed as ``kvm_jax.train``): AdamC with CompleteP groups, a sharded jitted step,
+checkpointed data, exact resume, JSONL metrics, and the ``kvm-train`` / ``kvm-demo`` commands.
+
+    from kvm_jax.train import TrainConfig, train
+    result = train(TrainConfig(model=kj.presets.tiny()), "runs/tiny")
+"""
+
+from kvm_jax.runs.config import TrainConfig
+from kvm_jax.train.loop import evaluate, task_dataset, train
+
+__all__ = ["TrainConfig", "evaluate", "task_dataset", "train"]

@@ -1,4 +1,5 @@
-"""CompleteP / μP parameter groups and the learning-rate schedule, as the authors train (spec §8).
+"""CompleteP / μP parameter groups and the learning-rate schedule, as the authors train
+(docs/kvm-spec.md §8).
 
 Rules and their sources (the authors' ``train.py``, ``trainer.py``, ``utils/opt.py``, configs):
 
@@ -26,7 +27,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvm_jax.model_config import ModelConfig
+from kvm_jax.model_config import ModelConfig, value_lora_width
+from kvm_jax.nn.layers import path_names
 
 GROUPS = ("matrix_params", "lm_head", "wte_embed", "scalars")
 
@@ -55,15 +57,9 @@ def lr_schedule(peak: float, total_steps: int, warmup_steps: int = 200):
   return schedule
 
 
-def _path_names(path) -> list[str]:
-  """Names along a pytree path, without the trailing ``value`` of an NNX variable's state."""
-  names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
-  return names[:-1] if names and names[-1] == "value" else names
-
-
 def group_of(path) -> str:
   """The authors' label of one parameter, from its NNX state path."""
-  names = _path_names(path)
+  names = path_names(path)
   if "lm_head" in names:
     return "lm_head"
   if "wte" in names:
@@ -81,12 +77,11 @@ def group_tree(params: Any) -> Any:
 def mup_scales(params: Any, cfg: ModelConfig) -> tuple[Any, Any]:
   """Per-parameter (lr_scale, wd_scale) pytrees implementing the groups above."""
   ratio = cfg.hidden_size / cfg.mup_base_dim
-  lora_base = max(32, int(round(1.3 * cfg.mup_base_dim ** 0.5 / 32) * 32))
-  lora_ratio = cfg.value_lora_width / lora_base
+  lora_ratio = cfg.value_lora_width / value_lora_width(cfg.mup_base_dim)
 
   def scales(path, _):
     group = group_of(path)
-    r = lora_ratio if "v_gate2" in _path_names(path) else ratio
+    r = lora_ratio if "v_gate2" in path_names(path) else ratio
     if group in ("matrix_params", "lm_head"):
       return (1.0 / r, r)
     if group == "wte_embed":

@@ -23,8 +23,10 @@ import time
 from pathlib import Path
 
 import kvm_jax as kj
-from train import data
-from train.loop import TrainConfig, evaluate, train
+from kvm_jax.runs.config import TrainConfig
+from kvm_jax.tasks.mqar import MQARSpec
+from kvm_jax.tasks.tokenizers import ByteTokenizer
+from kvm_jax.train.loop import evaluate, train
 
 CHUNK, WINDOW_CHUNKS = 8, 2
 VALUES = 32  # value vocabulary of the MQAR task: chance recall is 1/32
@@ -33,7 +35,7 @@ VALUES = 32  # value vocabulary of the MQAR task: chance recall is 1/32
 def model_configs() -> dict[str, kj.ModelConfig]:
   # vocab 320 = the byte tokenizer's: MQAR uses ids < 64, and `kvm-eval` can still run the text
   # suites (NIAH, position-wise loss) on these models.
-  base = dict(vocab_size=data.ByteTokenizer.vocab_size, num_layers=2, hidden_size=64, num_heads=2,
+  base = dict(vocab_size=ByteTokenizer.vocab_size, num_layers=2, hidden_size=64, num_heads=2,
               rope_dims=16, swa_rope_dims=32, mup_base_dim=64, bswa_chunk_size=CHUNK,
               bswa_window_chunks=WINDOW_CHUNKS, bswa_sink_rows=0)
   kvm = lambda budget: kj.KVMConfig(chunk_size=CHUNK, window_chunks=WINDOW_CHUNKS, sink_rows=1,
@@ -49,7 +51,7 @@ def model_configs() -> dict[str, kj.ModelConfig]:
 
 def train_config(model: kj.ModelConfig, steps: int, seed: int) -> TrainConfig:
   return TrainConfig(model=model, task="mqar",
-                     mqar=data.MQARSpec(seq_len=64, vocab_size=64, num_pairs=8),
+                     mqar=MQARSpec(seq_len=64, vocab_size=64, num_pairs=8),
                      batch_size=64, steps=steps, warmup_steps=min(50, steps // 4),
                      learning_rate=3e-3,
                      weight_decay=0.1, seed=seed, log_every=25, eval_every=0,

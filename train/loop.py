@@ -9,8 +9,6 @@ current step.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import signal
 import time
 from pathlib import Path
@@ -23,101 +21,41 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kvm_jax import config_io
-from kvm_jax.model_config import ModelConfig
+from kvm_jax.budget import state_rows_after
 from kvm_jax.nn.model import LM
-from train import adamc as adamc_lib
-from train import completep, data, sharding
-from train.checkpoint import Checkpointer, abstract_like
-from train.metrics import MetricsWriter, Progress
+from kvm_jax.ops.kvm.api import kernel_sharding
+from kvm_jax.progress import ProgressBar
+from kvm_jax.runs.checkpoint import Checkpointer, abstract_like
+from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.directory import CHECKPOINT_DIR, forward_logits, save_config
+from kvm_jax.tasks import mqar, niah, text
+from kvm_jax.tasks.labels import IGNORE
+from kvm_jax.tasks.pipeline import batched_iterator
+from kvm_jax.tasks.tokenizers import tokenizer
+from kvm_jax.train import adamc as adamc_lib
+from kvm_jax.train import completep, sharding
+from kvm_jax.train.metrics import MetricsWriter
 
 
-@dataclasses.dataclass
-class TrainConfig:
-  """Everything a run needs. Python config files in ``train/configs`` return one of these.
-
-  Attributes:
-    model: the :class:`kvm_jax.ModelConfig` to train.
-    task: "mqar" (synthetic recall), "niah" (RULER-style needle retrieval, loss on the answer
-      only) or "text" (packed language modelling).
-    mqar: MQAR task shape (sequence length, vocabulary, pairs) when ``task == "mqar"``.
-    niah: NIAH task (RULER task name, lengths, tokenizer) when ``task == "niah"``.
-    text_files: local .txt/.jsonl files for ``task == "text"``; empty = the embedded corpus.
-    seq_len: training sequence length (text; MQAR uses ``mqar.seq_len``).
-    batch_size: sequences per step (global, split over the data axis of the mesh).
-    steps: optimizer steps; warmup_steps: linear warm-up steps of the schedule.
-    learning_rate / weight_decay: peak lr and wd of AdamC (wd follows lr, spec §8).
-    seed: initialization and data seed.
-    log_every / eval_every / checkpoint_every: intervals in steps (0 disables eval).
-    eval_batches: batches of the held-out stream per evaluation.
-    keep_checkpoints: newest checkpoints kept.
-    mesh_data / mesh_fsdp / mesh_tensor: device mesh sizes (one may be -1 = the remaining
-      devices); see ``train.sharding``.
-    tokenizer_file: a local ``tokenizer.json`` for text (default: bytes).
-    hf_dataset / hf_split / hf_text_field: a HuggingFace dataset already in the local cache
-      (needs the ``datasets`` package; nothing is downloaded in tests or the default job).
-    peak_tflops_per_device: for the MFU estimate; 0 = look the device kind up (unknown: no MFU).
-  """
-
-  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-  task: str = "mqar"
-  mqar: data.MQARSpec = dataclasses.field(default_factory=data.MQARSpec)
-  niah: data.NIAHSpec = dataclasses.field(default_factory=data.NIAHSpec)
-  text_files: tuple = ()
-  seq_len: int = 256
-  batch_size: int = 16
-  steps: int = 1000
-  warmup_steps: int = 100
-  learning_rate: float = 3e-3
-  weight_decay: float = 0.1
-  seed: int = 0
-  log_every: int = 10
-  eval_every: int = 0
-  checkpoint_every: int = 100
-  eval_batches: int = 4
-  keep_checkpoints: int = 3
-  mesh_data: int = -1
-  mesh_fsdp: int = 1
-  mesh_tensor: int = 1
-  tokenizer_file: str = ""
-  hf_dataset: str = ""
-  hf_split: str = "train"
-  hf_text_field: str = "text"
-  peak_tflops_per_device: float = 0.0
-
-  @property
-  def sequence_length(self) -> int:
-    """Tokens per training sequence (MQAR and NIAH set their own)."""
-    return {"mqar": self.mqar.seq_len, "niah": self.niah.seq_len}.get(self.task, self.seq_len)
-
-  def validate(self) -> None:
-    if self.task not in ("mqar", "niah", "text"):
-      raise ValueError(f"task must be 'mqar', 'niah' or 'text', got {self.task!r}.")
-    for name in ("batch_size", "steps", "log_every", "checkpoint_every", "keep_checkpoints"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-    if self.task == "mqar" and self.mqar.vocab_size > self.model.vocab_size:
-      raise ValueError(f"mqar.vocab_size={self.mqar.vocab_size} exceeds model.vocab_size="
-                       f"{self.model.vocab_size}.")
-
-
-def _dataset(cfg: TrainConfig, split: str):
+def task_dataset(cfg: TrainConfig, split: str):
+  """The ``grain.MapDataset`` of a run's task: ``split`` "train", or "eval" (a held-out stream:
+  another seed for the synthetic tasks, the first 5% of the packed windows for text)."""
   seed = cfg.seed if split == "train" else cfg.seed + 10_000
   if cfg.task == "mqar":
-    return data.mqar_dataset(seed, cfg.mqar)
+    return mqar.mqar_dataset(seed, cfg.mqar)
   if cfg.task == "niah":
-    return data.niah_dataset(seed, cfg.niah)
-  tok = data.tokenizer(cfg.tokenizer_file)
+    return niah.niah_dataset(seed, cfg.niah)
+  tok = tokenizer(cfg.tokenizer_file)
   if cfg.hf_dataset:
-    docs = data.read_hf_documents(cfg.hf_dataset, cfg.hf_split, cfg.hf_text_field)
+    docs = text.read_hf_documents(cfg.hf_dataset, cfg.hf_split, cfg.hf_text_field)
   elif cfg.text_files:
-    docs = data.read_documents(cfg.text_files)
+    docs = text.read_documents(cfg.text_files)
   else:
-    docs = data.embedded_corpus()
-  windows = data.cram_pack(docs, tok, cfg.seq_len)
+    docs = text.embedded_corpus()
+  windows = text.cram_pack(docs, tok, cfg.seq_len)
   n_eval = max(1, len(windows) // 20)
   windows = windows[n_eval:] if split == "train" else windows[:n_eval]
-  return data.text_dataset(windows, tok.eos_id, seed)
+  return text.text_dataset(windows, tok.eos_id, seed)
 
 
 # Dense bf16 peak per device, for the MFU estimate (matched against device_kind).
@@ -136,7 +74,6 @@ def peak_flops(cfg: TrainConfig) -> float:
 
 def flops_per_token(cfg: TrainConfig, params) -> float:
   """6·N (matmul parameters, forward + backward) + attention/readout: 12·layers·keys·D·H."""
-  from kvm_jax.budget import state_rows_after
   m = cfg.model
   T = cfg.sequence_length
   n = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params)) - \
@@ -156,7 +93,7 @@ def flops_per_token(cfg: TrainConfig, params) -> float:
 
 def masked_loss(logits, labels):
   """Mean cross-entropy over positions whose label is not -100."""
-  valid = labels != data.IGNORE
+  valid = labels != IGNORE
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(valid, labels, 0))
   return jnp.sum(ce * valid) / jnp.maximum(jnp.sum(valid), 1)
 
@@ -212,33 +149,28 @@ def put_batch(batch: dict, batch_sharding) -> dict:
           for k, v in batch.items()}
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _logits(graphdef, params, inputs):
-  return nnx.merge(graphdef, params)(inputs)
-
-
 def evaluate(graphdef, params, cfg: TrainConfig, batches: int,
              dataset=None) -> dict[str, float]:
   """Held-out loss on the same first ``batches`` batches every time; for MQAR also recall split
   by where the queried key lives (``dataset`` avoids rebuilding the held-out split)."""
-  it = data.batched_iterator(dataset or _dataset(cfg, "eval"), cfg.batch_size)
+  it = batched_iterator(dataset or task_dataset(cfg, "eval"), cfg.batch_size)
   loss, counts = 0.0, None
   for _ in range(batches):
     batch = next(it)
-    logits = _logits(graphdef, params, batch["inputs"])
+    logits = forward_logits(graphdef, params, batch["inputs"])
     loss += float(masked_loss(logits, batch["labels"])) / batches
     if cfg.task == "mqar":
       pred = np.asarray(jnp.argmax(logits, -1))
-      c = data.recall_counts(pred, batch["labels"], batch["distance"], cfg.model.kvm.window_len)
+      c = mqar.recall_counts(pred, batch["labels"], batch["distance"], cfg.model.kvm.window_len)
       counts = c if counts is None else {k: counts[k] + c[k] for k in c}
     elif cfg.task == "niah":  # teacher-forced: every answer token right
       pred = np.asarray(jnp.argmax(logits, -1))
       labels = np.asarray(batch["labels"])
-      wrong = ((pred != labels) & (labels != data.IGNORE)).any(axis=1)
+      wrong = ((pred != labels) & (labels != IGNORE)).any(axis=1)
       counts = (0 if counts is None else counts) + np.array([int((~wrong).sum()), len(wrong)])
   if cfg.task == "niah":
     return {"eval_loss": loss, "answer_exact": counts[0] / counts[1]}
-  return {"eval_loss": loss, **(data.recall_ratios(counts) if counts else {})}
+  return {"eval_loss": loss, **(mqar.recall_ratios(counts) if counts else {})}
 
 
 def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dict[str, Any]:
@@ -248,10 +180,9 @@ def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dic
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   graphdef, params, opt_state, optimizer, shardings = setup(cfg)
-  iterator = data.batched_iterator(_dataset(cfg, "train"), cfg.batch_size,
-                                   shard_index=jax.process_index(),
-                                   shard_count=jax.process_count())
-  ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.keep_checkpoints)
+  iterator = batched_iterator(task_dataset(cfg, "train"), cfg.batch_size,
+                              shard_index=jax.process_index(), shard_count=jax.process_count())
+  ckpt = Checkpointer(workdir / CHECKPOINT_DIR, keep=cfg.keep_checkpoints)
   save_config(cfg, workdir, verbose)
   start = 0
   if ckpt.latest_step() is not None:
@@ -266,16 +197,18 @@ def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dic
   stop = {"sigterm": False}
   previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True)) \
       if _in_main_thread() else None
-  progress = Progress(cfg.steps, start)
+  progress = ProgressBar(cfg.steps, "step", start)
   peak, fpt = peak_flops(cfg), flops_per_token(cfg, params)
-  eval_set = _dataset(cfg, "eval") if cfg.eval_every else None
+  eval_set = task_dataset(cfg, "eval") if cfg.eval_every else None
   tokens_per_step = cfg.batch_size * cfg.sequence_length
   last: dict[str, Any] = {"step": start}
   t0, ran = time.perf_counter(), 0
   contexts = contextlib.ExitStack()
   if cfg.model.kvm_implementation != "xla":
-    # The Pallas kernels split themselves over the current mesh (shard_map).
+    # The Pallas kernels run per shard (shard_map) over this trainer's batch and KV-head axes.
     contexts.enter_context(jax.set_mesh(shardings[2].mesh))
+    contexts.enter_context(kernel_sharding(batch_axes=sharding.BATCH,
+                                           head_axis=sharding.LOGICAL_RULES["kv_heads"]))
   try:
     for step in range(start, cfg.steps):
       batch = put_batch(next(iterator), shardings[2])
@@ -291,8 +224,9 @@ def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dic
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
           last.update(evaluate(graphdef, params, cfg, cfg.eval_batches, eval_set))
         metrics.write(**last)
-        line = progress.line(done, loss, rate,
-                             f"MFU {last['mfu']:.1%}" if "mfu" in last else None)
+        extra = f"loss {loss:.4f}  {rate:,.0f} tok/s" + (
+            f"  MFU {last['mfu']:.1%}" if "mfu" in last else "")
+        line = progress.draw(done, extra) if verbose else progress.message(done, extra)
         if verbose and not progress.tty:
           print(line, flush=True)
       if done % cfg.checkpoint_every == 0 or final:
@@ -306,53 +240,11 @@ def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dic
     metrics.close()
     if previous is not None:
       signal.signal(signal.SIGTERM, previous)
-    if verbose and progress.tty:
-      print()
+    if verbose and progress.tty and last.get("step", 0) < cfg.steps:
+      print(file=progress.stream)  # the bar ends its own line only when it reaches the end
   last["params"] = params
   last["graphdef"] = graphdef
   return last
-
-
-CONFIG_FILE = "config.json"
-TRAIN_CLASSES = (TrainConfig, data.MQARSpec, data.NIAHSpec)
-
-
-def save_config(cfg: TrainConfig, workdir: Path, verbose: bool = True) -> None:
-  """Writes ``workdir/config.json`` so evaluation can rebuild the model from the directory alone."""
-  try:
-    config_io.save(workdir / CONFIG_FILE, cfg)
-  except ValueError as e:  # a callable budget: training still works, loading needs the config
-    if verbose:
-      print(f"note: {CONFIG_FILE} not written ({e}); pass the config to load_trained().")
-
-
-def load_trained(workdir: str | Path, step: int | None = None,
-                 cfg: TrainConfig | None = None) -> tuple[TrainConfig, Any, int]:
-  """(train config, ``nnx`` model with the checkpointed parameters, step) of a run directory.
-
-  ``step`` defaults to the newest checkpoint; ``cfg`` defaults to the run's ``config.json``.
-  """
-  workdir = Path(workdir)
-  if cfg is None:
-    if not (workdir / CONFIG_FILE).exists():
-      raise ValueError(f"{workdir} has no {CONFIG_FILE}: is it a kvm-train / kvm-demo run "
-                       "directory (one model per directory, e.g. runs/demo/kvm-fixed)?")
-    cfg = config_io.load(workdir / CONFIG_FILE, TRAIN_CLASSES)
-  abstract_model = nnx.eval_shape(lambda: LM(cfg.model, rngs=nnx.Rngs(0)))
-  graphdef, abstract_params = nnx.split(abstract_model)
-  abstract_opt = jax.eval_shape(make_optimizer(cfg, abstract_params).init, abstract_params)
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-      {"params": abstract_params, "opt_state": abstract_opt})
-  ckpt = Checkpointer(workdir / "checkpoints")
-  try:
-    if ckpt.latest_step() is None:
-      raise ValueError(f"{workdir / 'checkpoints'} holds no checkpoint.")
-    step, state, _ = ckpt.restore(target, step)
-  finally:
-    ckpt.close()
-  return cfg, nnx.merge(graphdef, state["params"]), step
 
 
 def _in_main_thread() -> bool:

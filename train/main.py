@@ -3,7 +3,7 @@
   kvm-train --config=train/configs/tiny_mqar.py --workdir=runs/mqar [--config.steps=200 ...]
 
 Flags:
-  --config=PATH           Python file whose get_config() returns a train.loop.TrainConfig.
+  --config=PATH           Python file whose get_config() returns a kvm_jax.train.TrainConfig.
   --workdir=DIR           where checkpoints/, metrics.jsonl and tb/ go; re-running the same
                           command on the same DIR resumes from its latest checkpoint.
   --config.FIELD=VALUE    override any config field, nested with dots
@@ -23,6 +23,10 @@ import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
+
+import jax
+
+from kvm_jax.train.loop import train
 
 
 def load_config(path: str):
@@ -80,7 +84,6 @@ def main(argv=None) -> int:
                       help="initialize multi-host JAX (jax.distributed.initialize()) first.")
   args, rest = parser.parse_known_args(argv)
   if args.distributed:
-    import jax
     jax.distributed.initialize()
   cfg = load_config(args.config)
   for item in rest:
@@ -100,7 +103,6 @@ def main(argv=None) -> int:
     ckpt_dir = Path(args.workdir) / "checkpoints"
     if not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
       raise SystemExit(f"--resume: no checkpoint in {ckpt_dir}; drop --resume to start a new run.")
-  from train.loop import train
   result = train(cfg, args.workdir)
   summary = {k: v for k, v in result.items() if isinstance(v, (int, float))}
   print("final:", ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"

@@ -10,7 +10,7 @@ Every matrix carries logical axis names (``LOGICAL_AXES``: embed, heads, kv_head
 lora) mapped to mesh axes by ``LOGICAL_RULES``; change the rules to change the strategy. A dimension
 is sharded only when the axis size divides it; otherwise it is replicated, so every rule is valid
 for every model. Batches are split over ``data × fsdp``. The same code runs on one CPU,
-on 8 simulated CPU devices (tests) and on a pod (``jax.distributed.initialize()`` in ``train.main``).
+on 8 simulated CPU devices (tests) and on a pod (``--distributed`` in ``kvm-train``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from kvm_jax.nn.layers import path_names
 
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")
@@ -44,11 +46,6 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
   return jax.make_mesh(tuple(sizes), AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
-def _names(path) -> list[str]:
-  names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
-  return names[:-1] if names and names[-1] == "value" else names
-
-
 # Logical axis names of every 2-D parameter (by the name of the layer that owns it), and the rules
 # that map logical axes to mesh axes (maxtext-style). Vectors have no logical axes (replicated).
 LOGICAL_AXES = {
@@ -68,11 +65,11 @@ def logical_axes(path, ndim: int) -> tuple:
   """Logical axis names of a parameter (empty for vectors)."""
   if ndim != 2:
     return ()
-  names = _names(path)
+  names = path_names(path)
   owner = next((n for n in reversed(names) if n in LOGICAL_AXES), None)
   if owner is None:
     raise ValueError(f"no logical axes for parameter {'/'.join(names)}; add its layer to "
-                     "train.sharding.LOGICAL_AXES.")
+                     "kvm_jax.train.sharding.LOGICAL_AXES.")
   axes = LOGICAL_AXES[owner]
   if owner == "c_proj" and "mlp" in names:
     axes = ("mlp", "embed")

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvm_jax.ops.common import (fill_ring, joint_attention, ring_positions, tree_nbytes,
-                                write_ring)
+from kvm_jax.ops.common import (fill_ring, joint_attention, ring_positions, to_chunks,
+                                tree_nbytes, window_mask, window_stack, write_ring)
 
 Array = jax.Array
 
@@ -48,10 +48,6 @@ def _scale_as_temperature(scale: Optional[float], q: Array, Hkv: int) -> Array:
   return jnp.full((Hkv, q.shape[2] // Hkv), t, jnp.float32)
 
 
-def _chunks(x: Array, num_chunks: int, chunk: int) -> Array:
-  return x.reshape(x.shape[0], num_chunks, chunk, *x.shape[2:])
-
-
 def block_sliding_window_attention(q: Array, k: Array, v: Array, chunk_size: int,
                                    window_chunks: int, sink_rows: int = 0,
                                    scale: Optional[float] = None) -> Array:
@@ -62,27 +58,21 @@ def block_sliding_window_attention(q: Array, k: Array, v: Array, chunk_size: int
   nC = -(-T // C)
   pad = [(0, 0), (0, nC * C - T), (0, 0), (0, 0)]
   q_p, k_p, v_p = (jnp.pad(x, pad) for x in (q, k, v))
-  front = [(0, 0), ((nb - 1) * C, 0), (0, 0), (0, 0)]
-  k_c = _chunks(jnp.pad(k_p, front), nC + nb - 1, C)
-  v_c = _chunks(jnp.pad(v_p, front), nC + nb - 1, C)
-  win_k = jnp.concatenate([k_c[:, j:j + nC] for j in range(nb)], axis=2)   # [B, nC, nb*C, Hkv, D]
-  win_v = jnp.concatenate([v_c[:, j:j + nC] for j in range(nb)], axis=2)
-  q_c = _chunks(q_p, nC, C).reshape(B, nC, C, Hkv, H // Hkv, D)
+  win_k = window_stack(k_p, nC, C, nb)                                    # [nC, B, nb*C, Hkv, D]
+  win_v = window_stack(v_p, nC, C, nb)
+  q_c = to_chunks(q_p, nC, C).reshape(nC, B, C, Hkv, H // Hkv, D)
   S = max(sink_rows, 1)  # a dummy (never valid) row when there are no sinks
   sink_k = jnp.swapaxes(k_p[:, :S], 1, 2)                                   # [B, Hkv, S, D]
   sink_v = jnp.swapaxes(v_p[:, :S], 1, 2)
-  slot = np.arange(nb * C)
-  causal = slot[None, :] <= (nb - 1) * C + np.arange(C)[:, None]
   temp = _scale_as_temperature(scale, q, Hkv)
 
   def one_chunk(c, qc, wk, wv):
     begin = (c - nb + 1) * C
-    window_valid = causal & (begin + slot >= 0)[None, :]
     sink_valid = (jnp.arange(S) < sink_rows) & (jnp.arange(S) < begin)  # not already in window
-    return joint_attention(qc, sink_k, sink_v, sink_valid[None, :], wk, wv, window_valid, temp,
-                           temp)
+    return joint_attention(qc, sink_k, sink_v, sink_valid[None, :], wk, wv,
+                           window_mask(c, C, nb), temp, temp)
 
-  y = jax.vmap(one_chunk, in_axes=(0, 1, 1, 1), out_axes=1)(jnp.arange(nC), q_c, win_k, win_v)
+  y = jax.vmap(one_chunk, out_axes=1)(jnp.arange(nC), q_c, win_k, win_v)
   return y.reshape(B, nC * C, H, -1)[:, :T].astype(q.dtype)
 
 

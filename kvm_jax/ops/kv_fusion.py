@@ -1,4 +1,4 @@
-"""Cross-layer KV fusion (FusedKV, ``shared/design/fusedkv.md``): weights, folding, materializing.
+"""Cross-layer KV fusion (FusedKV, ``docs/fusedkv.md``): weights, folding, materializing.
 
 An upper (reconstruction) layer attends with keys and values built from S source layers::
 

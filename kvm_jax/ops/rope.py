@@ -1,4 +1,4 @@
-"""Partial, interleaved rotary position embedding exactly as the authors' backbone (spec §5).
+"""Partial, interleaved rotary position embedding exactly as the authors' backbone (docs/kvm-spec.md §5).
 
 * frequencies ``f_i = (1/θ)^(i / (r/2 - 1))`` for i = 0..r/2-1 (``linspace(0, 1, r/2)``
   exponents: from 1 down to exactly 1/θ, not the usual θ^(-2i/r));
@@ -6,7 +6,7 @@
 * ``out[2i] = cos·x[2i] + sin·x[2i+1]``, ``out[2i+1] = cos·x[2i+1] - sin·x[2i]`` (rotation by -a;
   the relative-position property is unchanged);
 * angles in float32; the authors cast the cos/sin tables to bfloat16 — ``table_dtype="bfloat16"``
-  reproduces that, the default keeps them float32 (spec decision 2).
+  reproduces that, the default keeps them float32 (docs/kvm-spec.md, decision 2).
 """
 
 from __future__ import annotations

@@ -1,1 +1,2 @@
-"""Training configs: each module defines ``get_config() -> train.loop.TrainConfig``."""
+"""Training configs: each module defines ``get_config() -> kvm_jax.train.TrainConfig``; pass its
+path to ``kvm-train --config=``."""

@@ -1,6 +1,6 @@
 """The paper's 350M KVM-256 run: 15000 steps (~7.9B tokens), lr 1.26491e-3 / wd 0.126491."""
 
-from train.configs.paper import paper_config
+from kvm_jax.train.configs.paper import paper_config
 
 
 def get_config():

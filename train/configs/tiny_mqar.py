@@ -3,8 +3,8 @@
 from kvm_jax import presets
 from kvm_jax.budget import PowerLawBudget
 from kvm_jax.config import KVMConfig
-from train.data import MQARSpec
-from train.loop import TrainConfig
+from kvm_jax.tasks.mqar import MQARSpec
+from kvm_jax.train import TrainConfig
 
 
 def get_config() -> TrainConfig:

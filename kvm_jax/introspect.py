@@ -18,9 +18,10 @@ import jax.numpy as jnp
 
 from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig
-from kvm_jax.ops.common import (KVMParams, KVMState, layer_norm, pad_rows, overflow_rows,
-                                state_readout, temperatures, update_state, _MASKED)
-from kvm_jax.ops.kvm import kvm_attention_xla
+from kvm_jax.ops.common import MASKED, layer_norm
+from kvm_jax.ops.kvm.scan import kvm_attention_scan
+from kvm_jax.ops.kvm.state import (KVMParams, KVMState, overflow_rows, pad_rows, state_readout,
+                                   temperatures, update_state)
 
 Array = jax.Array
 
@@ -36,7 +37,7 @@ def state_before(k: Array, v: Array, g: Array, params: KVMParams, cfg: KVMConfig
   T = chunk * C + 1
   H = params.window_temperature.shape[0]
   q = jnp.zeros((k.shape[0], T, H, k.shape[3]), k.dtype)  # queries do not change the state
-  _, state = kvm_attention_xla(q, k[:, :T], v[:, :T], g[:, :T], params, cfg=cfg)
+  _, state = kvm_attention_scan(q, k[:, :T], v[:, :T], g[:, :T], params, cfg=cfg)
   return state
 
 
@@ -77,8 +78,8 @@ def chunk_attention(q: Array, k: Array, v: Array, g: Array, params: KVMParams, c
   state_ok = np.arange(keys.shape[2]) < rows
   query_pos = chunk * C + np.arange(Tq)
   window_ok = (positions[None, :] >= 0) & (positions[None, :] <= query_pos[:, None])
-  scores = jnp.concatenate([jnp.where(state_ok, s_state, _MASKED),
-                            jnp.where(window_ok, s_window, _MASKED)], axis=-1)
+  scores = jnp.concatenate([jnp.where(state_ok, s_state, MASKED),
+                            jnp.where(window_ok, s_window, MASKED)], axis=-1)
   probs = jax.nn.softmax(scores, axis=-1)
   probs = jnp.where(jnp.concatenate([jnp.broadcast_to(state_ok, (Tq, state_ok.size)),
                                      window_ok], axis=-1), probs, 0.0)

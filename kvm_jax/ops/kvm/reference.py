@@ -1,10 +1,11 @@
-"""The oracle: KVM written as plainly as the spec (§6.5–§6.7), chunk by chunk, in Python.
+"""The oracle: KVM written as plainly as docs/kvm-spec.md (§6.5–§6.7), chunk by chunk, in Python.
 
-It is the yardstick for every fast path, so it shares no code with them: it works in the authors'
-``[batch, heads, time, dim]`` layout, grows the state by concatenation (dynamic sizes), evaluates
-the budget on the fly, ranks novelty with a stable argsort and gathers tokens by index. Slow by
-design; use small shapes. It is traceable by ``jax.grad`` (control flow depends on positions only),
-so gradients can be compared too.
+It is the yardstick for every fast path, so it shares none of their arithmetic (only the state's
+pytree type and the input validation): it works in the authors' ``[batch, heads, time, dim]``
+layout, grows the state by concatenation (dynamic sizes), evaluates the budget on the fly, ranks
+novelty with a stable argsort and gathers tokens by index. Slow by design; use small shapes. It is
+traceable by ``jax.grad`` (control flow depends on positions only), so gradients can be compared
+too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from kvm_jax.config import KVMConfig
+# The pytree type and input validation only: none of the arithmetic of the fast paths.
+from kvm_jax.ops.kvm.state import KVMState, validate_inputs
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -90,16 +93,12 @@ def kvm_attention_reference(q, k, v, merge_gate, params, cfg: KVMConfig, *, dtyp
   Python loops unroll under ``jit`` (used here because compiling one program is much faster than
   dispatching hundreds of small eager ops for the first time); it also works un-jitted.
   """
-  from kvm_jax.ops.common import validate_inputs
-
   validate_inputs(q, k, v, merge_gate, params, cfg)
   return _reference(q, k, v, merge_gate, params, cfg=cfg, dtype=dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
 def _reference(q, k, v, merge_gate, params, cfg: KVMConfig, dtype):
-  from kvm_jax.ops.common import KVMState  # the pytree type only
-
   B, T, H, D = q.shape
   Hkv = k.shape[2]
   G = H // Hkv

@@ -2,10 +2,13 @@
 
 The cache holds the state (static capacity = rows the budget reaches at ``max_len``), a ring buffer
 of the last L = nb·C tokens' keys, values and merge gates (slot = position mod L), and the number
-of tokens seen. The decode step follows spec §6.11 exactly: while the prompt is shorter than one
-chunk the initial state grows token by token; when token t crosses a chunk boundary with
+of tokens seen. The decode step follows docs/kvm-spec.md §6.11 exactly: while the prompt is shorter
+than one chunk the initial state grows token by token; when token t crosses a chunk boundary with
 t >= L + C, the chunk [t - L, t - L + C) is folded into the state *before* t attends; the state is
 visible only from t >= L. The position is traced, so one compiled step serves every position.
+
+These functions do not validate their inputs: :func:`kvm_jax.kvm_prefill` and
+:func:`kvm_jax.kvm_decode_step` (``api.py``) are the checked entry points.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ import numpy as np
 
 from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig
-from kvm_jax.ops.common import (KVMParams, KVMState, empty_state, fill_ring, joint_attention,
-                                pad_rows, ring_positions, state_readout, temperatures,
-                                token_rows, tree_nbytes, validate_inputs,
-                                write_ring, _is_concrete)
-from kvm_jax.ops.kvm import chunk_functions, kvm_attention_xla, resolve_implementation
+from kvm_jax.ops.common import (fill_ring, joint_attention, ring_positions, tree_nbytes,
+                                write_ring)
+from kvm_jax.ops.kvm.scan import XLA_OPS, ChunkOps, kvm_attention_scan
+from kvm_jax.ops.kvm.state import (KVMParams, KVMState, empty_state, pad_rows, state_readout,
+                                   temperatures, token_rows)
 
 Array = jax.Array
 
@@ -78,7 +81,8 @@ def kvm_init_cache(cfg: KVMConfig, *, batch: int, kv_heads: int, head_dim: int, 
       length=jnp.zeros((), jnp.int32), max_len=max_len)
 
 
-def _check_against_cache(k, v, cache: KVMCache, where: str) -> None:
+def check_against_cache(k, v, cache: KVMCache, where: str) -> None:
+  """A clear error when ``k``/``v`` do not fit the sizes the cache was created with."""
   B, _, Hkv, D = k.shape
   want = cache.window_keys.shape
   if (B, Hkv, D) != (want[0], want[2], want[3]) or v.shape[3] != cache.window_values.shape[3]:
@@ -88,37 +92,21 @@ def _check_against_cache(k, v, cache: KVMCache, where: str) -> None:
         "create the cache with kvm_init_cache using the same sizes.")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "return_routing", "implementation", "target"))
-def _prefill(q, k, v, merge_gate, params, cfg, cache, routing=None, return_routing=False,
-             implementation="xla", target=None):
+@functools.partial(jax.jit, static_argnames=("cfg", "ops", "return_routing"))
+def prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, cfg: KVMConfig,
+            cache: KVMCache, ops: ChunkOps = XLA_OPS, routing=None, return_routing: bool = False):
+  """A prompt through the scan and the cache filled for decoding from position T:
+  ``(y, cache)``, plus the routing decisions when ``return_routing``."""
   T = q.shape[1]
-  y, state, *decisions = kvm_attention_xla(q, k, v, merge_gate, params, cfg=cfg, remat=False,
-                                           routing=routing, return_routing=return_routing,
-                                           implementation=implementation, target=target)
+  y, state, *decisions = kvm_attention_scan(q, k, v, merge_gate, params, cfg=cfg, ops=ops,
+                                            remat=False, routing=routing,
+                                            return_routing=return_routing)
   new = KVMCache(
       state=pad_rows(state, cache.state.capacity),
       window_keys=fill_ring(cache.window_keys, k), window_values=fill_ring(cache.window_values, v),
       window_gates=fill_ring(cache.window_gates, merge_gate),
       length=jnp.asarray(T, jnp.int32), max_len=cache.max_len)
   return (y, new, *decisions)
-
-
-def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
-                cfg: KVMConfig, cache: KVMCache, *, routing=None, return_routing: bool = False,
-                implementation: str = "xla"):
-  """Runs a prompt of any length >= 1 and returns its outputs and the filled cache.
-
-  The prompt starts a new sequence: ``cache`` provides sizes, ``max_len`` and dtype, and its
-  previous contents are discarded. Shapes as in :func:`kvm_jax.kvm_attention`.
-  """
-  validate_inputs(q, k, v, merge_gate, params, cfg)
-  _check_against_cache(k, v, cache, "kvm_prefill")
-  if q.shape[1] > cache.max_len:
-    raise ValueError(f"kvm_prefill: prompt of {q.shape[1]} tokens exceeds the cache's max_len="
-                     f"{cache.max_len}; create the cache with a larger max_len.")
-  implementation, target = resolve_implementation(implementation, cfg)
-  return _prefill(q, k, v, merge_gate, params, cfg=cfg, cache=cache, routing=routing,
-                  return_routing=return_routing, implementation=implementation, target=target)
 
 
 @functools.lru_cache(maxsize=64)
@@ -149,10 +137,13 @@ def decode_attention(q_t: Array, state_keys: Array, state_values: Array, num_row
                 window_keys, window_values, window_valid, state_temp, window_temp)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "return_routing", "implementation", "target"))
-def _decode_step(q_t, k_t, v_t, g_t, params, cfg, cache, routing=None, return_routing=False,
-                 implementation="xla", target=None):
-  attend, update = chunk_functions(implementation, target=target)
+@functools.partial(jax.jit, static_argnames=("cfg", "ops", "return_routing"))
+def decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParams,
+                cfg: KVMConfig, cache: KVMCache, ops: ChunkOps = XLA_OPS, routing=None,
+                return_routing: bool = False):
+  """One token: ``(y_t [B, 1, H, Dv], cache)``, plus this step's routing decisions
+  (``(dest, target)`` ``[B, Hkv, C]``; all ``capacity`` when no fold happens) when
+  ``return_routing``."""
   B, _, H, D = q_t.shape
   Hkv = k_t.shape[2]
   C, nb, L = cfg.chunk_size, cfg.window_chunks, cfg.window_len
@@ -161,7 +152,7 @@ def _decode_step(q_t, k_t, v_t, g_t, params, cfg, cache, routing=None, return_ro
   row = jnp.arange(R)
   t = cache.length
 
-  # 1) A prompt shorter than one chunk: the initial state grows by this token (spec §6.11).
+  # 1) A prompt shorter than one chunk: the initial state grows by this token.
   grow = t < C
   new_key, new_value, new_radius = token_rows(k_t, v_t, g_t, params, cfg)   # [B, Hkv, 1, ·]
   write = (grow & (row == t))[None, None, :]
@@ -181,8 +172,8 @@ def _decode_step(q_t, k_t, v_t, g_t, params, cfg, cache, routing=None, return_ro
     ov_g = jax.lax.dynamic_slice_in_dim(cache.window_gates, start, C, axis=1)
     overflow_index = jnp.clip(t // C - nb, 0, rows_table.shape[0] - 1)
     n_append = jnp.asarray(rows_table)[overflow_index] - s.num_rows
-    return update(s, ov_k, ov_v, ov_g, n_append, params, cfg, routing=routing,
-                  return_routing=True)
+    return ops.update(s, ov_k, ov_v, ov_g, n_append, params, cfg, routing=routing,
+                      return_routing=True)
 
   none = jnp.full((B, Hkv, C), R, jnp.int32)  # "no row": the decisions of a step without a fold
   state, decisions = jax.lax.cond(fire, fold, lambda s: (s, (none, none)), state)
@@ -195,32 +186,9 @@ def _decode_step(q_t, k_t, v_t, g_t, params, cfg, cache, routing=None, return_ro
   # 4) Attend: state rows (once t >= L) and the window [bswa_begin(t + 1), t].
   state_keys, state_values = state_readout(state, params, cfg, H // Hkv)
   y = decode_attention(q_t, state_keys, state_values, state.num_rows, window_keys, window_values,
-                       t, *temperatures(params, cfg, Hkv), cfg, attend=attend)
+                       t, *temperatures(params, cfg, Hkv), cfg, attend=ops.attend)
   # Past max_len the state has no room for the schedule: poison the output instead of lying.
   y = jnp.where(t < cache.max_len, y, jnp.nan).reshape(B, 1, H, -1).astype(q_t.dtype)
   new = KVMCache(state=state, window_keys=window_keys, window_values=window_values,
                  window_gates=window_gates, length=t + 1, max_len=cache.max_len)
   return (y, new, decisions) if return_routing else (y, new)
-
-
-def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParams,
-                    cfg: KVMConfig, cache: KVMCache, *, routing=None, return_routing: bool = False,
-                    implementation: str = "xla"):
-  """Processes one token: ``q_t [B,1,H,D]``, ``k_t [B,1,Hkv,D]``, ``v_t [B,1,Hkv,Dv]``,
-  ``g_t [B,1,Hkv]``; returns ``y_t [B,1,H,Dv]`` and the advanced cache.
-
-  ``routing`` / ``return_routing``: as in :func:`kvm_jax.ops.kvm.kvm_attention_xla`, for this
-  step's fold (``(dest, target)`` ``[B, Hkv, C]``; all ``capacity`` when no fold happens).
-
-  Raises ValueError past ``max_len`` when the cache length is concrete; under an outer ``jit`` the
-  length is traced, and outputs past ``max_len`` are NaN rather than silently wrong.
-  """
-  validate_inputs(q_t, k_t, v_t, g_t, params, cfg, single_token=True)
-  _check_against_cache(k_t, v_t, cache, "kvm_decode_step")
-  if _is_concrete(cache.length) and int(cache.length) >= cache.max_len:
-    raise ValueError(
-        f"kvm_decode_step: the cache already holds {int(cache.length)} tokens = max_len="
-        f"{cache.max_len}; create the cache with a larger max_len to decode further.")
-  implementation, target = resolve_implementation(implementation, cfg)
-  return _decode_step(q_t, k_t, v_t, g_t, params, cfg=cfg, cache=cache, routing=routing,
-                      return_routing=return_routing, implementation=implementation, target=target)

@@ -24,11 +24,12 @@ import jax
 import jax.numpy as jnp
 
 from kvm_jax.config import KVMConfig
-from kvm_jax.ops.common import (KVMParams, initial_state, joint_attention, state_readout,
-                                temperatures, update_state)
-from kvm_jax.ops.kvm import _window_stack, scan_inputs
+from kvm_jax.ops.common import joint_attention, window_stack
 from kvm_jax.ops.kv_fusion import materialize
-from kvm_jax.ops.kvm_decode import KVMCache, decode_attention
+from kvm_jax.ops.kvm.decode import KVMCache, decode_attention
+from kvm_jax.ops.kvm.scan import scan_inputs
+from kvm_jax.ops.kvm.state import (KVMParams, initial_state, state_readout, temperatures,
+                                   update_state)
 
 Array = jax.Array
 
@@ -71,8 +72,8 @@ def kvm_attention_shared_state(q: Array, k: Array, v: Array, tracks: tuple, key_
   B, T, H, D = q.shape
   Hkv, Dv = k.shape[2], v.shape[3]
   C, nb = cfg.chunk_size, cfg.window_chunks
-  sched, xs, pad_time, window_mask = scan_inputs(q, k, v, cfg)
-  overflow = lambda x: _window_stack(pad_time(x), sched.num_chunks, C, nb)[:, :, :C]
+  sched, xs, pad_time, mask = scan_inputs(q, k, v, cfg)
+  overflow = lambda x: window_stack(pad_time(x), sched.num_chunks, C, nb)[:, :, :C]
   xs["tracks"] = [(overflow(t.k), overflow(t.v), overflow(t.g)) for t in tracks]
   xs["routing"] = routing
   track_params = [t.params for t in tracks]
@@ -86,9 +87,8 @@ def kvm_attention_shared_state(q: Array, k: Array, v: Array, tracks: tuple, key_
     state_keys, state_values = _fused_state(states, track_params, key_weights, value_weights,
                                             key_tracks, value_tracks, cfg)
     state_valid = ((rows < states[0].num_rows) & x["visible"])[None, :]
-    window_valid = window_mask(x["chunk"])
     y = joint_attention(x["q"], state_keys, state_values, state_valid, x["win_k"], x["win_v"],
-                        window_valid, state_temp, window_temp)
+                        mask(x["chunk"]), state_temp, window_temp)
 
     def replay(ss):
       return tuple(update_state(s, ok, ov, og, x["n_append"], p, cfg, routing=x["routing"])

@@ -2,7 +2,8 @@
 
 Saves are asynchronous and atomic (orbax writes a temporary directory and renames it), keep the
 newest ``keep`` steps, and a restore returns exactly what was saved, so a run killed at any moment
-resumes from its last complete checkpoint without repeating or skipping a batch.
+resumes from its last complete checkpoint without repeating or skipping a batch. Evaluation reads
+the parameters alone (:meth:`Checkpointer.restore_params`), without knowing the optimizer.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import orbax.checkpoint as ocp
 
 
 class Checkpointer:
+  """The checkpoints of one run directory (``<workdir>/checkpoints/<step>/``)."""
+
   def __init__(self, directory: str | Path, keep: int = 3):
     directory = Path(directory).absolute()
     if directory.exists() and not directory.is_dir():
@@ -43,10 +46,27 @@ class Checkpointer:
                        "to an earlier one.") from e
     return step, restored["state"], restored["data"]
 
+  def restore_params(self, abstract_params: Any, step: Optional[int] = None) -> tuple[int, Any]:
+    """(step, params) of ``step`` (default: latest): only the ``params`` subtree of the saved train
+    state is read, onto the shardings of ``abstract_params`` (``jax.ShapeDtypeStruct`` leaves)."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise ValueError(f"{self.manager.directory} holds no checkpoint.")
+    target = {"params": abstract_params}
+    args = ocp.args.PyTreeRestore(item=target, partial_restore=True,
+                                  restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(state=args))
+    except Exception as e:  # orbax raises a variety of errors for damaged directories
+      raise ValueError(f"the parameters at step {step} in {self.manager.directory} cannot be read "
+                       f"({type(e).__name__}: {e}).") from e
+    return step, restored["state"]["params"]
+
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
 
 
 def abstract_like(tree: Any) -> Any:
+  """``jax.ShapeDtypeStruct`` leaves (with shardings) of a tree of arrays: a restore target."""
   return jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, tree)

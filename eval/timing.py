@@ -1,0 +1,93 @@
+"""Measurement primitives of the speed benchmarks (``kvm-bench``, ``kvm-bench-core``): wall-time
+medians after warm-up, per-step decode timings of KVM and of full attention over a preallocated KV
+cache, and the strongest stock attention per backend. No timing is ever asserted in a test; the
+benchmarks print ratios against a baseline measured in the same run."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from kvm_jax.ops.kvm.api import kvm_decode_step, kvm_prefill
+from kvm_jax.ops.kvm.decode import kvm_init_cache
+
+
+def median_ms(fn, *args, repeats: int, warmup: int = 1) -> float:
+  """Median wall time in ms of ``fn(*args)`` (outputs blocked on) after ``warmup`` calls."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    samples.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(samples)
+
+
+def full_attention_impl() -> str:
+  """The strongest stock baseline per backend: cuDNN flash attention on GPU, XLA elsewhere."""
+  return "cudnn" if jax.default_backend() == "gpu" else "xla"
+
+
+@functools.partial(jax.jit, donate_argnums=(3, 4), static_argnames=("implementation",))
+def full_decode_step(q_t, k_t, v_t, k_cache, v_cache, position, implementation="xla"):
+  """Full attention decode: write token ``position`` into the cache, attend over [0, position]."""
+  k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k_t, position, axis=1)
+  v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v_t, position, axis=1)
+  lengths = jnp.full((q_t.shape[0],), position + 1, jnp.int32)
+  y = jax.nn.dot_product_attention(q_t, k_cache, v_cache, key_value_seq_lengths=lengths,
+                                   implementation=implementation)
+  return y, k_cache, v_cache
+
+
+def timed_steps(step, token_args, carry, T, n):
+  """Per-step wall times (ms) of ``carry = step(*token_args(t), carry)`` for t in [T, T+n).
+
+  Two warm-up steps run on a copy, so the timed run starts exactly at position T.
+  """
+  warm = jax.tree_util.tree_map(jnp.copy, carry)
+  for t in range(T, T + 2):
+    _, warm = step(*token_args(t), warm)
+  jax.block_until_ready(warm)
+  times = []
+  for t in range(T, T + n):
+    args_t = jax.block_until_ready(token_args(t))
+    start = time.perf_counter()
+    y, carry = step(*args_t, carry)
+    jax.block_until_ready(y)
+    times.append((time.perf_counter() - start) * 1e3)
+  return times, carry
+
+
+def time_kvm_decode(cfg, params, q, k, v, g, T: int, n: int, implementation: str = "xla"):
+  """(per-step ms, final cache) of n KVM decode steps after prefilling T tokens."""
+  B, _, H, D = q.shape
+  cache = kvm_init_cache(cfg, batch=B, kv_heads=k.shape[2], head_dim=D, value_dim=v.shape[3],
+                         max_len=T + n, dtype=q.dtype)
+  _, cache = kvm_prefill(q[:, :T], k[:, :T], v[:, :T], g[:, :T], params, cfg, cache,
+                         implementation=implementation)
+  step = jax.jit(lambda q, k, v, g, c: kvm_decode_step(q, k, v, g, params, cfg, c,
+                                                       implementation=implementation),
+                 donate_argnums=(4,))
+  token = lambda t: (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1])
+  return timed_steps(step, token, cache, T, n)
+
+
+def time_full_decode(q, k, v, T: int, n: int):
+  """(per-step ms, KV-cache bytes at T) of n full-attention decode steps after T tokens."""
+  B, _, H, D = k.shape
+  impl = full_attention_impl()
+  caches = (jnp.zeros((B, T + n, H, D), k.dtype).at[:, :T].set(k[:, :T]),
+            jnp.zeros((B, T + n, H, v.shape[3]), v.dtype).at[:, :T].set(v[:, :T]))
+
+  def step(q_t, k_t, v_t, t, kv):
+    y, k_cache, v_cache = full_decode_step(q_t, k_t, v_t, *kv, jnp.int32(t), implementation=impl)
+    return y, (k_cache, v_cache)
+
+  token = lambda t: (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], t)
+  times, _ = timed_steps(step, token, caches, T, n)
+  return times, int(k[:, :T].nbytes + v[:, :T].nbytes)

@@ -1,0 +1,235 @@
+"""The attention front end shared by every mixer, and the three softmax-attention mixers.
+
+:class:`AttentionFrontEnd` (docs/kvm-spec.md §4) owns the projections, the value residual, the token
+shift of the projected q/k/v, QK-LayerNorm, RoPE and the output projection. Each mixer kind is one
+subclass that adds what only it has and owns its decode cache type and ``init_cache``
+(recurrentgemma's one-block-per-temporal-mixer layout):
+
+* :class:`FullAttention` — causal over every token, a ``max_len`` ring (:class:`RingCache`);
+* :class:`SlidingWindowAttention` — the last ``swa_window`` tokens, a window-sized ring;
+* :class:`BlockSlidingWindowAttention` — block sliding window with sinks, a window-sized ring;
+* :class:`kvm_jax.nn.kvm.KVMAttention` — window + compressed state, a :class:`KVMCache`.
+
+Parameters stay flat under the block's ``attn`` (``attn/c_q``, ``attn/ln_s``, ...), named like the
+authors' state dict. A *reconstruction* layer of cross-layer KV sharing has only the query side;
+how it mixes lives in :mod:`kvm_jax.nn.kv_sharing`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn import kv_sharing
+from kvm_jax.nn.layers import depth_ratio, layer_norm, linear, token_shift, zeros_init
+from kvm_jax.ops import attention as attn_ops
+from kvm_jax.ops.attention import RingCache
+from kvm_jax.ops.rope import apply_rope, rope_tables
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCache:
+  """Decode state of one layer: the mixer cache plus the token-shift history (the last projected
+  q/k/v before the shift, and the last MLP input)."""
+
+  mixer: Any
+  last_q: Array
+  last_k: Array
+  last_v: Array
+  last_mlp: Array
+
+
+jax.tree_util.register_dataclass(
+    LayerCache, data_fields=["mixer", "last_q", "last_k", "last_v", "last_mlp"], meta_fields=[])
+
+
+class AttentionFrontEnd(nnx.Module):
+  """Projections, value residual, token shift, QK-LN and RoPE, then the kind's mixer, then the
+  output projection.
+
+  Each subclass sets ``kind`` and provides ``mix_own(x, q, k, v, mixer_cache, decode, shared) ->
+  (y, mixer cache, exports)`` (a layer with its own K/V), ``mix_reconstructed(x, q, mixer_cache,
+  decode, shared) -> (y, mixer cache)`` (a reconstruction layer) and ``init_cache(batch,
+  max_len)`` (its decode cache).
+
+  A *reconstruction* layer (``ModelConfig.kv_sources(layer)`` is not None) has only the query
+  side: its keys and values come from source layers (:class:`kv_sharing.SharedKV`).
+  """
+
+  kind: str = ""
+
+  def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    self.cfg, self.layer = cfg, layer
+    self.sources = cfg.kv_sources(layer)  # None: this layer computes and stores its own K/V
+    self.fused = self.sources is not None and len(self.sources[0]) > 1
+    C, H, Hkv, D, Dv = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.qk_head_dim, cfg.v_head_dim
+    dq, dk, dv = H * D, Hkv * D, Hkv * Dv
+    pd = cfg.jnp_param_dtype
+    stores_kv = self.sources is None
+    # Creation order fixes which random key each parameter gets: keep it.
+    self.c_q = linear(cfg, C, dq, rngs)
+    self.ln_q = layer_norm(cfg, D, rngs)
+    if stores_kv:
+      self.c_k = linear(cfg, C, dk, rngs)
+      self.c_v = linear(cfg, C, dv, rngs)
+      self.ln_k = layer_norm(cfg, D, rngs)
+    self.c_proj = linear(cfg, H * Dv, C, rngs, init=zeros_init)
+    rho = depth_ratio(cfg, layer)
+    if cfg.tokenshift_attention:
+      ramp = lambda n, p: jnp.asarray(1.0 - np.power(np.arange(n) / n, p), pd)
+      self.x_q = nnx.Param(ramp(dq, 0.2 * rho))
+      if stores_kv:
+        self.x_k = nnx.Param(ramp(dk, 0.7 * rho))
+        self.x_v = nnx.Param(ramp(dv, 0.7 * rho))
+    if self.fused:
+      kv_sharing.add_fusion_weights(self)
+    if cfg.value_residual and stores_kv:
+      lora = cfg.value_lora_width
+      ramp_v = np.arange(dv) / (dv - 1) - 0.5
+      self.v_gate0 = nnx.Param(jnp.asarray(0.73 - 0.4 * ramp_v, pd))
+      self.v_gate1 = linear(cfg, C, lora, rngs, init=zeros_init)
+      self.v_gate2 = linear(cfg, lora, dv, rngs, init=jax.nn.initializers.orthogonal(scale=0.1))
+
+  # -- the front end -----------------------------------------------------------------------------
+  def anchor_value(self, x_normed: Array) -> Array:
+    """``v_first`` = c_v(ln_attn(x0)) when this is an anchor layer."""
+    return self.c_v(x_normed)
+
+  def _rope(self, positions: Array):
+    cfg = self.cfg
+    return rope_tables(positions, cfg.qk_head_dim, cfg.rope_dims_of(self.layer), cfg.rope_theta,
+                       jnp.dtype(cfg.rope_table_dtype))
+
+  def queries(self, x: Array, positions: Array, prev: Optional[LayerCache]):
+    """Queries ``[B, T, H, D]`` and the token-shift tails of a reconstruction layer."""
+    cfg = self.cfg
+    B, T, _ = x.shape
+    q = self.c_q(x)
+    tails = (q[:, -1:], None, None)
+    if cfg.tokenshift_attention:
+      q = token_shift(q, self.x_q[...], None if prev is None else prev.last_q, "first")
+    q = self.ln_q(q.reshape(B, T, cfg.num_heads, cfg.qk_head_dim)).astype(x.dtype)
+    return apply_rope(q, *self._rope(positions)), tails
+
+  def qkv(self, x: Array, v_first: Optional[Array], positions: Array,
+          prev: Optional[LayerCache]):
+    """``(q [B,T,H,D], k [B,T,Hkv,D], v [B,T,Hkv,Dv], tails)`` of a layer with its own K/V:
+    value residual, then token shift of the projected q/k/v, QK-LN, RoPE. ``tails`` are the last
+    projected (pre-shift) q/k/v: the next decode step's z_{t-1}."""
+    cfg = self.cfg
+    B, T, _ = x.shape
+    q, k, v = self.c_q(x), self.c_k(x), self.c_v(x)
+    if cfg.value_residual:
+      gate = jax.nn.sigmoid(self.v_gate0[...].astype(jnp.float32)
+                            + self.v_gate2(self.v_gate1(x)).astype(jnp.float32))
+      v = v + (v_first.astype(v.dtype) - v) * gate.astype(v.dtype)
+    tails = (q[:, -1:], k[:, -1:], v[:, -1:])
+    if cfg.tokenshift_attention:
+      q = token_shift(q, self.x_q[...], None if prev is None else prev.last_q, "first")
+      k = token_shift(k, self.x_k[...], None if prev is None else prev.last_k, "first")
+      v = token_shift(v, self.x_v[...], None if prev is None else prev.last_v, "first")
+    D, Dv = cfg.qk_head_dim, cfg.v_head_dim
+    q = self.ln_q(q.reshape(B, T, cfg.num_heads, D)).astype(x.dtype)
+    k = self.ln_k(k.reshape(B, T, cfg.kv_heads, D)).astype(x.dtype)
+    v = v.reshape(B, T, cfg.kv_heads, Dv)
+    cos, sin = self._rope(positions)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, tails
+
+  def __call__(self, x: Array, v_first: Optional[Array], positions: Array,
+               cache: Optional[LayerCache] = None, decode: bool = False,
+               shared: Optional[kv_sharing.SharedKV] = None):
+    """Whole sequence (``decode=False``; fills ``cache.mixer`` if a cache is given) or one token.
+
+    Returns ``(output, new mixer cache, token-shift tails, exports)``; ``exports`` is what layers
+    above may read (see :class:`kv_sharing.SharedKV`).
+    """
+    prev = cache if decode else None
+    mixer_cache = None if cache is None else cache.mixer
+    if self.sources is None:
+      q, k, v, tails = self.qkv(x, v_first, positions, prev)
+      y, mixer_cache, exports = self.mix_own(x, q, k, v, mixer_cache, decode, shared)
+    else:
+      q, tails = self.queries(x, positions, prev)
+      y, mixer_cache = self.mix_reconstructed(x, q, mixer_cache, decode, shared)
+      exports = {}
+    B, T = x.shape[:2]
+    return self.c_proj(y.reshape(B, T, -1).astype(x.dtype)), mixer_cache, tails, exports
+
+  # -- shared by the kinds ------------------------------------------------------------------
+  def _cache_sizes(self, batch: int, max_len: int) -> dict:
+    cfg = self.cfg
+    return dict(batch=batch, kv_heads=cfg.kv_heads, head_dim=cfg.qk_head_dim,
+                value_dim=cfg.v_head_dim, max_len=max_len, dtype=cfg.jnp_compute_dtype)
+
+
+class _SoftmaxAttention(AttentionFrontEnd):
+  """The baselines: softmax attention over a window of raw keys/values, a :class:`RingCache`.
+  Subclasses give the whole-sequence ``attend(q, k, v, scale=None)`` and may override the ring's
+  geometry."""
+
+  def _ring_geometry(self) -> dict:
+    return {}
+
+  def init_cache(self, batch: int, max_len: int) -> Optional[RingCache]:
+    if self.sources is not None:
+      return None  # the source layers' caches hold everything this layer reads
+    return attn_ops.init_ring_cache(self.kind, **self._ring_geometry(),
+                                    **self._cache_sizes(batch, max_len))
+
+  def mix_own(self, x, q, k, v, mixer_cache, decode, shared):
+    if decode:
+      y, mixer_cache = attn_ops.ring_decode_step(q, k, v, mixer_cache)
+    else:
+      y = self.attend(q, k, v)
+      if mixer_cache is not None:
+        mixer_cache = attn_ops.ring_prefill(k, v, mixer_cache)
+    return y, mixer_cache, {"k": k, "v": v}
+
+  def mix_reconstructed(self, x, q, mixer_cache, decode, shared):
+    return kv_sharing.mix_folded(self, q, shared, decode), None
+
+
+class FullAttention(_SoftmaxAttention):
+  """GPTAlpha-2's causal attention over every previous token."""
+
+  kind = "full"
+
+  def attend(self, q, k, v, scale=None):
+    return attn_ops.full_attention(q, k, v, scale=scale)
+
+
+class SlidingWindowAttention(_SoftmaxAttention):
+  """Causal attention over the last ``ModelConfig.swa_window`` tokens (the hybrids' SWA layers)."""
+
+  kind = "swa"
+
+  def attend(self, q, k, v, scale=None):
+    return attn_ops.sliding_window_attention(q, k, v, self.cfg.swa_window, scale=scale)
+
+  def _ring_geometry(self):
+    return dict(window=self.cfg.swa_window)
+
+
+class BlockSlidingWindowAttention(_SoftmaxAttention):
+  """Block sliding window with sinks (the paper's BSWA baseline)."""
+
+  kind = "bswa"
+
+  def attend(self, q, k, v, scale=None):
+    cfg = self.cfg
+    return attn_ops.block_sliding_window_attention(q, k, v, cfg.bswa_chunk_size,
+                                                   cfg.bswa_window_chunks, cfg.bswa_sink_rows,
+                                                   scale=scale)
+
+  def _ring_geometry(self):
+    cfg = self.cfg
+    return dict(chunk_size=cfg.bswa_chunk_size, window_chunks=cfg.bswa_window_chunks,
+                sink_rows=cfg.bswa_sink_rows)

@@ -1,0 +1,110 @@
+"""The KVM mixer (docs/kvm-spec.md §6): the attention front end plus LN_s, the merge-gate projection
+W_g and the two key temperatures, over the KVM op of :mod:`kvm_jax.ops.kvm`; its decode cache is a
+:class:`kvm_jax.KVMCache`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn import kv_sharing
+from kvm_jax.nn.attention import AttentionFrontEnd
+from kvm_jax.nn.layers import layer_norm, linear
+from kvm_jax.ops.kvm.api import kvm_attention, kvm_decode_step, kvm_prefill
+from kvm_jax.ops.kvm.decode import KVMCache, kvm_init_cache
+from kvm_jax.ops.kvm.state import KVMParams
+
+Array = jax.Array
+
+
+class KVMAttention(AttentionFrontEnd):
+  """Exact window + compressed state, one softmax over both.
+
+  With cross-layer KV sharing a KVM layer may also be a source whose routing decisions another
+  layer follows or replays (``ModelConfig.routing_leader``, ``shares_state``), or a reconstruction
+  layer: window-only fusion (its own state) or a fused state (no LN_s, no W_g, nothing stored).
+  """
+
+  kind = "kvm"
+
+  def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    super().__init__(cfg, layer, rngs=rngs)
+    self.shares_state = cfg.shares_state(layer)        # state fused from the sources' states
+    self.routing_leader = cfg.routing_leader(layer)    # applies this layer's routing
+    # a source of a fused-state layer, which replays this layer's state with its routing
+    self.exports_routing = any(cfg.shares_state(i) and layer in sum(cfg.kv_sources(i), ())
+                               for i in range(cfg.num_layers))
+    kc = cfg.kvm
+    if not self.shares_state:  # a fused state is built by the sources' LN_s and gates
+      self.ln_s = layer_norm(cfg, cfg.qk_head_dim, rngs)
+      if kc.uses_gate:
+        self.key_weighting = linear(cfg, cfg.hidden_size, cfg.kv_heads, rngs)
+    if kc.head_temperatures:
+      self.window_temperature = nnx.Param(jnp.ones((cfg.num_heads,), cfg.jnp_param_dtype))
+      self.state_temperature = nnx.Param(jnp.ones((cfg.num_heads,), cfg.jnp_param_dtype))
+
+  def kvm_params(self) -> KVMParams:
+    """The layer's KVM parameters; temperatures are ones when the config disables them (a layer
+    with a fused state has no LN_s of its own: identity placeholders)."""
+    if self.cfg.kvm.head_temperatures:
+      window_temp, state_temp = self.window_temperature[...], self.state_temperature[...]
+    else:
+      window_temp = state_temp = jnp.ones((self.cfg.num_heads,), jnp.float32)
+    if self.shares_state:
+      D = self.cfg.qk_head_dim
+      ln_scale, ln_bias = jnp.ones((D,), jnp.float32), jnp.zeros((D,), jnp.float32)
+    else:
+      ln_scale, ln_bias = self.ln_s.scale[...], self.ln_s.bias[...]
+    return KVMParams(ln_scale=ln_scale, ln_bias=ln_bias, window_temperature=window_temp,
+                     state_temperature=state_temp)
+
+  def merge_gate(self, x: Array) -> Array:
+    """g = 1 + ELU(x W_g) ``[B, T, Hkv]`` float32 (ones when both gate flags are off)."""
+    if not self.cfg.kvm.uses_gate:
+      return jnp.ones((*x.shape[:2], self.cfg.kv_heads), jnp.float32)
+    return 1.0 + jax.nn.elu(self.key_weighting(x).astype(jnp.float32))
+
+  def init_cache(self, batch: int, max_len: int) -> Optional[KVMCache]:
+    if self.shares_state:
+      return None  # reads the sources' states and windows
+    cache = kvm_init_cache(self.cfg.kvm, **self._cache_sizes(batch, max_len))
+    return cache if self.sources is None else kv_sharing.without_window_kv(cache)
+
+  def kvm_core(self, q, k, v, g, params, mixer_cache, decode, routing=None,
+               return_routing=False):
+    """The KVM op over this layer's (or fused) keys and values with merge gates ``g`` and
+    ``params``: whole sequence, prefill into ``mixer_cache``, or one decode step. Returns
+    ``(y, cache, decisions or None)``."""
+    cfg = self.cfg
+    kw = dict(routing=routing, return_routing=return_routing,
+              implementation=cfg.kvm_implementation)
+    if decode:
+      out = kvm_decode_step(q, k, v, g, params, cfg.kvm, mixer_cache, **kw)
+    elif mixer_cache is not None:
+      out = kvm_prefill(q, k, v, g, params, cfg.kvm, mixer_cache, **kw)
+    else:
+      y, _, *decisions = kvm_attention(q, k, v, g, params, cfg.kvm, **kw)
+      out = (y, None, *decisions)
+    return out[0], out[1], (out[2] if return_routing else None)
+
+  def mix_own(self, x, q, k, v, mixer_cache, decode, shared):
+    """A storage layer: its own K/V and state, possibly following a leader's routing."""
+    routing = None
+    if self.routing_leader is not None:
+      routing = shared.exports[self.routing_leader]["routing"]
+    g, params = self.merge_gate(x), self.kvm_params()
+    y, mixer_cache, decisions = self.kvm_core(q, k, v, g, params, mixer_cache, decode, routing,
+                                              self.exports_routing)
+    exports = {"k": k, "v": v, "g": g, "params": params, "cache": mixer_cache}
+    if self.exports_routing:
+      exports["routing"] = decisions
+    return y, mixer_cache, exports
+
+  def mix_reconstructed(self, x, q, mixer_cache, decode, shared):
+    if self.shares_state:
+      return kv_sharing.mix_kvm_shared_state(self, q, shared, decode), None
+    return kv_sharing.mix_kvm_window_fusion(self, x, q, shared, mixer_cache, decode)

@@ -1,0 +1,60 @@
+"""Small Flax NNX building blocks with the authors' initializations (docs/kvm-spec.md §4), shared by
+the attention layers and the MLP, and the naming of parameter paths."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvm_jax.model_config import ModelConfig
+
+Array = jax.Array
+
+
+def torch_linear_init(fan_in: int):
+  """``nn.Linear``'s default U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+  bound = 1.0 / math.sqrt(fan_in)
+  return lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def zeros_init(key, shape, dtype):
+  del key
+  return jnp.zeros(shape, dtype)
+
+
+def linear(cfg: ModelConfig, n_in: int, n_out: int, rngs: nnx.Rngs, init=None) -> nnx.Linear:
+  """A bias-free projection in the model's parameter and compute dtypes."""
+  return nnx.Linear(n_in, n_out, use_bias=False, param_dtype=cfg.jnp_param_dtype,
+                    dtype=cfg.jnp_compute_dtype, kernel_init=init or torch_linear_init(n_in),
+                    rngs=rngs)
+
+
+def layer_norm(cfg: ModelConfig, n: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
+  """A LayerNorm with weight and bias, eps 1e-5, computed in float32."""
+  return nnx.LayerNorm(n, epsilon=1e-5, param_dtype=cfg.jnp_param_dtype, dtype=jnp.float32,
+                       rngs=rngs)
+
+
+def token_shift(z: Array, mix: Array, prev: Optional[Array], fallback: str) -> Array:
+  """``z + mix * (z_{t-1} - z_t)``; z_{-1} is ``prev`` (decode), else z_0 ("first") or 0 ("zero")."""
+  if prev is None:
+    prev = z[:, :1] if fallback == "first" else jnp.zeros_like(z[:, :1])
+  shifted = jnp.concatenate([prev.astype(z.dtype), z[:, :-1]], axis=1)
+  return z + mix.astype(z.dtype) * (shifted - z)
+
+
+def depth_ratio(cfg: ModelConfig, layer: int) -> float:
+  """1 at the first layer, falling toward 0 at the last ("ratio_1_to_almost0" of the authors'
+  inits)."""
+  return 1.0 - layer / cfg.num_layers
+
+
+def path_names(path) -> list[str]:
+  """Names along a parameter's pytree path (``blocks/0/attn/c_q/kernel``), without the trailing
+  ``value`` of an NNX variable's state: what optimizer groups and sharding rules match on."""
+  names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+  return names[:-1] if names and names[-1] == "value" else names

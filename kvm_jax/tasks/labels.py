@@ -1,0 +1,5 @@
+"""The label convention every task shares."""
+
+# Label of positions that carry no loss (prompt tokens, padding, tokens after a document's EOS):
+# the ``ignore_index`` of the authors' cross-entropy.
+IGNORE = -100
