@@ -1,0 +1,287 @@
+"""The repository's layout contract, checked on the source (no imports executed):
+
+* one installed namespace: the folders that pyproject maps into ``kvm_jax`` are the only code, and
+  nothing anywhere imports the folder names ``train``, ``eval`` or ``pallas_kernels`` as packages;
+* imports run one way — config ← ops ← kernels ← op registry ← model ← tasks ← runs ← train | eval
+  ← CLIs/notebooks — including imports inside functions, with train and eval never importing each
+  other and no import cycle between modules;
+* no private name (``_x``) of one module is used by another, in the library, tests or notebooks;
+* user-facing text stands on its own: no pointers to the internal design notes or issues, and every
+  ``docs/…`` file and section cited exists.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Layers, lowest first. A pattern "x" names one module; "x.*" names x and everything below it.
+# The most specific pattern wins. Modules of one layer may import each other (without cycles).
+LAYERS = (
+    ("config", ("kvm_jax.budget", "kvm_jax.config", "kvm_jax.model_config", "kvm_jax.config_io",
+                "kvm_jax.progress")),
+    ("ops", ("kvm_jax.ops.common", "kvm_jax.ops.rope", "kvm_jax.ops.attention",
+             "kvm_jax.ops.kv_fusion", "kvm_jax.ops.kvm.*")),
+    ("kernels", ("kvm_jax.kernels.*",)),
+    ("op registry", ("kvm_jax.ops.kvm.api", "kvm_jax.ops.kvm", "kvm_jax.ops")),
+    ("model", ("kvm_jax", "kvm_jax.nn.*", "kvm_jax.presets", "kvm_jax.generate",
+               "kvm_jax.introspect")),
+    ("tasks", ("kvm_jax.tasks.*",)),
+    ("runs", ("kvm_jax.runs.*",)),
+    ("train", ("kvm_jax.train.*",)),
+    ("eval", ("kvm_jax.eval.*",)),
+    ("cli", ("kvm_jax.train.main", "kvm_jax.train.default_job", "kvm_jax.train.configs.*",
+             "kvm_jax.eval.cli", "kvm_jax.demo")),
+)
+RANK = {"config": 0, "ops": 1, "kernels": 2, "op registry": 3, "model": 4, "tasks": 5, "runs": 6,
+        "train": 7, "eval": 7, "cli": 8}
+SIBLINGS = {frozenset({"train", "eval"})}  # same rank, must not import each other
+FOLDER_NAMES = ("train", "eval", "pallas_kernels")
+NOT_CODE = ("eval/lm_eval_tasks",)  # lm-eval task data (its utils.py is loaded by lm-eval)
+
+
+def package_dirs() -> dict[str, Path]:
+  """Installed package -> source folder, as pyproject.toml maps them."""
+  setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+  mapping = setuptools.get("package-dir", {})
+  out = {}
+  for package in setuptools["packages"]:
+    parent, path = package, None
+    while parent:  # the nearest mapped ancestor decides the folder
+      if parent in mapping:
+        path = ROOT / mapping[parent] / Path(*package[len(parent):].split(".")[1:])
+        break
+      parent = parent.rpartition(".")[0]
+    out[package] = path if path is not None else ROOT / Path(*package.split("."))
+  return out
+
+
+def library_modules() -> dict[str, Path]:
+  """Every module the package installs: name -> file."""
+  modules = {}
+  for package, folder in package_dirs().items():
+    assert (folder / "__init__.py").exists(), f"{package}: no {folder}/__init__.py"
+    modules[package] = folder / "__init__.py"
+    for f in folder.glob("*.py"):
+      if f.name != "__init__.py":
+        modules[f"{package}.{f.stem}"] = f
+  return modules
+
+
+MODULES = library_modules()
+
+
+def layer_of(module: str) -> str:
+  """The layer of the most specific matching pattern (an exact name beats ``name.*``)."""
+  best, best_key = None, None
+  for layer, patterns in LAYERS:
+    for pattern in patterns:
+      exact = not pattern.endswith(".*")
+      base = pattern if exact else pattern[:-2]
+      hit = module == base or (not exact and module.startswith(base + "."))
+      if hit and (best_key is None or (len(base), exact) > best_key):
+        best, best_key = layer, (len(base), exact)
+  assert best is not None, f"{module} belongs to no layer: add it to LAYERS in {__file__}"
+  return best
+
+
+class Imports(ast.NodeVisitor):
+  """Every import (module level or inside functions) and every ``alias._private`` use."""
+
+  def __init__(self):
+    self.edges: list[tuple[int, str, str]] = []   # (line, imported module, name or "")
+    self.aliases: dict[str, str] = {}            # local name -> kvm_jax module
+    self.attributes: list[tuple[int, str, str]] = []
+
+  def visit_Import(self, node):
+    for a in node.names:
+      self.edges.append((node.lineno, a.name, ""))
+      if a.asname:
+        self.aliases[a.asname] = a.name
+      else:
+        self.aliases[a.name.split(".")[0]] = a.name.split(".")[0]
+
+  def visit_ImportFrom(self, node):
+    assert node.level == 0, f"line {node.lineno}: use absolute imports"
+    for a in node.names:
+      self.edges.append((node.lineno, node.module, a.name))
+      full = f"{node.module}.{a.name}"
+      if full in MODULES:
+        self.aliases[a.asname or a.name] = full
+
+  def visit_Attribute(self, node):
+    if isinstance(node.value, ast.Name):
+      self.attributes.append((node.lineno, node.value.id, node.attr))
+    self.generic_visit(node)
+
+
+def scan(source: str) -> Imports:
+  visitor = Imports()
+  visitor.visit(ast.parse(source))
+  return visitor
+
+
+def target(module: str, name: str) -> str:
+  """The kvm_jax module an import statement reaches (a submodule when ``name`` is one)."""
+  return f"{module}.{name}" if f"{module}.{name}" in MODULES else module
+
+
+def private_uses(where: str, found: Imports) -> list[str]:
+  bad = []
+  for line, module, name in found.edges:
+    if module.split(".")[0] == "kvm_jax" and name.startswith("_") and not name.startswith("__"):
+      bad.append(f"{where}:{line}: imports private {module}.{name}")
+  for line, alias, attr in found.attributes:
+    module = found.aliases.get(alias, "")
+    if module.startswith("kvm_jax") and attr.startswith("_") and not attr.startswith("__"):
+      bad.append(f"{where}:{line}: uses private {module}.{attr}")
+  return bad
+
+
+def folder_imports(where: str, found: Imports) -> list[str]:
+  return [f"{where}:{line}: imports the folder {module!r}; use kvm_jax.…"
+          for line, module, _ in found.edges if module.split(".")[0] in FOLDER_NAMES]
+
+
+def notebook_sources():
+  for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+    cells = json.loads(path.read_text())["cells"]
+    yield path, "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+
+
+def test_packages_cover_every_source_file():
+  """Every .py under the mapped folders is installed (no stray module a user could not import)."""
+  installed = set(MODULES.values())
+  for package, folder in package_dirs().items():
+    for f in folder.rglob("*.py"):
+      rel = f.relative_to(ROOT).as_posix()
+      if not rel.startswith(NOT_CODE) and "__pycache__" not in rel:
+        assert f in installed, f"{rel} is not in any installed package: list it in pyproject"
+
+
+def internal_edges(module: str, found: Imports) -> list[tuple[int, str]]:
+  """(line, kvm_jax module) of every import of ``module`` that stays inside the package."""
+  edges = []
+  for line, imported, name in found.edges:
+    if imported.split(".")[0] == "kvm_jax":
+      dest = target(imported, name)
+      assert dest in MODULES, f"{module}:{line}: imports unknown module {dest}"
+      edges.append((line, dest))
+  return edges
+
+
+def layering_problems(module: str, found: Imports) -> list[str]:
+  """Edges of ``module`` that go to a higher layer or to a sibling layer."""
+  here, bad = layer_of(module), []
+  for line, dest in internal_edges(module, found):
+    there = layer_of(dest)
+    if RANK[there] > RANK[here] or frozenset({here, there}) in SIBLINGS:
+      bad.append(f"{module} ({here}) -> {dest} ({there}), line {line}")
+  return bad
+
+
+def test_imports_run_one_way():
+  graph: dict[str, set[str]] = {}
+  problems = []
+  for module, path in MODULES.items():
+    found = scan(path.read_text())
+    problems += folder_imports(module, found) + layering_problems(module, found)
+    graph[module] = {dest for _, dest in internal_edges(module, found)}
+  assert not problems, "imports against the layering:\n" + "\n".join(problems)
+  # No cycle between modules (within a layer, too).
+  state: dict[str, int] = {}
+
+  def visit(m, stack):
+    state[m] = 1
+    for n in sorted(graph[m]):
+      if state.get(n) == 1:
+        raise AssertionError("import cycle: " + " -> ".join(stack + [m, n]))
+      if n not in state:
+        visit(n, stack + [m])
+    state[m] = 2
+
+  for m in sorted(graph):
+    if m not in state:
+      visit(m, [])
+
+
+def test_no_private_names_across_modules():
+  problems = []
+  for module, path in MODULES.items():
+    problems += private_uses(module, scan(path.read_text()))
+  for path in sorted((ROOT / "tests").glob("*.py")):
+    found = scan(path.read_text())
+    problems += private_uses(path.name, found) + folder_imports(path.name, found)
+  for path, source in notebook_sources():
+    found = scan(source)
+    problems += private_uses(path.name, found) + folder_imports(path.name, found)
+  assert not problems, "\n".join(problems)
+
+
+def test_the_checker_reports_what_it_guards_against():
+  """An upward edge, a sibling edge, a private name and a folder import are each reported; a
+  downward edge and a package's own facade are not."""
+  assert (layer_of("kvm_jax.ops.kvm.scan"), layer_of("kvm_jax.ops.kvm.api"), layer_of("kvm_jax"),
+          layer_of("kvm_jax.eval.cli")) == ("ops", "op registry", "model", "cli")
+  with pytest.raises(AssertionError, match="no layer"):
+    layer_of("kvm_jax_other.module")
+  upward = scan("from kvm_jax.kernels.readout import joint_attention_pallas\n"
+                "def f():\n  import kvm_jax as kj\n")
+  assert len(layering_problems("kvm_jax.ops.kvm.scan", upward)) == 2
+  assert layering_problems("kvm_jax.train.loop", scan("from kvm_jax.eval import mqar\n"))
+  assert layering_problems("kvm_jax.eval.mqar", scan("from kvm_jax.train.loop import train\n"))
+  assert not layering_problems("kvm_jax.eval.cli", scan(
+      "import kvm_jax as kj\nfrom kvm_jax.train import loop\nfrom kvm_jax.ops.kvm import api\n"))
+  found = scan("from kvm_jax.runs.directory import _secret\nimport kvm_jax.nn.model as m\nm._x\n")
+  assert len(private_uses("x", found)) == 2
+  assert folder_imports("x", scan("from train import loop\nimport eval.cli\n")) == [
+      "x:1: imports the folder 'train'; use kvm_jax.…", "x:2: imports the folder 'eval.cli'; "
+      "use kvm_jax.…"]
+
+
+# -- documentation that stands on its own --------------------------------------------------------
+
+OUTSIDE = re.compile(r"\.\./shared|shared/design|issue[ -]?#|issue notes|closing note|spec §|"
+                     r"lands with issue")
+CITATION = re.compile(r"docs/([\w-]+\.md)(?:\W{0,3}§\s?(\d+(?:\.\d+)?))?")
+
+
+def user_facing_files():
+  yield ROOT / "README.md"
+  for folder in ("docs", "kvm_jax", "pallas_kernels", "train", "eval", "scripts", "notebooks"):
+    for f in sorted((ROOT / folder).rglob("*")):
+      if f.suffix in (".py", ".md", ".sh", ".ipynb", ".yaml") and "__pycache__" not in f.parts:
+        yield f
+
+
+def has_section(doc: str, section: str) -> bool:
+  major, _, minor = section.partition(".")
+  if not minor:
+    return re.search(rf"^## {major}\. ", doc, re.M) is not None
+  if re.search(rf"^### {major}\.{minor} ", doc, re.M):
+    return True
+  body = re.split(rf"^## {major}\. ", doc, flags=re.M)
+  return len(body) > 1 and re.search(rf"^{minor}\. ", body[1].split("\n## ")[0], re.M) is not None
+
+
+def test_user_facing_text_stands_on_its_own():
+  problems = []
+  for f in user_facing_files():
+    text = f.read_text(encoding="utf-8")
+    rel = f.relative_to(ROOT)
+    for m in OUTSIDE.finditer(text):
+      problems.append(f"{rel}: points outside the repository: {m.group(0)!r}")
+    for m in CITATION.finditer(text):
+      doc = ROOT / "docs" / m.group(1)
+      if not doc.exists():
+        problems.append(f"{rel}: cites missing docs/{m.group(1)}")
+      elif m.group(2) and not has_section(doc.read_text(encoding="utf-8"), m.group(2)):
+        problems.append(f"{rel}: cites docs/{m.group(1)} §{m.group(2)}, which does not exist")
+  assert not problems, "\n".join(problems)
