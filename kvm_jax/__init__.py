@@ -28,5 +28,6 @@ __all__ = [
     "KVMConfig", "FixedBudget", "PowerLawBudget", "SaturatingBudget", "CallableBudget",
     "KVMSchedule", "kvm_schedule", "state_rows_after", "KVMParams", "KVMState", "KVMCache",
     "kvm_attention", "kvm_attention_reference", "kvm_init_cache", "kvm_prefill", "kvm_decode_step",
-    "ModelConfig", "LM", "count_params", "presets", "generate", "generate_text", "SamplingConfig", "sample_logits",
+    "ModelConfig", "LM", "count_params", "presets", "generate", "generate_text", "SamplingConfig",
+    "sample_logits",
 ]

@@ -2,8 +2,8 @@
 
 A budget answers one question: *how many state rows should exist once ``ctx_len`` tokens have been
 processed?* The KVM layer then grows its state towards that target, one overflow chunk at a time,
-under the extra caps of docs/kvm-spec.md §6.3 (``available`` tokens, ``max_state_rows``, never shrink, at most
-``chunk_size`` appends per update).
+under the extra caps of docs/kvm-spec.md §6.3 (``available`` tokens, ``max_state_rows``, never
+shrink, at most ``chunk_size`` appends per update).
 
 Because every quantity here depends only on token *positions* (never on values), the whole schedule
 of a sequence is known when a function is traced. :func:`kvm_schedule` computes it once in Python and
@@ -143,7 +143,8 @@ def as_budget(budget: BudgetLike) -> Budget:
 
 def desired_rows(budget: Budget, ctx_len: int, available: int, current: int,
                  max_state_rows: int | None) -> int:
-  """The authors' ``_desired_state_len`` (docs/kvm-spec.md §6.3): target, capped, never below ``current``."""
+  """The authors' ``_desired_state_len`` (docs/kvm-spec.md §6.3): target, capped, never below
+  ``current``."""
   target = budget.target_rows(max(int(ctx_len), 0))
   target = min(target, max(int(available), 0))
   if max_state_rows is not None:

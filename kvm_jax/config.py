@@ -47,8 +47,8 @@ class KVMConfig:
     value_norm: "radius" (state values read out as normalize(sum)·‖v of the creating token‖, the
       paper) or "none" (raw sums; an honest replacement of the authors' buggy ``kvm_use_vlens=0``).
     readout_value_dtype: None keeps the state-value readout in float32; "bfloat16" reproduces the
-      authors' hard-coded ``.bfloat16()`` cast of normalize(S_V)·radius (docs/kvm-spec.md §11.6), forward and
-      gradient.
+      authors' hard-coded ``.bfloat16()`` cast of normalize(S_V)·radius (docs/kvm-spec.md
+      §11.6), forward and gradient.
     ln_eps: epsilon of LN_s (1e-5 like every LayerNorm of the authors).
   """
 

@@ -1,4 +1,5 @@
-"""``ModelConfig``: the GPTAlpha-2 backbone with one sequence mixer per layer (docs/kvm-spec.md §3–§4)."""
+"""``ModelConfig``: the GPTAlpha-2 backbone with one sequence mixer per layer (docs/kvm-spec.md
+§3–§4)."""
 
 from __future__ import annotations
 
@@ -32,15 +33,16 @@ class ModelConfig:
     head_dim / value_head_dim: D / Dv (None = hidden_size // num_heads).
     mixers: one mixer name per layer ("full", "swa", "bswa", "kvm"), or one name for all layers.
     kvm: :class:`KVMConfig` of the ``kvm`` layers; its chunk geometry also defines ``bswa``.
-    rope_dims / rope_theta: rotary channels (first ``rope_dims`` of D) and base (docs/kvm-spec.md §5) for
-      ``full``/``bswa``/``kvm`` layers; ``kvm.rope_dims`` must equal ``rope_dims``.
+    rope_dims / rope_theta: rotary channels (first ``rope_dims`` of D) and base (docs/kvm-spec.md
+      §5) for ``full``/``bswa``/``kvm`` layers; ``kvm.rope_dims`` must equal ``rope_dims``.
     swa_window / swa_rope_dims: the token window and rotary width of ``swa`` layers (the paper's
       hybrids: 256 tokens, full RoPE 128; ``swa_rope_dims=0`` is NoPE, D/2 HalfRoPE).
     bswa_chunk_size / bswa_window_chunks / bswa_sink_rows: geometry of ``bswa`` layers (the
       paper's BSWA baseline: 256-token chunks, 3 chunks, no sink).
     ffn_expansion: MLP width factor; width = int(ffn_expansion·C)//32·32.
     residual_scale: multiplies both branches of every block (CompleteP depth rule 12/L); None = 1.
-    tokenshift_attention / tokenshift_mlp / value_residual: the front-end options of docs/kvm-spec.md §4.
+    tokenshift_attention / tokenshift_mlp / value_residual: the front-end options of
+      docs/kvm-spec.md §4.
     share_value_anchor: every layer uses layer 0's value anchor (authors' ``alt_share_v0``);
       otherwise each mixer kind anchors on its own first layer (the paper's hybrids).
     mup_base_dim: width the value-residual LoRA rule is relative to (768).

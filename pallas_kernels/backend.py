@@ -44,8 +44,8 @@ class KernelConfig:
   def for_target(cls, target: Optional[str] = None, interpret: Optional[bool] = None,
                  shard_axes: ShardAxes = ShardAxes()) -> "KernelConfig":
     """Kernels for ``target`` (default: this machine), interpreted where no compiler exists."""
-    return cls(platform(target), default_interpret(target) if interpret is None else bool(interpret),
-               shard_axes)
+    interpret = default_interpret(target) if interpret is None else bool(interpret)
+    return cls(platform(target), interpret, shard_axes)
 
   def compiler_params(self, grid_dims: int):
     if self.interpret:

@@ -1,4 +1,5 @@
-"""Budgets and the static schedule against the numbers of docs/kvm-spec.md §3 and the rules of §6.3."""
+"""Budgets and the static schedule against the numbers of docs/kvm-spec.md §3 and the rules of
+§6.3."""
 
 from __future__ import annotations
 

@@ -152,7 +152,8 @@ def test_novelty_ties_append_lowest_token_index():
 
 
 def test_rope_channels_are_zeroed_then_layer_normed():
-  """prep(k): RoPE channels zeroed *before* LN_s, so they come out as the LN bias (docs/kvm-spec.md §11.2)."""
+  """prep(k): RoPE channels zeroed *before* LN_s, so they come out as the LN bias
+  (docs/kvm-spec.md §11.2)."""
   from kvm_jax.ops.kvm.state import prepare_state_keys
   cfg = _cfg(rope_dims=2)
   params = kj.KVMParams(ln_scale=jnp.array([2.0, 3.0, 0.5, 1.5]),

@@ -45,6 +45,7 @@ RANK = {"config": 0, "ops": 1, "kernels": 2, "op registry": 3, "model": 4, "task
 SIBLINGS = {frozenset({"train", "eval"})}  # same rank, must not import each other
 FOLDER_NAMES = ("train", "eval", "pallas_kernels")
 NOT_CODE = ("eval/lm_eval_tasks",)  # lm-eval task data (its utils.py is loaded by lm-eval)
+DATA_PACKAGES = ("kvm_jax.eval.lm_eval_tasks",)  # installed as data folders, not code
 
 
 def package_dirs() -> dict[str, Path]:
@@ -67,6 +68,8 @@ def library_modules() -> dict[str, Path]:
   """Every module the package installs: name -> file."""
   modules = {}
   for package, folder in package_dirs().items():
+    if package.startswith(DATA_PACKAGES):
+      continue
     assert (folder / "__init__.py").exists(), f"{package}: no {folder}/__init__.py"
     modules[package] = folder / "__init__.py"
     for f in folder.glob("*.py"):

@@ -1,4 +1,5 @@
-"""AdamC: AdamW whose decoupled weight decay follows the learning-rate schedule (docs/kvm-spec.md §8).
+"""AdamC: AdamW whose decoupled weight decay follows the learning-rate schedule
+(docs/kvm-spec.md §8).
 
 The authors' trainer sets, before every step, ``weight_decay_t = wd_peak * lr_t / lr_peak`` on a
 ``torch.optim.AdamW`` (``update_weight_decay_for_current_lr``), so the per-step decay is

@@ -14,8 +14,8 @@ from source layers, fused on demand:
   stores nothing (:func:`mix_kvm_shared_state`).
 
 The functions take the layer module (its kind-specific pieces: ``attend``, ``kvm_core``,
-``merge_gate``, ``kvm_params``) rather than importing the layer classes, so the dependency runs one way: the layer
-classes call into this module.
+``merge_gate``, ``kvm_params``) rather than importing the layer classes, so the dependency runs one
+way: the layer classes call into this module.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def mix_kvm_window_fusion(layer, x, q, shared: SharedKV, mixer_cache, decode: bo
     else:  # prefill replaces the contents: zeros of the right shape suffice
       ring_k, ring_v = jnp.zeros_like(kc[0].window_keys), jnp.zeros_like(vc[0].window_values)
     view = dataclasses.replace(mixer_cache, window_keys=ring_k, window_values=ring_v)
-  y, new_cache, _ = layer.kvm_core(q, k, v, layer.merge_gate(x), layer.kvm_params(), view, decode)
+  y, new_cache, _ = layer.kvm_core(q, k, v, layer.merge_gate(x), layer.kvm_params(), view,
+                                   decode)
   return y, (None if new_cache is None else without_window_kv(new_cache))
 
 

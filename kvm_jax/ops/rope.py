@@ -1,4 +1,5 @@
-"""Partial, interleaved rotary position embedding exactly as the authors' backbone (docs/kvm-spec.md §5).
+"""Partial, interleaved rotary position embedding exactly as the authors' backbone
+(docs/kvm-spec.md §5).
 
 * frequencies ``f_i = (1/θ)^(i / (r/2 - 1))`` for i = 0..r/2-1 (``linspace(0, 1, r/2)``
   exponents: from 1 down to exactly 1/θ, not the usual θ^(-2i/r));

@@ -133,7 +133,8 @@ def _paper(**kw) -> KVMConfig:
   return KVMConfig(**{"chunk_size": 256, "window_chunks": 2, "sink_rows": 1, **kw})
 
 
-ORACLE, GRAD, LARGE = frozenset({"oracle"}), frozenset({"oracle", "grad"}), frozenset({"oracle-large"})
+ORACLE, GRAD = frozenset({"oracle"}), frozenset({"oracle", "grad"})
+LARGE = frozenset({"oracle-large"})
 _FIXED_SMALL, _SQRT_SMALL = FixedBudget(12), PowerLawBudget(4.0, 0.5, min_rows=8)
 _FIXED_PAPER, _SQRT_PAPER = FixedBudget(256), PowerLawBudget(16.0, 0.5, min_rows=256)
 

@@ -1,4 +1,5 @@
-"""The oracle: KVM written as plainly as docs/kvm-spec.md (§6.5–§6.7), chunk by chunk, in Python.
+"""The oracle: KVM written as plainly as docs/kvm-spec.md (§6.5–§6.7) puts it, chunk by chunk, in
+Python.
 
 It is the yardstick for every fast path, so it shares none of their arithmetic (only the state's
 pytree type and the input validation): it works in the authors' ``[batch, heads, time, dim]``

@@ -1,4 +1,5 @@
-"""KVM reconstruction layers with *shared routing* (``ModelConfig.kvm_kv_sharing="shared_routing"``).
+"""KVM reconstruction layers with *shared routing*
+(``ModelConfig.kvm_kv_sharing="shared_routing"``).
 
 Compressed states of different layers are row-aligned only if the same routing built them: which
 tokens were appended as new rows and which row every other token merged into. With shared routing

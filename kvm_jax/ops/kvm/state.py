@@ -94,7 +94,9 @@ jax.tree_util.register_dataclass(
     KVMState, data_fields=["keys", "values", "radius", "num_rows"], meta_fields=[])
 
 
-def empty_state(batch: int, kv_heads: int, capacity: int, head_dim: int, value_dim: int) -> KVMState:
+def empty_state(batch: int, kv_heads: int, capacity: int, head_dim: int,
+                value_dim: int) -> KVMState:
+  """A zero state of ``capacity`` rows, none of them valid."""
   return KVMState(keys=jnp.zeros((batch, kv_heads, capacity, head_dim), jnp.float32),
                   values=jnp.zeros((batch, kv_heads, capacity, value_dim), jnp.float32),
                   radius=jnp.zeros((batch, kv_heads, capacity), jnp.float32),
@@ -168,7 +170,8 @@ def validate_inputs(q, k, v, merge_gate, params: KVMParams, cfg: KVMConfig, *,
 
 
 def prepare_state_keys(k: Array, params: KVMParams, cfg: KVMConfig) -> Array:
-  """prep(k) = LN_s(zero the first ``rope_dims`` channels of k), float32 (docs/kvm-spec.md §6.2)."""
+  """prep(k) = LN_s(zero the first ``rope_dims`` channels of k), float32
+  (docs/kvm-spec.md §6.2)."""
   channel = jnp.arange(k.shape[-1])
   k = jnp.where(channel < cfg.rope_dims, 0.0, k.astype(jnp.float32))
   return layer_norm(k, params.ln_scale, params.ln_bias, cfg.ln_eps)
@@ -198,8 +201,8 @@ def _round_and_repeat(values: Array, groups: int, dtype: str) -> Array:
 
   Their readout is ``repeat_interleave(x.bfloat16())`` concatenated with float32 window values:
   autograd rounds each *query head's* cotangent to bf16, sums the group in bf16 (rounding again),
-  and only then returns to float32 (docs/kvm-spec.md §6.8). A plain cast before a float32 repeat would round
-  once after the sum and differ by ~1 bf16 ulp under GQA.
+  and only then returns to float32 (docs/kvm-spec.md §6.8). A plain cast before a float32 repeat
+  would round once after the sum and differ by ~1 bf16 ulp under GQA.
   """
   rounded = values.astype(dtype).astype(jnp.float32)
   return jnp.broadcast_to(rounded[:, :, None], (*values.shape[:2], groups, *values.shape[2:]))
@@ -219,7 +222,8 @@ _round_and_repeat.defvjp(_round_and_repeat_fwd, _round_and_repeat_bwd)
 
 def state_readout(state: KVMState, params: KVMParams, cfg: KVMConfig,
                   groups: int = 1) -> tuple[Array, Array]:
-  """Readout keys LN_s(S_K) ``[B,Hkv,R,D]`` and values normalize(S_V)·radius (docs/kvm-spec.md §6.6).
+  """Readout keys LN_s(S_K) ``[B,Hkv,R,D]`` and values normalize(S_V)·radius
+  (docs/kvm-spec.md §6.6).
 
   Values are ``[B,Hkv,R,Dv]``, or ``[B,Hkv,G,R,Dv]`` (one copy per query head of the group) when
   ``cfg.readout_value_dtype`` reproduces the authors' cast, so that its gradient is rounded per
@@ -274,7 +278,8 @@ def initial_state(k_chunk: Array, v_chunk: Array, g_chunk: Array, num_valid: int
 
 
 def first_argmax(x: Array) -> Array:
-  """Index of the maximum along the last axis, lowest index on exact ties (docs/kvm-spec.md, decision 1).
+  """Index of the maximum along the last axis, lowest index on exact ties (docs/kvm-spec.md,
+  decision 1).
 
   Written as max + min-index because XLA:CPU's variadic argmax reduction is ~3x slower.
   """
@@ -390,8 +395,8 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
 
 
 class OverflowRows(NamedTuple):
-  """One overflow chunk as state rows, head-major ``[B, Hkv, C, ·]`` float32 (docs/kvm-spec.md §6.7):
-  prepared keys (routing), gated keys/values (merges), and what appended rows store."""
+  """One overflow chunk as state rows, head-major ``[B, Hkv, C, ·]`` float32 (docs/kvm-spec.md
+  §6.7): prepared keys (routing), gated keys/values (merges), and what appended rows store."""
 
   k_bar: Array
   k_gated: Array
