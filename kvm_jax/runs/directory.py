@@ -47,6 +47,7 @@ def load_config(workdir: str | Path) -> TrainConfig:
 
 
 def is_run_directory(path: str | Path) -> bool:
+  """Whether ``path`` holds a run's ``config.json`` (one model per run directory)."""
   return (Path(path) / CONFIG_FILE).exists()
 
 
