@@ -226,9 +226,10 @@ def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dic
         metrics.write(**last)
         extra = f"loss {loss:.4f}  {rate:,.0f} tok/s" + (
             f"  MFU {last['mfu']:.1%}" if "mfu" in last else "")
-        line = progress.draw(done, extra) if verbose else progress.message(done, extra)
-        if verbose and not progress.tty:
-          print(line, flush=True)
+        if verbose:
+          line = progress.draw(done, extra)
+          if not progress.tty:
+            print(line, flush=True)
       if done % cfg.checkpoint_every == 0 or final:
         ckpt.save(done, {"params": params, "opt_state": opt_state}, iterator.get_state(),
                   force=True)

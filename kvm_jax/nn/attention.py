@@ -108,16 +108,19 @@ class AttentionFrontEnd(nnx.Module):
     return rope_tables(positions, cfg.qk_head_dim, cfg.rope_dims_of(self.layer), cfg.rope_theta,
                        jnp.dtype(cfg.rope_table_dtype))
 
-  def queries(self, x: Array, positions: Array, prev: Optional[LayerCache]):
-    """Queries ``[B, T, H, D]`` and the token-shift tails of a reconstruction layer."""
+  def _query_heads(self, q: Array, prev: Optional[LayerCache], dtype) -> Array:
+    """Projected queries ``[B, T, H·D]`` -> token shift, heads, LN_q: ``[B, T, H, D]``."""
     cfg = self.cfg
-    B, T, _ = x.shape
-    q = self.c_q(x)
-    tails = (q[:, -1:], None, None)
+    B, T, _ = q.shape
     if cfg.tokenshift_attention:
       q = token_shift(q, self.x_q[...], None if prev is None else prev.last_q, "first")
-    q = self.ln_q(q.reshape(B, T, cfg.num_heads, cfg.qk_head_dim)).astype(x.dtype)
-    return apply_rope(q, *self._rope(positions)), tails
+    return self.ln_q(q.reshape(B, T, cfg.num_heads, cfg.qk_head_dim)).astype(dtype)
+
+  def queries(self, x: Array, positions: Array, prev: Optional[LayerCache]):
+    """Queries ``[B, T, H, D]`` and the token-shift tails of a reconstruction layer."""
+    q = self.c_q(x)
+    tails = (q[:, -1:], None, None)
+    return apply_rope(self._query_heads(q, prev, x.dtype), *self._rope(positions)), tails
 
   def qkv(self, x: Array, v_first: Optional[Array], positions: Array,
           prev: Optional[LayerCache]):
@@ -132,12 +135,11 @@ class AttentionFrontEnd(nnx.Module):
                             + self.v_gate2(self.v_gate1(x)).astype(jnp.float32))
       v = v + (v_first.astype(v.dtype) - v) * gate.astype(v.dtype)
     tails = (q[:, -1:], k[:, -1:], v[:, -1:])
+    q = self._query_heads(q, prev, x.dtype)
     if cfg.tokenshift_attention:
-      q = token_shift(q, self.x_q[...], None if prev is None else prev.last_q, "first")
       k = token_shift(k, self.x_k[...], None if prev is None else prev.last_k, "first")
       v = token_shift(v, self.x_v[...], None if prev is None else prev.last_v, "first")
     D, Dv = cfg.qk_head_dim, cfg.v_head_dim
-    q = self.ln_q(q.reshape(B, T, cfg.num_heads, D)).astype(x.dtype)
     k = self.ln_k(k.reshape(B, T, cfg.kv_heads, D)).astype(x.dtype)
     v = v.reshape(B, T, cfg.kv_heads, Dv)
     cos, sin = self._rope(positions)

@@ -66,8 +66,6 @@ def load_trained(workdir: str | Path, step: int | None = None,
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)
   ckpt = Checkpointer(workdir / CHECKPOINT_DIR)
   try:
-    if ckpt.latest_step() is None:
-      raise ValueError(f"{workdir / CHECKPOINT_DIR} holds no checkpoint.")
     step, params = ckpt.restore_params(target, step)
   finally:
     ckpt.close()
