@@ -13,6 +13,9 @@ from kvm_jax.config import KVM_IMPLEMENTATIONS, KVMConfig
 KV_SHARING = ("none", "fusedkv", "fusedkv_lite", "yoco", "cla")
 KVM_KV_SHARING = ("window", "shared_routing")
 MIXERS = ("full", "swa", "bswa", "kvm")
+# What ``ModelConfig.attention_implementation`` accepts; ``kvm_jax.ops.attention_api`` gives each
+# name its meaning.
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "chunked", "cudnn", "splash", "tokamax")
 _DTYPES = ("float32", "bfloat16")
 
 
@@ -51,6 +54,10 @@ class ModelConfig:
     rope_table_dtype: "float32" (default) or "bfloat16" (the authors' cast cos/sin tables).
     kvm_implementation: the KVM core of every ``kvm`` layer in forward, prefill and decode: "xla"
       (the chunked scan), "pallas" (fused kernels; interpret mode on CPU) or "auto".
+    attention_implementation: the kernel of the ``full`` and ``swa`` layers' softmax attention
+      (forward and prefill): "auto" (default: cuDNN on GPU for bf16, splash on TPU, the chunked
+      XLA path elsewhere; never dense ``[T, T]`` scores), "xla" (dense), "chunked", "cudnn",
+      "splash" or "tokamax" (see ``kvm_jax.ops.attention_api``).
     kv_sharing: cross-layer KV sharing (``docs/fusedkv.md``). With n = num_layers / 2,
       layers >= n are *reconstruction* layers (no K/V projections, no K/V cache):
       "none"; "fusedkv" (``K^i = a_i1⊙K^1 + a_in⊙K^n``, ``V^i = b_i1⊙V^1 + b_in⊙V^n``, learnable
@@ -93,6 +100,7 @@ class ModelConfig:
   compute_dtype: str = "float32"
   rope_table_dtype: str = "float32"
   kvm_implementation: str = "xla"
+  attention_implementation: str = "auto"
   kv_sharing: str = "none"
   fusedkv_init: str = "lite"
   kvm_kv_sharing: str = "window"
@@ -136,6 +144,9 @@ class ModelConfig:
     if self.kvm_implementation not in KVM_IMPLEMENTATIONS:
       raise ValueError(f"ModelConfig.kvm_implementation={self.kvm_implementation!r}; choose "
                        f"from {KVM_IMPLEMENTATIONS}.")
+    if self.attention_implementation not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(f"ModelConfig.attention_implementation={self.attention_implementation!r}; "
+                       f"choose from {ATTENTION_IMPLEMENTATIONS}.")
     self._validate_kv_sharing(mixers)
 
   def _validate_kv_sharing(self, mixers) -> None:

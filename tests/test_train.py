@@ -58,10 +58,11 @@ def test_sharded_train_step_matches_single_device():
     for mesh in (sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]),
                  sharding.make_mesh(2, 2, 2)):
       graphdef, params, opt, optimizer, sh = loop.setup(cfg, mesh)
-      step = loop.make_train_step(graphdef, optimizer, sh)
+      step = loop.make_train_step(graphdef, optimizer, sh, cfg)
+      halted = jax.numpy.zeros((), bool)
       for _ in range(3):
-        params, opt, loss = step(params, opt, loop.put_batch(batch, sh[2]))
-      results.append((float(loss), jax.tree_util.tree_map(np.asarray, params)))
+        params, opt, stats = step(params, opt, loop.put_batch(batch, sh[2]), halted)
+      results.append((float(stats["loss"]), jax.tree_util.tree_map(np.asarray, params)))
     assert len(jax.devices()) == 8
     kernel = results[1][1]["blocks"][0]["attn"]["c_q"]["kernel"]
     (l1, p1), (l8, p8) = results

@@ -24,12 +24,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from kvm_jax.budget import state_rows_after
 from kvm_jax.nn.model import LM
 from kvm_jax.ops.kvm.api import kernel_sharding
+from kvm_jax.ops.loss import IGNORE, cross_entropy_sums, sliced_loss_sums
 from kvm_jax.progress import ProgressBar
 from kvm_jax.runs.checkpoint import Checkpointer, abstract_like
 from kvm_jax.runs.config import TrainConfig
-from kvm_jax.runs.directory import CHECKPOINT_DIR, forward_logits, save_config
+from kvm_jax.runs.directory import CHECKPOINT_DIR, save_config
 from kvm_jax.tasks import mqar, niah, text
-from kvm_jax.tasks.labels import IGNORE
 from kvm_jax.tasks.pipeline import batched_iterator
 from kvm_jax.tasks.tokenizers import tokenizer
 from kvm_jax.train import adamc as adamc_lib
@@ -93,9 +93,8 @@ def flops_per_token(cfg: TrainConfig, params) -> float:
 
 def masked_loss(logits, labels):
   """Mean cross-entropy over positions whose label is not -100."""
-  valid = labels != IGNORE
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(valid, labels, 0))
-  return jnp.sum(ce * valid) / jnp.maximum(jnp.sum(valid), 1)
+  loss, count = cross_entropy_sums(logits, labels)
+  return loss / jnp.maximum(count, 1)
 
 
 def make_optimizer(cfg: TrainConfig, params) -> optax.GradientTransformation:
@@ -108,30 +107,106 @@ def make_optimizer(cfg: TrainConfig, params) -> optax.GradientTransformation:
   return opt
 
 
-def make_train_step(graphdef, optimizer, shardings=None):
-  """A jitted step; with ``shardings = (params, opt_state, batch)`` it is partitioned over a mesh."""
-  def step(params, opt_state, batch):
-    def loss_fn(p):
-      return masked_loss(nnx.merge(graphdef, p)(batch["inputs"]), batch["labels"])
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    if isinstance(opt_state, adamc_lib.MasterState):
-      params = adamc_lib.params_from_master(opt_state, params)
-    else:
-      params = optax.apply_updates(params, updates)
-    return params, opt_state, loss
+def micro_batches(x: jax.Array, count: int, batch_sharding=None) -> jax.Array:
+  """``[B, ...]`` -> ``[count, B / count, ...]``: micro-batch j holds rows j, j + count, ...
+
+  Interleaving keeps every device's rows in every micro-batch: a batch split over devices in
+  contiguous blocks stays split the same way inside each micro-batch."""
+  B = x.shape[0]
+  out = jnp.swapaxes(x.reshape(B // count, count, *x.shape[1:]), 0, 1)
+  if batch_sharding is not None:
+    spec = PartitionSpec(None, *batch_sharding.spec)
+    out = jax.lax.with_sharding_constraint(out, NamedSharding(batch_sharding.mesh, spec))
+  return out
+
+
+def loss_sums(graphdef, params, inputs, labels, cfg: TrainConfig, predictions: bool = False):
+  """(loss sum, token count, argmax or None) of one (micro-)batch: the model's features with the
+  configured remat, then the LM head and cross-entropy over ``loss_slice_len`` slices."""
+  model = nnx.merge(graphdef, params)
+  features = model.features(inputs, cfg.remat)
+  return sliced_loss_sums(features, model.lm_head.kernel[...], labels,
+                          compute_dtype=cfg.model.compute_dtype, slice_len=cfg.loss_slice_len,
+                          predictions=predictions)
+
+
+def global_norm(tree) -> jax.Array:
+  """sqrt(sum of squares) of every leaf, in float32."""
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
+                      for x in jax.tree_util.tree_leaves(tree)))
+
+
+def make_train_step(graphdef, optimizer, shardings=None, cfg: TrainConfig | None = None):
+  """A jitted step ``(params, opt_state, batch, halted) -> (params, opt_state, stats)``.
+
+  ``cfg`` gives remat, ``grad_accum_steps``, ``loss_slice_len``, ``grad_clip_norm`` and
+  ``on_nonfinite`` (default: a plain step). The loss is the mean over every labelled token of
+  the whole batch, however it is split into micro-batches. ``stats`` holds device scalars:
+  ``loss``, ``grad_norm`` (before clipping), ``finite`` (this step's loss and gradients) and
+  ``halted``, which the caller feeds back as the next ``halted``: after a non-finite step with
+  ``on_nonfinite="stop"`` every later update is dropped, so the parameters stay those of the last
+  good step until the host sees the flag. With ``shardings = (params, opt_state, batch)`` the
+  step is partitioned over a mesh.
+  """
+  cfg = cfg or TrainConfig()
+  accum = cfg.grad_accum_steps
+  batch_sharding = None if shardings is None else shardings[2]
+
+  def gradients(params, inputs, labels):
+    total = jnp.maximum(jnp.sum(labels != IGNORE), 1).astype(jnp.float32)
+
+    def loss_fn(p, inp, lab):
+      return loss_sums(graphdef, p, inp, lab, cfg)[0] / total
+
+    if accum == 1:
+      return jax.value_and_grad(loss_fn)(params, inputs, labels)
+
+    def one(carry, xs):
+      loss, grads = jax.value_and_grad(loss_fn)(params, *xs)
+      return (carry[0] + loss, jax.tree_util.tree_map(
+          lambda a, g: a + g.astype(jnp.float32), carry[1], grads)), None
+
+    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    split = lambda x: micro_batches(x, accum, batch_sharding)
+    (loss, grads), _ = jax.lax.scan(one, (jnp.zeros((), jnp.float32), zeros),
+                                    (split(inputs), split(labels)))
+    return loss, grads
+
+  def step(params, opt_state, batch, halted):
+    loss, grads = gradients(params, batch["inputs"], batch["labels"])
+    norm = global_norm(grads)
+    if cfg.grad_clip_norm > 0:
+      factor = jnp.minimum(1.0, cfg.grad_clip_norm / (norm + 1e-6))
+      grads = jax.tree_util.tree_map(lambda g: (g * factor).astype(g.dtype), grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(norm)
+
+    def update(params, opt_state, grads):
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      if isinstance(opt_state, adamc_lib.MasterState):
+        return adamc_lib.params_from_master(opt_state, params), opt_state
+      return optax.apply_updates(params, updates), opt_state
+
+    # A conditional, not a select: its untaken branch returns the donated buffers unchanged, so
+    # no second copy of the parameters and optimizer state is ever alive.
+    params, opt_state = jax.lax.cond(finite & ~halted, update,
+                                     lambda p, o, g: (p, o), params, opt_state, grads)
+    if cfg.on_nonfinite == "stop":
+      halted = halted | ~finite
+    stats = {"loss": loss, "grad_norm": norm, "finite": finite, "halted": halted}
+    return params, opt_state, stats
+
   if shardings is None:
     return jax.jit(step, donate_argnums=(0, 1))
   p_sh, o_sh, b_sh = shardings
   replicated = NamedSharding(b_sh.mesh, PartitionSpec())
-  return jax.jit(step, donate_argnums=(0, 1), in_shardings=(p_sh, o_sh, b_sh),
+  return jax.jit(step, donate_argnums=(0, 1), in_shardings=(p_sh, o_sh, b_sh, replicated),
                  out_shardings=(p_sh, o_sh, replicated))
 
 
 def setup(cfg: TrainConfig, mesh=None):
   """Model, optimizer and sharded initial state: (graphdef, params, opt_state, optimizer, shardings)."""
   mesh = mesh or sharding.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
-  sharding.check_batch(cfg.batch_size, mesh)
+  sharding.check_batch(cfg.batch_size, mesh, cfg.grad_accum_steps)
   model = LM(cfg.model, rngs=nnx.Rngs(cfg.seed))
   graphdef, params = nnx.split(model)
   optimizer = make_optimizer(cfg, params)
@@ -149,33 +224,104 @@ def put_batch(batch: dict, batch_sharding) -> dict:
           for k, v in batch.items()}
 
 
-def evaluate(graphdef, params, cfg: TrainConfig, batches: int,
-             dataset=None) -> dict[str, float]:
-  """Held-out loss on the same first ``batches`` batches every time; for MQAR also recall split
-  by where the queried key lives (``dataset`` avoids rebuilding the held-out split)."""
-  it = batched_iterator(dataset or task_dataset(cfg, "eval"), cfg.batch_size)
-  loss, counts = 0.0, None
+def make_eval_step(graphdef, cfg: TrainConfig, shardings=None):
+  """A jitted ``(params, batch) -> sums`` on the training batch sharding: only scalar sums leave
+  the devices (``loss_sum``, ``tokens``; MQAR: ``hits_*``/``answers_*`` of all answers, those whose
+  key is within the exact window and those beyond it; NIAH: ``exact`` answers and ``examples``).
+  The batch runs in ``grad_accum_steps`` micro-batches, the loss over ``loss_slice_len`` slices,
+  like training."""
+  task, window = cfg.task, cfg.model.kvm.window_len
+  batch_sharding = None if shardings is None else shardings[2]
+
+  def sums(params, batch):
+    loss, count, pred = loss_sums(graphdef, params, batch["inputs"], batch["labels"], cfg,
+                                  predictions=task in ("mqar", "niah"))
+    out = {"loss_sum": loss, "tokens": count}
+    labels = batch["labels"]
+    valid = labels != IGNORE
+    if task == "mqar":
+      correct = (pred == labels) & valid
+      near = valid & (batch["distance"] < window)
+      for name, mask in (("all", valid), ("in_window", near), ("state_only", valid & ~near)):
+        out[f"hits_{name}"] = jnp.sum(correct & mask).astype(jnp.int32)
+        out[f"answers_{name}"] = jnp.sum(mask).astype(jnp.int32)
+    elif task == "niah":  # teacher-forced: every answer token right
+      wrong = ((pred != labels) & valid).any(axis=1)
+      out["exact"] = jnp.sum(~wrong).astype(jnp.int32)
+      out["examples"] = jnp.asarray(labels.shape[0], jnp.int32)
+    return out
+
+  def step(params, batch):
+    if cfg.grad_accum_steps == 1:
+      return sums(params, batch)
+    split = {k: micro_batches(v, cfg.grad_accum_steps, batch_sharding) for k, v in batch.items()}
+    parts = jax.lax.map(lambda b: sums(params, b), split)
+    return jax.tree_util.tree_map(lambda x: jnp.sum(x, 0), parts)
+
+  if shardings is None:
+    return jax.jit(step)
+  replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
+  return jax.jit(step, in_shardings=(shardings[0], batch_sharding), out_shardings=replicated)
+
+
+def evaluate(graphdef, params, cfg: TrainConfig, batches: int, dataset=None,
+             eval_step=None, batch_sharding=None) -> dict[str, float]:
+  """Held-out loss (mean over every labelled token) on the same first ``batches`` batches every
+  time; for MQAR also recall split by where the queried key lives, for NIAH the exact-answer
+  rate. ``dataset`` avoids rebuilding the held-out split, ``eval_step`` (:func:`make_eval_step`)
+  recompiling; ``batch_sharding`` places each batch like training's."""
+  eval_step = eval_step or make_eval_step(graphdef, cfg)
+  it = batched_iterator(dataset or task_dataset(cfg, "eval"), cfg.batch_size,
+                        shard_index=jax.process_index(), shard_count=jax.process_count())
+  total: dict[str, int | float] = {}
   for _ in range(batches):
     batch = next(it)
-    logits = forward_logits(graphdef, params, batch["inputs"])
-    loss += float(masked_loss(logits, batch["labels"])) / batches
-    if cfg.task == "mqar":
-      pred = np.asarray(jnp.argmax(logits, -1))
-      c = mqar.recall_counts(pred, batch["labels"], batch["distance"], cfg.model.kvm.window_len)
-      counts = c if counts is None else {k: counts[k] + c[k] for k in c}
-    elif cfg.task == "niah":  # teacher-forced: every answer token right
-      pred = np.asarray(jnp.argmax(logits, -1))
-      labels = np.asarray(batch["labels"])
-      wrong = ((pred != labels) & (labels != IGNORE)).any(axis=1)
-      counts = (0 if counts is None else counts) + np.array([int((~wrong).sum()), len(wrong)])
-  if cfg.task == "niah":
-    return {"eval_loss": loss, "answer_exact": counts[0] / counts[1]}
-  return {"eval_loss": loss, **(mqar.recall_ratios(counts) if counts else {})}
+    batch = {k: v for k, v in batch.items() if k in ("inputs", "labels", "distance")}
+    if batch_sharding is not None:
+      batch = put_batch(batch, batch_sharding)
+    for k, v in jax.device_get(eval_step(params, batch)).items():
+      total[k] = total.get(k, 0) + v.item()
+  out = {"eval_loss": total["loss_sum"] / max(total["tokens"], 1)}
+  if cfg.task == "mqar":
+    out.update(mqar.recall_ratios({name: np.array([total[f"hits_{name}"],
+                                                   total[f"answers_{name}"]])
+                                   for name in ("all", "in_window", "state_only")}))
+  elif cfg.task == "niah":
+    out["answer_exact"] = total["exact"] / total["examples"]
+  return out
+
+
+class NonFiniteError(RuntimeError):
+  """A non-finite loss or gradient with ``on_nonfinite="stop"``; the run saved nothing after it."""
+
+
+def _check_finite(cfg: TrainConfig, pending, stats, ckpt, workdir, verbose) -> int:
+  """Host side of the non-finite guard at a sync point: raises :class:`NonFiniteError` ("stop")
+  or returns how many of the ``pending`` steps dropped their update ("skip")."""
+  bad = [(step, s) for step, s in zip(pending, stats) if not s["finite"]]
+  if not bad:
+    return 0
+  step, s = bad[0]
+  what = "loss" if not np.isfinite(s["loss"]) else "gradient"
+  if cfg.on_nonfinite == "stop":
+    last = ckpt.latest_step()
+    kept = (f"the newest checkpoint (step {last}) holds the last parameters saved before it"
+            if last is not None else "no checkpoint had been written yet")
+    raise NonFiniteError(
+        f"non-finite {what} at step {step} (loss={s['loss']}, grad_norm={s['grad_norm']}); the "
+        f"update was not applied and nothing was saved after it: {kept} in {workdir}. Check "
+        "the data of that step or lower the learning rate; --config.grad_clip_norm clips the "
+        "gradient and --config.on_nonfinite=skip drops such updates instead of stopping.")
+  if verbose:
+    steps = ", ".join(str(step) for step, _ in bad)
+    print(f"skipped the update of step(s) {steps}: non-finite {what}", flush=True)
+  return len(bad)
 
 
 def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dict[str, Any]:
   """Trains (or resumes) in ``workdir``; returns the last logged metrics plus the final
-  ``params`` and ``graphdef``."""
+  ``params`` and ``graphdef``. Raises :class:`NonFiniteError` when a step's loss or gradient is
+  not finite and ``cfg.on_nonfinite == "stop"``."""
   cfg.validate()
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
@@ -184,45 +330,65 @@ def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dic
                               shard_index=jax.process_index(), shard_count=jax.process_count())
   ckpt = Checkpointer(workdir / CHECKPOINT_DIR, keep=cfg.keep_checkpoints)
   save_config(cfg, workdir, verbose)
-  start = 0
+  start, skipped = 0, 0
   if ckpt.latest_step() is not None:
     start, state, data_state = ckpt.restore(abstract_like({"params": params,
                                                           "opt_state": opt_state}))
     params, opt_state = state["params"], state["opt_state"]
+    skipped = int(data_state.pop(_SKIPPED_KEY, 0))
     iterator.set_state(data_state)
     if verbose:
       print(f"resumed from step {start} in {workdir}")
   metrics = MetricsWriter(workdir, resume_step=start)
-  train_step = make_train_step(graphdef, optimizer, shardings)
+  train_step = make_train_step(graphdef, optimizer, shardings, cfg)
+  replicated = NamedSharding(shardings[2].mesh, PartitionSpec())
+  halted = jax.device_put(jnp.zeros((), bool), replicated)
   stop = {"sigterm": False}
   previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True)) \
       if _in_main_thread() else None
   progress = ProgressBar(cfg.steps, "step", start)
   peak, fpt = peak_flops(cfg), flops_per_token(cfg, params)
   eval_set = task_dataset(cfg, "eval") if cfg.eval_every else None
+  eval_step = make_eval_step(graphdef, cfg, shardings) if cfg.eval_every else None
   tokens_per_step = cfg.batch_size * cfg.sequence_length
   last: dict[str, Any] = {"step": start}
   t0, ran = time.perf_counter(), 0
+  pending_steps, pending_stats = [], []   # device stats of the steps since the last host sync
   contexts = contextlib.ExitStack()
-  if cfg.model.kvm_implementation != "xla":
-    # The Pallas kernels run per shard (shard_map) over this trainer's batch and KV-head axes.
+  attention = cfg.model.attention_implementation
+  if cfg.model.kvm_implementation != "xla" or attention in ("splash", "tokamax") or (
+      attention == "auto" and jax.default_backend() == "tpu"):
+    # Pallas kernels run per shard (shard_map) over this trainer's batch and KV-head axes.
     contexts.enter_context(jax.set_mesh(shardings[2].mesh))
     contexts.enter_context(kernel_sharding(batch_axes=sharding.BATCH,
                                            head_axis=sharding.LOGICAL_RULES["kv_heads"]))
   try:
     for step in range(start, cfg.steps):
       batch = put_batch(next(iterator), shardings[2])
-      params, opt_state, loss = train_step(params, opt_state, batch)
+      params, opt_state, stats = train_step(params, opt_state, batch, halted)
+      halted = stats["halted"]
       done, ran = step + 1, ran + 1
+      pending_steps.append(done)
+      pending_stats.append({k: stats[k] for k in ("loss", "grad_norm", "finite")})
       final = done == cfg.steps or stop["sigterm"]
-      if done % cfg.log_every == 0 or final:
-        loss = float(loss)  # the only host sync, at log steps
+      log_now = done % cfg.log_every == 0 or final
+      save_now = done % cfg.checkpoint_every == 0 or final
+      if log_now or save_now:  # the only host syncs
+        host = jax.device_get(pending_stats)
+        skipped += _check_finite(cfg, pending_steps, host, ckpt, workdir, verbose)
+        pending_steps, pending_stats = [], []
+      if log_now:
+        loss = float(host[-1]["loss"])
         rate = tokens_per_step * ran / (time.perf_counter() - t0)
-        last = {"step": done, "loss": loss, "tokens_per_s": rate}
+        last = {"step": done, "loss": loss, "grad_norm": float(host[-1]["grad_norm"]),
+                "tokens_per_s": rate}
+        if cfg.on_nonfinite == "skip":
+          last["skipped_steps"] = skipped
         if peak:
           last["mfu"] = rate * fpt / peak
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
-          last.update(evaluate(graphdef, params, cfg, cfg.eval_batches, eval_set))
+          last.update(evaluate(graphdef, params, cfg, cfg.eval_batches, eval_set, eval_step,
+                               shardings[2]))
         metrics.write(**last)
         extra = f"loss {loss:.4f}  {rate:,.0f} tok/s" + (
             f"  MFU {last['mfu']:.1%}" if "mfu" in last else "")
@@ -230,9 +396,9 @@ def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dic
           line = progress.draw(done, extra)
           if not progress.tty:
             print(line, flush=True)
-      if done % cfg.checkpoint_every == 0 or final:
-        ckpt.save(done, {"params": params, "opt_state": opt_state}, iterator.get_state(),
-                  force=True)
+      if save_now:
+        ckpt.save(done, {"params": params, "opt_state": opt_state},
+                  {**iterator.get_state(), _SKIPPED_KEY: skipped}, force=True)
       if final:
         break
   finally:
@@ -246,6 +412,10 @@ def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dic
   last["params"] = params
   last["graphdef"] = graphdef
   return last
+
+
+# Key of the skipped-update count stored next to the data iterator's state in a checkpoint.
+_SKIPPED_KEY = "kvm_skipped_steps"
 
 
 def _in_main_thread() -> bool:

@@ -1,9 +1,13 @@
 """``kvm-train``: train a kvm_jax model from a Python config file, resuming automatically.
 
   kvm-train --config=train/configs/tiny_mqar.py --workdir=runs/mqar [--config.steps=200 ...]
+  kvm-train --config=train/configs/paper.py:kvm_sqrt16_120m --workdir=W --memory-report
 
 Flags:
-  --config=PATH           Python file whose get_config() returns a kvm_jax.train.TrainConfig.
+  --config=PATH[:ARG]     Python file whose get_config() returns a kvm_jax.train.TrainConfig;
+                          with ":ARG", get_config(ARG) is called (ml_collections' convention),
+                          e.g. paper.py:PRESET gives the paper recipe for any preset. Paths
+                          under train/configs/ also resolve to the installed copies.
   --workdir=DIR           where checkpoints/, metrics.jsonl and tb/ go; re-running the same
                           command on the same DIR resumes from its latest checkpoint.
   --config.FIELD=VALUE    override any config field, nested with dots
@@ -13,6 +17,16 @@ Flags:
                           flag a run resumes when checkpoints exist and starts fresh otherwise).
   --distributed           call jax.distributed.initialize() first (multi-host pods / clusters;
                           each host then reads its own slice of every batch).
+  --memory-report         compile the configured train step for the configured shapes from
+                          abstract inputs on the present backend (no data read, no weights
+                          allocated), print its memory per device and exit. The last line is
+                          "per-device peak: X.XX GiB (arguments ..., temporaries ..., outputs ...)".
+
+Memory at long sequences: --config.remat=block keeps only each block's inputs for the backward
+pass, --config.grad_accum_steps=N runs the batch as N micro-batches, --config.loss_slice_len=S
+computes the LM head and loss S tokens at a time; --memory-report shows what each one buys.
+A non-finite loss or gradient stops the run (--config.on_nonfinite=skip drops the update
+instead); --config.grad_clip_norm clips the global gradient norm, which is logged as grad_norm.
 """
 
 from __future__ import annotations
@@ -26,19 +40,44 @@ from pathlib import Path
 
 import jax
 
-from kvm_jax.train.loop import train
+from kvm_jax.train import memory
+from kvm_jax.train.loop import NonFiniteError, train
 
 
-def load_config(path: str):
+INSTALLED_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def config_file(path: str) -> Path:
+  """``path`` itself, or for ``train/configs/NAME.py`` that is not here, the installed copy."""
   p = Path(path)
-  if not p.exists():
-    raise SystemExit(f"--config: {path!r} does not exist.")
-  spec = importlib.util.spec_from_file_location(f"_kvm_config_{p.stem}", p)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  if p.exists():
+    return p
+  installed = INSTALLED_CONFIGS / p.name
+  if p.parent.as_posix().endswith("train/configs") and installed.exists():
+    return installed
+  raise SystemExit(f"--config: {path!r} does not exist.")
+
+
+def load_config(spec: str):
+  """The ``TrainConfig`` of ``PATH`` (``get_config()``) or ``PATH:ARG`` (``get_config(ARG)``)."""
+  path, arg = spec, None
+  if ":" in spec and not Path(spec).exists():
+    path, arg = spec.rsplit(":", 1)
+  p = config_file(path)
+  module_spec = importlib.util.spec_from_file_location(f"_kvm_config_{p.stem}", p)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
   if not hasattr(module, "get_config"):
     raise SystemExit(f"--config: {path!r} defines no get_config().")
-  return module.get_config()
+  try:
+    return module.get_config() if arg is None else module.get_config(arg)
+  except TypeError as e:
+    if arg is None:
+      raise SystemExit(f"--config: {path!r} needs an argument ({e}); pass --config={path}:ARG."
+                       ) from None
+    raise SystemExit(f"--config: {path!r} takes no argument, got {arg!r} ({e}).") from None
+  except ValueError as e:
+    raise SystemExit(f"--config={spec}: {e}") from None
 
 
 def _coerce(old, text: str):
@@ -74,7 +113,8 @@ def apply_override(cfg, dotted: str, text: str):
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="kvm-train", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--config", required=True, help="Python config file (get_config()).")
+  parser.add_argument("--config", required=True,
+                      help="Python config file (get_config()), or FILE:ARG (get_config(ARG)).")
   parser.add_argument("--workdir", required=True, help="run directory; resumes if it has "
                       "checkpoints.")
   parser.add_argument("--show-config", action="store_true", help="print the config and exit.")
@@ -82,7 +122,12 @@ def main(argv=None) -> int:
                       help="fail unless --workdir holds a checkpoint to continue from.")
   parser.add_argument("--distributed", action="store_true",
                       help="initialize multi-host JAX (jax.distributed.initialize()) first.")
+  parser.add_argument("--memory-report", action="store_true",
+                      help="compile the train step from abstract inputs, print its memory per "
+                      "device and exit (reads no data, allocates no weights).")
   args, rest = parser.parse_known_args(argv)
+  if args.memory_report:
+    memory.prefer_memory_order()  # before anything starts JAX's backend
   if args.distributed:
     jax.distributed.initialize()
   cfg = load_config(args.config)
@@ -99,11 +144,18 @@ def main(argv=None) -> int:
   if args.show_config:
     print(cfg)
     return 0
+  if args.memory_report:
+    print("\n".join(memory.memory_report(cfg).lines(cfg)))
+    return 0
   if args.resume:
     ckpt_dir = Path(args.workdir) / "checkpoints"
     if not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
       raise SystemExit(f"--resume: no checkpoint in {ckpt_dir}; drop --resume to start a new run.")
-  result = train(cfg, args.workdir)
+  try:
+    result = train(cfg, args.workdir)
+  except NonFiniteError as e:
+    print(f"kvm-train: {e}", file=sys.stderr)
+    return 1
   summary = {k: v for k, v in result.items() if isinstance(v, (int, float))}
   print("final:", ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                             for k, v in summary.items()))

@@ -119,9 +119,12 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH))
 
 
-def check_batch(batch_size: int, mesh: Mesh) -> None:
+def check_batch(batch_size: int, mesh: Mesh, grad_accum_steps: int = 1) -> None:
+  """A clear error unless every micro-batch splits evenly over the batch axes of ``mesh``."""
   size = dict(zip(mesh.axis_names, mesh.devices.shape))
   ways = size["data"] * size["fsdp"]
-  if batch_size % ways:
-    raise ValueError(f"batch_size={batch_size} is not divisible by the data x fsdp axes "
-                     f"({size['data']} x {size['fsdp']} = {ways}); use a multiple of {ways}.")
+  if batch_size % (ways * grad_accum_steps):
+    micro = f" / grad_accum_steps={grad_accum_steps}" if grad_accum_steps > 1 else ""
+    raise ValueError(f"batch_size={batch_size}{micro} is not divisible by the data x fsdp axes "
+                     f"({size['data']} x {size['fsdp']} = {ways}); use a batch_size that is a "
+                     f"multiple of {ways * grad_accum_steps}.")

@@ -27,8 +27,10 @@ from flax import nnx
 
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn import kv_sharing
-from kvm_jax.nn.layers import depth_ratio, layer_norm, linear, token_shift, zeros_init
+from kvm_jax.nn.layers import (depth_ratio, float32_init, layer_norm, linear, token_shift,
+                                zeros_init)
 from kvm_jax.ops import attention as attn_ops
+from kvm_jax.ops.attention_api import causal_attention
 from kvm_jax.ops.attention import RingCache
 from kvm_jax.ops.rope import apply_rope, rope_tables
 
@@ -96,7 +98,7 @@ class AttentionFrontEnd(nnx.Module):
       ramp_v = np.arange(dv) / (dv - 1) - 0.5
       self.v_gate0 = nnx.Param(jnp.asarray(0.73 - 0.4 * ramp_v, pd))
       self.v_gate1 = linear(cfg, C, lora, rngs, init=zeros_init)
-      self.v_gate2 = linear(cfg, lora, dv, rngs, init=jax.nn.initializers.orthogonal(scale=0.1))
+      self.v_gate2 = linear(cfg, lora, dv, rngs, init=float32_init(jax.nn.initializers.orthogonal(scale=0.1)))
 
   # -- the front end -----------------------------------------------------------------------------
   def anchor_value(self, x_normed: Array) -> Array:
@@ -205,7 +207,8 @@ class FullAttention(_SoftmaxAttention):
   kind = "full"
 
   def attend(self, q, k, v, scale=None):
-    return attn_ops.full_attention(q, k, v, scale=scale)
+    return causal_attention(q, k, v, scale=scale,
+                            implementation=self.cfg.attention_implementation)
 
 
 class SlidingWindowAttention(_SoftmaxAttention):
@@ -214,7 +217,8 @@ class SlidingWindowAttention(_SoftmaxAttention):
   kind = "swa"
 
   def attend(self, q, k, v, scale=None):
-    return attn_ops.sliding_window_attention(q, k, v, self.cfg.swa_window, scale=scale)
+    return causal_attention(q, k, v, window=self.cfg.swa_window, scale=scale,
+                            implementation=self.cfg.attention_implementation)
 
   def _ring_geometry(self):
     return dict(window=self.cfg.swa_window)

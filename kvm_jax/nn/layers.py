@@ -26,6 +26,13 @@ def zeros_init(key, shape, dtype):
   return jnp.zeros(shape, dtype)
 
 
+def float32_init(init):
+  """``init`` evaluated in float32, then cast to the parameter dtype: orthogonal initializers run a
+  QR decomposition, which CPU LAPACK does not offer in bfloat16 (and float32 is what the authors'
+  ``nn.init.orthogonal_`` computes before their cast)."""
+  return lambda key, shape, dtype: init(key, shape, jnp.float32).astype(dtype)
+
+
 def linear(cfg: ModelConfig, n_in: int, n_out: int, rngs: nnx.Rngs, init=None) -> nnx.Linear:
   """A bias-free projection in the model's parameter and compute dtypes."""
   return nnx.Linear(n_in, n_out, use_bias=False, param_dtype=cfg.jnp_param_dtype,

@@ -19,10 +19,20 @@ from kvm_jax.nn.attention import (BlockSlidingWindowAttention, FullAttention, La
                                   SlidingWindowAttention)
 from kvm_jax.nn.kv_sharing import SharedKV
 from kvm_jax.nn.kvm import KVMAttention
-from kvm_jax.nn.layers import depth_ratio, layer_norm, linear, token_shift, zeros_init
+from kvm_jax.nn.layers import (depth_ratio, float32_init, layer_norm, linear, token_shift,
+                                zeros_init)
 from kvm_jax.ops.common import tree_nbytes
+from kvm_jax.ops.loss import head_logits
 
 Array = jax.Array
+
+# Rematerialization of the blocks in a whole-sequence forward (training): what each block keeps
+# for the backward pass. "none": everything XLA keeps; "block": only the block's inputs (the
+# block's forward is recomputed during its backward: least memory, ~1/3 more compute);
+# "block_dots": the block's inputs and the results of its weight matmuls (less recompute, more
+# memory).
+REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
+                  "block_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 # The mixer class of each kind (ModelConfig.mixers).
 MIXERS = {"full": FullAttention, "swa": SlidingWindowAttention,
@@ -35,7 +45,7 @@ class MLP(nnx.Module):
   def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
     self.cfg = cfg
     C = cfg.hidden_size
-    self.c_fc = linear(cfg, C, cfg.mlp_width, rngs, init=jax.nn.initializers.orthogonal(1.0))
+    self.c_fc = linear(cfg, C, cfg.mlp_width, rngs, init=float32_init(jax.nn.initializers.orthogonal(1.0)))
     self.c_proj = linear(cfg, cfg.mlp_width, C, rngs, init=zeros_init)
     if cfg.tokenshift_mlp:
       self.x_k = nnx.Param(jnp.asarray(1.0 - np.power(np.arange(C) / C,
@@ -87,7 +97,8 @@ class LM(nnx.Module):
     self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
     self.ln_head = layer_norm(cfg, C, rngs)
     self.lm_head = linear(cfg, C, V, rngs,
-                           init=jax.nn.initializers.orthogonal(scale=0.5 * math.sqrt(V / C)))
+                           init=float32_init(
+                              jax.nn.initializers.orthogonal(scale=0.5 * math.sqrt(V / C))))
 
   def check_tokens(self, tokens):
     """A clear ValueError for ids that are not ``[batch, time]`` or lie outside the vocabulary
@@ -102,29 +113,78 @@ class LM(nnx.Module):
       bad = low if low < 0 else top
       raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size}).")
 
-  def _run(self, tokens, positions, caches, decode):
+  def _run(self, tokens, positions, caches, decode, remat: str = "none"):
+    """Final hidden states ``[B, T, C]`` (after the head LayerNorm, compute dtype) and caches."""
     cfg = self.cfg
+    if remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={remat!r} is unknown; choose from {tuple(REMAT_POLICIES)}.")
     x0 = self.ln_emb(self.wte(tokens)).astype(cfg.jnp_compute_dtype)
     anchors = {}
     for layer in sorted({cfg.value_anchor(i) for i in range(cfg.num_layers)}):
       block = self.blocks[layer]
       anchors[layer] = block.attn.anchor_value(block.ln_attn(x0).astype(x0.dtype))
+    sharing = cfg.kv_sharing != "none"
+    period = layer_period(cfg)
+    if remat != "none" and caches is None and period is not None:
+      x = self._scanned_blocks(x0, anchors, positions, period, REMAT_POLICIES[remat])
+      return self.ln_head(x).astype(x.dtype), None
     x, new_caches, exports = x0, [], {}
     old_caches = None if caches is None else [c.mixer for c in caches]
-    sharing = cfg.kv_sharing != "none"
     for i, block in enumerate(self.blocks):
-      shared = SharedKV(exports=exports, old_caches=old_caches) if sharing else None
-      x, c, exports[i] = block(x, anchors[cfg.value_anchor(i)], positions,
-                               None if caches is None else caches[i], decode, shared)
+      anchor = anchors[cfg.value_anchor(i)]
+      if remat != "none" and caches is None:  # unrolled: cross-layer KV sharing
+        x, exports[i] = _checkpointed_block(block, REMAT_POLICIES[remat], x, anchor, positions,
+                                            exports, sharing)
+        c = None
+      else:
+        shared = SharedKV(exports=exports, old_caches=old_caches) if sharing else None
+        x, c, exports[i] = block(x, anchor, positions, None if caches is None else caches[i],
+                                 decode, shared)
       new_caches.append(c)
-    logits = self.lm_head(self.ln_head(x).astype(x.dtype)).astype(jnp.float32)
-    return logits, (None if caches is None else new_caches)
+    features = self.ln_head(x).astype(x.dtype)
+    return features, (None if caches is None else new_caches)
 
-  def __call__(self, tokens: Array) -> Array:
-    """Logits ``[B, T, V]`` (float32) of a whole sequence."""
+  def _scanned_blocks(self, x, anchors, positions, period: int, policy):
+    """The blocks as a ``lax.scan`` over groups of ``period`` layers whose states are stacked
+    (maxtext's scanned layers), each group rematerialized under ``policy``.
+
+    Recomputation happens inside the backward loop, one group per iteration, so only the group
+    inputs ``[B, T, C]`` of every layer group outlive the forward pass. (Unrolled
+    ``jax.checkpoint`` only says *what* to save; a compiler that schedules or CSEs the
+    recomputation early, as XLA:CPU does, keeps every layer's activations anyway.) The parameter
+    tree is unchanged: the stacking happens inside the traced step."""
+    cfg = self.cfg
+    blocks = list(self.blocks)
+    graphdefs = [nnx.graphdef(blocks[j]) for j in range(period)]
+    stacked = tuple(
+        jax.tree_util.tree_map(lambda *xs: jnp.stack(xs),
+                               *[nnx.state(blocks[i]) for i in range(j, cfg.num_layers, period)])
+        for j in range(period))
+    group_anchors = [anchors[cfg.value_anchor(j)] for j in range(period)]
+
+    def group(x, states):
+      for graphdef, state, anchor in zip(graphdefs, states, group_anchors):
+        x = nnx.merge(graphdef, state)(x, anchor, positions, None, False, None)[0]
+      return x, None
+
+    group = jax.checkpoint(group, policy=policy, prevent_cse=True)
+    return jax.lax.scan(group, x, stacked)[0]
+
+  def logits(self, features: Array) -> Array:
+    """The LM head: ``[..., C]`` hidden states -> float32 logits ``[..., V]``."""
+    return head_logits(features, self.lm_head.kernel[...], self.cfg.compute_dtype)
+
+  def features(self, tokens: Array, remat: str = "none") -> Array:
+    """Final hidden states ``[B, T, C]`` of a whole sequence (head LayerNorm applied; the LM head
+    not): what a loss over slices of the sequence (:func:`kvm_jax.ops.loss.sliced_loss_sums`)
+    consumes. ``remat`` is one of :data:`REMAT_POLICIES`."""
     self.check_tokens(tokens)
     positions = jnp.arange(tokens.shape[1])[None]
-    return self._run(tokens, positions, None, False)[0]
+    return self._run(tokens, positions, None, False, remat)[0]
+
+  def __call__(self, tokens: Array, remat: str = "none") -> Array:
+    """Logits ``[B, T, V]`` (float32) of a whole sequence."""
+    return self.logits(self.features(tokens, remat))
 
   def init_cache(self, batch: int, max_len: int) -> list[LayerCache]:
     cfg = self.cfg
@@ -151,14 +211,43 @@ class LM(nnx.Module):
     if tokens.shape[1] > max_len:
       raise ValueError(f"prompt of {tokens.shape[1]} tokens exceeds the cache max_len={max_len}.")
     positions = jnp.arange(tokens.shape[1])[None]
-    return self._run(tokens, positions, caches, False)
+    features, caches = self._run(tokens, positions, caches, False)
+    return self.logits(features), caches
 
   def decode_step(self, token: Array, caches: list[LayerCache]) -> tuple[Array, list[LayerCache]]:
     """Logits ``[B, 1, V]`` of one token at position ``caches[..].length``."""
     if token.ndim != 2 or token.shape[1] != 1:
       raise ValueError(f"decode_step takes tokens of shape [batch, 1], got {token.shape}.")
     position = caches[0].mixer.length
-    return self._run(token, jnp.reshape(position, (1, 1)), caches, True)
+    features, caches = self._run(token, jnp.reshape(position, (1, 1)), caches, True)
+    return self.logits(features), caches
+
+
+def layer_period(cfg: ModelConfig):
+  """The smallest number of layers whose pattern of mixers repeats through the model (1 for a
+  uniform model, 2 for the paper's alternating hybrids), or None when the layers cannot run as a
+  scan: cross-layer KV sharing (layers read each other's K/V), no repeating pattern."""
+  if cfg.kv_sharing != "none":
+    return None
+  mixers, L = cfg.layer_mixers, cfg.num_layers
+  for p in range(1, L + 1):
+    if L % p == 0 and all(mixers[i] == mixers[i % p] for i in range(L)):
+      return p if p < L else None
+  return None
+
+
+def _checkpointed_block(block: Block, policy, x, v_first, positions, exports, sharing: bool):
+  """``block`` on a whole sequence under ``jax.checkpoint(policy)``: (x, exports). The block runs
+  as a pure function of its split state."""
+  graphdef, state = nnx.split(block)
+
+  def run(state, x, v_first, positions, exports):
+    shared = SharedKV(exports=exports) if sharing else None
+    y, _, out = nnx.merge(graphdef, state)(x, v_first, positions, None, False, shared)
+    return y, (out if sharing else {})  # exports are read only by cross-layer KV sharing
+
+  return jax.checkpoint(run, policy=policy, prevent_cse=True)(state, x, v_first, positions,
+                                                              exports if sharing else {})
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:

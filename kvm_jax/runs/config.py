@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.model import REMAT_POLICIES
 from kvm_jax.tasks.mqar import MQARSpec
 from kvm_jax.tasks.niah import NIAHSpec
 
@@ -39,6 +40,17 @@ class TrainConfig:
     hf_dataset / hf_split / hf_text_field: a HuggingFace dataset already in the local cache
       (needs the ``datasets`` package; nothing is downloaded in tests or the default job).
     peak_tflops_per_device: for the MFU estimate; 0 = look the device kind up (unknown: no MFU).
+    remat: what each block keeps for the backward pass (``kvm_jax.nn.model.REMAT_POLICIES``):
+      "none", "block" (only its inputs; least memory) or "block_dots" (also its weight matmuls).
+    grad_accum_steps: micro-batches per optimizer step; ``batch_size`` is split into this many
+      micro-batches run one after another (``lax.scan``), their loss and gradients weighted by
+      token counts, so a step equals the whole batch at 1/grad_accum_steps of the activations.
+    loss_slice_len: tokens per slice of the sequence for the LM head and loss (0 = the whole
+      sequence at once); the float32 logits ``[B, T, V]`` then never exist whole.
+    grad_clip_norm: clip the global gradient norm to this value (0 = no clipping, the paper's).
+    on_nonfinite: what a non-finite loss or gradient does: "stop" (the run stops with an error;
+      parameters stay those before the bad step and no checkpoint is written) or "skip" (that
+      update is dropped, counted in ``skipped_steps``, and training goes on).
   """
 
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -66,6 +78,16 @@ class TrainConfig:
   hf_split: str = "train"
   hf_text_field: str = "text"
   peak_tflops_per_device: float = 0.0
+  remat: str = "none"
+  grad_accum_steps: int = 1
+  loss_slice_len: int = 0
+  grad_clip_norm: float = 0.0
+  on_nonfinite: str = "stop"
+
+  @property
+  def micro_batch_size(self) -> int:
+    """Sequences per micro-batch (``batch_size / grad_accum_steps``)."""
+    return self.batch_size // self.grad_accum_steps
 
   @property
   def sequence_length(self) -> int:
@@ -78,6 +100,22 @@ class TrainConfig:
     for name in ("batch_size", "steps", "log_every", "checkpoint_every", "keep_checkpoints"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+    if self.steps <= self.warmup_steps:
+      raise ValueError(f"steps={self.steps} must exceed warmup_steps={self.warmup_steps} (the "
+                       "schedule warms up, then decays to 0 at the last step).")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={self.remat!r}; choose from {tuple(REMAT_POLICIES)}.")
+    if self.grad_accum_steps < 1 or self.batch_size % self.grad_accum_steps:
+      raise ValueError(f"grad_accum_steps={self.grad_accum_steps} must be >= 1 and divide "
+                       f"batch_size={self.batch_size}.")
+    if self.loss_slice_len < 0:
+      raise ValueError(f"loss_slice_len must be >= 0 (0 = whole sequence), got "
+                       f"{self.loss_slice_len}.")
+    if not self.grad_clip_norm >= 0:
+      raise ValueError(f"grad_clip_norm must be >= 0 (0 = no clipping), got "
+                       f"{self.grad_clip_norm}.")
+    if self.on_nonfinite not in ("stop", "skip"):
+      raise ValueError(f"on_nonfinite={self.on_nonfinite!r}; choose 'stop' or 'skip'.")
     if self.task == "mqar" and self.mqar.vocab_size > self.model.vocab_size:
       raise ValueError(f"mqar.vocab_size={self.mqar.vocab_size} exceeds model.vocab_size="
                        f"{self.model.vocab_size}.")

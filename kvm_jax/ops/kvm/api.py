@@ -60,6 +60,12 @@ def kernel_sharding(batch_axes: Sequence[str] = (), head_axis: Optional[str] = N
     _SHARD_AXES.reset(token)
 
 
+def current_shard_axes() -> ShardAxes:
+  """The axes of the enclosing :func:`kernel_sharding` (none outside it); other kernel callers
+  (the softmax-attention registry) split their kernels the same way."""
+  return _SHARD_AXES.get()
+
+
 def chunk_ops(implementation: str, *, target: Optional[str] = None,
               interpret: Optional[bool] = None,
               shard_axes: Optional[ShardAxes] = None) -> ChunkOps:

@@ -1,0 +1,135 @@
+"""Causal softmax attention (full or sliding window) with ``implementation=`` resolved in one place.
+
+The ``full`` and ``swa`` mixers call :func:`causal_attention`; which kernel computes it is a
+config choice (``ModelConfig.attention_implementation``), the way maxtext's one attention op picks
+its kernel:
+
+===============  ================================================================================
+``"xla"``        ``jax.nn.dot_product_attention``'s XLA path: dense ``[T, T]`` scores (memory
+                 O(T²); the yardstick the others are tested against)
+``"chunked"``    :func:`kvm_jax.ops.chunked_attention.chunked_attention`: online softmax over key
+                 blocks with a recomputing backward, plain XLA, every backend, O(T·block) memory
+``"cudnn"``      cuDNN's fused flash attention through ``jax.nn.dot_product_attention`` (NVIDIA
+                 GPUs, bf16/fp16 inputs)
+``"splash"``     JAX's Pallas splash attention for TPU (interpreted on other backends, for tests)
+``"tokamax"``    ``tokamax.dot_product_attention`` with its own kernel choice (Mosaic GPU/TPU,
+                 Triton, chunked XLA); needs the optional ``tokamax`` package
+``"auto"``       cudnn on GPU for bf16/fp16, splash on TPU when T is a multiple of 128, chunked
+                 everywhere else (CPU included) — never the dense path
+===============  ================================================================================
+
+Every implementation takes ``[B, T, H, D]`` queries, ``[B, T, Hkv, D]`` keys and ``[B, T, Hkv, Dv]``
+values (GQA when Hkv < H); query p sees keys ``[0, p]``, or ``(p - window, p]`` with a window.
+Pallas kernels (splash) run per shard under the enclosing
+:func:`kvm_jax.ops.kvm.kernel_sharding`, like the KVM kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from kvm_jax.kernels.sharding import per_shard
+from kvm_jax.model_config import ATTENTION_IMPLEMENTATIONS
+from kvm_jax.ops.chunked_attention import chunked_attention
+from kvm_jax.ops.kvm.api import current_shard_axes
+
+Array = jax.Array
+
+_HALF_PRECISION = (jnp.bfloat16, jnp.float16)
+
+
+def resolve_attention(implementation: str, q: Array, platform: Optional[str] = None) -> str:
+  """The concrete implementation ``implementation`` means for queries ``q`` on ``platform``
+  (default: JAX's default backend)."""
+  if implementation not in ATTENTION_IMPLEMENTATIONS:
+    raise ValueError(f"attention implementation {implementation!r} is unknown; choose from "
+                     f"{ATTENTION_IMPLEMENTATIONS}.")
+  if implementation != "auto":
+    return implementation
+  platform = platform or jax.default_backend()
+  T, D = q.shape[1], q.shape[3]
+  if platform in ("gpu", "cuda") and q.dtype in _HALF_PRECISION and D <= 256 and D % 8 == 0:
+    return "cudnn"
+  if platform == "tpu" and T % 128 == 0:
+    return "splash"
+  return "chunked"
+
+
+def causal_attention(q: Array, k: Array, v: Array, *, window: Optional[int] = None,
+                     scale: Optional[float] = None, implementation: str = "auto",
+                     interpret: Optional[bool] = None) -> Array:
+  """Causal attention of ``q`` over ``k``/``v`` (``window``: the last ``window`` tokens only).
+
+  Args:
+    q, k, v: ``[B, T, H, D]``, ``[B, T, Hkv, D]``, ``[B, T, Hkv, Dv]``.
+    window: sliding-window length (query's own token included), or None for full attention.
+    scale: softmax scale, default ``1/sqrt(D)``.
+    implementation: one of :data:`kvm_jax.model_config.ATTENTION_IMPLEMENTATIONS`.
+    interpret: run a Pallas kernel (splash) in interpret mode; default: off on TPU only.
+  Returns:
+    ``[B, T, H, Dv]`` in ``q.dtype``.
+  """
+  impl = resolve_attention(implementation, q)
+  if impl == "xla":
+    local = None if window is None else (window - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+                                        scale=scale, implementation="xla")
+  if impl == "chunked":
+    return chunked_attention(q, k, v, window=window, scale=scale)
+  if impl == "cudnn":
+    if q.dtype not in _HALF_PRECISION:
+      raise ValueError(f"attention implementation 'cudnn' needs bfloat16 or float16 inputs, got "
+                       f"{q.dtype}; use 'chunked' (or 'auto') for float32.")
+    local = None if window is None else (window - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+                                        scale=scale, implementation="cudnn")
+  if impl == "tokamax":
+    return _tokamax(q, k, v, window, scale)
+  if interpret is None:
+    interpret = jax.default_backend() != "tpu"
+  return _splash(q, k, v, window, scale, interpret)
+
+
+def _tokamax(q, k, v, window, scale):
+  try:
+    import tokamax  # optional: pip install "kvm-jax[kernels]"
+  except ImportError as e:
+    raise ImportError("attention implementation 'tokamax' needs the tokamax package: "
+                      "pip install 'tokamax>=0.0.12' (or use 'auto').") from e
+  local = None if window is None else (window - 1, 0)
+  return tokamax.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+                                       scale=scale)
+
+
+def _splash(q, k, v, window, scale, interpret):
+  """Splash attention: the MQA kernel per (batch row, KV head) over its group of query heads."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+  B, T, H, D = q.shape
+  Hkv, Dv = k.shape[2], v.shape[-1]
+  G = H // Hkv
+  if T % 128:
+    raise ValueError(f"attention implementation 'splash' needs a sequence length that is a "
+                     f"multiple of 128, got {T}; use 'chunked' (or 'auto').")
+  one = (splash.CausalMask((T, T)) if window is None
+         else splash.LocalMask((T, T), window_size=(window - 1, 0), offset=0))
+  size = math.gcd(T, 512)
+  blocks = splash.BlockSizes(block_q=size, block_kv=size, block_kv_compute=size,
+                             block_q_dkv=size, block_kv_dkv=size, block_kv_dkv_compute=size,
+                             block_q_dq=size, block_kv_dq=size)
+  scale = 1.0 / math.sqrt(D) if scale is None else scale
+  qh = jnp.moveaxis((q * scale).astype(q.dtype).reshape(B, T, Hkv, G, D), 1, 3)  # [B,Hkv,G,T,D]
+  kh, vh = jnp.moveaxis(k, 1, 2), jnp.moveaxis(v, 1, 2)                           # [B,Hkv,T,·]
+
+  def run(qh, kh, vh):
+    kernel = splash.make_splash_mqa(splash.MultiHeadMask([one] * G), block_sizes=blocks,
+                                    head_shards=1, q_seq_shards=1, interpret=interpret)
+    return (jax.vmap(jax.vmap(kernel))(qh, kh, vh),)                              # [B,Hkv,G,T,Dv]
+
+  out, = per_shard(run, (qh, kh, vh), ("bh", "bh", "bh"), ("bh",), B, Hkv,
+                   current_shard_axes())
+  return jnp.moveaxis(out, 3, 1).reshape(B, T, H, Dv).astype(q.dtype)
