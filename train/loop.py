@@ -136,6 +136,41 @@ def global_norm(tree) -> jax.Array:
                       for x in jax.tree_util.tree_leaves(tree)))
 
 
+def loss_and_grads(graphdef, params, batch: dict, cfg: TrainConfig, batch_sharding=None):
+  """(mean loss over every labelled token of ``batch``, its gradient) with ``cfg``'s remat and
+  loss slicing, the batch run as ``cfg.grad_accum_steps`` micro-batches (``lax.scan``).
+
+  Each micro-batch's loss sum is divided by the token count of the *whole* batch, so summing
+  micro-batch gradients gives exactly the large batch's gradient even when micro-batches hold
+  different numbers of labelled tokens. Accumulated gradients are float32."""
+  inputs, labels = batch["inputs"], batch["labels"]
+  accum = cfg.grad_accum_steps
+  total = jnp.maximum(jnp.sum(labels != IGNORE), 1).astype(jnp.float32)
+
+  def loss_fn(p, inp, lab):
+    return loss_sums(graphdef, p, inp, lab, cfg)[0] / total
+
+  if accum == 1:
+    return jax.value_and_grad(loss_fn)(params, inputs, labels)
+
+  def one(carry, xs):
+    loss, grads = jax.value_and_grad(loss_fn)(params, *xs)
+    return (carry[0] + loss, jax.tree_util.tree_map(
+        lambda a, g: a + g.astype(jnp.float32), carry[1], grads)), None
+
+  zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  split = lambda x: micro_batches(x, accum, batch_sharding)
+  (loss, grads), _ = jax.lax.scan(one, (jnp.zeros((), jnp.float32), zeros),
+                                  (split(inputs), split(labels)))
+  return loss, grads
+
+
+def clip_to_norm(grads, norm: jax.Array, max_norm: float):
+  """``grads`` scaled by ``min(1, max_norm / norm)`` (``norm`` their global norm)."""
+  factor = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-30))
+  return jax.tree_util.tree_map(lambda g: (g * factor).astype(g.dtype), grads)
+
+
 def make_train_step(graphdef, optimizer, shardings=None, cfg: TrainConfig | None = None):
   """A jitted step ``(params, opt_state, batch, halted) -> (params, opt_state, stats)``.
 
@@ -149,35 +184,13 @@ def make_train_step(graphdef, optimizer, shardings=None, cfg: TrainConfig | None
   step is partitioned over a mesh.
   """
   cfg = cfg or TrainConfig()
-  accum = cfg.grad_accum_steps
   batch_sharding = None if shardings is None else shardings[2]
 
-  def gradients(params, inputs, labels):
-    total = jnp.maximum(jnp.sum(labels != IGNORE), 1).astype(jnp.float32)
-
-    def loss_fn(p, inp, lab):
-      return loss_sums(graphdef, p, inp, lab, cfg)[0] / total
-
-    if accum == 1:
-      return jax.value_and_grad(loss_fn)(params, inputs, labels)
-
-    def one(carry, xs):
-      loss, grads = jax.value_and_grad(loss_fn)(params, *xs)
-      return (carry[0] + loss, jax.tree_util.tree_map(
-          lambda a, g: a + g.astype(jnp.float32), carry[1], grads)), None
-
-    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    split = lambda x: micro_batches(x, accum, batch_sharding)
-    (loss, grads), _ = jax.lax.scan(one, (jnp.zeros((), jnp.float32), zeros),
-                                    (split(inputs), split(labels)))
-    return loss, grads
-
   def step(params, opt_state, batch, halted):
-    loss, grads = gradients(params, batch["inputs"], batch["labels"])
+    loss, grads = loss_and_grads(graphdef, params, batch, cfg, batch_sharding)
     norm = global_norm(grads)
     if cfg.grad_clip_norm > 0:
-      factor = jnp.minimum(1.0, cfg.grad_clip_norm / (norm + 1e-6))
-      grads = jax.tree_util.tree_map(lambda g: (g * factor).astype(g.dtype), grads)
+      grads = clip_to_norm(grads, norm, cfg.grad_clip_norm)
     finite = jnp.isfinite(loss) & jnp.isfinite(norm)
 
     def update(params, opt_state, grads):
