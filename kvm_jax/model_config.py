@@ -56,8 +56,8 @@ class ModelConfig:
       (the chunked scan), "pallas" (fused kernels; interpret mode on CPU) or "auto".
     attention_implementation: the kernel of the ``full`` and ``swa`` layers' softmax attention
       (forward and prefill): "auto" (default: cuDNN on GPU for bf16, splash on TPU, the chunked
-      XLA path elsewhere; never dense ``[T, T]`` scores), "xla" (dense), "chunked", "cudnn",
-      "splash" or "tokamax" (see ``kvm_jax.ops.attention_api``).
+      XLA path elsewhere; dense ``[T, T]`` scores only for T <= 512), "xla" (dense), "chunked",
+      "cudnn", "splash" or "tokamax" (see ``kvm_jax.ops.attention_api``).
     kv_sharing: cross-layer KV sharing (``docs/fusedkv.md``). With n = num_layers / 2,
       layers >= n are *reconstruction* layers (no K/V projections, no K/V cache):
       "none"; "fusedkv" (``K^i = a_i1⊙K^1 + a_in⊙K^n``, ``V^i = b_i1⊙V^1 + b_in⊙V^n``, learnable

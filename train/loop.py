@@ -9,6 +9,8 @@ current step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import signal
 import time
 from pathlib import Path
@@ -120,14 +122,14 @@ def micro_batches(x: jax.Array, count: int, batch_sharding=None) -> jax.Array:
   return out
 
 
-def loss_sums(graphdef, params, inputs, labels, cfg: TrainConfig, predictions: bool = False):
-  """(loss sum, token count, argmax or None) of one (micro-)batch: the model's features with the
-  configured remat, then the LM head and cross-entropy over ``loss_slice_len`` slices."""
+def loss_sums(graphdef, params, inputs, labels, cfg: TrainConfig):
+  """(loss sum, token count) of one (micro-)batch: the model's features with the configured
+  remat, then the LM head and cross-entropy over ``loss_slice_len`` slices."""
   model = nnx.merge(graphdef, params)
   features = model.features(inputs, cfg.remat)
   return sliced_loss_sums(features, model.lm_head.kernel[...], labels,
-                          compute_dtype=cfg.model.compute_dtype, slice_len=cfg.loss_slice_len,
-                          predictions=predictions)
+                          compute_dtype=cfg.model.compute_dtype,
+                          slice_len=cfg.loss_slice_len)[:2]
 
 
 def global_norm(tree) -> jax.Array:
@@ -237,44 +239,64 @@ def put_batch(batch: dict, batch_sharding) -> dict:
           for k, v in batch.items()}
 
 
-def make_eval_step(graphdef, cfg: TrainConfig, shardings=None):
-  """A jitted ``(params, batch) -> sums`` on the training batch sharding: only scalar sums leave
-  the devices (``loss_sum``, ``tokens``; MQAR: ``hits_*``/``answers_*`` of all answers, those whose
-  key is within the exact window and those beyond it; NIAH: ``exact`` answers and ``examples``).
-  The batch runs in ``grad_accum_steps`` micro-batches, the loss over ``loss_slice_len`` slices,
-  like training."""
-  task, window = cfg.task, cfg.model.kvm.window_len
-  batch_sharding = None if shardings is None else shardings[2]
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+  """What the eval step's program depends on besides the model (hashable: a static argument)."""
 
-  def sums(params, batch):
-    loss, count, pred = loss_sums(graphdef, params, batch["inputs"], batch["labels"], cfg,
-                                  predictions=task in ("mqar", "niah"))
+  task: str
+  window: int
+  grad_accum_steps: int
+  loss_slice_len: int
+  compute_dtype: str
+  batch_sharding: Any = None
+
+  @classmethod
+  def of(cls, cfg: TrainConfig, batch_sharding=None) -> "EvalSpec":
+    return cls(cfg.task, cfg.model.kvm.window_len, cfg.grad_accum_steps, cfg.loss_slice_len,
+               cfg.model.compute_dtype, batch_sharding)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def eval_sums(graphdef, spec: EvalSpec, params, batch: dict) -> dict:
+  """Sums of one eval batch, computed where the batch and parameters live (their shardings
+  propagate; only scalars come back): ``loss_sum``, ``tokens``; MQAR: ``hits_*``/``answers_*`` of
+  all answers, those whose key is within the exact window and those beyond it; NIAH: ``exact``
+  answers and ``examples``. The batch runs in ``grad_accum_steps`` micro-batches and the loss
+  over ``loss_slice_len`` slices, like training. Compiled once per model, spec and shape."""
+
+  def sums(batch):
+    model = nnx.merge(graphdef, params)
+    loss, count, pred = sliced_loss_sums(
+        model.features(batch["inputs"]), model.lm_head.kernel[...], batch["labels"],
+        compute_dtype=spec.compute_dtype, slice_len=spec.loss_slice_len,
+        predictions=spec.task in ("mqar", "niah"))
     out = {"loss_sum": loss, "tokens": count}
     labels = batch["labels"]
     valid = labels != IGNORE
-    if task == "mqar":
+    if spec.task == "mqar":
       correct = (pred == labels) & valid
-      near = valid & (batch["distance"] < window)
+      near = valid & (batch["distance"] < spec.window)
       for name, mask in (("all", valid), ("in_window", near), ("state_only", valid & ~near)):
         out[f"hits_{name}"] = jnp.sum(correct & mask).astype(jnp.int32)
         out[f"answers_{name}"] = jnp.sum(mask).astype(jnp.int32)
-    elif task == "niah":  # teacher-forced: every answer token right
+    elif spec.task == "niah":  # teacher-forced: every answer token right
       wrong = ((pred != labels) & valid).any(axis=1)
       out["exact"] = jnp.sum(~wrong).astype(jnp.int32)
       out["examples"] = jnp.asarray(labels.shape[0], jnp.int32)
     return out
 
-  def step(params, batch):
-    if cfg.grad_accum_steps == 1:
-      return sums(params, batch)
-    split = {k: micro_batches(v, cfg.grad_accum_steps, batch_sharding) for k, v in batch.items()}
-    parts = jax.lax.map(lambda b: sums(params, b), split)
-    return jax.tree_util.tree_map(lambda x: jnp.sum(x, 0), parts)
+  if spec.grad_accum_steps == 1:
+    return sums(batch)
+  split = {k: micro_batches(v, spec.grad_accum_steps, spec.batch_sharding)
+           for k, v in batch.items()}
+  return jax.tree_util.tree_map(lambda x: jnp.sum(x, 0), jax.lax.map(sums, split))
 
-  if shardings is None:
-    return jax.jit(step)
-  replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
-  return jax.jit(step, in_shardings=(shardings[0], batch_sharding), out_shardings=replicated)
+
+def make_eval_step(graphdef, cfg: TrainConfig, batch_sharding=None):
+  """``(params, batch) -> sums`` (:func:`eval_sums`) for ``cfg``'s task; micro-batches keep
+  ``batch_sharding`` (the training batch sharding)."""
+  spec = EvalSpec.of(cfg, batch_sharding if cfg.grad_accum_steps > 1 else None)
+  return functools.partial(eval_sums, graphdef, spec)
 
 
 def evaluate(graphdef, params, cfg: TrainConfig, batches: int, dataset=None,
@@ -283,7 +305,11 @@ def evaluate(graphdef, params, cfg: TrainConfig, batches: int, dataset=None,
   time; for MQAR also recall split by where the queried key lives, for NIAH the exact-answer
   rate. ``dataset`` avoids rebuilding the held-out split, ``eval_step`` (:func:`make_eval_step`)
   recompiling; ``batch_sharding`` places each batch like training's."""
-  eval_step = eval_step or make_eval_step(graphdef, cfg)
+  if batch_sharding is None:  # parameters on a trainer's mesh: batches split like training's
+    leaf = jax.tree_util.tree_leaves(params)[0]
+    if isinstance(getattr(leaf, "sharding", None), NamedSharding):
+      batch_sharding = sharding.batch_sharding(leaf.sharding.mesh)
+  eval_step = eval_step or make_eval_step(graphdef, cfg, batch_sharding)
   it = batched_iterator(dataset or task_dataset(cfg, "eval"), cfg.batch_size,
                         shard_index=jax.process_index(), shard_count=jax.process_count())
   total: dict[str, int | float] = {}
@@ -362,7 +388,7 @@ def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dic
   progress = ProgressBar(cfg.steps, "step", start)
   peak, fpt = peak_flops(cfg), flops_per_token(cfg, params)
   eval_set = task_dataset(cfg, "eval") if cfg.eval_every else None
-  eval_step = make_eval_step(graphdef, cfg, shardings) if cfg.eval_every else None
+  eval_step = make_eval_step(graphdef, cfg, shardings[2]) if cfg.eval_every else None
   tokens_per_step = cfg.batch_size * cfg.sequence_length
   last: dict[str, Any] = {"step": start}
   t0, ran = time.perf_counter(), 0

@@ -41,22 +41,13 @@ GIB = 1024 ** 3
 CPU_MEMORY_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
-def prefer_memory_order() -> bool:
-  """Adds :data:`CPU_MEMORY_FLAG` to ``XLA_FLAGS`` (CPU only; it must run before JAX starts its
-  backend, which reads the flags once). Returns whether the flag is in effect for this process."""
+def prefer_memory_order() -> None:
+  """Adds :data:`CPU_MEMORY_FLAG` to ``XLA_FLAGS`` (it affects XLA:CPU only). JAX reads the flags
+  once, when its backend starts: call this before anything runs on a device, as
+  ``kvm-train --memory-report`` does first thing."""
   flags = os.environ.get("XLA_FLAGS", "")
-  name = CPU_MEMORY_FLAG.split("=")[0]
-  if name not in flags:
-    if _backend_started():
-      return False
+  if CPU_MEMORY_FLAG.split("=")[0] not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} {CPU_MEMORY_FLAG}".strip()
-  return CPU_MEMORY_FLAG in os.environ["XLA_FLAGS"]
-
-
-def _backend_started() -> bool:
-  from jax._src import xla_bridge  # no public API says whether the backends have started
-  started = getattr(xla_bridge, "backends_are_initialized", None)
-  return True if started is None else bool(started())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ its kernel:
 ``"tokamax"``    ``tokamax.dot_product_attention`` with its own kernel choice (Mosaic GPU/TPU,
                  Triton, chunked XLA); needs the optional ``tokamax`` package
 ``"auto"``       cudnn on GPU for bf16/fp16, splash on TPU when T is a multiple of 128, chunked
-                 everywhere else (CPU included) — never the dense path
+                 everywhere else (CPU included); dense only up to one block (T <= 512), where
+                 the scores are small and the chunked path would compute the same ones
 ===============  ================================================================================
 
 Every implementation takes ``[B, T, H, D]`` queries, ``[B, T, Hkv, D]`` keys and ``[B, T, Hkv, Dv]``
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 
 from kvm_jax.kernels.sharding import per_shard
 from kvm_jax.model_config import ATTENTION_IMPLEMENTATIONS
-from kvm_jax.ops.chunked_attention import chunked_attention
+from kvm_jax.ops.chunked_attention import DEFAULT_BLOCK, chunked_attention
 from kvm_jax.ops.kvm.api import current_shard_axes
 
 Array = jax.Array
@@ -56,7 +57,9 @@ def resolve_attention(implementation: str, q: Array, platform: Optional[str] = N
     return "cudnn"
   if platform == "tpu" and T % 128 == 0:
     return "splash"
-  return "chunked"
+  # Up to one block the chunked path computes exactly the dense scores, only slower (loops that
+  # XLA cannot fuse across): short sequences take the dense path.
+  return "xla" if T <= DEFAULT_BLOCK else "chunked"
 
 
 def causal_attention(q: Array, k: Array, v: Array, *, window: Optional[int] = None,
