@@ -102,7 +102,8 @@ def _tokamax(q, k, v, window, scale):
     import tokamax  # optional: pip install "kvm-jax[kernels]"
   except ImportError as e:
     raise ImportError("attention implementation 'tokamax' needs the tokamax package: "
-                      "pip install 'tokamax>=0.0.12' (or use 'auto').") from e
+                      "pip install 'kvm-jax[kernels]' or 'tokamax>=0.0.12' (or use 'auto')."
+                      ) from e
   local = None if window is None else (window - 1, 0)
   return tokamax.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
                                        scale=scale)
