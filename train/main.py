@@ -145,7 +145,11 @@ def main(argv=None) -> int:
     print(cfg)
     return 0
   if args.memory_report:
-    print("\n".join(memory.memory_report(cfg).lines(cfg)))
+    try:
+      report = memory.memory_report(cfg)
+    except ValueError as e:
+      raise SystemExit(f"--memory-report: {e}") from None
+    print("\n".join(report.lines(cfg)))
     return 0
   if args.resume:
     ckpt_dir = Path(args.workdir) / "checkpoints"

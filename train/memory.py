@@ -13,9 +13,9 @@ assignment then says what one device holds at the step's peak:
 
 The peak is ``arguments + temporaries + outputs - aliased``. CPU and accelerator compilers lay
 buffers out differently (fusion, layouts; XLA:CPU computes bf16 matmuls through float32 copies),
-so treat a CPU figure as an estimate of a GPU/TPU one (``kvm-train --memory-report`` compiles with XLA:CPU's
-parallelism-first scheduler off, :data:`CPU_MEMORY_FLAG`); on an accelerator the report is
-that backend's own.
+so treat a CPU figure as an estimate of a GPU/TPU one (``kvm-train --memory-report`` compiles
+with XLA:CPU's parallelism-first scheduler off, :data:`CPU_MEMORY_FLAG`); on an accelerator the
+report is that backend's own.
 """
 
 from __future__ import annotations

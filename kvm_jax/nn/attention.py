@@ -98,7 +98,8 @@ class AttentionFrontEnd(nnx.Module):
       ramp_v = np.arange(dv) / (dv - 1) - 0.5
       self.v_gate0 = nnx.Param(jnp.asarray(0.73 - 0.4 * ramp_v, pd))
       self.v_gate1 = linear(cfg, C, lora, rngs, init=zeros_init)
-      self.v_gate2 = linear(cfg, lora, dv, rngs, init=float32_init(jax.nn.initializers.orthogonal(scale=0.1)))
+      self.v_gate2 = linear(cfg, lora, dv, rngs,
+                            init=float32_init(jax.nn.initializers.orthogonal(scale=0.1)))
 
   # -- the front end -----------------------------------------------------------------------------
   def anchor_value(self, x_normed: Array) -> Array:

@@ -45,7 +45,8 @@ class MLP(nnx.Module):
   def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
     self.cfg = cfg
     C = cfg.hidden_size
-    self.c_fc = linear(cfg, C, cfg.mlp_width, rngs, init=float32_init(jax.nn.initializers.orthogonal(1.0)))
+    self.c_fc = linear(cfg, C, cfg.mlp_width, rngs,
+                       init=float32_init(jax.nn.initializers.orthogonal(1.0)))
     self.c_proj = linear(cfg, cfg.mlp_width, C, rngs, init=zeros_init)
     if cfg.tokenshift_mlp:
       self.x_k = nnx.Param(jnp.asarray(1.0 - np.power(np.arange(C) / C,
