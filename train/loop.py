@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from kvm_jax.budget import state_rows_after
 from kvm_jax.nn.model import LM
+from kvm_jax.ops.attention_api import runs_pallas
 from kvm_jax.ops.kvm.api import kernel_sharding
 from kvm_jax.ops.loss import IGNORE, cross_entropy_sums, sliced_loss_sums
 from kvm_jax.progress import ProgressBar
@@ -122,14 +123,14 @@ def micro_batches(x: jax.Array, count: int, batch_sharding=None) -> jax.Array:
   return out
 
 
-def loss_sums(graphdef, params, inputs, labels, cfg: TrainConfig):
-  """(loss sum, token count) of one (micro-)batch: the model's features with the configured
-  remat, then the LM head and cross-entropy over ``loss_slice_len`` slices."""
+def loss_sums(graphdef, params, inputs, labels, *, remat: str, slice_len: int, compute_dtype,
+              predictions: bool = False):
+  """(loss sum, token count, argmax or None) of one (micro-)batch: the model's features with
+  ``remat``, then the LM head and cross-entropy over ``slice_len`` slices."""
   model = nnx.merge(graphdef, params)
-  features = model.features(inputs, cfg.remat)
-  return sliced_loss_sums(features, model.lm_head.kernel[...], labels,
-                          compute_dtype=cfg.model.compute_dtype,
-                          slice_len=cfg.loss_slice_len)[:2]
+  return sliced_loss_sums(model.features(inputs, remat), model.lm_head.kernel[...], labels,
+                          compute_dtype=compute_dtype, slice_len=slice_len,
+                          predictions=predictions)
 
 
 def global_norm(tree) -> jax.Array:
@@ -150,7 +151,8 @@ def loss_and_grads(graphdef, params, batch: dict, cfg: TrainConfig, batch_shardi
   total = jnp.maximum(jnp.sum(labels != IGNORE), 1).astype(jnp.float32)
 
   def loss_fn(p, inp, lab):
-    return loss_sums(graphdef, p, inp, lab, cfg)[0] / total
+    return loss_sums(graphdef, p, inp, lab, remat=cfg.remat, slice_len=cfg.loss_slice_len,
+                     compute_dtype=cfg.model.compute_dtype)[0] / total
 
   if accum == 1:
     return jax.value_and_grad(loss_fn)(params, inputs, labels)
@@ -265,11 +267,10 @@ def eval_sums(graphdef, spec: EvalSpec, params, batch: dict) -> dict:
   over ``loss_slice_len`` slices, like training. Compiled once per model, spec and shape."""
 
   def sums(batch):
-    model = nnx.merge(graphdef, params)
-    loss, count, pred = sliced_loss_sums(
-        model.features(batch["inputs"]), model.lm_head.kernel[...], batch["labels"],
-        compute_dtype=spec.compute_dtype, slice_len=spec.loss_slice_len,
-        predictions=spec.task in ("mqar", "niah"))
+    loss, count, pred = loss_sums(graphdef, params, batch["inputs"], batch["labels"],
+                                  remat="none", slice_len=spec.loss_slice_len,
+                                  compute_dtype=spec.compute_dtype,
+                                  predictions=spec.task in ("mqar", "niah"))
     out = {"loss_sum": loss, "tokens": count}
     labels = batch["labels"]
     valid = labels != IGNORE
@@ -394,9 +395,7 @@ def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dic
   t0, ran = time.perf_counter(), 0
   pending_steps, pending_stats = [], []   # device stats of the steps since the last host sync
   contexts = contextlib.ExitStack()
-  attention = cfg.model.attention_implementation
-  if cfg.model.kvm_implementation != "xla" or attention in ("splash", "tokamax") or (
-      attention == "auto" and jax.default_backend() == "tpu"):
+  if cfg.model.kvm_implementation != "xla" or runs_pallas(cfg.model.attention_implementation):
     # Pallas kernels run per shard (shard_map) over this trainer's batch and KV-head axes.
     contexts.enter_context(jax.set_mesh(shardings[2].mesh))
     contexts.enter_context(kernel_sharding(batch_axes=sharding.BATCH,

@@ -25,20 +25,25 @@ from kvm_jax.ops.common import (fill_ring, joint_attention, ring_positions, to_c
 Array = jax.Array
 
 
-def full_attention(q: Array, k: Array, v: Array, scale: Optional[float] = None) -> Array:
-  """Causal attention over all previous tokens (XLA's fused path, no dense mask built here).
+def full_attention(q: Array, k: Array, v: Array, scale: Optional[float] = None,
+                   implementation: Optional[str] = None) -> Array:
+  """Causal attention over all previous tokens (``jax.nn.dot_product_attention``; no dense mask
+  built here).
 
   ``scale``: softmax scale (default ``1/sqrt(D)``; folded cross-layer fusion stacks sources along
-  D and passes the scale of one source's head dim).
+  D and passes the scale of one source's head dim). ``implementation``: that function's "xla"
+  (dense scores) or "cudnn"; None lets it choose.
   """
-  return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale)
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                      implementation=implementation)
 
 
 def sliding_window_attention(q: Array, k: Array, v: Array, window: int,
-                             scale: Optional[float] = None) -> Array:
+                             scale: Optional[float] = None,
+                             implementation: Optional[str] = None) -> Array:
   """Causal attention over the last ``window`` tokens (the query's own token included)."""
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window - 1, 0),
-                                      scale=scale)
+                                      scale=scale, implementation=implementation)
 
 
 def _scale_as_temperature(scale: Optional[float], q: Array, Hkv: int) -> Array:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from kvm_jax.kernels.sharding import per_shard
 from kvm_jax.model_config import ATTENTION_IMPLEMENTATIONS
+from kvm_jax.ops import attention as dense
 from kvm_jax.ops.chunked_attention import DEFAULT_BLOCK, chunked_attention
 from kvm_jax.ops.kvm.api import current_shard_axes
 
@@ -62,6 +63,14 @@ def resolve_attention(implementation: str, q: Array, platform: Optional[str] = N
   return "xla" if T <= DEFAULT_BLOCK else "chunked"
 
 
+def runs_pallas(implementation: str, platform: Optional[str] = None) -> bool:
+  """Whether ``implementation`` may run a Pallas kernel (which must then run per shard under a
+  mesh: see :func:`kvm_jax.ops.kvm.kernel_sharding`). "auto" can only on TPU (splash)."""
+  if implementation == "auto":
+    return (platform or jax.default_backend()) == "tpu"
+  return implementation in ("splash", "tokamax")
+
+
 def causal_attention(q: Array, k: Array, v: Array, *, window: Optional[int] = None,
                      scale: Optional[float] = None, implementation: str = "auto",
                      interpret: Optional[bool] = None) -> Array:
@@ -77,19 +86,15 @@ def causal_attention(q: Array, k: Array, v: Array, *, window: Optional[int] = No
     ``[B, T, H, Dv]`` in ``q.dtype``.
   """
   impl = resolve_attention(implementation, q)
-  if impl == "xla":
-    local = None if window is None else (window - 1, 0)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
-                                        scale=scale, implementation="xla")
+  if impl == "cudnn" and q.dtype not in _HALF_PRECISION:
+    raise ValueError(f"attention implementation 'cudnn' needs bfloat16 or float16 inputs, got "
+                     f"{q.dtype}; use 'chunked' (or 'auto') for float32.")
+  if impl in ("xla", "cudnn"):  # jax.nn.dot_product_attention's own two implementations
+    if window is None:
+      return dense.full_attention(q, k, v, scale=scale, implementation=impl)
+    return dense.sliding_window_attention(q, k, v, window, scale=scale, implementation=impl)
   if impl == "chunked":
     return chunked_attention(q, k, v, window=window, scale=scale)
-  if impl == "cudnn":
-    if q.dtype not in _HALF_PRECISION:
-      raise ValueError(f"attention implementation 'cudnn' needs bfloat16 or float16 inputs, got "
-                       f"{q.dtype}; use 'chunked' (or 'auto') for float32.")
-    local = None if window is None else (window - 1, 0)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
-                                        scale=scale, implementation="cudnn")
   if impl == "tokamax":
     return _tokamax(q, k, v, window, scale)
   if interpret is None:
