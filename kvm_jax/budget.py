@@ -226,3 +226,22 @@ def kvm_schedule(cfg, seq_len: int) -> KVMSchedule:
 def state_rows_after(cfg, seq_len: int) -> int:
   """Valid state rows after processing ``seq_len`` tokens (also the static capacity needed)."""
   return kvm_schedule(cfg, seq_len).final_rows
+
+
+def average_visible_keys(cfg, seq_len: int) -> float:
+  """Keys a query attends to, averaged over the ``seq_len`` positions of one KVM sequence: the
+  causal front sees every earlier token; later chunks see the exact window (from its chunk-aligned
+  start to the query) plus the state rows valid while their chunk attends (:func:`kvm_schedule`).
+  What the attention FLOPs of a training step scale with."""
+  schedule = kvm_schedule(cfg, seq_len)
+  C, nb = cfg.chunk_size, cfg.window_chunks
+  total = 0
+  for c in range(schedule.num_chunks):
+    first, end = c * C, min(seq_len, (c + 1) * C)
+    positions = end - first  # queries t = first .. end - 1
+    begin = bswa_begin(end, C, nb) if schedule.state_visible[c] else 0
+    # sum over t of (t + 1 - begin) = the window keys; the state rows add to every query
+    total += (first + end + 1) * positions // 2 - begin * positions
+    if schedule.state_visible[c]:
+      total += schedule.rows_before[c] * positions
+  return total / seq_len

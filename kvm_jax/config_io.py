@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+
+from etils import epath
 from typing import Any, Iterable
 
 from kvm_jax import budget as budget_lib
@@ -68,8 +70,9 @@ def from_jsonable(obj: Any, classes: Iterable[type] = ()) -> Any:
 
 
 def save(path: str | Path, cfg: Any) -> None:
-  Path(path).write_text(json.dumps(to_jsonable(cfg), indent=2) + "\n")
+  # epath: a gs:// (or other remote) run directory is written there, not to a local "gs:" folder.
+  epath.Path(path).write_text(json.dumps(to_jsonable(cfg), indent=2) + "\n")
 
 
 def load(path: str | Path, classes: Iterable[type] = ()) -> Any:
-  return from_jsonable(json.loads(Path(path).read_text()), classes)
+  return from_jsonable(json.loads(epath.Path(path).read_text()), classes)

@@ -3,6 +3,10 @@
 Works for every mixer and hybrid pattern (each layer carries its own cache: the KVM cache from the
 core, ring buffers for SWA/BSWA, a preallocated KV buffer for full attention). Sampling is greedy,
 temperature, top-k and/or top-p with explicit PRNG keys.
+
+On a pod (parameters that span processes, e.g. from ``load_trained``), every process calls
+:func:`generate` with the same prompt and key, like any SPMD program: the prompt, caches and keys
+are replicated onto the parameters' mesh, and every process gets the same tokens back.
 """
 
 from __future__ import annotations
@@ -15,8 +19,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 Array = jax.Array
+
+
+def pod_mesh(state) -> Optional[Mesh]:
+  """The mesh of a model's parameters when they span several processes, else ``None``."""
+  for leaf in jax.tree_util.tree_leaves(state):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and not leaf.is_fully_addressable:
+      return sharding.mesh
+  return None
+
+
+def replicate_on(mesh: Optional[Mesh], tree):
+  """``tree`` (host or process-local arrays, PRNG keys included) replicated over ``mesh``, so it
+  can meet parameters that span processes; unchanged when ``mesh`` is ``None``. Every process
+  must pass the same values."""
+  if mesh is None:
+    return tree
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def put(x):
+    x = jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic, int, float)) else x
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # typed keys travel as their raw data
+      return jax.random.wrap_key_data(jax.device_put(jax.random.key_data(x), replicated),
+                                      impl=jax.random.key_impl(x))
+    return jax.device_put(x, replicated)
+
+  return jax.tree_util.tree_map(put, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,19 +149,20 @@ def generate(model, prompt: Array, *, max_new_tokens: int, key: Array,
   if prefill_bucket is not None and prefill_bucket < 1:
     raise ValueError(f"prefill_bucket must be >= 1 or None, got {prefill_bucket}.")
   graphdef, state = nnx.split(model)
-  caches = model.init_cache(B, max_len)
+  mesh = pod_mesh(state)
+  caches, prompt, key = replicate_on(mesh, (model.init_cache(B, max_len), prompt, key))
   prefilled = P if prefill_bucket is None else max(P - P % prefill_bucket, 1)
   last_logits, caches = prefill_logits(graphdef, state, prompt[:, :prefilled], caches)
-  stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
+  stops = replicate_on(mesh, jnp.asarray(list(stop_tokens) or [-1], jnp.int32))
   key, sub = jax.random.split(key)
   token = sample_logits(last_logits, sub, sampling)
   for i in range(prefilled, P):  # the prompt's tail, token by token (its samples are discarded)
     key, sub = jax.random.split(key)
     token, caches = sample_step(graphdef, state, prompt[:, i].astype(jnp.int32), caches, sub,
                                 sampling)
-  out, done = [], jnp.zeros((B,), bool)
-  lengths = jnp.zeros((B,), jnp.int32)
-  pad_id = jnp.int32(pad_token)
+  out, done, lengths = [], *replicate_on(mesh, (jnp.zeros((B,), bool),
+                                                jnp.zeros((B,), jnp.int32)))
+  pad_id = replicate_on(mesh, jnp.int32(pad_token))
   for step in range(max_new_tokens):
     emitted, done, lengths = _emit(token, done, lengths, stops, pad_id)
     out.append(emitted)
@@ -139,8 +172,11 @@ def generate(model, prompt: Array, *, max_new_tokens: int, key: Array,
     key, sub = jax.random.split(key)
     token, caches = sample_step(graphdef, state, emitted, caches, sub, sampling)
   generated = jnp.stack(out, axis=1)
-  pad = jnp.full((B, max_new_tokens - generated.shape[1]), pad_token, jnp.int32)
-  return jnp.concatenate([prompt.astype(jnp.int32), generated, pad], axis=1), lengths
+  pad = replicate_on(mesh, jnp.full((B, max_new_tokens - generated.shape[1]), pad_token,
+                                    jnp.int32))
+  tokens = jnp.concatenate([prompt.astype(jnp.int32), generated, pad], axis=1)
+  # Replicated results: every process can read them (np.asarray) whatever the parameters' split.
+  return replicate_on(mesh, (tokens, lengths))
 
 
 def generate_text(model, tokenizer, ids: Sequence[int], *, max_new_tokens: int, key: Array,

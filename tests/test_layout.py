@@ -40,7 +40,7 @@ LAYERS = (
     ("train", ("kvm_jax.train.*",)),
     ("eval", ("kvm_jax.eval.*",)),
     ("cli", ("kvm_jax.train.main", "kvm_jax.train.default_job", "kvm_jax.train.configs.*",
-             "kvm_jax.eval.cli", "kvm_jax.demo")),
+             "kvm_jax.eval.cli", "kvm_jax.demo", "kvm_jax.train.prepare_data")),
 )
 RANK = {"config": 0, "ops": 1, "kernels": 2, "op registry": 3, "model": 4, "tasks": 5, "runs": 6,
         "train": 7, "eval": 7, "cli": 8}

@@ -1,9 +1,11 @@
 """The training loop: a jitted AdamC step over ``nnx.split`` state, JSONL metrics, orbax resume.
 
-One step = one batch; the data iterator's position is checkpointed with the parameters, so
+One step = one global batch; the data reader's position is checkpointed with the parameters, so
 ``train(cfg, workdir)`` run again on the same workdir continues exactly where the last checkpoint
-left off (bitwise on CPU). SIGTERM (TPU preemption) makes the loop save and return after the
-current step.
+left off (bitwise on CPU), on one host or many. Each host reads only the rows of each batch its
+devices hold. SIGTERM (preemption) makes every host save the same step and return: one host
+alone through its own flag, many through JAX's preemption sync point, which picks a step that
+all of them reach. Only process 0 writes ``config.json``, metrics and the console.
 """
 
 from __future__ import annotations
@@ -13,17 +15,18 @@ import dataclasses
 import functools
 import signal
 import time
-from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from etils import epath
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kvm_jax.budget import state_rows_after
+from kvm_jax.budget import average_visible_keys, bswa_begin
 from kvm_jax.nn.model import LM
 from kvm_jax.ops.attention_api import runs_pallas
 from kvm_jax.ops.kvm.api import kernel_sharding
@@ -33,7 +36,8 @@ from kvm_jax.runs.checkpoint import Checkpointer, abstract_like
 from kvm_jax.runs.config import TrainConfig
 from kvm_jax.runs.directory import CHECKPOINT_DIR, save_config
 from kvm_jax.tasks import mqar, niah, text
-from kvm_jax.tasks.pipeline import batched_iterator
+from kvm_jax.tasks.pipeline import BatchReader
+from kvm_jax.tasks.shards import TokenShards, shard_dataset
 from kvm_jax.tasks.tokenizers import tokenizer
 from kvm_jax.train import adamc as adamc_lib
 from kvm_jax.train import completep, sharding
@@ -48,6 +52,13 @@ def task_dataset(cfg: TrainConfig, split: str):
     return mqar.mqar_dataset(seed, cfg.mqar)
   if cfg.task == "niah":
     return niah.niah_dataset(seed, cfg.niah)
+  if cfg.data_dir:  # token shards written by kvm-data, packed at read time
+    vocab = TokenShards(cfg.data_dir).vocab_size
+    if vocab > cfg.model.vocab_size:
+      raise ValueError(f"data_dir={cfg.data_dir!r} was tokenized with a vocabulary of {vocab} ids "
+                       f"but model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size or "
+                       "tokenize with the model's tokenizer.")
+    return shard_dataset(cfg.data_dir, cfg.seq_len, seed, split)
   tok = tokenizer(cfg.tokenizer_file)
   if cfg.hf_dataset:
     docs = text.read_hf_documents(cfg.hf_dataset, cfg.hf_split, cfg.hf_text_field)
@@ -75,23 +86,37 @@ def peak_flops(cfg: TrainConfig) -> float:
   return per * 1e12 * jax.device_count()
 
 
-def flops_per_token(cfg: TrainConfig, params) -> float:
-  """6·N (matmul parameters, forward + backward) + attention/readout: 12·layers·keys·D·H."""
-  m = cfg.model
-  T = cfg.sequence_length
-  n = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params)) - \
-      m.vocab_size * m.hidden_size  # the embedding lookup is not a matmul
+def visible_keys(cfg: TrainConfig) -> float:
+  """Keys per query, averaged over the positions of a training sequence and summed over layers:
+  causal full attention (T + 1) / 2, a sliding window the mean of min(t + 1, window), block SWA
+  its chunk-aligned window, KVM its window plus the state rows of its schedule at each chunk."""
+  m, T = cfg.model, cfg.sequence_length
+  t = np.arange(1, T + 1, dtype=np.float64)  # keys up to and including each query
   keys = 0.0
   for kind in m.layer_mixers:
     if kind == "full":
-      keys += T / 2
+      keys += (T + 1) / 2
     elif kind == "swa":
-      keys += min(m.swa_window, T)
+      keys += float(np.mean(np.minimum(t, m.swa_window)))
     elif kind == "bswa":
-      keys += min(m.bswa_chunk_size * m.bswa_window_chunks, T)
+      C, nb = m.bswa_chunk_size, m.bswa_window_chunks
+      ends = np.minimum(T, (np.arange(T) // C + 1) * C)
+      begins = np.array([bswa_begin(int(e), C, nb) for e in ends])
+      keys += float(np.mean(t - begins))
     else:
-      keys += min(m.kvm.window_len, T) + state_rows_after(m.kvm, T)
-  return 6.0 * n + 12.0 * keys * m.qk_head_dim * m.num_heads
+      keys += average_visible_keys(m.kvm, T)
+  return keys
+
+
+def flops_per_token(cfg: TrainConfig, params) -> float:
+  """Training FLOPs per token: 6·N (matmul parameters, forward + backward) plus attention,
+  12·keys·D·H with ``keys`` the :func:`visible_keys` of every layer (QKᵀ and PV, 2 FLOPs per
+  multiply-add each, tripled for the backward pass). KVM's merge and compression are not
+  counted (a few percent at the paper's shapes), so its MFU is a slight underestimate."""
+  m = cfg.model
+  n = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params)) - \
+      m.vocab_size * m.hidden_size  # the embedding lookup is not a matmul
+  return 6.0 * n + 12.0 * visible_keys(cfg) * m.qk_head_dim * m.num_heads
 
 
 def masked_loss(logits, labels):
@@ -223,6 +248,8 @@ def make_train_step(graphdef, optimizer, shardings=None, cfg: TrainConfig | None
 def setup(cfg: TrainConfig, mesh=None):
   """Model, optimizer and sharded initial state: (graphdef, params, opt_state, optimizer, shardings)."""
   mesh = mesh or sharding.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
+  if jax.process_count() > 1:
+    sharding.check_processes(mesh)
   sharding.check_batch(cfg.batch_size, mesh, cfg.grad_accum_steps)
   model = LM(cfg.model, rngs=nnx.Rngs(cfg.seed))
   graphdef, params = nnx.split(model)
@@ -235,10 +262,16 @@ def setup(cfg: TrainConfig, mesh=None):
   return graphdef, params, opt_state, optimizer, (p_sh, o_sh, sharding.batch_sharding(mesh))
 
 
-def put_batch(batch: dict, batch_sharding) -> dict:
-  """Host-local numpy batch -> global sharded arrays (works on one host and on a pod)."""
-  return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v))
-          for k, v in batch.items()}
+def put_batch(batch: dict, batch_sharding, rows: Optional[np.ndarray] = None,
+              batch_size: Optional[int] = None) -> dict:
+  """This host's rows of a batch -> global arrays placed by ``batch_sharding``.
+
+  ``rows`` are the global row indices the host holds (:func:`sharding.host_rows`) and
+  ``batch_size`` the global batch; by default the host holds the whole batch (one host)."""
+  if rows is None:
+    batch_size = len(next(iter(batch.values())))
+    rows = np.arange(batch_size)
+  return sharding.global_batch(batch, batch_sharding, batch_size, rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,14 +344,15 @@ def evaluate(graphdef, params, cfg: TrainConfig, batches: int, dataset=None,
     if isinstance(getattr(leaf, "sharding", None), NamedSharding):
       batch_sharding = sharding.batch_sharding(leaf.sharding.mesh)
   eval_step = eval_step or make_eval_step(graphdef, cfg, batch_sharding)
-  it = batched_iterator(dataset or task_dataset(cfg, "eval"), cfg.batch_size,
-                        shard_index=jax.process_index(), shard_count=jax.process_count())
+  rows = None if batch_sharding is None else sharding.host_rows(batch_sharding, cfg.batch_size)
+  reader = BatchReader(dataset or task_dataset(cfg, "eval"), cfg.batch_size, rows,
+                       prefetch=False)
   total: dict[str, int | float] = {}
-  for _ in range(batches):
-    batch = next(it)
+  for index in range(batches):
+    batch = reader.read(index)
     batch = {k: v for k, v in batch.items() if k in ("inputs", "labels", "distance")}
     if batch_sharding is not None:
-      batch = put_batch(batch, batch_sharding)
+      batch = put_batch(batch, batch_sharding, rows, cfg.batch_size)
     for k, v in jax.device_get(eval_step(params, batch)).items():
       total[k] = total.get(k, 0) + v.item()
   out = {"eval_loss": total["loss_sum"] / max(total["tokens"], 1)}
@@ -358,57 +392,129 @@ def _check_finite(cfg: TrainConfig, pending, stats, ckpt, workdir, verbose) -> i
   return len(bad)
 
 
-def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dict[str, Any]:
-  """Trains (or resumes) in ``workdir``; returns the last logged metrics plus the final
-  ``params`` and ``graphdef``. Raises :class:`NonFiniteError` when a step's loss or gradient is
-  not finite and ``cfg.on_nonfinite == "stop"``."""
+@dataclasses.dataclass
+class StepClock:
+  """Honest throughput: wall time per step between host syncs, after ``block_until_ready``.
+
+  The clock starts only once the first step of a (resumed) run has finished, so warm-up is never
+  counted, and it restarts after every evaluation and checkpoint, which are not training time.
+  ``data_wait`` is the host time spent producing batches (reading rows, placing them)."""
+
+  start: Optional[float] = None
+  steps: int = 0
+  data_wait: float = 0.0
+
+  def restart(self) -> None:
+    self.start, self.steps, self.data_wait = time.perf_counter(), 0, 0.0
+
+  def tick(self, data_wait: float) -> None:
+    if self.start is not None:
+      self.steps += 1
+      self.data_wait += data_wait
+
+  def report(self) -> dict[str, float]:
+    """``step_time_s`` and ``data_wait_s`` per step of the interval (empty before any step)."""
+    if self.start is None or self.steps == 0:
+      return {}
+    elapsed = time.perf_counter() - self.start
+    return {"step_time_s": elapsed / self.steps, "data_wait_s": self.data_wait / self.steps}
+
+
+def parse_profile_steps(text: str) -> tuple[int, int]:
+  """``"A:B"`` -> (A, B): trace steps A through B (1-based, as numbered in metrics.jsonl)."""
+  try:
+    first, last = (int(x) for x in text.split(":"))
+  except ValueError:
+    raise ValueError(f"profile steps {text!r} must look like A:B (e.g. 10:15).") from None
+  if not 1 <= first <= last:
+    raise ValueError(f"profile steps {text!r} need 1 <= A <= B.")
+  return first, last
+
+
+def train(cfg: TrainConfig, workdir, *, verbose: bool = True,
+          profile_steps: Optional[tuple[int, int]] = None) -> dict[str, Any]:
+  """Trains (or resumes) in ``workdir`` (a local or ``gs://`` path); returns the last logged
+  metrics plus the final ``params`` and ``graphdef``. On a pod every process calls it with the
+  same arguments. ``profile_steps=(A, B)`` writes a ``jax.profiler`` trace of steps A..B to
+  ``workdir/profile`` on process 0. Raises :class:`NonFiniteError` when a step's loss or gradient
+  is not finite and ``cfg.on_nonfinite == "stop"``."""
   cfg.validate()
-  workdir = Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  primary = jax.process_index() == 0
+  verbose = verbose and primary
+  workdir = epath.Path(workdir)
+  if primary:
+    workdir.mkdir(parents=True, exist_ok=True)
   graphdef, params, opt_state, optimizer, shardings = setup(cfg)
-  iterator = batched_iterator(task_dataset(cfg, "train"), cfg.batch_size,
-                              shard_index=jax.process_index(), shard_count=jax.process_count())
+  batch_sh = shardings[2]
+  rows = sharding.host_rows(batch_sh, cfg.batch_size)
+  reader = BatchReader(task_dataset(cfg, "train"), cfg.batch_size, rows)
   ckpt = Checkpointer(workdir / CHECKPOINT_DIR, keep=cfg.keep_checkpoints)
-  save_config(cfg, workdir, verbose)
+  if primary:
+    save_config(cfg, workdir, verbose)
   start, skipped = 0, 0
   if ckpt.latest_step() is not None:
     start, state, data_state = ckpt.restore(abstract_like({"params": params,
                                                           "opt_state": opt_state}))
     params, opt_state = state["params"], state["opt_state"]
     skipped = int(data_state.pop(_SKIPPED_KEY, 0))
-    iterator.set_state(data_state)
+    reader.set_state(data_state)
     if verbose:
       print(f"resumed from step {start} in {workdir}")
-  metrics = MetricsWriter(workdir, resume_step=start)
+  metrics = MetricsWriter(workdir, resume_step=start, enabled=primary)
   train_step = make_train_step(graphdef, optimizer, shardings, cfg)
-  replicated = NamedSharding(shardings[2].mesh, PartitionSpec())
-  halted = jax.device_put(jnp.zeros((), bool), replicated)
+  halted = jax.device_put(jnp.zeros((), bool), NamedSharding(batch_sh.mesh, PartitionSpec()))
+  # Preemption: one process watches SIGTERM itself; several use JAX's preemption sync point (its
+  # notifier catches SIGTERM on any host and every host learns the same step to stop at).
+  many = jax.process_count() > 1
   stop = {"sigterm": False}
   previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True)) \
-      if _in_main_thread() else None
+      if not many and _in_main_thread() else None
   progress = ProgressBar(cfg.steps, "step", start)
   peak, fpt = peak_flops(cfg), flops_per_token(cfg, params)
   eval_set = task_dataset(cfg, "eval") if cfg.eval_every else None
-  eval_step = make_eval_step(graphdef, cfg, shardings[2]) if cfg.eval_every else None
+  eval_step = make_eval_step(graphdef, cfg, batch_sh) if cfg.eval_every else None
   tokens_per_step = cfg.batch_size * cfg.sequence_length
   last: dict[str, Any] = {"step": start}
-  t0, ran = time.perf_counter(), 0
+  clock, compile_s, compile_logged = StepClock(), None, False
   pending_steps, pending_stats = [], []   # device stats of the steps since the last host sync
+  tracing = False
   contexts = contextlib.ExitStack()
   if cfg.model.kvm_implementation != "xla" or runs_pallas(cfg.model.attention_implementation):
     # Pallas kernels run per shard (shard_map) over this trainer's batch and KV-head axes.
-    contexts.enter_context(jax.set_mesh(shardings[2].mesh))
+    contexts.enter_context(jax.set_mesh(batch_sh.mesh))
     contexts.enter_context(kernel_sharding(batch_axes=sharding.BATCH,
                                            head_axis=sharding.LOGICAL_RULES["kv_heads"]))
   try:
     for step in range(start, cfg.steps):
-      batch = put_batch(next(iterator), shardings[2])
+      done = step + 1
+      t0 = time.perf_counter()
+      batch = put_batch(next(reader), batch_sh, rows, cfg.batch_size)
+      waited = time.perf_counter() - t0
+      if compile_s is None:  # compiled ahead of the first step, so its time is known exactly
+        t0 = time.perf_counter()
+        train_step = train_step.lower(params, opt_state, batch, halted).compile()
+        compile_s = time.perf_counter() - t0
+      if primary and profile_steps and done == profile_steps[0]:
+        jax.profiler.start_trace(str(workdir / "profile"))
+        tracing = True
       params, opt_state, stats = train_step(params, opt_state, batch, halted)
       halted = stats["halted"]
-      done, ran = step + 1, ran + 1
+      clock.tick(waited)
+      if step == start:  # the first step warms up (allocation, autotuning): not timed
+        jax.block_until_ready(stats)
+        clock.restart()
+      if tracing and done == profile_steps[1]:
+        jax.block_until_ready(stats)
+        jax.profiler.stop_trace()
+        tracing = False
+        if verbose:
+          print(f"profile of steps {profile_steps[0]}..{done} written to {workdir / 'profile'}")
       pending_steps.append(done)
       pending_stats.append({k: stats[k] for k in ("loss", "grad_norm", "finite")})
-      final = done == cfg.steps or stop["sigterm"]
+      # Every host calls the sync point at every step with the same step number (its contract).
+      preempted = multihost_utils.reached_preemption_sync_point(done) if many else \
+          stop["sigterm"]
+      final = done == cfg.steps or preempted
       log_now = done % cfg.log_every == 0 or final
       save_now = done % cfg.checkpoint_every == 0 or final
       if log_now or save_now:  # the only host syncs
@@ -417,30 +523,45 @@ def train(cfg: TrainConfig, workdir: str | Path, *, verbose: bool = True) -> dic
         pending_steps, pending_stats = [], []
       if log_now:
         loss = float(host[-1]["loss"])
-        rate = tokens_per_step * ran / (time.perf_counter() - t0)
-        last = {"step": done, "loss": loss, "grad_norm": float(host[-1]["grad_norm"]),
-                "tokens_per_s": rate}
+        last = {"step": done, "loss": loss, "grad_norm": float(host[-1]["grad_norm"])}
+        timing = clock.report()
+        if timing:
+          last.update(timing, tokens_per_s=tokens_per_step / timing["step_time_s"])
+          if peak:
+            last["mfu"] = last["tokens_per_s"] * fpt / peak
+        if not compile_logged:  # once per process start: what this run paid to compile
+          last["compile_s"] = compile_s
+          compile_logged = True
         if cfg.on_nonfinite == "skip":
           last["skipped_steps"] = skipped
-        if peak:
-          last["mfu"] = rate * fpt / peak
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
           last.update(evaluate(graphdef, params, cfg, cfg.eval_batches, eval_set, eval_step,
-                               shardings[2]))
+                               batch_sh))
         metrics.write(**last)
-        extra = f"loss {loss:.4f}  {rate:,.0f} tok/s" + (
-            f"  MFU {last['mfu']:.1%}" if "mfu" in last else "")
+        extra = f"loss {loss:.4f}"
+        if "tokens_per_s" in last:
+          extra += f"  {last['tokens_per_s']:,.0f} tok/s  {1e3 * last['step_time_s']:.0f} ms/step"
+        if "mfu" in last:
+          extra += f"  MFU {last['mfu']:.1%}"
         if verbose:
           line = progress.draw(done, extra)
           if not progress.tty:
             print(line, flush=True)
       if save_now:
         ckpt.save(done, {"params": params, "opt_state": opt_state},
-                  {**iterator.get_state(), _SKIPPED_KEY: skipped}, force=True)
+                  {**reader.get_state(), _SKIPPED_KEY: skipped}, force=True)
+        if preempted and verbose:
+          print(f"preempted: saved step {done} in {workdir}; the same command resumes it",
+                flush=True)
+      if log_now or save_now:
+        clock.restart()  # evaluation and checkpointing are not step time
       if final:
         break
   finally:
+    if tracing:
+      jax.profiler.stop_trace()
     contexts.close()
+    reader.close()
     ckpt.close()
     metrics.close()
     if previous is not None:

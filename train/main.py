@@ -15,8 +15,20 @@ Flags:
   --show-config           print the resolved config and exit.
   --resume                require a checkpoint in --workdir and continue from it (without the
                           flag a run resumes when checkpoints exist and starts fresh otherwise).
-  --distributed           call jax.distributed.initialize() first (multi-host pods / clusters;
-                          each host then reads its own slice of every batch).
+  --distributed           start multi-process JAX first (TPU pods, multi-node GPU, or several
+                          local CPU processes). Every process runs the same command; each
+                          reads only its own rows of every batch; process 0 alone writes
+                          config.json, metrics and the console; SIGTERM on any host makes all
+                          of them save the same step and exit.
+  --coordinator=HOST:PORT process 0's address, the same for every process.
+  --num-processes=N       how many processes take part.
+  --process-id=I          this process's index, 0 .. N-1.
+                          The last three are auto-detected when omitted (TPU pods, SLURM,
+                          Open MPI); on CPU (or anywhere without a cluster environment) give
+                          all three. CPU processes talk through gloo collectives, set up here.
+  --profile-steps=A:B     write a jax.profiler trace of steps A..B (as numbered in
+                          metrics.jsonl) to WORKDIR/profile on process 0; open it with
+                          TensorBoard's profile plugin or Perfetto.
   --memory-report         compile the configured train step for the configured shapes from
                           abstract inputs on the present backend (no data read, no weights
                           allocated), print its memory per device and exit. The last line is
@@ -39,9 +51,10 @@ import sys
 from pathlib import Path
 
 import jax
+from etils import epath
 
 from kvm_jax.train import memory
-from kvm_jax.train.loop import NonFiniteError, train
+from kvm_jax.train.loop import NonFiniteError, parse_profile_steps, train
 
 
 INSTALLED_CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -110,6 +123,36 @@ def apply_override(cfg, dotted: str, text: str):
   return dataclasses.replace(cfg, **{head: new})
 
 
+def start_distributed(coordinator: str | None, num_processes: int | None,
+                      process_id: int | None) -> None:
+  """``jax.distributed.initialize`` with the launch flags, checked first; gloo collectives so that
+  CPU processes can run the same program (GPUs and TPUs use their own)."""
+  given = {"--coordinator": coordinator, "--num-processes": num_processes,
+           "--process-id": process_id}
+  if coordinator is not None:
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit():
+      raise SystemExit(f"--coordinator={coordinator!r} must look like HOST:PORT "
+                       "(e.g. 10.0.0.2:1234 or 127.0.0.1:29500).")
+  if num_processes is not None and num_processes < 1:
+    raise SystemExit(f"--num-processes={num_processes} must be >= 1.")
+  if process_id is not None and (process_id < 0 or (num_processes is not None
+                                                     and process_id >= num_processes)):
+    raise SystemExit(f"--process-id={process_id} must lie in 0 .. --num-processes - 1.")
+  if None in given.values() and any(v is not None for v in given.values()):
+    missing = [k for k, v in given.items() if v is None]
+    print(f"kvm-train: {', '.join(missing)} not given: JAX auto-detects them (TPU pod, SLURM, "
+          "Open MPI) or fails to connect.", file=sys.stderr)
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  try:
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=process_id)
+  except (RuntimeError, ValueError) as e:
+    raise SystemExit(f"--distributed: could not start multi-process JAX ({e}). Outside a TPU pod "
+                     "or a SLURM/Open MPI job give --coordinator, --num-processes and "
+                     "--process-id.") from None
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="kvm-train", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,15 +164,35 @@ def main(argv=None) -> int:
   parser.add_argument("--resume", action="store_true",
                       help="fail unless --workdir holds a checkpoint to continue from.")
   parser.add_argument("--distributed", action="store_true",
-                      help="initialize multi-host JAX (jax.distributed.initialize()) first.")
+                      help="start multi-process JAX (jax.distributed.initialize) first.")
+  parser.add_argument("--coordinator", metavar="HOST:PORT",
+                      help="with --distributed: process 0's address (auto-detected on pods).")
+  parser.add_argument("--num-processes", type=int, metavar="N",
+                      help="with --distributed: number of processes (auto-detected on pods).")
+  parser.add_argument("--process-id", type=int, metavar="I",
+                      help="with --distributed: this process's index 0..N-1 (auto-detected).")
+  parser.add_argument("--profile-steps", metavar="A:B",
+                      help="write a jax.profiler trace of steps A..B to WORKDIR/profile "
+                      "(process 0).")
   parser.add_argument("--memory-report", action="store_true",
                       help="compile the train step from abstract inputs, print its memory per "
                       "device and exit (reads no data, allocates no weights).")
   args, rest = parser.parse_known_args(argv)
+  launch = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
+            "--process-id": args.process_id}
+  if not args.distributed and any(v is not None for v in launch.values()):
+    flags = ", ".join(k for k, v in launch.items() if v is not None)
+    raise SystemExit(f"{flags} only apply with --distributed; add --distributed.")
+  profile_steps = None
+  if args.profile_steps:
+    try:
+      profile_steps = parse_profile_steps(args.profile_steps)
+    except ValueError as e:
+      raise SystemExit(f"--profile-steps: {e}") from None
   if args.memory_report:
     memory.prefer_memory_order()  # before anything starts JAX's backend
   if args.distributed:
-    jax.distributed.initialize()
+    start_distributed(args.coordinator, args.num_processes, args.process_id)
   cfg = load_config(args.config)
   for item in rest:
     if not item.startswith("--config.") or "=" not in item:
@@ -152,17 +215,23 @@ def main(argv=None) -> int:
     print("\n".join(report.lines(cfg)))
     return 0
   if args.resume:
-    ckpt_dir = Path(args.workdir) / "checkpoints"
+    ckpt_dir = epath.Path(args.workdir) / "checkpoints"
     if not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
       raise SystemExit(f"--resume: no checkpoint in {ckpt_dir}; drop --resume to start a new run.")
+  if cfg.steps < (profile_steps or (0, 0))[1]:
+    raise SystemExit(f"--profile-steps={args.profile_steps} ends after the last step "
+                     f"({cfg.steps}).")
   try:
-    result = train(cfg, args.workdir)
+    result = train(cfg, args.workdir, profile_steps=profile_steps)
   except NonFiniteError as e:
     print(f"kvm-train: {e}", file=sys.stderr)
     return 1
-  summary = {k: v for k, v in result.items() if isinstance(v, (int, float))}
-  print("final:", ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                            for k, v in summary.items()))
+  except ValueError as e:  # a config that does not fit the devices or processes
+    raise SystemExit(f"kvm-train: {e}") from None
+  if jax.process_index() == 0:
+    summary = {k: v for k, v in result.items() if isinstance(v, (int, float))}
+    print("final:", ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                              for k, v in summary.items()))
   return 0
 
 

@@ -1,36 +1,64 @@
-"""Metrics: JSONL always (one object per logged step), TensorBoard when it is installed."""
+"""Metrics: JSONL always (one object per logged step), TensorBoard when it is installed.
+
+Only one process of a multi-host run writes them (``enabled``); the others get a writer that
+does nothing, so every line appears once. Paths go through ``etils.epath``: a ``gs://`` run
+directory is written in the bucket.
+"""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import math
+
+from etils import epath
+
+
+def is_remote(path) -> bool:
+  """Whether ``path`` names an object store (``gs://``, ``s3://``, ...) rather than a local file."""
+  return "://" in str(path)
 
 
 class MetricsWriter:
-  """Appends one JSON object per logged step to ``<workdir>/metrics.jsonl`` (and TensorBoard)."""
+  """Appends one JSON object per logged step to ``<workdir>/metrics.jsonl`` (and TensorBoard).
 
-  def __init__(self, workdir: str | Path, resume_step: int = 0):
-    self.path = Path(workdir) / "metrics.jsonl"
-    self.path.parent.mkdir(parents=True, exist_ok=True)
-    # A resumed run rewrites history after its checkpoint: drop lines of steps it will redo.
-    if self.path.exists():
-      kept = [l for l in self.path.read_text().splitlines()
-              if l.strip() and json.loads(l).get("step", 0) <= resume_step]
-      self.path.write_text("".join(l + "\n" for l in kept))
+  Non-finite values are written as JSON ``null``. A resumed run first drops the lines of steps
+  after its checkpoint, which it is about to redo.
+  """
+
+  def __init__(self, workdir, resume_step: int = 0, enabled: bool = True):
+    self.enabled = enabled
+    self.path = epath.Path(workdir) / "metrics.jsonl"
     self._tb = None
+    if not enabled:
+      return
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    self._lines: list[str] = []
+    if self.path.exists():
+      self._lines = [l for l in self.path.read_text().splitlines()
+                     if l.strip() and json.loads(l).get("step", 0) <= resume_step]
+      self.path.write_text("".join(l + "\n" for l in self._lines))
     try:  # optional
       from tensorboardX import SummaryWriter  # type: ignore
-      self._tb = SummaryWriter(str(Path(workdir) / "tb"))
+      self._tb = SummaryWriter(str(epath.Path(workdir) / "tb"))
     except Exception:
       self._tb = None
 
   def write(self, step: int, **scalars) -> None:
-    record = {"step": int(step), **{k: float(v) for k, v in scalars.items()}}
-    with self.path.open("a") as f:
-      f.write(json.dumps(record) + "\n")
+    if not self.enabled:
+      return
+    values = {k: float(v) for k, v in scalars.items()}
+    record = {"step": int(step), **{k: v if math.isfinite(v) else None
+                                    for k, v in values.items()}}
+    line = json.dumps(record)
+    self._lines.append(line)
+    if is_remote(self.path):  # object stores cannot append: rewrite the (small) file
+      self.path.write_text("".join(l + "\n" for l in self._lines))
+    else:
+      with self.path.open("a") as f:
+        f.write(line + "\n")
     if self._tb is not None:
-      for k, v in scalars.items():
-        self._tb.add_scalar(k, float(v), step)
+      for k, v in values.items():
+        self._tb.add_scalar(k, v, step)
 
   def close(self) -> None:
     if self._tb is not None:

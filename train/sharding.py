@@ -36,13 +36,16 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
     raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} "
                      f"tensor={tensor}.")
   known = int(np.prod([s for s in sizes if s != -1]))
+  # On a pod the devices are those of every process: say so, it is the usual surprise.
+  where = (f" ({jax.process_count()} processes x {jax.local_device_count()} devices each)"
+           if devices == jax.devices() and jax.process_count() > 1 else "")
   if any(s == 0 or s < -1 for s in sizes) or n % known:
     raise ValueError(f"mesh data={data} x fsdp={fsdp} x tensor={tensor} does not divide the "
-                     f"{n} available devices; choose sizes whose product is {n}.")
+                     f"{n} available devices{where}; choose sizes whose product is {n}.")
   sizes = [n // known if s == -1 else s for s in sizes]
   if int(np.prod(sizes)) != n:
     raise ValueError(f"mesh {dict(zip(AXES, sizes))} uses {int(np.prod(sizes))} devices but "
-                     f"{n} are available; the product must equal the device count.")
+                     f"{n} are available{where}; the product must equal the device count.")
   return jax.make_mesh(tuple(sizes), AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
@@ -115,16 +118,67 @@ def like_params_shardings(tree: Any, params_shardings: Any, mesh: Mesh) -> Any:
   return visit(tree)
 
 
+def batch_axes(mesh: Mesh) -> tuple:
+  """The mesh axes a batch is split over: data x fsdp on a trainer's mesh, every axis of any
+  other mesh (e.g. the one-axis mesh that replicates loaded parameters over a pod)."""
+  return BATCH if set(BATCH) <= set(mesh.axis_names) else tuple(mesh.axis_names)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  return NamedSharding(mesh, P(BATCH))
+  return NamedSharding(mesh, P(batch_axes(mesh)))
+
+
+def host_rows(batch_sharding: NamedSharding, batch_size: int) -> np.ndarray:
+  """Sorted global row indices of a ``[batch_size, ...]`` batch that this process's devices hold
+  under ``batch_sharding``: what this host reads, whatever order the mesh puts hosts in."""
+  rows = set()
+  for index in batch_sharding.addressable_devices_indices_map((batch_size,)).values():
+    rows.update(range(*index[0].indices(batch_size)))
+  return np.asarray(sorted(rows), np.int64)
+
+
+def global_batch(local: dict, batch_sharding: NamedSharding, batch_size: int,
+                 rows: np.ndarray) -> dict:
+  """Host-local rows ``{key: [len(rows), ...]}`` (global row indices ``rows``) -> global
+  ``[batch_size, ...]`` arrays placed by ``batch_sharding``. Each device gets its own rows; works
+  on one host and on many, whatever order the mesh puts hosts in."""
+
+  def make(v):
+    v = np.asarray(v)
+    if v.shape[0] != len(rows):
+      raise ValueError(f"a host batch has {v.shape[0]} rows, expected {len(rows)}.")
+
+    def shard(index):
+      wanted = np.arange(batch_size)[index[0]]
+      return v[np.searchsorted(rows, wanted)]
+
+    return jax.make_array_from_callback((batch_size, *v.shape[1:]), batch_sharding, shard)
+
+  return {k: make(v) for k, v in local.items()}
+
+
+def check_processes(mesh: Mesh) -> None:
+  """A clear error unless ``mesh`` uses every device of every process (a pod runs one program)."""
+  used = {d.id for d in mesh.devices.flat}
+  missing = [d for d in jax.devices() if d.id not in used]
+  if missing:
+    hosts = sorted({d.process_index for d in missing})
+    raise ValueError(f"the mesh {dict(zip(mesh.axis_names, mesh.devices.shape))} leaves "
+                     f"{len(missing)} of {jax.device_count()} devices unused (on processes "
+                     f"{hosts}); every process must take part: make data x fsdp x tensor equal "
+                     f"the global device count {jax.device_count()} "
+                     f"({jax.process_count()} processes x {jax.local_device_count()} devices).")
 
 
 def check_batch(batch_size: int, mesh: Mesh, grad_accum_steps: int = 1) -> None:
   """A clear error unless every micro-batch splits evenly over the batch axes of ``mesh``."""
   size = dict(zip(mesh.axis_names, mesh.devices.shape))
-  ways = size["data"] * size["fsdp"]
+  axes = batch_axes(mesh)
+  ways = int(np.prod([size[a] for a in axes]))
   if batch_size % (ways * grad_accum_steps):
     micro = f" / grad_accum_steps={grad_accum_steps}" if grad_accum_steps > 1 else ""
-    raise ValueError(f"batch_size={batch_size}{micro} is not divisible by the data x fsdp axes "
-                     f"({size['data']} x {size['fsdp']} = {ways}); use a batch_size that is a "
-                     f"multiple of {ways * grad_accum_steps}.")
+    split = " x ".join(f"{a}={size[a]}" for a in axes)
+    hosts = f" over {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    raise ValueError(f"batch_size={batch_size}{micro} is not divisible by the batch axes "
+                     f"({split} = {ways} ways{hosts}); use a batch_size that is a multiple of "
+                     f"{ways * grad_accum_steps}.")

@@ -8,18 +8,20 @@ the parameters alone (:meth:`Checkpointer.restore_params`), without knowing the 
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 from typing import Any, Optional
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 
 class Checkpointer:
   """The checkpoints of one run directory (``<workdir>/checkpoints/<step>/``)."""
 
-  def __init__(self, directory: str | Path, keep: int = 3):
-    directory = Path(directory).absolute()
+  def __init__(self, directory, keep: int = 3):
+    # epath: gs:// stays a bucket path (pathlib would make it a local folder "gs:/...").
+    directory = epath.Path(directory if "://" in str(directory) else os.path.abspath(directory))
     if directory.exists() and not directory.is_dir():
       raise ValueError(f"checkpoint path {str(directory)!r} exists and is not a directory.")
     self.manager = ocp.CheckpointManager(

@@ -39,6 +39,10 @@ class TrainConfig:
     tokenizer_file: a local ``tokenizer.json`` for text (default: bytes).
     hf_dataset / hf_split / hf_text_field: a HuggingFace dataset already in the local cache
       (needs the ``datasets`` package; nothing is downloaded in tests or the default job).
+    data_dir: a token-shard directory written by ``kvm-data`` (:mod:`kvm_jax.tasks.shards`), for
+      ``task == "text"``: read memory-mapped instead of tokenizing at start-up; replaces
+      ``text_files``/``hf_dataset`` (setting both is an error). Tokenize it with the run's
+      ``tokenizer_file``.
     peak_tflops_per_device: for the MFU estimate; 0 = look the device kind up (unknown: no MFU).
     remat: what each block keeps for the backward pass (``kvm_jax.nn.model.REMAT_POLICIES``):
       "none", "block" (only its inputs; least memory) or "block_dots" (also its weight matmuls).
@@ -77,6 +81,7 @@ class TrainConfig:
   hf_dataset: str = ""
   hf_split: str = "train"
   hf_text_field: str = "text"
+  data_dir: str = ""
   peak_tflops_per_device: float = 0.0
   remat: str = "none"
   grad_accum_steps: int = 1
@@ -116,6 +121,13 @@ class TrainConfig:
                        f"{self.grad_clip_norm}.")
     if self.on_nonfinite not in ("stop", "skip"):
       raise ValueError(f"on_nonfinite={self.on_nonfinite!r}; choose 'stop' or 'skip'.")
+    if self.data_dir and self.task != "text":
+      raise ValueError(f"data_dir={self.data_dir!r} is a text corpus but task={self.task!r}; set "
+                       "task='text' or clear data_dir.")
+    if self.data_dir and (self.text_files or self.hf_dataset):
+      given = "text_files" if self.text_files else "hf_dataset"
+      raise ValueError(f"data_dir={self.data_dir!r} and {given} are both set; data_dir (token "
+                       f"shards from kvm-data) replaces them: clear {given}, or data_dir.")
     if self.task == "mqar" and self.mqar.vocab_size > self.model.vocab_size:
       raise ValueError(f"mqar.vocab_size={self.mqar.vocab_size} exceeds model.vocab_size="
                        f"{self.model.vocab_size}.")

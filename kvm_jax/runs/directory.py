@@ -9,13 +9,15 @@ and restores its parameters; :func:`logits_fn` gives a jitted ``tokens -> logits
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Any, Callable
 
 import jax
+from etils import epath
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvm_jax import config_io
+from kvm_jax.generate import pod_mesh, replicate_on
 from kvm_jax.nn.model import LM
 from kvm_jax.runs.checkpoint import Checkpointer
 from kvm_jax.runs.config import TrainConfig
@@ -28,42 +30,57 @@ CHECKPOINT_DIR = "checkpoints"
 TRAIN_CLASSES = (TrainConfig, MQARSpec, NIAHSpec)
 
 
-def save_config(cfg: TrainConfig, workdir: str | Path, verbose: bool = True) -> None:
-  """Writes ``workdir/config.json`` so evaluation can rebuild the model from the directory alone."""
+def save_config(cfg: TrainConfig, workdir, verbose: bool = True) -> None:
+  """Writes ``workdir/config.json`` so evaluation can rebuild the model from the directory alone
+  (``gs://`` paths included; on a pod only process 0 should call it)."""
   try:
-    config_io.save(Path(workdir) / CONFIG_FILE, cfg)
+    config_io.save(epath.Path(workdir) / CONFIG_FILE, cfg)
   except ValueError as e:  # a callable budget: training still works, loading needs the config
     if verbose:
       print(f"note: {CONFIG_FILE} not written ({e}); pass the config to load_trained().")
 
 
-def load_config(workdir: str | Path) -> TrainConfig:
+def load_config(workdir) -> TrainConfig:
   """The :class:`TrainConfig` recorded in a run directory."""
-  path = Path(workdir) / CONFIG_FILE
+  path = epath.Path(workdir) / CONFIG_FILE
   if not path.exists():
     raise ValueError(f"{workdir} has no {CONFIG_FILE}: is it a kvm-train / kvm-demo run "
                      "directory (one model per directory, e.g. runs/demo/kvm-fixed)?")
   return config_io.load(path, TRAIN_CLASSES)
 
 
-def is_run_directory(path: str | Path) -> bool:
+def is_run_directory(path) -> bool:
   """Whether ``path`` holds a run's ``config.json`` (one model per run directory)."""
-  return (Path(path) / CONFIG_FILE).exists()
+  return (epath.Path(path) / CONFIG_FILE).exists()
 
 
-def load_trained(workdir: str | Path, step: int | None = None,
-                 cfg: TrainConfig | None = None) -> tuple[TrainConfig, Any, int]:
+def default_placement():
+  """Where :func:`load_trained` puts parameters by default: the first device on one host; on a
+  pod, replicated over every device of every process (each host can then run the model on its
+  own rows; pass ``shardings`` to split large models instead)."""
+  if jax.process_count() == 1:
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return NamedSharding(Mesh(jax.devices(), ("devices",)), PartitionSpec())
+
+
+def load_trained(workdir, step: int | None = None, cfg: TrainConfig | None = None,
+                 shardings: Any = None) -> tuple[TrainConfig, Any, int]:
   """(train config, ``nnx`` model with the checkpointed parameters, step) of a run directory.
 
   ``step`` defaults to the newest checkpoint; ``cfg`` defaults to the run's ``config.json``. Only
-  the parameters are read (onto the first device), whatever optimizer the run used.
+  the parameters are read, whatever optimizer the run used. ``shardings`` places them: one
+  sharding for every parameter, a tree of shardings like the parameters (e.g. the trainer's
+  ``kvm_jax.train.sharding.param_shardings(params, mesh)``), or ``None`` for
+  :func:`default_placement`. On a pod every process must call it (the read is collective).
   """
-  workdir = Path(workdir)
+  workdir = epath.Path(workdir)
   cfg = load_config(workdir) if cfg is None else cfg
   graphdef, abstract_params = nnx.split(nnx.eval_shape(lambda: LM(cfg.model, rngs=nnx.Rngs(0))))
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  shardings = default_placement() if shardings is None else shardings
+  if isinstance(shardings, jax.sharding.Sharding):
+    shardings = jax.tree_util.tree_map(lambda _: shardings, abstract_params)
   target = jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params, shardings)
   ckpt = Checkpointer(workdir / CHECKPOINT_DIR)
   try:
     step, params = ckpt.restore_params(target, step)
@@ -80,6 +97,13 @@ def forward_logits(graphdef, params, tokens: jax.Array) -> jax.Array:
 
 
 def logits_fn(model) -> Callable[[jax.Array], jax.Array]:
-  """``tokens [B, T] -> logits [B, T, V]`` of an ``nnx`` model, jitted once per shape."""
+  """``tokens [B, T] -> logits [B, T, V]`` of an ``nnx`` model, jitted once per shape.
+
+  With parameters spanning processes (a pod), every process passes the same tokens and gets the
+  same logits back, replicated so that each can read them."""
   graphdef, params = nnx.split(model)
-  return lambda tokens: forward_logits(graphdef, params, tokens)
+  mesh = pod_mesh(params)
+  if mesh is None:
+    return lambda tokens: forward_logits(graphdef, params, tokens)
+  return lambda tokens: replicate_on(mesh, forward_logits(graphdef, params,
+                                                          replicate_on(mesh, tokens)))

@@ -1,0 +1,208 @@
+"""Several processes: two real ``jax.distributed`` CPU processes x 2 devices train, evaluate, resume,
+stop on SIGTERM and load a run exactly like one process with 4 devices.
+
+Each ``kvm-train`` below is a subprocess (a process can initialize ``jax.distributed`` once);
+the processes talk through gloo over 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvm_jax.generate import SamplingConfig, generate
+from kvm_jax.runs.directory import load_trained, logits_fn
+from kvm_jax.train import loop
+from kvm_jax.train.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--config=train/configs/tiny_mqar.py", "--config.steps=12", "--config.warmup_steps=2",
+        "--config.batch_size=8", "--config.mqar.seq_len=64", "--config.mqar.num_pairs=4",
+        "--config.log_every=1", "--config.checkpoint_every=4", "--config.eval_every=12",
+        "--config.eval_batches=2", "--config.mesh_data=2", "--config.mesh_fsdp=2"]
+TIMEOUT = 400
+
+
+def _env(devices: int) -> dict:
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+             JAX_DISABLE_MOST_OPTIMIZATIONS="true")  # tiny programs: compile fast
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  return env
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _launch(command: list[str], processes: int) -> list[subprocess.Popen]:
+  """``command`` as one process with 4 devices, or as ``processes`` processes of 4/processes
+  devices joined by ``--distributed`` (the flags of kvm-train; a script gets them as argv)."""
+  if processes == 1:
+    return [subprocess.Popen(command, cwd=ROOT, env=_env(4), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)]
+  port = _free_port()
+  return [subprocess.Popen(command + ["--distributed", f"--coordinator=127.0.0.1:{port}",
+                                      f"--num-processes={processes}", f"--process-id={i}"],
+                           cwd=ROOT, env=_env(4 // processes), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+          for i in range(processes)]
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> list[tuple[int, str, str]]:
+  """(returncode, stdout, stderr) of every process; all are killed if one hangs."""
+  deadline, results = time.time() + timeout, []
+  try:
+    for p in procs:
+      out, err = p.communicate(timeout=max(1.0, deadline - time.time()))
+      results.append((p.returncode, out, err))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.communicate()
+  return results
+
+
+def _train(workdir: Path, processes: int, *extra: str) -> list[tuple[int, str, str]]:
+  cmd = [sys.executable, "-m", "kvm_jax.train.main", f"--workdir={workdir}", *TINY, *extra]
+  results = _finish(_launch(cmd, processes))
+  for i, (code, _, err) in enumerate(results):
+    assert code == 0, f"process {i} of {processes} failed:\n{err[-3000:]}"
+  return results
+
+
+def _metrics(workdir: Path) -> dict[int, dict]:
+  lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines() if l]
+  steps = [l["step"] for l in lines]
+  assert len(set(steps)) == len(steps), f"a step was logged twice: {steps}"
+  return {l["step"]: l for l in lines}
+
+
+def _close(a: float, b: float, rtol: float) -> bool:
+  return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-30)
+
+
+def test_two_processes_train_evaluate_and_resume_like_one(tmp_path):
+  one, two = tmp_path / "one", tmp_path / "two"
+  _train(one, 1)
+  results = _train(two, 2)
+  a, b = _metrics(one), _metrics(two)
+  assert sorted(a) == sorted(b) == list(range(1, 13))  # one line per step, written once
+  # float32: the same program over the same 4-device mesh; only how the all-reduces are carried
+  # out (in-process vs gloo) may differ, a few ulps per step.
+  for s in a:
+    assert _close(a[s]["loss"], b[s]["loss"], 1e-5), (s, a[s]["loss"], b[s]["loss"])
+  for key in ("eval_loss", "recall", "recall_in_window", "recall_state_only"):
+    assert _close(a[12][key], b[12][key], 1e-5), (key, a[12][key], b[12][key])
+  # Only process 0 talks; process 1 prints nothing (but gloo's own connection notices).
+  quiet = [l for l in results[1][1].splitlines() if l.strip() and "peer ranks" not in l]
+  assert "final:" in results[0][1] and quiet == [], quiet
+
+  # Resume after the newest checkpoint is deleted: both processes restart from step 8 and redo
+  # steps 9..12 exactly (the same program on the same data: bitwise).
+  shutil.rmtree(two / "checkpoints" / "12")
+  results = _train(two, 2)
+  assert "resumed from step 8" in results[0][1]
+  c = _metrics(two)
+  assert sorted(c) == list(range(1, 13))
+  assert all(c[s]["loss"] == b[s]["loss"] for s in b), [(s, b[s]["loss"], c[s]["loss"])
+                                                          for s in b]
+
+  # load_trained, logits, generation and evaluation with parameters spanning both processes
+  # give what one process computes from the same checkpoint.
+  script = textwrap.dedent(f"""
+    import json, sys, jax, jax.numpy as jnp, numpy as np
+    from kvm_jax.train.main import start_distributed
+    args = dict(a.split("=") for a in sys.argv[1:] if "=" in a)
+    start_distributed(args["--coordinator"], int(args["--num-processes"]),
+                      int(args["--process-id"]))
+    from kvm_jax.generate import SamplingConfig, generate
+    from kvm_jax.runs.directory import load_trained, logits_fn
+    from kvm_jax.train import loop
+    cfg, model, step = load_trained({str(two)!r})
+    assert not jax.tree_util.tree_leaves(model)[0].is_fully_addressable
+    tokens = np.arange(2 * 64).reshape(2, 64) % 128
+    logits = np.asarray(logits_fn(model)(tokens))
+    out, lengths = generate(model, tokens[:, :40], max_new_tokens=5, key=jax.random.key(0),
+                            sampling=SamplingConfig(temperature=0.0))
+    graphdef, params = __import__("flax").nnx.split(model)
+    ev = loop.evaluate(graphdef, params, cfg, 2)
+    print("RESULT", json.dumps({{"step": step, "logits": float(np.abs(logits).sum()),
+                                "tokens": np.asarray(out).tolist(), "eval": ev}}))
+  """)
+  results = _finish(_launch([sys.executable, "-c", script], 2))
+  seen = []
+  for code, out, err in results:
+    assert code == 0, err[-3000:]
+    seen.append(json.loads(next(l for l in out.splitlines() if l.startswith("RESULT"))[7:]))
+  assert seen[0] == seen[1]  # every process gets the same answers
+  cfg, model, step = load_trained(two)
+  tokens = np.arange(2 * 64).reshape(2, 64) % 128
+  out, _ = generate(model, jnp.asarray(tokens[:, :40]), max_new_tokens=5, key=jax.random.key(0),
+                    sampling=SamplingConfig(temperature=0.0))
+  from flax import nnx
+  graphdef, params = nnx.split(model)
+  ev = loop.evaluate(graphdef, params, cfg, 2)
+  assert seen[0]["step"] == step == 12
+  assert _close(seen[0]["logits"], float(np.abs(np.asarray(logits_fn(model)(tokens))).sum()),
+                1e-5)
+  assert seen[0]["tokens"] == np.asarray(out).tolist()
+  assert all(_close(seen[0]["eval"][k], ev[k], 1e-5) for k in ev), (seen[0]["eval"], ev)
+
+
+def test_sigterm_on_one_process_stops_both_at_one_saved_step(tmp_path):
+  workdir = tmp_path / "term"
+  cmd = [sys.executable, "-m", "kvm_jax.train.main", f"--workdir={workdir}", *TINY,
+         "--config.steps=400", "--config.checkpoint_every=1000", "--config.eval_every=0"]
+  procs = _launch(cmd, 2)
+  deadline = time.time() + TIMEOUT
+  metrics = workdir / "metrics.jsonl"
+  while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().split()) >= 3):
+    assert all(p.poll() is None for p in procs), "a process ended before the signal"
+    time.sleep(0.1)
+  procs[1].send_signal(signal.SIGTERM)  # the other process never gets a signal
+  results = _finish(procs)
+  assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+  last = max(_metrics(workdir))
+  assert last < 400
+  saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  assert saved == [last], (saved, last)  # one checkpoint, written by both, at the stop step
+  assert f"preempted: saved step {last}" in results[0][1]
+
+
+def test_launch_flags_are_checked(tmp_path, capsys):
+  with pytest.raises(SystemExit, match="only apply with --distributed"):
+    main(["--config=train/configs/tiny_mqar.py", f"--workdir={tmp_path}", "--num-processes=2"])
+  with pytest.raises(SystemExit, match="HOST:PORT"):
+    main(["--config=train/configs/tiny_mqar.py", f"--workdir={tmp_path}", "--distributed",
+          "--coordinator=localhost", "--num-processes=2", "--process-id=0"])
+  with pytest.raises(SystemExit, match="--process-id=2 must lie in"):
+    main(["--config=train/configs/tiny_mqar.py", f"--workdir={tmp_path}", "--distributed",
+          "--coordinator=127.0.0.1:1", "--num-processes=2", "--process-id=2"])
+  with pytest.raises(SystemExit, match="A:B"):
+    main(["--config=train/configs/tiny_mqar.py", f"--workdir={tmp_path}", "--profile-steps=3"])
+
+
+def test_a_mesh_that_does_not_fit_the_processes_is_a_clear_error(tmp_path):
+  cmd = [sys.executable, "-m", "kvm_jax.train.main", f"--workdir={tmp_path / 'bad'}", *TINY,
+         "--config.mesh_data=3", "--config.mesh_fsdp=1"]
+  results = _finish(_launch(cmd, 2))
+  for code, _, err in results:
+    assert code != 0
+    assert "does not divide the 4 available devices (2 processes x 2 devices each)" in err, \
+        err[-2000:]
