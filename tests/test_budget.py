@@ -88,3 +88,19 @@ def test_schedule_structure():
 def test_bswa_begin():
   # docs/kvm-spec.md §6.4: max(0, ceil(n/C)*C - L)
   assert [bswa_begin(n, 4, 2) for n in (1, 8, 9, 12, 13)] == [0, 0, 4, 4, 8]
+
+
+def test_average_visible_keys_by_hand():
+  """Keys per query averaged over a sequence (what the trainer's MFU counts), hand-computed."""
+  from kvm_jax.budget import FixedBudget, average_visible_keys
+  cfg = kj.KVMConfig(chunk_size=4, window_chunks=2, budget=FixedBudget(4))
+  # Within the window (T <= L = 8) KVM is causal attention: (T + 1) / 2 keys on average.
+  for T in (1, 5, 8):
+    assert average_visible_keys(cfg, T) == (T + 1) / 2
+  # T = 20: positions 0..7 see 1..8 keys (36 in all). Chunk 2 (positions 8..11) sees the window
+  # from token 4 (5, 6, 7, 8 keys) plus the 4 initial state rows; chunks 3 and 4 the same with
+  # the window starting at 8 and 12: 3 x (26 + 16) = 126. (36 + 126) / 20 = 8.1.
+  assert average_visible_keys(cfg, 20) == pytest.approx(8.1)
+  # Far beyond the window the average tends to the mean window fill plus the fixed state:
+  # the window holds 5..8 keys within each chunk (6.5 on average), plus 4 rows.
+  assert average_visible_keys(cfg, 40_000) == pytest.approx(6.5 + 4, rel=1e-3)

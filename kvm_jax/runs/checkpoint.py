@@ -4,6 +4,10 @@ Saves are asynchronous and atomic (orbax writes a temporary directory and rename
 newest ``keep`` steps, and a restore returns exactly what was saved, so a run killed at any moment
 resumes from its last complete checkpoint without repeating or skipping a batch. Evaluation reads
 the parameters alone (:meth:`Checkpointer.restore_params`), without knowing the optimizer.
+
+On a pod every process opens the same directory (a shared file system or a ``gs://`` bucket) and
+takes part in every save and restore: each writes and reads the shards its devices hold, and a
+step's directory appears only once all of them have finished it.
 """
 
 from __future__ import annotations

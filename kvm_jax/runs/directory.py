@@ -33,6 +33,7 @@ TRAIN_CLASSES = (TrainConfig, MQARSpec, NIAHSpec)
 def save_config(cfg: TrainConfig, workdir, verbose: bool = True) -> None:
   """Writes ``workdir/config.json`` so evaluation can rebuild the model from the directory alone
   (``gs://`` paths included; on a pod only process 0 should call it)."""
+  epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   try:
     config_io.save(epath.Path(workdir) / CONFIG_FILE, cfg)
   except ValueError as e:  # a callable budget: training still works, loading needs the config
