@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import jax
 import numpy as np
 
 from kvm_jax.eval import mqar as mqar_eval
@@ -36,6 +37,7 @@ from kvm_jax.eval import niah as niah_eval
 from kvm_jax.eval import position_loss as position_lib
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.model import count_params
+from kvm_jax.runs import launch
 from kvm_jax.runs.directory import is_run_directory, load_trained, logits_fn
 from kvm_jax.tasks import mqar, niah, text
 from kvm_jax.tasks.tokenizers import tokenizer
@@ -198,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="output directory for results.json/report.md (default: <first "
                       "checkpoint>/eval)")
   p.add_argument("--seed", type=int, default=0, help="seed of every generated example")
+  g = p.add_argument_group("several processes (a pod): every process runs the same command and "
+                           "computes the same results; process 0 writes and prints them")
+  launch.add_flags(g)
   g = p.add_argument_group("NIAH")
   g.add_argument("--niah-tasks", type=_names(niah.TASKS), default=list(niah.TASKS),
                  help="RULER tasks (default: all three single-needle tasks)")
@@ -233,13 +238,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if args.position_context % args.position_bucket:
     raise SystemExit(f"--position-context {args.position_context} is not a multiple of "
                      f"--position-bucket {args.position_bucket}.")
+  launch.check_flags(args)
+  launch.start(args)
+  primary = jax.process_index() == 0
   runs = find_runs(args.checkpoint)
   out_dir = Path(args.out) if args.out else Path(args.checkpoint[0]) / "eval"
-  out_dir.mkdir(parents=True, exist_ok=True)
   results = []
   for run in runs:
-    print(f"== {run}", flush=True)
+    if primary:
+      print(f"== {run}", flush=True)
     results.append(evaluate_run(run, args))
+  if not primary:
+    return 0
+  out_dir.mkdir(parents=True, exist_ok=True)
   (out_dir / "results.json").write_text(json.dumps(
       {"args": {k: v for k, v in vars(args).items()}, "results": results}, indent=2,
       default=lambda x: x.tolist() if hasattr(x, "tolist") else str(x)))

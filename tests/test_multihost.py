@@ -197,6 +197,9 @@ def test_launch_flags_are_checked(tmp_path, capsys):
           "--coordinator=127.0.0.1:1", "--num-processes=2", "--process-id=2"])
   with pytest.raises(SystemExit, match="A:B"):
     main(["--config=train/configs/tiny_mqar.py", f"--workdir={tmp_path}", "--profile-steps=3"])
+  from kvm_jax.eval import cli as eval_cli  # kvm-eval shares the launch flags
+  with pytest.raises(SystemExit, match="--coordinator only apply with --distributed"):
+    eval_cli.main(["--checkpoint", str(tmp_path), "--coordinator=127.0.0.1:1"])
 
 
 def test_a_mesh_that_does_not_fit_the_processes_is_a_clear_error(tmp_path):

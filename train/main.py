@@ -53,6 +53,7 @@ from pathlib import Path
 import jax
 from etils import epath
 
+from kvm_jax.runs import launch
 from kvm_jax.train import memory
 from kvm_jax.train.loop import NonFiniteError, parse_profile_steps, train
 
@@ -123,36 +124,6 @@ def apply_override(cfg, dotted: str, text: str):
   return dataclasses.replace(cfg, **{head: new})
 
 
-def start_distributed(coordinator: str | None, num_processes: int | None,
-                      process_id: int | None) -> None:
-  """``jax.distributed.initialize`` with the launch flags, checked first; gloo collectives so that
-  CPU processes can run the same program (GPUs and TPUs use their own)."""
-  given = {"--coordinator": coordinator, "--num-processes": num_processes,
-           "--process-id": process_id}
-  if coordinator is not None:
-    host, _, port = coordinator.rpartition(":")
-    if not host or not port.isdigit():
-      raise SystemExit(f"--coordinator={coordinator!r} must look like HOST:PORT "
-                       "(e.g. 10.0.0.2:1234 or 127.0.0.1:29500).")
-  if num_processes is not None and num_processes < 1:
-    raise SystemExit(f"--num-processes={num_processes} must be >= 1.")
-  if process_id is not None and (process_id < 0 or (num_processes is not None
-                                                     and process_id >= num_processes)):
-    raise SystemExit(f"--process-id={process_id} must lie in 0 .. --num-processes - 1.")
-  if None in given.values() and any(v is not None for v in given.values()):
-    missing = [k for k, v in given.items() if v is None]
-    print(f"kvm-train: {', '.join(missing)} not given: JAX auto-detects them (TPU pod, SLURM, "
-          "Open MPI) or fails to connect.", file=sys.stderr)
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  try:
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                               process_id=process_id)
-  except (RuntimeError, ValueError) as e:
-    raise SystemExit(f"--distributed: could not start multi-process JAX ({e}). Outside a TPU pod "
-                     "or a SLURM/Open MPI job give --coordinator, --num-processes and "
-                     "--process-id.") from None
-
-
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="kvm-train", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -163,14 +134,7 @@ def main(argv=None) -> int:
   parser.add_argument("--show-config", action="store_true", help="print the config and exit.")
   parser.add_argument("--resume", action="store_true",
                       help="fail unless --workdir holds a checkpoint to continue from.")
-  parser.add_argument("--distributed", action="store_true",
-                      help="start multi-process JAX (jax.distributed.initialize) first.")
-  parser.add_argument("--coordinator", metavar="HOST:PORT",
-                      help="with --distributed: process 0's address (auto-detected on pods).")
-  parser.add_argument("--num-processes", type=int, metavar="N",
-                      help="with --distributed: number of processes (auto-detected on pods).")
-  parser.add_argument("--process-id", type=int, metavar="I",
-                      help="with --distributed: this process's index 0..N-1 (auto-detected).")
+  launch.add_flags(parser)
   parser.add_argument("--profile-steps", metavar="A:B",
                       help="write a jax.profiler trace of steps A..B to WORKDIR/profile "
                       "(process 0).")
@@ -178,11 +142,7 @@ def main(argv=None) -> int:
                       help="compile the train step from abstract inputs, print its memory per "
                       "device and exit (reads no data, allocates no weights).")
   args, rest = parser.parse_known_args(argv)
-  launch = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
-            "--process-id": args.process_id}
-  if not args.distributed and any(v is not None for v in launch.values()):
-    flags = ", ".join(k for k, v in launch.items() if v is not None)
-    raise SystemExit(f"{flags} only apply with --distributed; add --distributed.")
+  launch.check_flags(args)
   profile_steps = None
   if args.profile_steps:
     try:
@@ -191,8 +151,7 @@ def main(argv=None) -> int:
       raise SystemExit(f"--profile-steps: {e}") from None
   if args.memory_report:
     memory.prefer_memory_order()  # before anything starts JAX's backend
-  if args.distributed:
-    start_distributed(args.coordinator, args.num_processes, args.process_id)
+  launch.start(args)
   cfg = load_config(args.config)
   for item in rest:
     if not item.startswith("--config.") or "=" not in item:

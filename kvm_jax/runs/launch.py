@@ -1,0 +1,71 @@
+"""Multi-process launch, shared by ``kvm-train`` and ``kvm-eval``: the ``--distributed`` flags and
+``jax.distributed.initialize`` with them.
+
+Every process of a job runs the same command. On TPU pods, SLURM and Open MPI JAX finds the
+coordinator, process count and index itself; elsewhere (several local CPU processes, hand-started
+GPU nodes) ``--coordinator``, ``--num-processes`` and ``--process-id`` give them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+  """``--distributed``, ``--coordinator``, ``--num-processes`` and ``--process-id``."""
+  parser.add_argument("--distributed", action="store_true",
+                      help="start multi-process JAX (jax.distributed.initialize) first.")
+  parser.add_argument("--coordinator", metavar="HOST:PORT",
+                      help="with --distributed: process 0's address (auto-detected on pods).")
+  parser.add_argument("--num-processes", type=int, metavar="N",
+                      help="with --distributed: number of processes (auto-detected on pods).")
+  parser.add_argument("--process-id", type=int, metavar="I",
+                      help="with --distributed: this process's index 0..N-1 (auto-detected).")
+
+
+def check_flags(args: argparse.Namespace) -> None:
+  """A clear error for launch flags given without ``--distributed`` (nothing is started)."""
+  given = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
+           "--process-id": args.process_id}
+  if not args.distributed and any(v is not None for v in given.values()):
+    flags = ", ".join(k for k, v in given.items() if v is not None)
+    raise SystemExit(f"{flags} only apply with --distributed; add --distributed.")
+
+
+def start(args: argparse.Namespace) -> None:
+  """Starts multi-process JAX when ``args.distributed``; must run before anything uses JAX."""
+  if args.distributed:
+    start_distributed(args.coordinator, args.num_processes, args.process_id)
+
+
+def start_distributed(coordinator: str | None, num_processes: int | None,
+                      process_id: int | None) -> None:
+  """``jax.distributed.initialize`` with the launch flags, checked first; gloo collectives so that
+  CPU processes can run the same program (GPUs and TPUs use their own)."""
+  given = {"--coordinator": coordinator, "--num-processes": num_processes,
+           "--process-id": process_id}
+  if coordinator is not None:
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit():
+      raise SystemExit(f"--coordinator={coordinator!r} must look like HOST:PORT "
+                       "(e.g. 10.0.0.2:1234 or 127.0.0.1:29500).")
+  if num_processes is not None and num_processes < 1:
+    raise SystemExit(f"--num-processes={num_processes} must be >= 1.")
+  if process_id is not None and (process_id < 0 or (num_processes is not None
+                                                     and process_id >= num_processes)):
+    raise SystemExit(f"--process-id={process_id} must lie in 0 .. --num-processes - 1.")
+  if None in given.values() and any(v is not None for v in given.values()):
+    missing = [k for k, v in given.items() if v is None]
+    print(f"kvm-train: {', '.join(missing)} not given: JAX auto-detects them (TPU pod, SLURM, "
+          "Open MPI) or fails to connect.", file=sys.stderr)
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  try:
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=process_id)
+  except (RuntimeError, ValueError) as e:
+    raise SystemExit(f"--distributed: could not start multi-process JAX ({e}). Outside a TPU pod "
+                     "or a SLURM/Open MPI job give --coordinator, --num-processes and "
+                     "--process-id.") from None
