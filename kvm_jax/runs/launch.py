@@ -107,7 +107,7 @@ def start_distributed(coordinator: str | None, num_processes: int | None,
     raise SystemExit(f"--process-id={process_id} must lie in 0 .. --num-processes - 1.")
   if None in given.values() and any(v is not None for v in given.values()):
     missing = [k for k, v in given.items() if v is None]
-    print(f"kvm-train: {', '.join(missing)} not given: JAX auto-detects them (TPU pod, SLURM, "
+    print(f"note: {', '.join(missing)} not given: JAX auto-detects them (TPU pod, SLURM, "
           "Open MPI) or fails to connect.", file=sys.stderr)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   try:
