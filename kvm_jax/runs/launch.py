@@ -78,15 +78,21 @@ def start_local_gloo() -> None:
   """A one-process ``jax.distributed`` job on a free local port, so that this process's CPU
   devices use gloo collectives, like a multi-process run. Does nothing (with a note) when JAX's
   backends are already running, e.g. when called from a notebook after other JAX work."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  try:
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=1,
-                               process_id=0)
-  except RuntimeError as e:
-    print(f"note: CPU devices keep XLA's in-process collectives ({e}).", file=sys.stderr)
+  for attempt in range(3):  # another program may take the free port before the service binds it
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      port = s.getsockname()[1]
+    try:
+      jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=1,
+                                 process_id=0)
+      return
+    except RuntimeError as e:
+      error = e
+      if "before any JAX" in str(e) or "only be called once" in str(e):
+        break
+  print(f"note: CPU devices keep XLA's in-process collectives ({error}); results can differ "
+        "in the last bits from a multi-process run.", file=sys.stderr)
 
 
 def start_distributed(coordinator: str | None, num_processes: int | None,
