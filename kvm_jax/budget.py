@@ -228,20 +228,27 @@ def state_rows_after(cfg, seq_len: int) -> int:
   return kvm_schedule(cfg, seq_len).final_rows
 
 
+def average_window_keys(seq_len: int, chunk_size: int, window_chunks: int) -> float:
+  """Keys of a chunk-aligned exact window per query, averaged over ``seq_len`` positions: a query
+  in the chunk ending at ``end`` sees tokens ``bswa_begin(end) .. t`` (the causal front, before
+  the window fills, sees every earlier token). Block sliding-window attention, and KVM's window."""
+  total = 0
+  for first in range(0, seq_len, chunk_size):
+    end = min(seq_len, first + chunk_size)
+    # sum over t = first .. end - 1 of (t + 1 - begin)
+    total += (first + end + 1) * (end - first) // 2 - bswa_begin(end, chunk_size,
+                                                                 window_chunks) * (end - first)
+  return total / seq_len
+
+
 def average_visible_keys(cfg, seq_len: int) -> float:
   """Keys a query attends to, averaged over the ``seq_len`` positions of one KVM sequence: the
-  causal front sees every earlier token; later chunks see the exact window (from its chunk-aligned
-  start to the query) plus the state rows valid while their chunk attends (:func:`kvm_schedule`).
-  What the attention FLOPs of a training step scale with."""
+  exact window (:func:`average_window_keys`) plus the state rows valid while its chunk attends
+  (:func:`kvm_schedule`; the causal front sees no state). What the attention FLOPs of a training
+  step scale with."""
   schedule = kvm_schedule(cfg, seq_len)
-  C, nb = cfg.chunk_size, cfg.window_chunks
-  total = 0
-  for c in range(schedule.num_chunks):
-    first, end = c * C, min(seq_len, (c + 1) * C)
-    positions = end - first  # queries t = first .. end - 1
-    begin = bswa_begin(end, C, nb) if schedule.state_visible[c] else 0
-    # sum over t of (t + 1 - begin) = the window keys; the state rows add to every query
-    total += (first + end + 1) * positions // 2 - begin * positions
-    if schedule.state_visible[c]:
-      total += schedule.rows_before[c] * positions
-  return total / seq_len
+  C = cfg.chunk_size
+  state = sum(rows * (min(seq_len, (c + 1) * C) - c * C)
+              for c, (rows, visible) in enumerate(zip(schedule.rows_before,
+                                                      schedule.state_visible)) if visible)
+  return average_window_keys(seq_len, C, cfg.window_chunks) + state / seq_len

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from flax import nnx
 
 from kvm_jax.generate import SamplingConfig, generate
 from kvm_jax.runs.directory import load_trained, logits_fn
+from kvm_jax.runs.launch import free_local_port
 from kvm_jax.train import loop
 from kvm_jax.train.main import main
 
@@ -43,19 +43,13 @@ def _env(devices: int) -> dict:
   return env
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _launch(command: list[str], processes: int) -> list[subprocess.Popen]:
   """``command`` as one process with 4 devices, or as ``processes`` processes of 4/processes
   devices joined by ``--distributed`` (the flags of kvm-train; a script gets them as argv)."""
   if processes == 1:
     return [subprocess.Popen(command, cwd=ROOT, env=_env(4), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)]
-  port = _free_port()
+  port = free_local_port()
   return [subprocess.Popen(command + ["--distributed", f"--coordinator=127.0.0.1:{port}",
                                       f"--num-processes={processes}", f"--process-id={i}"],
                            cwd=ROOT, env=_env(4 // processes), stdout=subprocess.PIPE,
@@ -108,6 +102,7 @@ workdir, launch = sys.argv[1], sys.argv[2:]
 assert main([f"--workdir={workdir}", *TINY, *launch]) == 0  # starts jax.distributed
 from kvm_jax.generate import SamplingConfig, generate
 from kvm_jax.runs.directory import load_trained, logits_fn
+from kvm_jax.runs.launch import free_local_port
 from kvm_jax.train import loop
 cfg, model, step = load_trained(workdir)
 assert not jax.tree_util.tree_leaves(model)[0].is_fully_addressable  # spans both processes

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kvm_jax.budget import average_visible_keys, bswa_begin
+from kvm_jax.budget import average_visible_keys, average_window_keys
 from kvm_jax.nn.model import LM
 from kvm_jax.ops.attention_api import runs_pallas
 from kvm_jax.ops.kvm.api import kernel_sharding
@@ -53,12 +53,12 @@ def task_dataset(cfg: TrainConfig, split: str):
   if cfg.task == "niah":
     return niah.niah_dataset(seed, cfg.niah)
   if cfg.data_dir:  # token shards written by kvm-data, packed at read time
-    vocab = TokenShards(cfg.data_dir).vocab_size
-    if vocab > cfg.model.vocab_size:
-      raise ValueError(f"data_dir={cfg.data_dir!r} was tokenized with a vocabulary of {vocab} ids "
-                       f"but model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size or "
-                       "tokenize with the model's tokenizer.")
-    return shard_dataset(cfg.data_dir, cfg.seq_len, seed, split)
+    corpus = TokenShards(cfg.data_dir)
+    if corpus.vocab_size > cfg.model.vocab_size:
+      raise ValueError(f"data_dir={cfg.data_dir!r} was tokenized with a vocabulary of "
+                       f"{corpus.vocab_size} ids but model.vocab_size={cfg.model.vocab_size}; "
+                       "raise model.vocab_size or tokenize with the model's tokenizer.")
+    return shard_dataset(corpus, cfg.seq_len, seed, split)
   tok = tokenizer(cfg.tokenizer_file)
   if cfg.hf_dataset:
     docs = text.read_hf_documents(cfg.hf_dataset, cfg.hf_split, cfg.hf_text_field)
@@ -99,10 +99,7 @@ def visible_keys(cfg: TrainConfig) -> float:
     elif kind == "swa":
       keys += float(np.mean(np.minimum(t, m.swa_window)))
     elif kind == "bswa":
-      C, nb = m.bswa_chunk_size, m.bswa_window_chunks
-      ends = np.minimum(T, (np.arange(T) // C + 1) * C)
-      begins = np.array([bswa_begin(int(e), C, nb) for e in ends])
-      keys += float(np.mean(t - begins))
+      keys += average_window_keys(T, m.bswa_chunk_size, m.bswa_window_chunks)
     else:
       keys += average_visible_keys(m.kvm, T)
   return keys
@@ -441,9 +438,7 @@ def train(cfg: TrainConfig, workdir, *, verbose: bool = True,
   cfg.validate()
   primary = jax.process_index() == 0
   verbose = verbose and primary
-  workdir = epath.Path(workdir)
-  if primary:
-    workdir.mkdir(parents=True, exist_ok=True)
+  workdir = epath.Path(workdir)  # save_config and the metrics writer create it (process 0)
   graphdef, params, opt_state, optimizer, shardings = setup(cfg)
   batch_sh = shardings[2]
   rows = sharding.host_rows(batch_sh, cfg.batch_size)

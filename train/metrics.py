@@ -12,10 +12,7 @@ import math
 
 from etils import epath
 
-
-def is_remote(path) -> bool:
-  """Whether ``path`` names an object store (``gs://``, ``s3://``, ...) rather than a local file."""
-  return "://" in str(path)
+from kvm_jax.runs.checkpoint import is_remote
 
 
 class MetricsWriter:

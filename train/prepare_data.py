@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kvm_jax.tasks import shards
+from kvm_jax.tasks import shards, text
 from kvm_jax.tasks.tokenizers import tokenizer as make_tokenizer
 
 
@@ -85,9 +85,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     tok = make_tokenizer(args.tokenizer)
     if args.hf_dataset:
-      docs = shards.iter_hf_documents(args.hf_dataset, args.hf_split, args.text_field)
+      docs = text.iter_hf_documents(args.hf_dataset, args.hf_split, args.text_field)
     else:
-      docs = shards.iter_documents(expand_inputs(args.inputs), args.text_field)
+      docs = text.iter_documents(expand_inputs(args.inputs), args.text_field)
     manifest = shards.write_shards(docs, tok, args.out, shard_tokens=args.shard_tokens,
                                    append_eos=not args.no_eos, overwrite=args.overwrite,
                                    tokenizer_file=args.tokenizer)

@@ -25,7 +25,7 @@ class Checkpointer:
 
   def __init__(self, directory, keep: int = 3):
     # epath: gs:// stays a bucket path (pathlib would make it a local folder "gs:/...").
-    directory = epath.Path(directory if "://" in str(directory) else os.path.abspath(directory))
+    directory = epath.Path(directory if is_remote(directory) else os.path.abspath(directory))
     if directory.exists() and not directory.is_dir():
       raise ValueError(f"checkpoint path {str(directory)!r} exists and is not a directory.")
     self.manager = ocp.CheckpointManager(
@@ -71,6 +71,11 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def is_remote(path) -> bool:
+  """Whether ``path`` names an object store (``gs://``, ``s3://``, ...) rather than local files."""
+  return "://" in str(path)
 
 
 def abstract_like(tree: Any) -> Any:

@@ -57,7 +57,7 @@ def start(args: argparse.Namespace) -> None:
   uses JAX's backends."""
   if args.distributed:
     start_distributed(args.coordinator, args.num_processes, args.process_id)
-  elif getattr(args, "cpu_collectives", "in-process") == "gloo" and requested_cpu_devices() > 1:
+  elif args.cpu_collectives == "gloo" and requested_cpu_devices() > 1:
     start_local_gloo()
 
 
@@ -74,18 +74,22 @@ def requested_cpu_devices() -> int:
   return max(count, int(forced.group(1))) if forced else count
 
 
+def free_local_port() -> int:
+  """A TCP port on 127.0.0.1 that is free now (for a local coordinator)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
 def start_local_gloo() -> None:
   """A one-process ``jax.distributed`` job on a free local port, so that this process's CPU
   devices use gloo collectives, like a multi-process run. Does nothing (with a note) when JAX's
   backends are already running, e.g. when called from a notebook after other JAX work."""
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  for attempt in range(3):  # another program may take the free port before the service binds it
-    with socket.socket() as s:
-      s.bind(("127.0.0.1", 0))
-      port = s.getsockname()[1]
+  for _ in range(3):  # another program may take the free port before the service binds it
     try:
-      jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=1,
-                                 process_id=0)
+      jax.distributed.initialize(coordinator_address=f"127.0.0.1:{free_local_port()}",
+                                 num_processes=1, process_id=0)
       return
     except RuntimeError as e:
       error = e

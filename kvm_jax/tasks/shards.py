@@ -42,7 +42,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Optional
 
 import grain
 import numpy as np
@@ -490,14 +490,15 @@ def shard_dataset(path, seq_len: int, seed: int, split: str) -> grain.MapDataset
   ``seed``), so a resumed run or another host reads exactly the same stream.
 
   Args:
-    path: a directory written by :func:`write_shards` / ``kvm-data``.
+    path: a directory written by :func:`write_shards` / ``kvm-data``, or its open
+      :class:`TokenShards`.
     seq_len: tokens per example (windows hold ``seq_len + 1``).
     seed: the shuffle seed.
     split: "train" (all windows after the first ``n_eval``) or "eval" (the first ``n_eval``).
   """
   if split not in ("train", "eval"):
     raise ValueError(f"split must be 'train' or 'eval', got {split!r}.")
-  shards = TokenShards(path)
+  shards = path if isinstance(path, TokenShards) else TokenShards(path)
   index = shards.cram_windows(seq_len)
   n = len(index)
   n_eval = max(1, n // 20)
@@ -505,101 +506,3 @@ def shard_dataset(path, seq_len: int, seed: int, split: str) -> grain.MapDataset
   eos_id = shards.eos_id
   return (grain.MapDataset.range(start, stop).shuffle(seed=seed).repeat()
           .map(lambda k: lm_example(index.window(int(k)), eos_id)))
-
-
-# -- documents for kvm-data ----------------------------------------------------------------------
-
-class DocumentStream:
-  """An iterator of documents that can also say how many it yields (``len``, for a progress bar;
-  computed on first use, which may mean one extra pass over the input files)."""
-
-  def __init__(self, documents: Iterator[str], count: Callable[[], int]):
-    self._documents, self._count, self._len = documents, count, None
-
-  def __iter__(self) -> DocumentStream:
-    return self
-
-  def __next__(self) -> str:
-    return next(self._documents)
-
-  def __len__(self) -> int:
-    if self._len is None:
-      self._len = self._count()
-    return self._len
-
-
-def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
-  with open(path, encoding="utf-8") as f:
-    for line_no, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{line_no}: not a JSON record ({e}).") from None
-      if not isinstance(record, dict) or text_field not in record:
-        raise ValueError(f"{path}:{line_no}: no field {text_field!r} in the JSON record.")
-      if not isinstance(record[text_field], str):
-        raise ValueError(f"{path}:{line_no}: field {text_field!r} is "
-                         f"{type(record[text_field]).__name__}, not a string.")
-      yield record[text_field]
-
-
-def _count_jsonl(path: Path) -> int:
-  with open(path, "rb") as f:
-    return sum(1 for line in f if line.strip())
-
-
-def iter_documents(paths: Sequence[str], text_field: str = "text") -> DocumentStream:
-  """Streams the documents of local files, in order, as :func:`text.read_documents` reads them:
-  a ``.jsonl`` file gives one document per non-blank line (its ``text_field``), any other file is
-  one document. Every path is checked before the first document is read."""
-  files = [Path(p) for p in paths]
-  for p in files:
-    if not p.exists():
-      raise ValueError(f"data file {str(p)!r} does not exist.")
-    if p.is_dir():
-      raise ValueError(f"data file {str(p)!r} is a directory; give its files (e.g. {p}/*.jsonl).")
-
-  def documents():
-    for p in files:
-      if p.suffix == ".jsonl":
-        yield from _jsonl_documents(p, text_field)
-      else:
-        with open(p, encoding="utf-8") as f:
-          yield f.read()
-
-  return DocumentStream(documents(), lambda: sum(_count_jsonl(p) if p.suffix == ".jsonl" else 1
-                                                 for p in files))
-
-
-def iter_hf_documents(name: str, split: str = "train", field: str = "text",
-                      batch_size: int = 1024) -> DocumentStream:
-  """Streams column ``field`` of a HuggingFace dataset already in the local cache (offline mode:
-  nothing is downloaded), as :func:`text.read_hf_documents` reads it, ``batch_size`` rows at a
-  time from the memory-mapped Arrow files rather than as one list."""
-  os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-  try:
-    import datasets  # optional dependency
-  except ImportError as e:
-    raise ValueError("hf_dataset needs the `datasets` package: pip install datasets") from e
-  try:
-    ds = datasets.load_dataset(name, split=split)
-  except Exception as e:  # the library's own errors vary by version and cause
-    raise ValueError(f"cannot load dataset {name!r} split {split!r} from the local cache "
-                     f"(offline mode, nothing is downloaded): {type(e).__name__}: {e}") from e
-  if field not in ds.column_names:
-    raise ValueError(f"dataset {name!r} has no column {field!r}; columns: {ds.column_names}.")
-  ds = ds.select_columns([field])
-
-  def documents():
-    row = 0
-    for batch in ds.iter(batch_size=batch_size):
-      for text in batch[field]:
-        if not isinstance(text, str):
-          raise ValueError(f"dataset {name!r} row {row}: column {field!r} is "
-                           f"{type(text).__name__}, not a string.")
-        row += 1
-        yield text
-
-  return DocumentStream(documents(), lambda: len(ds))

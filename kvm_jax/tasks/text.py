@@ -1,5 +1,7 @@
 """Text for language modelling: documents from local files, a locally cached HuggingFace dataset or
-the embedded corpus, packed the authors' "cram" way (docs/kvm-spec.md §8).
+the embedded corpus, packed the authors' "cram" way (docs/kvm-spec.md §8). Files and datasets are
+read as streams (:func:`iter_documents`, :func:`iter_hf_documents`; ``kvm-data`` writes token
+shards from them without holding the corpus); :func:`read_documents` lists them.
 
 * **Embedded corpus**: the English reference text that ships with every CPython
   (``pydoc_data.topics``), so the default job needs no download.
@@ -11,8 +13,9 @@ the embedded corpus, packed the authors' "cram" way (docs/kvm-spec.md §8).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import grain
 import numpy as np
@@ -28,35 +31,108 @@ def embedded_corpus() -> list[str]:
 
 def read_documents(paths: Sequence[str], text_field: str = "text") -> list[str]:
   """Documents from local ``.txt`` (one document per file) or ``.jsonl`` (one per line) files."""
-  docs = []
-  for p in paths:
-    path = Path(p)
-    if not path.exists():
-      raise ValueError(f"data file {p!r} does not exist.")
-    if path.suffix == ".jsonl":
-      for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-          record = json.loads(line)
-          if text_field not in record:
-            raise ValueError(f"{p}:{line_no}: no field {text_field!r} in the JSON record.")
-          docs.append(record[text_field])
-    else:
-      docs.append(path.read_text(encoding="utf-8"))
-  return docs
+  return list(iter_documents(paths, text_field))
 
 
 def read_hf_documents(name: str, split: str = "train", field: str = "text") -> list[str]:
   """Documents of a HuggingFace dataset that is already on local disk (offline mode forced)."""
-  import os
+  return list(iter_hf_documents(name, split, field))
+
+
+class DocumentStream:
+  """An iterator of documents that can also say how many it yields (``len``, for a progress bar;
+  computed on first use, which may mean one extra pass over the input files)."""
+
+  def __init__(self, documents: Iterator[str], count: Callable[[], int]):
+    self._documents, self._count, self._len = documents, count, None
+
+  def __iter__(self) -> DocumentStream:
+    return self
+
+  def __next__(self) -> str:
+    return next(self._documents)
+
+  def __len__(self) -> int:
+    if self._len is None:
+      self._len = self._count()
+    return self._len
+
+
+def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
+  with open(path, encoding="utf-8") as f:
+    for line_no, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{line_no}: not a JSON record ({e}).") from None
+      if not isinstance(record, dict) or text_field not in record:
+        raise ValueError(f"{path}:{line_no}: no field {text_field!r} in the JSON record.")
+      if not isinstance(record[text_field], str):
+        raise ValueError(f"{path}:{line_no}: field {text_field!r} is "
+                         f"{type(record[text_field]).__name__}, not a string.")
+      yield record[text_field]
+
+
+def _count_jsonl(path: Path) -> int:
+  with open(path, "rb") as f:
+    return sum(1 for line in f if line.strip())
+
+
+def iter_documents(paths: Sequence[str], text_field: str = "text") -> DocumentStream:
+  """Streams the documents of local files, in order, as :func:`read_documents` returns them:
+  a ``.jsonl`` file gives one document per non-blank line (its ``text_field``), any other file is
+  one document. Every path is checked before the first document is read."""
+  files = [Path(p) for p in paths]
+  for p in files:
+    if not p.exists():
+      raise ValueError(f"data file {str(p)!r} does not exist.")
+    if p.is_dir():
+      raise ValueError(f"data file {str(p)!r} is a directory; give its files (e.g. {p}/*.jsonl).")
+
+  def documents():
+    for p in files:
+      if p.suffix == ".jsonl":
+        yield from _jsonl_documents(p, text_field)
+      else:
+        with open(p, encoding="utf-8") as f:
+          yield f.read()
+
+  return DocumentStream(documents(), lambda: sum(_count_jsonl(p) if p.suffix == ".jsonl" else 1
+                                                 for p in files))
+
+
+def iter_hf_documents(name: str, split: str = "train", field: str = "text",
+                      batch_size: int = 1024) -> DocumentStream:
+  """Streams column ``field`` of a HuggingFace dataset already in the local cache (offline mode:
+  nothing is downloaded), as :func:`read_hf_documents` returns it, ``batch_size`` rows at a
+  time from the memory-mapped Arrow files rather than as one list."""
   os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
   try:
     import datasets  # optional dependency
   except ImportError as e:
     raise ValueError("hf_dataset needs the `datasets` package: pip install datasets") from e
-  ds = datasets.load_dataset(name, split=split)
+  try:
+    ds = datasets.load_dataset(name, split=split)
+  except Exception as e:  # the library's own errors vary by version and cause
+    raise ValueError(f"cannot load dataset {name!r} split {split!r} from the local cache "
+                     f"(offline mode, nothing is downloaded): {type(e).__name__}: {e}") from e
   if field not in ds.column_names:
     raise ValueError(f"dataset {name!r} has no column {field!r}; columns: {ds.column_names}.")
-  return list(ds[field])
+  ds = ds.select_columns([field])
+
+  def documents():
+    row = 0
+    for batch in ds.iter(batch_size=batch_size):
+      for text in batch[field]:
+        if not isinstance(text, str):
+          raise ValueError(f"dataset {name!r} row {row}: column {field!r} is "
+                           f"{type(text).__name__}, not a string.")
+        row += 1
+        yield text
+
+  return DocumentStream(documents(), lambda: len(ds))
 
 
 def cram_pack(docs: Iterable[str], tokenizer, seq_len: int, append_eos: bool = True) -> np.ndarray:
