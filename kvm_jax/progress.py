@@ -47,23 +47,51 @@ class ProgressBar:
     return msg
 
 
+class ProgressReport:
+  """A :class:`ProgressBar` for loops that only say how far they are, with the off-terminal policy
+  in one place: on a terminal the bar is redrawn (at most every ``min_interval`` seconds, for
+  loops whose items are too quick to redraw each); elsewhere one line at every 25% of a known
+  total (every 30 s when the total is unknown) and one at the end (``final=True``)."""
+
+  def __init__(self, total: Optional[int], desc: str = "", stream=None,
+               min_interval: float = 0.0):
+    self.bar = ProgressBar(total or 0, desc, stream=stream)
+    self.min_interval = min_interval
+    self.last_draw = self.last_line = time.perf_counter() - min_interval
+    self.next_quarter = 0.25
+
+  def update(self, done: int, extra: str = "", final: bool = False) -> None:
+    now = time.perf_counter()
+    if not final and now - self.last_draw < self.min_interval:
+      return
+    self.last_draw = now
+    msg = self.bar.draw(done, extra)
+    total, stream = self.bar.total, self.bar.stream
+    if self.bar.tty:
+      if final and not (total and done >= total):  # draw() ends the line only at done == total
+        stream.write("\n")
+        stream.flush()
+      return
+    frac = done / total if total else 0.0
+    if final or (total and frac >= self.next_quarter) or (not total and now - self.last_line > 30):
+      stream.write(msg + "\n")
+      stream.flush()
+      self.last_line = now
+      while total and self.next_quarter <= frac:
+        self.next_quarter += 0.25
+
+
 def progress(items: Iterable[T], total: Optional[int] = None, desc: str = "",
              stream=None) -> Iterator[T]:
-  """Yields ``items`` with a :class:`ProgressBar`; off a terminal, one line at every 25%."""
+  """Yields ``items`` with a :class:`ProgressReport`."""
   if total is None:
     try:
       total = len(items)  # type: ignore[arg-type]
     except TypeError:
       total = 0
-  bar = ProgressBar(total, desc, stream=stream)
-  next_report, done = 0.25, 0
+  report = ProgressReport(total, desc, stream)
+  done = 0
   for item in items:
     yield item
     done += 1
-    msg = bar.draw(done)
-    frac = done / total if total else 0.0
-    if not bar.tty and total and (frac >= next_report or done == total):
-      bar.stream.write(msg + "\n")
-      bar.stream.flush()
-      while next_report <= frac:
-        next_report += 0.25
+    report.update(done, final=bool(total) and done == total)

@@ -40,14 +40,13 @@ import dataclasses
 import hashlib
 import json
 import os
-import time
 from pathlib import Path
 from typing import Iterable, Optional
 
 import grain
 import numpy as np
 
-from kvm_jax.progress import ProgressBar
+from kvm_jax.progress import ProgressReport
 from kvm_jax.tasks.text import lm_example
 from kvm_jax.tasks.tokenizers import ByteTokenizer
 
@@ -123,40 +122,6 @@ class _ShardWriter:
   def abort(self) -> None:
     self.file.close()
     self.tmp.unlink(missing_ok=True)
-
-
-class _Progress:
-  """A :class:`ProgressBar` over documents, redrawn at most twice a second (tokenizing is fast per
-  document, and redrawing per document would cost more than it). Off a terminal: one line at every
-  25% when the total is known (every 30 s otherwise) and a last one."""
-
-  def __init__(self, total: Optional[int], enabled: bool):
-    self.bar = ProgressBar(total or 0, "tokenizing") if enabled else None
-    self.last_draw = 0.0
-    self.last_line = time.perf_counter()
-    self.next_quarter = 0.25
-
-  def update(self, done: int, extra: str, final: bool = False) -> None:
-    if self.bar is None:
-      return
-    now = time.perf_counter()
-    if not final and now - self.last_draw < 0.5:
-      return
-    self.last_draw = now
-    msg = self.bar.draw(done, extra)
-    total = self.bar.total
-    if self.bar.tty:
-      if final and not (total and done >= total):  # draw() ends the line only at done == total
-        self.bar.stream.write("\n")
-        self.bar.stream.flush()
-      return
-    frac = done / total if total else 0.0
-    if final or (total and frac >= self.next_quarter) or (not total and now - self.last_line > 30):
-      self.bar.stream.write(msg + "\n")
-      self.bar.stream.flush()
-      self.last_line = now
-      while total and self.next_quarter <= frac:
-        self.next_quarter += 0.25
 
 
 def describe_tokenizer(tokenizer, tokenizer_file: str = "") -> dict:
@@ -238,7 +203,7 @@ def write_shards(documents: Iterable[str], tokenizer, out_dir, *, shard_tokens: 
   _prepare_out_dir(out, overwrite)
   if total_docs is None and hasattr(documents, "__len__"):
     total_docs = len(documents)  # type: ignore[arg-type]
-  bar = _Progress(total_docs, progress)
+  bar = ProgressReport(total_docs, "tokenizing", min_interval=0.5) if progress else None
   eos = np.asarray([eos_id] if append_eos else [], np.int64)
   shards: list[dict] = []
   writer: Optional[_ShardWriter] = None
@@ -259,7 +224,8 @@ def write_shards(documents: Iterable[str], tokenizer, out_dir, *, shard_tokens: 
       writer.add(ids)
       num_docs += 1
       num_tokens += len(ids)
-      bar.update(num_docs, f"{num_tokens:,} tokens")
+      if bar is not None:
+        bar.update(num_docs, f"{num_tokens:,} tokens")
     if writer is not None:
       shards.append(writer.close())
       writer = None
@@ -267,7 +233,8 @@ def write_shards(documents: Iterable[str], tokenizer, out_dir, *, shard_tokens: 
     if writer is not None:
       writer.abort()
     raise
-  bar.update(num_docs, f"{num_tokens:,} tokens, {len(shards)} shards", final=True)
+  if bar is not None:
+    bar.update(num_docs, f"{num_tokens:,} tokens, {len(shards)} shards", final=True)
   if not num_docs:
     raise ValueError("no documents to write: the input yielded none.")
   manifest = {
