@@ -15,13 +15,14 @@ inputs:
 
 and prints, per pair, the relative RMS error of the outputs and final state, whether the routing
 decisions (appended tokens, merge targets) agree exactly, and the relative error of the Pallas
-gradients against the XLA path's, with the tolerance used and PASS/FAIL. The exit status is 1 if
-anything fails.
+gradients against the XLA path's, with the tolerance used and PASS/FAIL, and why each FAIL failed.
+A NaN or inf error is a FAIL. The exit status is 1 if anything fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from typing import Optional, Sequence
@@ -47,8 +48,49 @@ def cases(size: str) -> list[Case]:
   return select(f"check-{size}")
 
 
+def worst(errors) -> float:
+  """The largest of ``errors``, NaN if any is NaN. Python's ``max`` keeps whichever of a NaN and a
+  number comes first (every comparison with NaN is false), so it can hide a NaN; ``np.max``
+  propagates it."""
+  return float(np.max(np.asarray(list(errors), np.float64)))
+
+
+def verdict(output: float, state: Optional[float], tolerance: float,
+            routing: str = "-") -> tuple[bool, str]:
+  """``(ok, why)`` of one comparison; ``why`` says what failed ("" when it passes).
+
+  Each error must be finite and within ``tolerance``: a NaN or inf error fails, because it means
+  a result held NaN/inf (or, for the state, the row counts differed), never agreement. Written as
+  ``err <= tolerance`` after a finiteness test, not ``not err > tolerance``, which a NaN passes.
+  ``state=None``: no state was compared (gradient rows). ``routing``: "-" (not compared), "same"
+  or anything else (a routing difference, which fails)."""
+  problems = []
+  for name, err in (("output", output), ("state", state)):
+    if err is None:
+      continue
+    if math.isnan(err):
+      problems.append(f"{name} error is NaN (NaN in a result)")
+    elif math.isinf(err):
+      cause = "the state row counts differ" if name == "state" else "inf in a result"
+      problems.append(f"{name} error is inf ({cause})")
+    elif not err <= tolerance:
+      problems.append(f"{name} error {err:.2e} exceeds the tolerance {tolerance:.0e}")
+  if routing not in ("-", "same"):
+    problems.append(f"routing decisions {routing}")
+  return not problems, "; ".join(problems)
+
+
+def make_row(case: str, pair: str, output: float, state: Optional[float], tolerance: float,
+             routing: str = "-") -> dict:
+  """One row of the table: ``{"case", "pair", "output", "state", "routing", "tolerance", "ok",
+  "why"}`` (``state`` None where no state is compared)."""
+  ok, why = verdict(output, state, tolerance, routing)
+  return {"case": case, "pair": pair, "output": output, "state": state, "routing": routing,
+          "tolerance": tolerance, "ok": ok, "why": why}
+
+
 def check_case(case: Case, grads: bool = True) -> list[dict]:
-  """One row per comparison: ``{"case", "pair", "output", "state", "routing", "tolerance", "ok"}``."""
+  """One row per comparison (see :func:`make_row`); the first also holds the run ``timings``."""
   q, k, v, g, params = case.inputs()
   cfg, tol = case.cfg, case.tolerance
   pallas = chunk_ops("pallas")
@@ -84,10 +126,8 @@ def check_case(case: Case, grads: bool = True) -> list[dict]:
 
   def row(pair, y, ref_y, state, ref_state, routing="-"):
     out_err = rel_rms(jnp.asarray(y, jnp.float32), jnp.asarray(ref_y, jnp.float32))
-    state_err = state_rel_error(state, ref_state) if state is not None else float("nan")
-    ok = out_err <= tol["output"] and not state_err > tol["output"] and routing in ("-", "same")
-    rows.append({"case": case.name, "pair": pair, "output": out_err, "state": state_err,
-                 "routing": routing, "tolerance": tol["output"], "ok": ok})
+    rows.append(make_row(case.name, pair, out_err, state_rel_error(state, ref_state),
+                         tol["output"], routing))
 
   row("oracle vs xla", xla_y, oracle_y, xla_state, oracle_state)
   row("xla vs pallas", pal_y, xla_y, pal_state, xla_state,
@@ -103,11 +143,9 @@ def check_case(case: Case, grads: bool = True) -> list[dict]:
 
     gx = jax.jit(jax.grad(loss(XLA_OPS), argnums=(0, 1, 2, 3, 4)))(q, k, v, g, params)
     gp = jax.jit(jax.grad(loss(pallas), argnums=(0, 1, 2, 3, 4)))(q, k, v, g, params)
-    err = max(rel_rms(a, b) for a, b in zip(jax.tree_util.tree_leaves(gp),
-                                            jax.tree_util.tree_leaves(gx)))
-    rows.append({"case": case.name, "pair": "grads xla vs pallas", "output": err,
-                 "state": float("nan"), "routing": "-", "tolerance": tol["grad"],
-                 "ok": err <= tol["grad"]})
+    err = worst(rel_rms(a, b) for a, b in zip(jax.tree_util.tree_leaves(gp),
+                                              jax.tree_util.tree_leaves(gx)))
+    rows.append(make_row(case.name, "grads xla vs pallas", err, None, tol["grad"]))
   rows[0]["timings"] = timings
   return rows
 
@@ -118,7 +156,7 @@ def format_table(rows: Sequence[dict]) -> str:
           f"{'routing':>9} {'tol':>7}  result")
   lines = [head, "-" * len(head)]
   for r in rows:
-    state = "-" if np.isnan(r["state"]) else f"{r['state']:.2e}"
+    state = "-" if r["state"] is None else f"{r['state']:.2e}"
     lines.append(f"{r['case']:<{width}} {r['pair']:<26} {r['output']:>11.2e} {state:>10} "
                  f"{r['routing']:>9} {r['tolerance']:>7.0e}  {'PASS' if r['ok'] else 'FAIL'}")
   return "\n".join(lines)
@@ -153,8 +191,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"D={case.head_dim}, {case.dtype}); jitted run after compile: {times}", flush=True)
   print(format_table(rows))
   failed = [r for r in rows if not r["ok"]]
-  print(f"\n{len(rows) - len(failed)}/{len(rows)} checks passed"
-        + ("" if not failed else f"; FAILED: {[(r['case'], r['pair']) for r in failed]}"))
+  print(f"\n{len(rows) - len(failed)}/{len(rows)} checks passed")
+  for r in failed:
+    print(f"FAIL {r['case']} / {r['pair']}: {r.get('why') or 'marked failed'}")
   return 1 if failed else 0
 
 

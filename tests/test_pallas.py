@@ -189,17 +189,6 @@ def test_gpu_target_rejects_non_power_of_two_chunks():
     jax.jit(f).trace(q, k, v, g, random_params(0, 16, 2))
 
 
-def test_kvm_check_cli(capsys):
-  from kvm_jax.eval import check
-  assert check.main(["--cases", "2", "--no-grads"]) == 0
-  out = capsys.readouterr().out
-  assert "xla vs pallas" in out and "same" in out and "3/3 checks passed" in out
-  # A failing comparison turns into a non-zero exit status.
-  rows = [{"case": "c", "pair": "p", "output": 1.0, "state": float("nan"), "routing": "-",
-           "tolerance": 1e-5, "ok": False}]
-  assert "FAIL" in check.format_table(rows)
-
-
 def test_kernels_run_per_shard_under_a_mesh():
   """On 8 simulated devices, batch over (data, fsdp) and KV heads over tensor (the axis names
   given by the caller): the kernels run inside shard_map, keep the input sharding, and match the

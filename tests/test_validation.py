@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import kvm_jax as kj
 from kvm_jax.ops.kvm.cases import random_inputs, random_params
+from kvm_jax.runs import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CFG = kj.KVMConfig(chunk_size=4, window_chunks=2, sink_rows=1, rope_dims=2,
                    budget=kj.FixedBudget(4))
@@ -101,3 +106,48 @@ def test_unknown_implementation():
   cache = kj.kvm_init_cache(CFG, batch=1, kv_heads=2, head_dim=8, value_dim=6, max_len=16)
   with pytest.raises(ValueError, match="implementation='triton' is not available"):
     kj.kvm_prefill(*_inputs(), CFG, cache, implementation="triton")
+
+
+@pytest.mark.parametrize("steps, warmup, match", [
+    (5, 5, r"steps=5 must exceed warmup_steps=5 .*: raise steps or lower warmup_steps"),
+    (3, 10, r"steps=3 must exceed warmup_steps=10 "),
+    (5, -1, r"warmup_steps must be >= 0 \(0 = no warm-up\), got -1"),
+])
+def test_train_config_schedule_validation(steps, warmup, match):
+  # completep.lr_schedule raises too, but only once training has started: the config must.
+  with pytest.raises(ValueError, match=match):
+    TrainConfig(steps=steps, warmup_steps=warmup).validate()
+
+
+def test_train_config_schedule_boundaries_are_accepted():
+  TrainConfig(steps=6, warmup_steps=5).validate()  # one step of decay after the warm-up
+  TrainConfig(steps=1, warmup_steps=0).validate()  # no warm-up at all
+
+
+def test_kvm_train_reports_a_bad_schedule_as_an_invalid_config(tmp_path):
+  from kvm_jax.train.main import main
+  with pytest.raises(SystemExit, match=r"^invalid config: steps=5 must exceed warmup_steps=5 "):
+    main([f"--config={ROOT / 'train/configs/tiny_mqar.py'}", f"--workdir={tmp_path}",
+          "--config.steps=5", "--config.warmup_steps=5", "--show-config"])
+
+
+def _shipped_configs() -> list[str]:
+  """Every config spec under train/configs: each file, and paper.py with each preset it takes."""
+  from kvm_jax.train.configs import paper
+  specs = [f.name for f in sorted((ROOT / "train/configs").glob("*.py"))
+           if f.name not in ("__init__.py", "paper.py")]
+  return specs + [f"paper.py:{name}" for name in sorted(kj.presets.PRESETS)
+                  if name.rsplit("_", 1)[-1] in paper.SIZES]
+
+
+@pytest.mark.parametrize("spec", _shipped_configs())
+def test_shipped_configs_validate(spec):
+  from kvm_jax.train.main import load_config
+  load_config(str(ROOT / "train/configs" / spec)).validate()
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4, 30, 600])
+def test_default_job_configs_validate(steps):
+  from kvm_jax.train import default_job
+  for model in default_job.model_configs().values():
+    default_job.train_config(model, steps, seed=0).validate()

@@ -45,6 +45,8 @@ def reference_wd(tokens: float) -> float:
 
 def lr_schedule(peak: float, total_steps: int, warmup_steps: int = 200):
   """``step -> lr``: linear warm-up then linear decay to 0 (the authors' ``get_lr_ratio``)."""
+  if warmup_steps < 0:
+    raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
   if total_steps <= warmup_steps:
     raise ValueError(f"total_steps={total_steps} must exceed warmup_steps={warmup_steps}.")
 

@@ -105,9 +105,14 @@ class TrainConfig:
     for name in ("batch_size", "steps", "log_every", "checkpoint_every", "keep_checkpoints"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+    # Checked here, not left to completep.lr_schedule, so that kvm-train reports
+    # "invalid config: ..." before anything is built.
+    if self.warmup_steps < 0:
+      raise ValueError(f"warmup_steps must be >= 0 (0 = no warm-up), got {self.warmup_steps}.")
     if self.steps <= self.warmup_steps:
       raise ValueError(f"steps={self.steps} must exceed warmup_steps={self.warmup_steps} (the "
-                       "schedule warms up, then decays to 0 at the last step).")
+                       "schedule warms up, then decays to 0 at the last step): raise steps or "
+                       "lower warmup_steps.")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat={self.remat!r}; choose from {tuple(REMAT_POLICIES)}.")
     if self.grad_accum_steps < 1 or self.batch_size % self.grad_accum_steps:

@@ -103,10 +103,12 @@ def valid_rows(state: KVMState):
 
 
 def state_rel_error(state: KVMState, ref: KVMState) -> float:
-  """Largest :func:`rel_rms` of the valid keys, values and radii; inf if the row counts differ."""
+  """Largest :func:`rel_rms` of the valid keys, values and radii (NaN if any of them is NaN: a
+  plain ``max`` could drop it); inf if the row counts differ (another schedule: the rows cannot
+  be compared)."""
   if int(state.num_rows) != int(ref.num_rows):
     return float("inf")
-  return max(rel_rms(a, b) for a, b in zip(valid_rows(state), valid_rows(ref)))
+  return float(np.max([rel_rms(a, b) for a, b in zip(valid_rows(state), valid_rows(ref))]))
 
 
 # ----------------------------------------------------------------------------------------------
