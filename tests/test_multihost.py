@@ -146,6 +146,10 @@ def test_two_processes_train_resume_and_load_like_one(tmp_path):
   assert "resumed from step 4" in results[0][1]
   c = _metrics(two)
   assert sorted(c) == list(range(1, 9))
+  # Resumed, not restarted: steps 1..4 keep the lines the first run wrote (timings included), and
+  # the resumed processes' first step is 5 (each process start logs compile_s once).
+  assert all(c[s] == b[s] for s in range(1, 5))
+  assert [s for s in c if "compile_s" in c[s]] == [1, 5]
   assert all(c[s]["loss"] == b[s]["loss"] for s in b), [(s, b[s]["loss"], c[s]["loss"])
                                                           for s in b]
   assert seen[0] == seen[1]

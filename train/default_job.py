@@ -111,6 +111,8 @@ def main(argv=None) -> int:
   unknown = [m for m in wanted if m not in configs]
   if unknown:
     raise SystemExit(f"--models: unknown {unknown}; choose from {list(configs)}.")
+  if args.steps < 1:
+    raise SystemExit(f"--steps={args.steps}: train at least 1 step (default 600).")
   results, losses = {}, {}
   for name in wanted:
     cfg = train_config(configs[name], args.steps, args.seed)

@@ -1,0 +1,389 @@
+"""An independent float64 oracle of the GPTAlpha-2 language model, written from docs/kvm-spec.md.
+
+Everything here follows the written specification (§4 backbone, §5 RoPE, §6.1-§6.7 and §6.10 KVM
+layer, §11 traps), not the project's modules: this file imports nothing from ``kvm_jax``, only
+numpy. Its purpose (issue #17) is to catch semantic slips that internal-consistency tests
+(decode == forward, causality, overfitting, parameter counts) cannot see, such as ReLU instead of
+squared ReLU, a token shift in the wrong place, or a missing temperature.
+
+Inputs are plain data:
+
+* ``params``: the model's parameters as a nested dict of float64 numpy arrays, named like the
+  model's state (``wte/embedding``, ``ln_emb/{scale,bias}``, ``blocks[i]/attn/c_q/kernel``, ...,
+  ``lm_head/kernel``); ``blocks`` is a list indexed by layer. Linear kernels are ``[in, out]``.
+* ``cfg``: a dict of the configuration values used below (see :func:`lm_logits`).
+
+Layout is ``[B, T, heads, dim]`` (the spec writes ``[B, heads, T, dim]``; only the layout differs).
+Routing decisions of the KVM state update can be recorded in a list (``log``) so a test can check
+which code paths a case exercises and how far each decision is from a tie.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+LN_EPS = 1e-5        # every LayerNorm of the model (§4), QK-LN and LN_s included
+NORMALIZE_EPS = 1e-12  # F.normalize's epsilon in the state-value readout (§6.6, §6.12)
+
+
+# -- small pieces (§4, §5) --------------------------------------------------------------------------
+
+def layer_norm(x: np.ndarray, p: dict, eps: float = LN_EPS) -> np.ndarray:
+  """LayerNorm over the last axis with weight ``p["scale"]`` and bias ``p["bias"]``."""
+  mu = x.mean(-1, keepdims=True)
+  var = ((x - mu) ** 2).mean(-1, keepdims=True)
+  return (x - mu) / np.sqrt(var + eps) * p["scale"] + p["bias"]
+
+
+def linear(x: np.ndarray, p: dict) -> np.ndarray:
+  """Bias-free projection ``x @ kernel`` (kernel ``[in, out]``)."""
+  return x @ p["kernel"]
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+  return 1.0 / (1.0 + np.exp(-x))
+
+
+def elu(x: np.ndarray) -> np.ndarray:
+  return np.where(x > 0, x, np.expm1(np.minimum(x, 0.0)))
+
+
+def token_shift(z: np.ndarray, mix: np.ndarray, fallback: str) -> np.ndarray:
+  """``z + mix ⊙ (z_{t-1} - z_t)`` over axis 1 of ``z`` [B, T, n]; z_{-1} is z_0 ("first": the
+  attention front end, §4 step 3) or 0 ("zero": the MLP, §4)."""
+  first = z[:, :1] if fallback == "first" else np.zeros_like(z[:, :1])
+  previous = np.concatenate([first, z[:, :-1]], axis=1)
+  return z + mix * (previous - z)
+
+
+def rope(x: np.ndarray, rotary: int, theta: float) -> np.ndarray:
+  """Partial interleaved RoPE of §5 on ``x`` [B, T, heads, D] at positions 0..T-1.
+
+  Frequencies f_i = (1/θ)^(i/(r/2-1)) (exponents ``linspace(0, 1, r/2)``: f runs from 1 to exactly
+  1/θ, not the usual θ^(-2i/r)); channels 2i and 2i+1 share f_i; the rotation is by -angle:
+  out[2i] = cos·x[2i] + sin·x[2i+1], out[2i+1] = cos·x[2i+1] - sin·x[2i]. Channels >= r are left
+  as they are (NoPE). Tables in float64 (the spec's are fp32/bf16; the model's default is fp32).
+  """
+  if rotary == 0:
+    return x
+  T = x.shape[1]
+  freqs = (1.0 / theta) ** np.linspace(0.0, 1.0, rotary // 2)           # [r/2]
+  angle = np.arange(T, dtype=np.float64)[:, None] * freqs[None, :]       # [T, r/2]
+  cos, sin = np.cos(angle)[None, :, None, :], np.sin(angle)[None, :, None, :]
+  even, odd = x[..., 0:rotary:2], x[..., 1:rotary:2]
+  out = x.copy()
+  out[..., 0:rotary:2] = cos * even + sin * odd
+  out[..., 1:rotary:2] = cos * odd - sin * even
+  return out
+
+
+def softmax_rows(scores: np.ndarray, visible: np.ndarray) -> np.ndarray:
+  """Softmax over the last axis, restricted to ``visible`` (broadcastable bool mask)."""
+  scores = np.where(visible, scores, -np.inf)
+  scores = scores - scores.max(-1, keepdims=True)
+  w = np.exp(scores)
+  return w / w.sum(-1, keepdims=True)
+
+
+def expand_kv(x: np.ndarray, num_heads: int) -> np.ndarray:
+  """KV heads [B, T, Hkv, d] -> query heads [B, T, H, d]: query head h reads KV head h // G."""
+  group = num_heads // x.shape[2]
+  return x[:, :, np.arange(num_heads) // group]
+
+
+def masked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                     visible: np.ndarray) -> np.ndarray:
+  """Softmax attention with scale 1/√D. q [B, T, H, D], k [B, T, Hkv, D], v [B, T, Hkv, Dv],
+  ``visible`` [T (query), T (key)] bool. Returns [B, T, H, Dv]."""
+  H, D = q.shape[2], q.shape[3]
+  k, v = expand_kv(k, H), expand_kv(v, H)
+  scores = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
+  return np.einsum("bhqk,bkhd->bqhd", softmax_rows(scores, visible), v)
+
+
+# -- the baseline mixers (§4 and the config's docstrings) -----------------------------------------
+
+def causal_mask(T: int) -> np.ndarray:
+  """[T, T]: query p sees keys j <= p."""
+  return np.tril(np.ones((T, T), bool))
+
+
+def sliding_window_mask(T: int, window: int) -> np.ndarray:
+  """[T, T]: query p sees the last ``window`` tokens including itself, p - window < j <= p."""
+  p, j = np.arange(T)[:, None], np.arange(T)[None, :]
+  return (j <= p) & (j > p - window)
+
+
+def block_window_mask(T: int, chunk: int, window_chunks: int, sinks: int) -> np.ndarray:
+  """[T, T]: query p in chunk c = p // C sees keys [max(0, (c - nb + 1)·C), p] (its own chunk and
+  the nb - 1 previous ones) plus the first ``sinks`` tokens (causally)."""
+  p, j = np.arange(T)[:, None], np.arange(T)[None, :]
+  begin = np.maximum(0, (p // chunk - window_chunks + 1) * chunk)
+  return (j <= p) & ((j >= begin) | (j < sinks))
+
+
+# -- KVM (§6.2-§6.7, §6.10) ---------------------------------------------------------------------------
+
+def budget_target(budget: dict, ctx_len: int) -> int:
+  """B(ctx_len) of §6.3 before the caps: "fixed" (``rows``), "power_law" (``factor``,
+  ``exponent``, ``min_rows``, ``round_down``) or "saturation" (``limit``, ``min_rows``,
+  ``round_down``), in Python float math."""
+  mode = budget["mode"]
+  if mode == "fixed":
+    return budget["rows"]
+  if mode == "power_law":
+    t = math.floor(budget["factor"] * float(ctx_len) ** budget["exponent"])
+  elif mode == "saturation":
+    n = float(budget["limit"])
+    t = math.floor(n * ctx_len / (n + ctx_len))
+  else:
+    raise NotImplementedError(f"budget mode {mode!r}")
+  step = max(budget["round_down"], 1)
+  t = max(t, 0) // step * step
+  return max(t, budget["min_rows"])
+
+
+def rows_to_append(kvm: dict, ctx_len: int, available: int, current: int, overflow: int) -> int:
+  """n_append of §6.3: the budget at ``ctx_len``, capped by ``available`` and ``max_state_rows``,
+  never shrinking, at most the overflow length."""
+  t = min(budget_target(kvm["budget"], ctx_len), available)
+  if kvm["max_state_rows"] is not None:
+    t = min(t, kvm["max_state_rows"])
+  desired = max(t, current)
+  return min(max(desired - current, 0), overflow)
+
+
+def window_begin(n: int, chunk: int, span: int) -> int:
+  """bswa_begin(n) = max(0, ceil(n/C)·C - L) (§6.4): first token of the exact window once n
+  tokens exist."""
+  return max(0, -(-n // chunk) * chunk - span)
+
+
+def prep_keys(k: np.ndarray, ln_s: dict, rotary: int) -> np.ndarray:
+  """prep(k) = LN_s(k with its first ``rotary`` channels zeroed) (§6.2): the zeroed channels take
+  part in mean and variance and come out non-zero (§11.2)."""
+  k = k.copy()
+  k[..., :rotary] = 0.0
+  return layer_norm(k, ln_s)
+
+
+def normalize(x: np.ndarray) -> np.ndarray:
+  """x / max(‖x‖, 1e-12) over the last axis (F.normalize)."""
+  return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), NORMALIZE_EPS)
+
+
+class KVMState:
+  """The state of one (batch element, KV head), §1: raw key sums ``keys`` [M, D] (sums of prep(k),
+  not normalized), raw value sums ``values`` [M, Dv], and the radius ``radius`` [M] (‖v‖ of the
+  creating token, never changed by merges)."""
+
+  def __init__(self, keys, values):
+    self.keys, self.values = keys.copy(), values.copy()
+    self.radius = np.linalg.norm(values, axis=-1)
+
+  def readout(self, ln_s: dict):
+    """Readout keys LN_s(S_K) (LN_s applied again, §11.1) and values normalize(S_V)·radius (§6.6;
+    float64 here, no bf16 cast: the model's default ``readout_value_dtype`` is None)."""
+    return layer_norm(self.keys, ln_s), normalize(self.values) * self.radius[:, None]
+
+
+def kvm_update(state: KVMState, k_bar: np.ndarray, v: np.ndarray, g: np.ndarray, ln_s: dict,
+               n_append: int, sinks: int, log: Optional[list]) -> None:
+  """State update from one overflow chunk (§6.7), in place.
+
+  k_bar [n, D] = prep(k) of the overflow tokens (ungated), v [n, Dv], g [n] merge gates. The
+  ``n_append`` tokens least similar to the state (lowest "novelty" score, which is a similarity)
+  become new rows, ungated; every other token is gated (g·k̄, g·v) and merged winner-take-all into
+  the non-sink row of the post-append state that its gated key matches best.
+  """
+  n = k_bar.shape[0]
+  k_gated, v_gated = k_bar * g[:, None], v * g[:, None]
+  record = {"n_append": n_append, "n_merge": n - n_append}
+  if n_append > 0:
+    # Novelty: the best similarity of the *ungated* k̄ to the *pre-append* state, sinks included.
+    novelty = (k_bar @ layer_norm(state.keys, ln_s).T).max(-1)                       # [n]
+    order = np.argsort(novelty, kind="stable")     # least similar first; ties: lower token first
+    appended = np.sort(order[:n_append])
+    merged = np.sort(order[n_append:])
+    ranked = novelty[order]
+    if n_append < n:  # how far the append/merge cut is from a tie
+      record["append_gap"] = ranked[n_append] - ranked[n_append - 1]
+    state.keys = np.concatenate([state.keys, k_bar[appended]])
+    state.values = np.concatenate([state.values, v[appended]])
+    state.radius = np.concatenate([state.radius, np.linalg.norm(v[appended], axis=-1)])
+  else:
+    merged = np.arange(n)
+  if merged.size:
+    protected = min(sinks, state.keys.shape[0])
+    if state.keys.shape[0] <= protected:
+      raise ValueError("no non-sink row to merge into")
+    # Routing: gated k̄ against the *post-append* state; sink rows can never win.
+    logits = k_gated[merged] @ layer_norm(state.keys, ln_s).T                         # [m, M]
+    record["sink_would_win"] = int((logits.argmax(-1) < protected).sum())
+    logits[:, :protected] = -np.inf
+    target = logits.argmax(-1)                     # first index on exact ties
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    record["route_gap"] = float((top2[:, 1] - top2[:, 0]).min())
+    np.add.at(state.keys, target, k_gated[merged])
+    np.add.at(state.values, target, v_gated[merged])
+  if log is not None:
+    log.append(record)
+
+
+def kvm_group(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, temp_window: np.ndarray,
+              temp_state: np.ndarray, ln_s: dict, kvm: dict, log: Optional[list]) -> np.ndarray:
+  """KVM over one (batch element, KV head) and its G query heads (§6.5 prefill loop).
+
+  q [T, G, D] (post QK-LN and RoPE), k [T, D], v [T, Dv], g [T], temperatures [G] (linear,
+  multiplying keys, before 1/√D: τ_f on every exact-window key, τ_s on state keys). Returns
+  [T, G, Dv].
+  """
+  T, G, D = q.shape
+  C, L = kvm["chunk_size"], kvm["chunk_size"] * kvm["window_chunks"]
+  scale = 1.0 / math.sqrt(D)
+  y = np.zeros((T, G, v.shape[-1]))
+
+  # Front: plain causal attention over the first L tokens, no state, τ_f still applied (§11.7).
+  F = min(T, L)
+  scores = np.einsum("qhd,kd->hqk", q[:F], k[:F]) * temp_window[:, None, None] * scale
+  y[:F] = np.einsum("hqk,kd->qhd", softmax_rows(scores, causal_mask(F)), v[:F])
+
+  # Initial state: the first min(T, C) tokens, prep(k), ungated, radius ‖v‖ (§6.5, §6.10).
+  c0 = min(T, C)
+  state = KVMState(prep_keys(k[:c0], ln_s, kvm["rope_dims"]), v[:c0])
+  for qb in range(L, T, C):
+    qe = min(T, qb + C)
+    wb = window_begin(qe, C, L)
+    # Readout + ONE softmax over state rows and the exact window [wb, qe) (§6.6).
+    state_k, state_v = state.readout(ln_s)
+    s_state = np.einsum("qhd,md->hqm", q[qb:qe], state_k) * temp_state[:, None, None]
+    s_window = np.einsum("qhd,kd->hqk", q[qb:qe], k[wb:qe]) * temp_window[:, None, None]
+    positions = np.arange(qb, qe)[:, None]
+    visible = np.concatenate([np.ones((qe - qb, state_k.shape[0]), bool),
+                              np.arange(wb, qe)[None, :] <= positions], axis=1)
+    w = softmax_rows(np.concatenate([s_state, s_window], -1) * scale, visible)
+    y[qb:qe] = np.einsum("hqk,kd->qhd", w, np.concatenate([state_v, v[wb:qe]]))
+    if qe >= T:
+      break  # no update fires after the last chunk
+    nwb = window_begin(min(T, qe + C), C, L)
+    if nwb > wb:  # the oldest window chunk [wb, nwb) leaves the window: fold it into the state
+      n_app = rows_to_append(kvm, ctx_len=qe, available=nwb, current=state.keys.shape[0],
+                             overflow=nwb - wb)
+      kvm_update(state, prep_keys(k[wb:nwb], ln_s, kvm["rope_dims"]), v[wb:nwb], g[wb:nwb],
+                 ln_s, n_app, kvm["sink_rows"], log)
+  return y
+
+
+def check_kvm_flags(kvm: dict) -> None:
+  """Only the default flags (the paper's configuration) are modelled."""
+  want = dict(gate_keys=True, gate_values=True, gate_appends=False, gate_initial_state=False,
+              head_temperatures=True, value_norm="radius", readout_value_dtype=None)
+  for name, value in want.items():
+    if kvm[name] != value:
+      raise NotImplementedError(f"the reference models only {name}={value!r}, got {kvm[name]!r}")
+
+
+def kvm_mixer(p: dict, x: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, kvm: dict,
+              log: Optional[list]) -> np.ndarray:
+  """KVM attention of a layer: x [B, T, C_model] (the LN_attn output), q [B, T, H, D],
+  k [B, T, Hkv, D], v [B, T, Hkv, Dv]. Returns [B, T, H, Dv]."""
+  check_kvm_flags(kvm)
+  B, T, H, _ = q.shape
+  Hkv = k.shape[2]
+  G = H // Hkv
+  g = 1.0 + elu(linear(x, p["key_weighting"]))   # [B, T, Hkv]; x NOT token-shifted (§6.2)
+  y = np.zeros((B, T, H, v.shape[-1]))
+  for b in range(B):
+    for j in range(Hkv):
+      heads = slice(j * G, (j + 1) * G)   # query heads h with h // G == j
+      y[b, :, heads] = kvm_group(q[b, :, heads], k[b, :, j], v[b, :, j], g[b, :, j],
+                                 p["window_temperature"][heads], p["state_temperature"][heads],
+                                 p["ln_s"], kvm, log)
+  return y
+
+
+# -- attention front end, MLP, blocks, LM (§4) -----------------------------------------------------
+
+def front_end(p: dict, x: np.ndarray, v_first: np.ndarray, cfg: dict, rotary: int):
+  """§4 steps 1-5 on x [B, T, C_model] (the LN_attn output): q [B,T,H,D], k, v [B,T,Hkv,·]."""
+  B, T, _ = x.shape
+  H, Hkv, D, Dv = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["value_head_dim"]
+  q, k, v = linear(x, p["c_q"]), linear(x, p["c_k"]), linear(x, p["c_v"])
+  if cfg["value_residual"]:  # before the token shift; identity in the anchor layer
+    gate = sigmoid(p["v_gate0"] + linear(linear(x, p["v_gate1"]), p["v_gate2"]))
+    v = v + (v_first - v) * gate
+  if cfg["tokenshift_attention"]:  # on the projected q/k/v, z_{-1} := z_0
+    q = token_shift(q, p["x_q"], "first")
+    k = token_shift(k, p["x_k"], "first")
+    v = token_shift(v, p["x_v"], "first")
+  q = layer_norm(q.reshape(B, T, H, D), p["ln_q"])      # QK-LN over the head dim, shared by heads
+  k = layer_norm(k.reshape(B, T, Hkv, D), p["ln_k"])
+  v = v.reshape(B, T, Hkv, Dv)
+  return rope(q, rotary, cfg["rope_theta"]), rope(k, rotary, cfg["rope_theta"]), v
+
+
+def attention_layer(p: dict, x: np.ndarray, v_first: np.ndarray, kind: str, cfg: dict,
+                    log: Optional[list]) -> np.ndarray:
+  """One mixer on x [B, T, C_model] (the LN_attn output), through c_proj: [B, T, C_model]."""
+  T = x.shape[1]
+  rotary = cfg["swa_rope_dims"] if kind == "swa" else cfg["rope_dims"]
+  q, k, v = front_end(p, x, v_first, cfg, rotary)
+  if kind == "full":
+    y = masked_attention(q, k, v, causal_mask(T))
+  elif kind == "swa":
+    y = masked_attention(q, k, v, sliding_window_mask(T, cfg["swa_window"]))
+  elif kind == "bswa":
+    y = masked_attention(q, k, v, block_window_mask(T, cfg["bswa_chunk_size"],
+                                                    cfg["bswa_window_chunks"],
+                                                    cfg["bswa_sink_rows"]))
+  elif kind == "kvm":
+    y = kvm_mixer(p, x, q, k, v, cfg["kvm"], log)
+  else:
+    raise NotImplementedError(kind)
+  return linear(y.reshape(*x.shape[:2], -1), p["c_proj"])
+
+
+def mlp(p: dict, x: np.ndarray, cfg: dict) -> np.ndarray:
+  """Token shift on the normalized input (z_{-1} := 0), then c_proj(relu(c_fc(x))²)."""
+  if cfg["tokenshift_mlp"]:
+    x = token_shift(x, p["x_k"], "zero")
+  return linear(np.maximum(linear(x, p["c_fc"]), 0.0) ** 2, p["c_proj"])
+
+
+def anchor_layer(cfg: dict, layer: int) -> int:
+  """The layer whose c_v(ln_attn(x0)) is ``layer``'s v_first: layer 0 with a shared anchor, else
+  the first layer of the same mixer kind (the paper's hybrids: SWA on even layers anchor on layer
+  0, the main mixer on layer 1; §4)."""
+  if cfg["share_value_anchor"]:
+    return 0
+  return cfg["mixers"].index(cfg["mixers"][layer])
+
+
+def lm_logits(params: dict, cfg: dict, tokens: np.ndarray, log: Optional[list] = None):
+  """Logits [B, T, V] float64 of token ids [B, T] (§4).
+
+  ``cfg`` keys: ``mixers`` (one per layer), ``num_heads``, ``num_kv_heads``, ``head_dim``,
+  ``value_head_dim``, ``residual_scale``, ``rope_dims``, ``swa_rope_dims``, ``rope_theta``,
+  ``swa_window``, ``bswa_chunk_size``, ``bswa_window_chunks``, ``bswa_sink_rows``,
+  ``tokenshift_attention``, ``tokenshift_mlp``, ``value_residual``, ``share_value_anchor``, and
+  ``kvm``: ``chunk_size``, ``window_chunks``, ``sink_rows``, ``rope_dims``, ``budget`` (see
+  :func:`budget_target`), ``max_state_rows`` and the flags of :func:`check_kvm_flags`.
+  ``log`` receives one dict per KVM state update (layer order, then batch, KV head, chunk).
+  """
+  blocks, s = params["blocks"], cfg["residual_scale"]
+  x0 = layer_norm(params["wte"]["embedding"][tokens], params["ln_emb"])
+  anchors = {}
+  for i in range(len(cfg["mixers"])):
+    a = anchor_layer(cfg, i)
+    if a not in anchors:
+      anchors[a] = linear(layer_norm(x0, blocks[a]["ln_attn"]), blocks[a]["attn"]["c_v"])
+  x = x0
+  for i, kind in enumerate(cfg["mixers"]):
+    blk = blocks[i]
+    x = x + s * attention_layer(blk["attn"], layer_norm(x, blk["ln_attn"]),
+                                anchors[anchor_layer(cfg, i)], kind, cfg, log)
+    x = x + s * mlp(blk["mlp"], layer_norm(x, blk["ln_mlp"]), cfg)
+  return linear(layer_norm(x, params["ln_head"]), params["lm_head"])

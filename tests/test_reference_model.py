@@ -1,0 +1,177 @@
+"""The NNX model's logits against the independent float64 oracle of tests/reference_model.py.
+
+The oracle is written from docs/kvm-spec.md alone, so these tests pin the *semantics* of every
+piece (MLP activation, token shifts and their fallbacks, value residual, QK-LN, RoPE, residual
+scale, KVM temperatures, novelty and routing rules, the budget schedule), which the model's
+self-consistency tests (decode == forward, causality, overfitting) cannot see (issue #17).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvm_jax as kj
+from kvm_jax.nn.layers import path_names
+from tests.reference_model import lm_logits
+
+# Worst |model - reference| allowed, relative to max |reference logit|. The model runs in float32:
+# each matmul, LayerNorm and softmax rounds at ~6e-8 relative, and the errors of a few layers of
+# short dot products (width 64, MLP 256) add up to ~4e-7 of the largest logit on CPU. 1e-5 leaves
+# a 25x margin for other XLA versions and backends, and is still far below what a semantic slip
+# does: of 24 bugs planted in the model (issue #17), the subtlest (merge gate exp(x) instead of
+# 1 + ELU(x)) moved the worst logit by 3e-3 of max |logit|, ~300x this tolerance.
+REL_TOL = 1e-5
+# Routing decisions (append ranking, merge argmax) are discrete: float32 and float64 agree only if
+# no decision is within rounding of a tie. Score gaps below this would make the comparison fragile
+# (scores are O(head dim); float32 error on them is ~1e-5).
+MIN_DECISION_GAP = 1e-3
+
+B, T = 2, 45   # ragged: tiny preset C = 8, L = 16, so query chunks at 16, 24, 32, 40 (5 tokens)
+
+CASES = {
+    "kvm": ("kvm", {}),
+    "kvm_gqa": ("kvm", dict(num_kv_heads=2)),
+    "full": ("full", {}),
+    "swa": ("swa", {}),
+    "bswa": ("bswa", {}),
+    # the paper's hybrid (SWA on even layers; each kind anchors its own value residual, so here
+    # both are the identity), with the 350M models' residual scale
+    "swa_kvm_hybrid": (("swa", "kvm"), dict(residual_scale=0.5)),
+    # every layer anchored on layer 0, so the bswa layer's value residual reads the full layer's
+    "full_bswa_shared_anchor": (("full", "bswa"), dict(share_value_anchor=True)),
+}
+
+
+def _random_parameter(names: list[str], shape: tuple, rng: np.random.Generator) -> np.ndarray:
+  """A value for the parameter at path ``names``: every one random and far from its
+  initialization (zero-initialized projections included, like conftest's ``make_model``), at
+  scales that keep activations O(1): kernels N(0, 1/fan_in), LayerNorms 1 + 0.1·N / 0.1·N, token
+  shift mixes U(0, 1), v_gate0 0.5·N (sigmoid gates spread around 1/2), KVM temperatures
+  U(0.5, 1.5) so that a missing or misplaced temperature shows."""
+  leaf, owner = names[-1], names[-2]
+  if leaf == "kernel":
+    return rng.normal(size=shape) / np.sqrt(shape[0])
+  if leaf == "scale":
+    return 1.0 + 0.1 * rng.normal(size=shape)
+  if leaf == "bias":
+    return 0.1 * rng.normal(size=shape)
+  if leaf in ("x_q", "x_k", "x_v"):
+    return rng.uniform(0.0, 1.0, shape)
+  if leaf == "v_gate0":
+    return 0.5 * rng.normal(size=shape)
+  if leaf in ("window_temperature", "state_temperature"):
+    return rng.uniform(0.5, 1.5, shape)
+  if owner == "wte":
+    return rng.normal(size=shape)
+  raise AssertionError(f"no test value for parameter {'/'.join(names)}")
+
+
+def _model(mixers, overrides, seed: int = 0) -> kj.LM:
+  """The tiny preset with random parameters drawn in numpy. (conftest's ``make_model`` perturbs
+  a real initialization, but its eager init compiles dozens of small programs per config, which
+  alone would take most of this file's time budget.)"""
+  cfg = kj.presets.tiny(mixers=mixers, **overrides)
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: kj.LM(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  rng = np.random.default_rng(seed)
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.asarray(_random_parameter(path_names(path), x.shape, rng), x.dtype),
+      params)
+  return nnx.merge(graphdef, params)
+
+
+def _model_logits(model: kj.LM, tokens: np.ndarray) -> np.ndarray:
+  """The model's float32 forward (jitted: one compilation is cheaper than eager dispatch)."""
+  graphdef, state = nnx.split(model)
+  forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
+  with jax.default_matmul_precision("highest"):  # no TF32/bf16 passes on accelerators
+    return np.asarray(forward(state, jnp.asarray(tokens)), np.float64)
+
+
+def _tokens(vocab: int) -> np.ndarray:
+  """Random ids, except that tokens 19 and 20 repeat token 0: in the first layer token 20's key
+  then equals the sink's (same input, and its token shift reads an identical previous key; the
+  rotary channels are zeroed in the state), so when chunk [16, 24) is merged (after query chunk
+  [24, 32)) the sink is its best row and routing must skip it."""
+  tokens = np.random.default_rng(7).integers(0, vocab, (B, T))
+  tokens[:, 19] = tokens[:, 20] = tokens[:, 0]
+  return tokens
+
+
+def _params(model: kj.LM) -> dict:
+  """The model's parameters as nested float64 numpy dicts, ``blocks`` as a list."""
+  tree = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64),
+                                nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  tree["blocks"] = [tree["blocks"][i] for i in sorted(tree["blocks"])]
+  return tree
+
+
+def _budget(budget) -> dict:
+  if isinstance(budget, kj.FixedBudget):
+    return dict(mode="fixed", rows=budget.rows)
+  if isinstance(budget, kj.PowerLawBudget):
+    return dict(mode="power_law", factor=budget.factor, exponent=budget.exponent,
+                min_rows=budget.min_rows, round_down=budget.round_down)
+  if isinstance(budget, kj.SaturatingBudget):
+    return dict(mode="saturation", limit=budget.limit, min_rows=budget.min_rows,
+                round_down=budget.round_down)
+  raise NotImplementedError(f"the reference has no budget {budget!r}")
+
+
+def _reference_config(cfg: kj.ModelConfig) -> dict:
+  """The plain config dict of :func:`tests.reference_model.lm_logits`."""
+  kvm = cfg.kvm
+  return dict(
+      mixers=cfg.layer_mixers, num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads,
+      head_dim=cfg.qk_head_dim, value_head_dim=cfg.v_head_dim, residual_scale=cfg.scale,
+      rope_dims=cfg.rope_dims, swa_rope_dims=cfg.swa_rope_dims_resolved, rope_theta=cfg.rope_theta,
+      swa_window=cfg.swa_window, bswa_chunk_size=cfg.bswa_chunk_size,
+      bswa_window_chunks=cfg.bswa_window_chunks, bswa_sink_rows=cfg.bswa_sink_rows,
+      tokenshift_attention=cfg.tokenshift_attention, tokenshift_mlp=cfg.tokenshift_mlp,
+      value_residual=cfg.value_residual, share_value_anchor=cfg.share_value_anchor,
+      kvm=dict(chunk_size=kvm.chunk_size, window_chunks=kvm.window_chunks,
+               sink_rows=kvm.sink_rows, rope_dims=kvm.rope_dims, budget=_budget(kvm.budget),
+               max_state_rows=kvm.max_state_rows, gate_keys=kvm.gate_keys,
+               gate_values=kvm.gate_values, gate_appends=kvm.gate_appends,
+               gate_initial_state=kvm.gate_initial_state,
+               head_temperatures=kvm.head_temperatures, value_norm=kvm.value_norm,
+               readout_value_dtype=kvm.readout_value_dtype))
+
+
+def _check_kvm_coverage(log: list, chunk: int) -> None:
+  """The case exercises every branch of the state update, far from any routing tie."""
+  assert any(r["n_append"] == chunk for r in log), "no update appends a whole chunk"
+  assert any(0 < r["n_append"] < chunk for r in log), "no update both appends and merges"
+  assert sum(r.get("sink_would_win", 0) for r in log) > 0, "routing never has to skip the sink"
+  gaps = [r[k] for r in log for k in ("append_gap", "route_gap") if k in r]
+  assert min(gaps) > MIN_DECISION_GAP, f"a routing decision is within {min(gaps):.2e} of a tie"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_match_reference(name):
+  mixers, overrides = CASES[name]
+  model = _model(mixers, overrides)
+  tokens = _tokens(model.cfg.vocab_size)
+  got = _model_logits(model, tokens)
+  log = []
+  want = lm_logits(_params(model), _reference_config(model.cfg), tokens, log)
+  if "kvm" in model.cfg.layer_mixers:
+    _check_kvm_coverage(log, model.cfg.kvm.chunk_size)
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(got, want, rtol=0, atol=REL_TOL * scale)
+
+
+def test_reference_budget_schedule():
+  """The tiny preset's PowerLawBudget(4, 0.5, min 8) on 45 tokens, by hand (§6.3): after query
+  chunk [16, 24) ctx 24, available 16: floor(4·√24) = 19 -> 16, append all 8; after [24, 32):
+  floor(4·√32) = 22 (available 24), append 6 and merge 2; after [32, 40): floor(4·√40) = 25
+  (available 32), append 3 and merge 5; none after the last chunk."""
+  model = _model("kvm", dict(num_layers=1))
+  log = []
+  lm_logits(_params(model), _reference_config(model.cfg), _tokens(model.cfg.vocab_size), log)
+  per_group = [(r["n_append"], r["n_merge"]) for r in log[:3]]
+  assert per_group == [(8, 0), (6, 2), (3, 5)]
+  assert len(log) == 3 * B * model.cfg.kv_heads
