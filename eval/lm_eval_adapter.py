@@ -51,11 +51,15 @@ log = logging.getLogger(__name__)
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 
 
-def local_task_manager(*extra_dirs: str | Path):
+def local_task_manager(*extra_dirs: str | Path, include_defaults: bool = True):
   """An lm-eval ``TaskManager`` that also knows the offline example tasks shipped with the package
-  (``kvm_jax/eval/lm_eval_tasks``; ``eval/lm_eval_tasks`` in the repository)."""
+  (``kvm_jax/eval/lm_eval_tasks``; ``eval/lm_eval_tasks`` in the repository).
+
+  ``include_defaults=False`` leaves out lm-eval's own tasks: indexing their thousands of task
+  files is most of the time a small offline evaluation takes."""
   from lm_eval.tasks import TaskManager
-  return TaskManager(include_path=[str(TASKS_DIR), *map(str, extra_dirs)])
+  return TaskManager(include_path=[str(TASKS_DIR), *map(str, extra_dirs)],
+                     include_defaults=include_defaults)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -196,6 +200,8 @@ class KVMEvalLM(_HarnessLM):
       keep = max(self.max_length - max_new, 1)
       if len(ids) > keep:
         ids, self.truncated = ids[-keep:], self.truncated + 1
+      # Request i of a call samples with key i: a rerun repeats its samples, while identical
+      # requests of one call (repeats of a sampled task) are drawn independently.
       text = generate_text(
           self.model, self.tokenizer, ids, max_new_tokens=max_new, key=jax.random.key(len(out)),
           sampling=sampling, prefill_bucket=self.pad_multiple,
