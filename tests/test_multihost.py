@@ -128,9 +128,11 @@ def test_two_processes_train_resume_and_load_like_one(tmp_path):
   # also gives one CPU process (--cpu-collectives): bitwise the same losses.
   assert all(a[s]["loss"] == b[s]["loss"] for s in a), [(s, a[s]["loss"], b[s]["loss"])
                                                           for s in a]
-  # Only process 0 talks; process 1 prints nothing (but gloo's own connection notices).
-  quiet = [l for l in results[1][1].splitlines() if l.strip() and "peer ranks" not in l]
-  assert "final:" in results[0][1] and quiet == [], quiet
+  # Only process 0 talks: process 1 prints none of the trainer's lines. (Its stdout still holds
+  # gloo's connection notices, which a C++ stream may write in pieces, so they are not parsed.)
+  assert "final:" in results[0][1]
+  for marker in ("step ", "final:", "loss", "wrote", "compile"):
+    assert marker not in results[1][1], (marker, results[1][1][-2000:])
 
   # Resume after the newest checkpoint is deleted: both processes restart from step 4 and redo
   # steps 5..8 exactly (the same program on the same data: bitwise). Then load_trained, logits,
