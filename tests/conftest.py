@@ -7,6 +7,8 @@ with ``kvm-check``: they live in :mod:`kvm_jax.ops.kvm.cases`.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -26,18 +28,30 @@ if FAST_COMPILE:
   jax.config.update("jax_disable_most_optimizations", True)
 
 
+def in_ci(values, keep, ids=None):
+  """Parameters for ``pytest.mark.parametrize``: those in ``keep`` run in CI, the others carry
+  the ``slow`` marker and run nightly (scripts/nightly.sh). ``ids`` names a value (default str).
+
+  CI must stay within ten minutes on 2 cores; a family of cases keeps in CI the members that
+  together exercise every code path, and the rest of the matrix runs every night."""
+  name = ids or str
+  slow = lambda v: pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+  return [v if name(v) in keep else slow(v) for v in values]
+
+
 def subprocess_env(tmp_root, devices: int = 1, **extra: str) -> dict:
   """The environment of a test's Python subprocess (a ``kvm-train`` run, a multi-process job).
 
   CPU with ``devices`` host devices, the repository first on the path, the same fast compilation
-  as this process (see above), and a persistent compilation cache under ``tmp_root`` (one per
-  xdist worker): the runs of one test (straight, killed, resumed) compile the same step programs,
-  and only the first pays for it. A cache hit loads the very executable the first run compiled,
-  so bitwise comparisons between runs are unaffected."""
+  as this process (see above), and the session's persistent compilation cache (see
+  :func:`pytest_configure`; else one under ``tmp_root``): the runs of one test (straight, killed,
+  resumed) compile the same step programs, and only the first pays for it. A cache hit loads the
+  very executable the first run compiled, so bitwise comparisons between runs are unaffected."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), **extra)
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true" if FAST_COMPILE else "false"
-  env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_root / "jax-cache")
+  env["JAX_COMPILATION_CACHE_DIR"] = os.environ.get("KVM_TEST_CACHE_DIR",
+                                                   str(tmp_root / "jax-cache"))
   env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   return env
 
@@ -47,6 +61,29 @@ def subprocess_environ(tmp_path_factory):
   """:func:`subprocess_env` bound to this worker's temporary root: ``subprocess_environ(devices)``."""
   root = tmp_path_factory.getbasetemp()
   return lambda devices=1, **extra: subprocess_env(root, devices, **extra)
+
+
+def pytest_configure(config):
+  """One persistent compilation cache per test session, shared by the xdist workers.
+
+  Most of the suite's time is XLA compiling many small programs, and tests build the same ones
+  again through fresh ``jax.jit`` objects (a new model, a new trainer, an eager op in another
+  worker), which the in-memory caches cannot see. The session's first process (the xdist
+  controller, or pytest alone) makes the directory and removes it at the end; workers inherit
+  it through the environment. ``KVM_TEST_COMPILE_CACHE=0`` turns it off."""
+  if os.environ.get("KVM_TEST_COMPILE_CACHE", "1") != "1":
+    return
+  if "KVM_TEST_CACHE_DIR" not in os.environ:
+    os.environ["KVM_TEST_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvm-jax-test-cache-")
+    config._kvm_cache_owner = True
+  jax.config.update("jax_compilation_cache_dir", os.environ["KVM_TEST_CACHE_DIR"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+  if getattr(config, "_kvm_cache_owner", False):
+    shutil.rmtree(os.environ.pop("KVM_TEST_CACHE_DIR"), ignore_errors=True)
 
 
 def pytest_addoption(parser):

@@ -350,6 +350,7 @@ def test_bad_adapter_arguments(model):
     KVMEvalLM(model, TOK, pretrained="gpt2")
 
 
+@pytest.mark.slow  # trains in a subprocess and indexes every lm-eval task; the adapter is in CI
 def test_lm_eval_cli_on_a_run_directory(tmp_path):
   """lm-eval's own CLI with the registered `kvm_jax` model loading a kvm-train run directory."""
   run = tmp_path / "run"

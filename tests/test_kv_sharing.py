@@ -20,7 +20,7 @@ from kvm_jax.ops.kvm.cases import random_inputs, random_params
 from kvm_jax.ops.kvm.scan import kvm_attention_scan
 from kvm_jax.ops.kvm.shared_routing import SourceTrack, kvm_attention_shared_state
 from kvm_jax.ops.rope import apply_rope, rope_tables
-from tests.conftest import make_model
+from tests.conftest import in_ci, make_model
 
 MODES = ("fusedkv", "fusedkv_lite", "yoco", "cla")
 
@@ -94,21 +94,24 @@ def test_fusedkv_at_init_equals_lite(mixer):
   assert float(jnp.max(jnp.abs(mean(tokens) - lite(tokens)))) > 1e-3
 
 
+class _SharedModels(dict):
+  """The models of the decode tests, built when first asked for (most run only nightly)."""
+
+  def __missing__(self, key):
+    mixer, mode = key
+    if mixer == "kvm-shared" and mode == "none":
+      model = self["kvm", "none"]
+    else:
+      extra = {"kvm_kv_sharing": "shared_routing"} if mixer == "kvm-shared" else {}
+      model = make_model("kvm" if mixer == "kvm-shared" else mixer, seed=4, num_layers=4,
+                         num_kv_heads=2, kv_sharing=mode, fusedkv_init="mean", **extra)
+    self[key] = model
+    return model
+
+
 @pytest.fixture(scope="module")
 def shared_models():
-  out = {}
-  for mixer in ("full", "swa", "bswa", "kvm"):
-    for mode in ("none",) + MODES:
-      if mixer in ("swa", "bswa") and mode not in ("none", "fusedkv", "cla"):
-        continue
-      out[mixer, mode] = make_model(mixer, seed=4, num_layers=4, num_kv_heads=2,
-                                    kv_sharing=mode, fusedkv_init="mean")
-  for mode in MODES:
-    out["kvm-shared", mode] = make_model("kvm", seed=4, num_layers=4, num_kv_heads=2,
-                                         kv_sharing=mode, fusedkv_init="mean",
-                                         kvm_kv_sharing="shared_routing")
-  out["kvm-shared", "none"] = out["kvm", "none"]
-  return out
+  return _SharedModels()
 
 
 def _decode_all(model, tokens, prompt):
@@ -121,9 +124,17 @@ def _decode_all(model, tokens, prompt):
   return jnp.concatenate(outs, axis=1), caches
 
 
-@pytest.mark.parametrize("mixer,mode", [("full", m) for m in MODES] + [("kvm", m) for m in MODES]
-                         + [("kvm-shared", m) for m in MODES]
-                         + [("swa", "fusedkv"), ("bswa", "fusedkv"), ("bswa", "cla")])
+# In CI: every sharing mode once and every mixer kind once (full attention's folded FusedKV, KVM's
+# window fusion with Lite and YOCO, KVM's shared routing, a CLA pair of BSWA layers); the whole
+# matrix nightly.
+DECODE_IN_CI = {"full-fusedkv", "kvm-fusedkv_lite", "kvm-yoco", "kvm-shared-fusedkv", "bswa-cla",
+                "swa-fusedkv"}
+
+
+@pytest.mark.parametrize("mixer,mode", in_ci(
+    [("full", m) for m in MODES] + [("kvm", m) for m in MODES] + [("kvm-shared", m) for m in MODES]
+    + [("swa", "fusedkv"), ("bswa", "fusedkv"), ("bswa", "cla")], DECODE_IN_CI,
+    ids=lambda p: "-".join(p)))
 def test_decode_matches_forward_and_cache_bytes(shared_models, mixer, mode):
   model, vanilla = shared_models[mixer, mode], shared_models[mixer, "none"]
   # 45 tokens with C=8, L=16: the decode crosses several state updates (folds at 32 and 40).

@@ -11,6 +11,7 @@ import pytest
 import kvm_jax as kj
 from kvm_jax.ops.kvm.cases import (TOLERANCE, random_inputs, random_params, rel_rms, select,
                                    valid_rows)
+from tests.conftest import in_ci
 
 TOL = TOLERANCE["float32"]["output"]  # same terms summed in another order (cases.TOLERANCE)
 CASES = {c.name: c for c in select("decode")}
@@ -22,7 +23,8 @@ def decode_step_jit():
   return jax.jit(kj.kvm_decode_step, static_argnames=("cfg",))
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", in_ci(sorted(CASES), {"decode_powerlaw_gqa",
+                                                        "decode_saturating_nb3_gated_init"}))
 def test_decode_after_prefill_matches_full_sequence(name, decode_step_jit):
   case = CASES[name]
   cfg, B, T, Hkv = case.cfg, case.batch, case.seq_len, case.kv_heads

@@ -117,6 +117,7 @@ print("RESULT", json.dumps({"step": step, "logits": float(np.abs(logits).sum()),
 """
 
 
+@pytest.mark.slow  # 2+ minutes of four multi-process runs; the launch and mesh checks stay in CI
 def test_two_processes_train_resume_and_load_like_one(tmp_path):
   one, two = tmp_path / "one", tmp_path / "two"
   reference = _train(one, 1)
@@ -168,6 +169,7 @@ def test_two_processes_train_resume_and_load_like_one(tmp_path):
   assert all(_close(seen[0]["eval"][k], ev[k], 1e-5) for k in ev), (seen[0]["eval"], ev)
 
 
+@pytest.mark.slow  # one process's SIGTERM save and resume run in CI in tests/test_train.py
 def test_sigterm_on_one_process_stops_both_at_one_saved_step(tmp_path):
   workdir = tmp_path / "term"
   cmd = [sys.executable, "-m", "kvm_jax.train.main", f"--workdir={workdir}", *TINY,

@@ -10,6 +10,7 @@ from pathlib import Path
 import nbclient  # the `test` extra: a missing test dependency must fail CI, not skip it
 import nbformat
 import pytest
+from tests.conftest import in_ci
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -24,7 +25,12 @@ def test_there_are_four_notebooks_with_stripped_outputs():
         assert not cell.outputs and cell.execution_count is None, f"{path.name}: strip outputs"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+# 04 trains the default job's four models again (2+ minutes): nightly; tests/test_train.py runs
+# the default job itself in CI.
+@pytest.mark.parametrize("path", in_ci(NOTEBOOKS, {"01_budgets_and_memory",
+                                                   "02_anatomy_of_one_update",
+                                                   "03_equivalence_jitted"},
+                                       ids=lambda p: p.stem), ids=lambda p: p.stem)
 def test_notebook_executes_and_plots(path, tmp_path, monkeypatch):
   nb = nbformat.read(path, as_version=4)
   # A fresh kernel in a scratch directory; the repository on its path; few training steps.

@@ -32,6 +32,7 @@ from kvm_jax.tasks.pipeline import batched_iterator
 from kvm_jax.train import loop
 from kvm_jax.train.main import load_config, main
 from kvm_jax.train.memory import memory_report
+from tests.conftest import in_ci
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,8 +61,8 @@ def _values_and_grads(fn, q, k, v):
 # ------------------------------------------------------------------------------------------------
 # Attention without [T, T] scores
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("window,block", [(None, 8), (None, 512), (1, 8), (5, 16), (37, 8),
-                                          (500, 16)])
+@pytest.mark.parametrize("window,block", in_ci([(None, 8), (None, 512), (1, 8), (5, 16), (37, 8),
+                                                (500, 16)], {"(None, 8)", "(5, 16)", "(500, 16)"}))
 def test_chunked_attention_equals_dense_values_and_gradients(window, block):
   """float32: only the summation order differs (online softmax over blocks), so outputs and every
   gradient agree to a few float32 ulps of their O(1-10) magnitudes (T = 77 is not a multiple of
@@ -215,8 +216,7 @@ REMAT_MODELS = {  # name: (model, policies compared with "none")
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "unrolled" in n
-                                  else n for n in REMAT_MODELS])
+@pytest.mark.parametrize("name", in_ci(list(REMAT_MODELS), {"uniform kvm (scanned, period 1)"}))
 def test_remat_policies_give_the_same_loss_and_gradients(name):
   overrides, policies = REMAT_MODELS[name]
   cfg = presets.tiny(**overrides)
@@ -235,6 +235,7 @@ def test_remat_policies_give_the_same_loss_and_gradients(name):
       np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5, err_msg=f"{remat} {path}")
 
 
+@pytest.mark.slow  # compiles a model's step three ways; the memory report test below stays in CI
 def test_block_remat_lowers_the_compiled_memory():
   """Rematerialization must actually happen in the compiled program (XLA:CPU folds unrolled
   ``jax.checkpoint`` recomputation back into the forward pass; the scanned blocks cannot)."""
@@ -253,6 +254,7 @@ def _tiny_train_config(seq_len=64, batch_size=8, num_layers=2, mixers="kvm", **k
                              **kw)
 
 
+@pytest.mark.slow  # CI: tests/test_train.py compares accumulation on 8 devices with 1 device
 def test_accumulation_and_slicing_equal_the_whole_batch():
   """Micro-batches with different numbers of labelled tokens: weighting by the whole batch's
   token count makes the summed gradients those of the large batch, which the oracle computes from
@@ -401,6 +403,7 @@ def _finite_checkpoints(workdir: Path) -> list[int]:
   return steps
 
 
+@pytest.mark.slow  # two short runs; the "skip" policy below keeps the guard's device side in CI
 def test_nonfinite_stops_without_saving_and_the_run_resumes(tmp_path, monkeypatch, capsys):
   workdir = tmp_path / "stop"
   _poison(monkeypatch)
