@@ -34,7 +34,14 @@ def _run_both(case: Case, seed: int = 0):
   return (q, k, v, g, params), ref, out
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+# Nightly only: options and edges whose code paths the other cases also reach (gate flags, rotary
+# widths, a one-chunk window, prompts inside the first window).
+FORWARD_NIGHTLY = {"keys_gated_only", "all_rope_channels", "no_rope_channels", "one_window_chunk",
+                   "T_below_C", "T_equals_L"}
+
+
+@pytest.mark.parametrize("case", in_ci(CASES, {c.name for c in CASES} - FORWARD_NIGHTLY,
+                                       ids=lambda c: c.name), ids=lambda c: c.name)
 def test_forward_and_state_match_oracle(case):
   _, (y_ref, s_ref), (y, s) = _run_both(case)
   assert y.shape == (case.batch, case.seq_len, case.heads, case.value_dim)

@@ -184,6 +184,7 @@ def test_tiny_kvm_model_overfits():
   assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
 
 
+@pytest.mark.slow  # CI's training tests run the split model under jit and grad
 def test_split_model_runs_under_plain_jit_and_grad(models):
   model = models["kvm_swa_hybrid"]
   graphdef, state = nnx.split(model)

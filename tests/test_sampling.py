@@ -198,6 +198,7 @@ def test_generate_draws_from_the_tempered_forward_logits(model):
     assert z.max() <= 5, f"token {position}: largest deviation {z.max():.1f} sd"
 
 
+@pytest.mark.slow  # CI: the lm-eval adapter's top_k=1 and fixed-key samples go through generate
 def test_generate_top_k_1_is_greedy_and_a_key_fixes_the_sample(model):
   prompt = jax.random.randint(jax.random.key(5), (2, 7), 0, model.cfg.vocab_size)
 
