@@ -140,7 +140,7 @@ def budget_target(budget: dict, ctx_len: int) -> int:
     n = float(budget["limit"])
     t = math.floor(n * ctx_len / (n + ctx_len))
   else:
-    raise NotImplementedError(f"budget mode {mode!r}")
+    raise ValueError(f"budget mode {mode!r}: choose 'fixed', 'power_law' or 'saturation'.")
   step = max(budget["round_down"], 1)
   t = max(t, 0) // step * step
   return max(t, budget["min_rows"])
@@ -283,7 +283,8 @@ def check_kvm_flags(kvm: dict) -> None:
               head_temperatures=True, value_norm="radius", readout_value_dtype=None)
   for name, value in want.items():
     if kvm[name] != value:
-      raise NotImplementedError(f"the reference models only {name}={value!r}, got {kvm[name]!r}")
+      raise ValueError(f"kvm.{name}={kvm[name]!r}: the reference models only the paper's "
+                       f"{name}={value!r}.")
 
 
 def kvm_mixer(p: dict, x: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, kvm: dict,
@@ -342,7 +343,7 @@ def attention_layer(p: dict, x: np.ndarray, v_first: np.ndarray, kind: str, cfg:
   elif kind == "kvm":
     y = kvm_mixer(p, x, q, k, v, cfg["kvm"], log)
   else:
-    raise NotImplementedError(kind)
+    raise ValueError(f"mixer {kind!r}: choose 'full', 'swa', 'bswa' or 'kvm'.")
   return linear(y.reshape(*x.shape[:2], -1), p["c_proj"])
 
 

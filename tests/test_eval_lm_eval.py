@@ -27,6 +27,7 @@ from lm_eval.api.model import LM
 
 import kvm_jax as kj
 from kvm_jax.eval.lm_eval_adapter import KVMEvalLM, local_task_manager
+from kvm_jax.runs import logits_fn
 from kvm_jax.tasks.tokenizers import ByteTokenizer
 from tests.conftest import make_model
 
@@ -248,11 +249,6 @@ def test_offline_tasks_score_known_answers():
 _REF_ROWS, _REF_WIDTH = 32, 128
 
 
-@nnx.jit
-def _forward(model, tokens):
-  return model(tokens)
-
-
 def _reference_logprobs(model, sequences: list[list[int]]) -> list[np.ndarray]:
   """Per sequence, ``[len, V]`` log-softmax of the model's logits from one plain forward pass,
   normalized in float64 here: no adapter, cache or decode code involved. Right padding never
@@ -261,7 +257,7 @@ def _reference_logprobs(model, sequences: list[list[int]]) -> list[np.ndarray]:
   tokens = np.full((_REF_ROWS, _REF_WIDTH), TOK.eos_id, np.int32)
   for i, seq in enumerate(sequences):
     tokens[i, :len(seq)] = seq
-  logits = np.asarray(_forward(model, jnp.asarray(tokens)), np.float64)
+  logits = np.asarray(logits_fn(model)(jnp.asarray(tokens)), np.float64)
   logits -= logits.max(-1, keepdims=True)
   logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
   return [logp[i, :len(seq)] for i, seq in enumerate(sequences)]

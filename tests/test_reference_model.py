@@ -118,7 +118,8 @@ def _budget(budget) -> dict:
   if isinstance(budget, kj.SaturatingBudget):
     return dict(mode="saturation", limit=budget.limit, min_rows=budget.min_rows,
                 round_down=budget.round_down)
-  raise NotImplementedError(f"the reference has no budget {budget!r}")
+  raise ValueError(f"budget {budget!r}: the reference model knows FixedBudget, PowerLawBudget and "
+                   "SaturatingBudget only.")
 
 
 def _reference_config(cfg: kj.ModelConfig) -> dict:

@@ -32,14 +32,6 @@ TINY = ["--config=train/configs/tiny_mqar.py", "--config.steps=40", "--config.ba
 STEPS = 40
 
 
-def _env(devices: int = 1) -> dict:
-  """A subprocess environment without the persistent compilation cache (for the few runs that
-  do not need one); the runs of the resume test use the ``subprocess_environ`` fixture."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-  return env
-
-
 def _lines(workdir: Path) -> dict[int, str]:
   """The raw ``metrics.jsonl`` line of every logged step (each step exactly once)."""
   lines = [l for l in (workdir / "metrics.jsonl").read_text().splitlines() if l.strip()]
@@ -364,9 +356,9 @@ def test_resume_flag_requires_a_checkpoint(tmp_path):
     main(["--config=train/configs/tiny_mqar.py", f"--workdir={tmp_path}", "--resume"])
 
 
-def test_cli_help_explains_flags():
+def test_cli_help_explains_flags(subprocess_environ):
   out = subprocess.run([sys.executable, "-m", "kvm_jax.train.main", "--help"], cwd=ROOT,
-                       env=_env(),
+                       env=subprocess_environ(),
                        capture_output=True, text=True, timeout=120)
   assert out.returncode == 0
   for flag in ("--config", "--workdir", "--config.FIELD=VALUE", "resumes", "--resume",
@@ -456,7 +448,6 @@ def test_run_files_of_a_bucket_workdir_go_to_the_bucket(tmp_path, monkeypatch):
   test double, which maps gs://bucket to a local folder), never to a local "gs:" folder; an
   object store cannot append, so the metrics file is rewritten whole, and a resume still drops
   the steps it will redo."""
-  import os
   from etils.epath import testing as epath_testing
   from kvm_jax.runs.config import TrainConfig
   from kvm_jax.runs.directory import load_config as load_run_config, save_config
