@@ -24,10 +24,17 @@ from kvm_jax.generate import SamplingConfig, generate, generate_text, sample_log
 
 __version__ = "0.1.0"
 
+
+def load_pretrained(path, dtype: str = "float32", **kwargs):
+  """A ``kvm_jax.LM`` from the authors' Hugging Face checkpoint directory or a kvm_jax run
+  directory: :func:`kvm_jax.hf.load_pretrained` (imported on first use: it pulls in orbax)."""
+  from kvm_jax.hf.load import load_pretrained as load
+  return load(path, dtype, **kwargs)
+
 __all__ = [
     "KVMConfig", "FixedBudget", "PowerLawBudget", "SaturatingBudget", "CallableBudget",
     "KVMSchedule", "kvm_schedule", "state_rows_after", "KVMParams", "KVMState", "KVMCache",
     "kvm_attention", "kvm_attention_reference", "kvm_init_cache", "kvm_prefill", "kvm_decode_step",
     "ModelConfig", "LM", "count_params", "presets", "generate", "generate_text", "SamplingConfig",
-    "sample_logits",
+    "sample_logits", "load_pretrained",
 ]

@@ -34,7 +34,8 @@ from kvm_jax.ops.loss import IGNORE, cross_entropy_sums, sliced_loss_sums
 from kvm_jax.progress import ProgressBar
 from kvm_jax.runs.checkpoint import Checkpointer, abstract_like
 from kvm_jax.runs.config import TrainConfig
-from kvm_jax.runs.directory import CHECKPOINT_DIR, save_config
+from kvm_jax.runs.directory import (CHECKPOINT_DIR, IMPORT_RECORD, is_run_directory, load_config,
+                                    save_config)
 from kvm_jax.tasks import mqar, niah, text
 from kvm_jax.tasks.pipeline import BatchReader
 from kvm_jax.tasks.shards import TokenShards, shard_dataset
@@ -242,6 +243,26 @@ def make_train_step(graphdef, optimizer, shardings=None, cfg: TrainConfig | None
                  out_shardings=(p_sh, o_sh, replicated))
 
 
+# Model fields a fine-tuning run (TrainConfig.init_from) takes from its own config; every other
+# field comes from the run it starts from, whose parameters fix the architecture.
+FINE_TUNE_FIELDS = ("param_dtype", "compute_dtype", "kvm_implementation",
+                    "attention_implementation")
+
+
+def with_init_model(cfg: TrainConfig) -> TrainConfig:
+  """``cfg`` with ``model`` taken from ``cfg.init_from``'s run directory (except
+  :data:`FINE_TUNE_FIELDS`); ``cfg`` itself when it starts from scratch."""
+  if not cfg.init_from:
+    return cfg
+  if not is_run_directory(cfg.init_from):
+    raise ValueError(f"init_from={cfg.init_from!r} is not a run directory (no config.json); give "
+                     "a kvm-train workdir or a kvm-import output (kvm-import converts the "
+                     "authors' checkpoints).")
+  source = load_config(cfg.init_from).model
+  model = dataclasses.replace(source, **{f: getattr(cfg.model, f) for f in FINE_TUNE_FIELDS})
+  return dataclasses.replace(cfg, model=model)
+
+
 def setup(cfg: TrainConfig, mesh=None):
   """Model, optimizer and sharded initial state: (graphdef, params, opt_state, optimizer, shardings)."""
   mesh = mesh or sharding.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
@@ -435,10 +456,18 @@ def train(cfg: TrainConfig, workdir, *, verbose: bool = True,
   same arguments. ``profile_steps=(A, B)`` writes a ``jax.profiler`` trace of steps A..B to
   ``workdir/profile`` on process 0. Raises :class:`NonFiniteError` when a step's loss or gradient
   is not finite and ``cfg.on_nonfinite == "stop"``."""
+  cfg = with_init_model(cfg)
   cfg.validate()
   primary = jax.process_index() == 0
   verbose = verbose and primary
   workdir = epath.Path(workdir)  # save_config and the metrics writer create it (process 0)
+  if (workdir / IMPORT_RECORD).exists():
+    raise ValueError(f"{workdir} was written by kvm-import: it holds parameters without an "
+                     f"optimizer state. Fine-tune from it in a new directory: "
+                     f"--config.init_from={workdir} --workdir=NEW_DIR.")
+  if cfg.init_from and epath.Path(cfg.init_from).resolve() == workdir.resolve():
+    raise ValueError(f"init_from={cfg.init_from!r} is the workdir itself; write the fine-tuning "
+                     "run to another directory.")
   graphdef, params, opt_state, optimizer, shardings = setup(cfg)
   batch_sh = shardings[2]
   rows = sharding.host_rows(batch_sh, cfg.batch_size)
@@ -455,6 +484,15 @@ def train(cfg: TrainConfig, workdir, *, verbose: bool = True,
     reader.set_state(data_state)
     if verbose:
       print(f"resumed from step {start} in {workdir}")
+  elif cfg.init_from:
+    source = Checkpointer(epath.Path(cfg.init_from) / CHECKPOINT_DIR)
+    try:  # onto this run's shardings and parameter dtype
+      init_step, params = source.restore_params(abstract_like(params))
+    finally:
+      source.close()
+    if verbose:
+      print(f"fine-tuning from {cfg.init_from} (step {init_step}): its model and parameters, a "
+            "fresh optimizer and data stream")
   metrics = MetricsWriter(workdir, resume_step=start, enabled=primary)
   train_step = make_train_step(graphdef, optimizer, shardings, cfg)
   halted = jax.device_put(jnp.zeros((), bool), NamedSharding(batch_sh.mesh, PartitionSpec()))

@@ -12,6 +12,12 @@ Flags:
                           command on the same DIR resumes from its latest checkpoint.
   --config.FIELD=VALUE    override any config field, nested with dots
                           (e.g. --config.model.num_layers=4, --config.mqar.num_pairs=16).
+  --config.init_from=DIR  fine-tune: start from the newest parameters of run directory DIR (a
+                          kvm-train workdir, or kvm-import's conversion of the authors' released
+                          checkpoints) with a fresh optimizer and data stream. DIR's model config
+                          replaces the config file's, except param_dtype, compute_dtype,
+                          kvm_implementation and attention_implementation. Once --workdir has
+                          checkpoints, re-running resumes from them instead.
   --show-config           print the resolved config and exit.
   --resume                require a checkpoint in --workdir and continue from it (without the
                           flag a run resumes when checkpoints exist and starts fresh otherwise).
@@ -61,7 +67,7 @@ from etils import epath
 
 from kvm_jax.runs import launch
 from kvm_jax.train import memory
-from kvm_jax.train.loop import NonFiniteError, parse_profile_steps, train
+from kvm_jax.train.loop import NonFiniteError, parse_profile_steps, train, with_init_model
 
 
 INSTALLED_CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -167,6 +173,7 @@ def main(argv=None) -> int:
     key, value = item[len("--config."):].split("=", 1)
     cfg = apply_override(cfg, key, value)
   try:
+    cfg = with_init_model(cfg)
     cfg.validate()
   except ValueError as e:
     raise SystemExit(f"invalid config: {e}") from None

@@ -55,6 +55,12 @@ class TrainConfig:
     on_nonfinite: what a non-finite loss or gradient does: "stop" (the run stops with an error;
       parameters stay those before the bad step and no checkpoint is written) or "skip" (that
       update is dropped, counted in ``skipped_steps``, and training goes on).
+    init_from: a run directory (``kvm-train``'s, or ``kvm-import``'s from the authors' released
+      checkpoints) to fine-tune: a new run starts from its newest parameters with a fresh optimizer
+      and data stream, and its model config replaces ``model`` except for ``model``'s
+      param_dtype, compute_dtype, kvm_implementation and attention_implementation
+      (``kvm_jax.train.loop.FINE_TUNE_FIELDS``). A run that already has checkpoints resumes from
+      them instead. "" = train from a fresh initialization.
   """
 
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -88,6 +94,7 @@ class TrainConfig:
   loss_slice_len: int = 0
   grad_clip_norm: float = 0.0
   on_nonfinite: str = "stop"
+  init_from: str = ""
 
   @property
   def micro_batch_size(self) -> int:

@@ -26,6 +26,10 @@ from kvm_jax.tasks.niah import NIAHSpec
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
+# Written by kvm-import (kvm_jax.hf): where the parameters came from. Such a directory holds
+# parameters without an optimizer state: it is a starting point (TrainConfig.init_from), not a run
+# to resume.
+IMPORT_RECORD = "import.json"
 # Classes a run's config.json may name, beyond the model configs config_io always knows.
 TRAIN_CLASSES = (TrainConfig, MQARSpec, NIAHSpec)
 

@@ -1,0 +1,117 @@
+"""``kvm-import`` and ``kvm-export``: the authors' Hugging Face checkpoints to kvm_jax run
+directories and back (docs/checkpoints.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from kvm_jax.hf.config import NUMERICS, ConfigError, ExportError
+from kvm_jax.hf.load import DTYPES, export_run, import_checkpoint, numerics_note
+from kvm_jax.hf.safetensors import CheckpointError
+
+IMPORT_HELP = """\
+Write a kvm_jax run directory (config.json, checkpoints/0 with the parameters, import.json) from a
+checkpoint in the authors' Hugging Face format: config.json of their MixerConfig and
+model.safetensors (or model-*.safetensors shards with model.safetensors.index.json), e.g. one of
+the paper's released models fetched with `hf download`. The result works wherever a run directory
+does: kvm-eval --checkpoint DEST, the lm-eval adapter (KVMEvalLM(checkpoint=DEST)),
+kvm_jax.load_pretrained(DEST), and fine-tuning with kvm-train --config.init_from=DEST.
+
+  kvm-import ~/models/kvm-256-120m runs/kvm256 --tokenizer gpt2/tokenizer.json
+"""
+
+EXPORT_HELP = """\
+Write config.json + model.safetensors in the authors' format from a kvm_jax run directory's
+parameters, loadable by their RWKV7BackboneForCausalLM.from_pretrained (their repository's model/
+on the Python path). Models their code cannot express (cross-layer KV sharing, a callable KVM
+budget, layer layouts other than one mixer or two alternating, ...) are refused with the reason.
+
+  kvm-export runs/text exported/text-kvm
+"""
+
+
+def _fail(e: Exception) -> int:
+  print(f"error: {e}", file=sys.stderr)
+  return 2
+
+
+def import_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="kvm-import", description=IMPORT_HELP,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("src", help="the authors'-format model directory (config.json + safetensors).")
+  p.add_argument("dest", help="the run directory to create (must not exist or be empty).")
+  p.add_argument("--dtype", choices=DTYPES, default="float32",
+                 help="parameter and activation dtype of the run (default float32; bfloat16 "
+                      "halves memory and is how the authors trained).")
+  p.add_argument("--numerics", choices=NUMERICS, default="authors",
+                 help="'authors' (default) casts the RoPE tables and the KVM state-value readout "
+                      "to bfloat16 as their code does, so logits match theirs; 'float32' "
+                      "computes both in float32.")
+  p.add_argument("--tokenizer", default=None, metavar="TOKENIZER_JSON",
+                 help="a tokenizer.json to record in the run (default: SRC/tokenizer.json when "
+                      "present; otherwise none, and text evaluations need one: the paper's models "
+                      "use GPT-2's).")
+  p.add_argument("--overwrite", action="store_true",
+                 help="replace DEST if it exists and is not empty.")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar while reading.")
+  return p
+
+
+def import_main(argv: Optional[Sequence[str]] = None) -> int:
+  args = import_parser().parse_args(argv)
+  try:
+    dest = import_checkpoint(args.src, args.dest, dtype=args.dtype, numerics=args.numerics,
+                             tokenizer_file=args.tokenizer, overwrite=args.overwrite,
+                             progress=not args.no_progress)
+  except (CheckpointError, ConfigError, FileExistsError, FileNotFoundError, ValueError) as e:
+    return _fail(e)
+  from kvm_jax.runs.directory import load_config
+  cfg = load_config(dest)
+  print(f"imported {args.src} -> {dest}: {cfg.model.num_layers} layers "
+        f"({', '.join(sorted(set(cfg.model.layer_mixers)))}), width {cfg.model.hidden_size}, "
+        f"vocabulary {cfg.model.vocab_size}, {args.dtype}, {args.numerics} numerics"
+        + ("" if cfg.tokenizer_file else "; no tokenizer recorded (pass --tokenizer for text)"))
+  return 0
+
+
+def export_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="kvm-export", description=EXPORT_HELP,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("run_dir", help="a kvm_jax run directory (kvm-train, kvm-demo sub-run, kvm-import).")
+  p.add_argument("dest", help="the directory to write (must not exist or be empty).")
+  p.add_argument("--step", type=int, default=None,
+                 help="checkpoint step to export (default: the newest).")
+  p.add_argument("--dtype", choices=DTYPES, default=None,
+                 help="tensor dtype in the file (default: the run's parameter dtype).")
+  p.add_argument("--max-shard-size", type=float, default=None, metavar="GB",
+                 help="split the weights into shards of at most this many GB (10^9 bytes) with "
+                      "model.safetensors.index.json, as Hugging Face does (default: one file).")
+  p.add_argument("--overwrite", action="store_true",
+                 help="replace DEST if it exists and is not empty.")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar while writing.")
+  return p
+
+
+def export_main(argv: Optional[Sequence[str]] = None) -> int:
+  args = export_parser().parse_args(argv)
+  shard = None if args.max_shard_size is None else int(args.max_shard_size * 1e9)
+  if shard is not None and shard < 1:
+    return _fail(ValueError(f"--max-shard-size={args.max_shard_size} must be positive."))
+  try:
+    files = export_run(args.run_dir, args.dest, step=args.step, dtype=args.dtype,
+                       max_shard_bytes=shard, overwrite=args.overwrite,
+                       progress=not args.no_progress)
+  except (CheckpointError, ExportError, FileExistsError, ValueError) as e:
+    return _fail(e)
+  from kvm_jax.runs.directory import load_config
+  note = numerics_note(load_config(args.run_dir).model)
+  print(f"exported {args.run_dir} -> {args.dest}: {', '.join(f.name for f in files)}")
+  if note:
+    print(f"note: {note}")
+  return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+  sys.exit(import_main())

@@ -1,0 +1,442 @@
+"""The authors' model configuration (``config.json`` of their Hugging Face checkpoints) and
+:class:`kvm_jax.ModelConfig`, translated both ways (docs/checkpoints.md).
+
+Their ``MixerConfig`` (``model/rwkv7_backbone.py`` of featherless-ai/KVM-paper) is a flat list of
+fields. :data:`AUTHORS_DEFAULTS` lists every one of them with its default, and each is either
+*mapped* onto a kvm_jax field, *checked* (it selects something kvm_jax does not implement, which
+is an error naming the field and the value, unless the value is the one kvm_jax implements), or
+*inert* (it cannot change what the model computes: options of mixers the model does not use,
+kernel switches, fields their eager code never reads).
+
+A model alternates two mixers when ``alt_layer_every = e >= 2``: layer i runs the *alt* mixer when
+``i % e == 0`` and the main ``token_mixer`` otherwise (the paper's hybrids: e = 2, SWA on the even
+layers). Each mixer kind takes its value-residual anchor from its first layer, as kvm_jax does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from kvm_jax.budget import CallableBudget, FixedBudget, PowerLawBudget, SaturatingBudget
+from kvm_jax.config import KVMConfig
+from kvm_jax.model_config import ModelConfig
+
+MODEL_CLASS_PATH = "model.rwkv7_backbone.RWKV7BackboneForCausalLM"
+MODEL_TYPE = "rwkv7backbone"
+ARCHITECTURE = "RWKV7BackboneForCausalLM"
+NUMERICS = ("authors", "float32")
+
+# Every field of the authors' MixerConfigDataclass (and its RWKV7BackboneConfigDataclass base),
+# with its default, as of featherless-ai/KVM-paper commit 6bd7dfd.
+AUTHORS_DEFAULTS: dict[str, Any] = {
+    "model_class_path": MODEL_CLASS_PATH,
+    "vocab_size": 50304, "num_hidden_layers": 12, "num_attention_heads": 6,
+    "num_key_value_heads": None, "d_qk_head": None, "d_v_head": None, "d_head": None,
+    "hidden_size": 768, "mup_base_dim": 768, "rope_theta": 10000.0, "rope_partial_dim": 64,
+    "alt_rope_theta": 10000.0, "alt_rope_partial_dim": 64, "alt_share_v0": 0,
+    "ffn_expansion": 4.0, "token_mixer": "rwkv7", "token_mixer_class_path": None,
+    "alt_token_mixer": "swa", "alt_token_mixer_class_path": None, "alt_layer_every": -1,
+    "use_tokenshift_ffn": 0, "use_block_lambdas": 0, "use_skip_connections": 0,
+    "use_l2wrap": 0, "logit_softcap": 0.0, "residual_scale": None,
+    "use_value_residual": 1, "gptalpha_value_residual_mode": "rwkv",
+    "gptalpha_token_shift_mode": "rwkv", "kvm_value_residual_mode": "rwkv",
+    "kvm_token_shift_mode": "rwkv", "kvm_apply_merge_gate_to_initial_state": 0,
+    "kvm_apply_merge_gate_to_appends": 0, "kvm_use_merge_gate_keys": 1,
+    "kvm_use_merge_gate_values": 1, "kvm_use_head_temps": 1, "kvm_use_vlens": 1,
+    "kvm_aotriton_forward_attention": 1, "kvm_aotriton_precompiled_forward": 0,
+    "ovq_value_residual_mode": "rwkv", "ovq_token_shift_mode": "rwkv", "use_tokenshift_att": 0,
+    "swa_value_residual_mode": "rwkv", "swa_token_shift_mode": "rwkv", "swa_window_size": -1,
+    "ovq_window_size": 128, "ovq_chunk_size": 128, "ovq_max_centroids": 2048,
+    "ovq_normalize_centroids": 0, "ovq_use_min_state_size": 0, "ovq_use_counts_for_lr_only": 0,
+    "ovq_use_delta_rule": 0, "kda_expand_k": 1.0, "kda_expand_v": 1.0, "kda_conv_size": 4,
+    "kda_conv_bias": 0, "kda_allow_neg_eigval": 0, "kda_token_shift_mode": "none",
+    "kda_value_residual_mode": "none", "gated_deltanet_expand_k": 0.75,
+    "gated_deltanet_expand_v": 1.5, "gated_deltanet_num_kv_heads": None,
+    "gated_deltanet_conv_size": 4, "gated_deltanet_conv_bias": 0,
+    "gated_deltanet_use_mamba_gate": 1, "gated_deltanet_token_shift_mode": "none",
+    "gated_deltanet_value_residual_mode": "none", "sink_len": 1, "chunk_len": 256,
+    "n_max_d_chunks": 1, "n_bswa_chunks": 2, "state_budget_mode": "fixed",
+    "state_growth_factor": 1.0, "state_growth_exponent": 0.5, "state_round_down": 1,
+    "state_min_len": -1, "state_saturation_n": None, "use_overflow_v_key_weighting": 1,
+    "use_state_deltarule": 0, "use_state_decay": 0, "lact_value_residual_mode": "rwkv",
+    "lact_token_shift_mode": "rwkv", "lact_actual_rope_partial_dim": -1,
+    "lact_lact_window_size": -1, "lact_chunk_size": -1, "lact_num_fw_heads": -1,
+    "lact_inter_multi": 1.0, "lact_norm_eps": 1e-6, "lact_attn_qk_norm": 0,
+    "lact_w0_w2_low_rank": 32, "lact_fw_init_gain": 0.5, "lact_ttt_lag": 0, "lact_factor": 1.0,
+    "lact_use_muon": 0, "lact_learnable_muon_lr": 0, "lact_muon_lr_reduce_exp": 2,
+    "lact_use_momentum": 1, "lact_ttt_prenorm": 0, "lact_ttt_nope": 0, "lact_no_v_silu": 0,
+    "lact_use_bswa": 0, "param_dtype": "bfloat16",
+}
+
+# Fields that never change what a loaded model computes: options of the mixers kvm_jax does not
+# implement (a model using those mixers is refused on ``token_mixer`` already), switches between
+# the authors' eager and Triton kernels, the dtype their trainer builds in (the tensors' own
+# dtypes are what is loaded), and fields their eager path never reads (docs/kvm-spec.md §2).
+INERT_PREFIXES = ("ovq_", "kda_", "gated_deltanet_", "lact_")
+INERT_FIELDS = {"kvm_aotriton_forward_attention", "kvm_aotriton_precompiled_forward",
+                "param_dtype", "use_overflow_v_key_weighting", "use_state_deltarule",
+                "use_state_decay", "model_class_path"}
+
+# Keys Hugging Face's PretrainedConfig writes into every config.json; none describes the network.
+HF_KEYS = {
+    "architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype",
+    "pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id",
+    "tie_word_embeddings", "tie_worhidden_sizedings", "max_position_embeddings", "use_cache",
+    "return_dict", "output_hidden_states", "output_attentions", "torchscript", "chunk_size_feed_forward",
+    "is_encoder_decoder", "is_decoder", "cross_attention_hidden_size", "add_cross_attention",
+    "tie_encoder_decoder", "problem_type", "id2label", "label2id", "task_specific_params",
+    "finetuning_task", "tokenizer_class", "prefix", "name_or_path", "_name_or_path",
+    "_commit_hash", "_attn_implementation_autoset", "pruned_heads", "bad_words_ids",
+    "output_scores", "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id",
+    "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens", "num_labels", "typical_p", "use_bfloat16", "tf_legacy_loss",
+    "generation_config", "transformers.js_config", "quantization_config",
+}
+
+# The authors' mixer names (``token_mixer``) and class paths, by kvm_jax mixer kind.
+AUTHORS_MIXERS = {"kvm": "kvm", "gptalpha": "full", "swa": "swa", "gptalpha_bswa": "bswa"}
+KVM_JAX_MIXERS = {kind: name for name, kind in AUTHORS_MIXERS.items()}
+CLASS_PATHS = {
+    "model.kvm_mixer.SequenceMixer": "kvm",
+    # The Triton kernels and the fp32-routing variant hold the eager layer's parameters and compute
+    # the same function (their own numerics aside).
+    "model.kvm_triton_mixer.SequenceMixer": "kvm",
+    "model.kvm_fp32_routing_reference.SequenceMixer": "kvm",
+    "model.gptalpha_mixer.SequenceMixer": "full",
+    "model.swa_mixer.SequenceMixer": "swa",
+    "model.gptalpha_bswa_mixer.SequenceMixer": "bswa",
+}
+# Which prefix of the *_value_residual_mode / *_token_shift_mode fields each kind reads.
+MODE_PREFIX = {"kvm": "kvm", "full": "gptalpha", "bswa": "gptalpha", "swa": "swa"}
+# The authors' "no cap" for growing budgets (n_max_d_chunks in their sqrt and saturation configs).
+NO_CAP_CHUNKS = 10000
+
+
+class ConfigError(ValueError):
+  """A configuration that cannot be translated; the message names the field and the value."""
+
+
+def _resolve_mixer(cfg: dict, role: str) -> str:
+  """kvm_jax kind of the ``main`` or ``alt`` mixer of an authors' config."""
+  name_field, path_field = (("token_mixer", "token_mixer_class_path") if role == "main"
+                            else ("alt_token_mixer", "alt_token_mixer_class_path"))
+  path = cfg[path_field]
+  if path is not None:
+    if path not in CLASS_PATHS:
+      raise ConfigError(f"{path_field}={path!r}: kvm_jax implements only "
+                        f"{sorted(CLASS_PATHS)}.")
+    return CLASS_PATHS[path]
+  name = cfg[name_field]
+  if name not in AUTHORS_MIXERS:
+    raise ConfigError(f"{name_field}={name!r}: kvm_jax implements the mixers "
+                      f"{sorted(AUTHORS_MIXERS)} (KVM, full attention, SWA, block SWA), not "
+                      f"{name!r}.")
+  return AUTHORS_MIXERS[name]
+
+
+def _flag(cfg: dict, name: str) -> bool:
+  value = cfg[name]
+  if value in (0, 1, True, False):
+    return bool(value)
+  raise ConfigError(f"{name}={value!r} must be 0 or 1.")
+
+
+def _int(cfg: dict, name: str, minimum: Optional[int] = None) -> int:
+  value = cfg[name]
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+    raise ConfigError(f"{name}={value!r} must be an integer.")
+  if minimum is not None and value < minimum:
+    raise ConfigError(f"{name}={value!r} must be >= {minimum}.")
+  return int(value)
+
+
+def authors_fields(config: dict) -> tuple[dict, list[str]]:
+  """The authors' fields of a ``config.json`` with their defaults filled in, and the keys that are
+  neither their fields nor Hugging Face's (reported as warnings by the loader)."""
+  if not isinstance(config, dict):
+    raise ConfigError(f"config.json must hold a JSON object, got {type(config).__name__}.")
+  full = dict(AUTHORS_DEFAULTS)
+  full.update({k: v for k, v in config.items() if k in AUTHORS_DEFAULTS})
+  unknown = sorted(k for k in config if k not in AUTHORS_DEFAULTS and k not in HF_KEYS)
+  return full, unknown
+
+
+def layer_kinds(cfg: dict) -> tuple[str, ...]:
+  """kvm_jax mixer kind of each layer of an authors' config (fields already filled in)."""
+  layers = _int(cfg, "num_hidden_layers", 1)
+  main = _resolve_mixer(cfg, "main")
+  every = _int(cfg, "alt_layer_every")
+  if every <= 1:  # their Block alternates only for alt_layer_every > 1
+    return (main,) * layers
+  alt = _resolve_mixer(cfg, "alt")
+  if alt == main:
+    raise ConfigError(f"alt_token_mixer={cfg['alt_token_mixer']!r} is the same kind as "
+                      f"token_mixer={cfg['token_mixer']!r} ({main}); in their code each role then "
+                      "anchors its value residual on a different layer, which kvm_jax does not "
+                      "express.")
+  if layers < 2:
+    raise ConfigError(f"alt_layer_every={every} needs num_hidden_layers >= 2 (their model reads "
+                      f"layer 1 as the first main layer), got {layers}.")
+  return tuple(alt if i % every == 0 else main for i in range(layers))
+
+
+def model_config_from_authors(config: dict, *, numerics: str = "authors",
+                              dtype: str = "float32") -> ModelConfig:
+  """The :class:`ModelConfig` of an authors' ``config.json`` (a dict).
+
+  Args:
+    config: the parsed ``config.json``; absent fields take the authors' defaults.
+    numerics: "authors" reproduces their hard-coded bfloat16 casts (RoPE tables, the KVM
+      state-value readout; docs/kvm-spec.md §5, §11.6); "float32" computes both in float32.
+    dtype: parameter and activation dtype, "float32" or "bfloat16".
+
+  Raises:
+    ConfigError: a field selects something kvm_jax does not implement (the message names it).
+  """
+  if numerics not in NUMERICS:
+    raise ConfigError(f"numerics={numerics!r}; choose from {NUMERICS}.")
+  cfg, _ = authors_fields(config)
+  if cfg["model_class_path"] not in (None, MODEL_CLASS_PATH):
+    raise ConfigError(f"model_class_path={cfg['model_class_path']!r}: kvm_jax reads "
+                      f"{MODEL_CLASS_PATH} checkpoints only.")
+  for name, implemented in (("use_block_lambdas", 0), ("use_skip_connections", 0),
+                            ("use_l2wrap", 0)):
+    if _flag(cfg, name) != bool(implemented):
+      raise ConfigError(f"{name}={cfg[name]!r}: kvm_jax does not implement "
+                        f"{name.removeprefix('use_').replace('_', ' ')}; only {implemented} "
+                        "loads.")
+  if cfg["logit_softcap"] not in (0, 0.0, None):
+    raise ConfigError(f"logit_softcap={cfg['logit_softcap']!r}: kvm_jax's LM head has no logit "
+                      "soft-capping; only 0 loads.")
+  kinds = layer_kinds(cfg)
+  used = sorted(set(kinds))
+  every = _int(cfg, "alt_layer_every")
+  alternates = every > 1
+
+  # Heads and widths, exactly as their ValueResidualMixin resolves them.
+  hidden, heads = _int(cfg, "hidden_size", 1), _int(cfg, "num_attention_heads", 1)
+  d_qk = cfg["d_qk_head"] or cfg["d_head"] or hidden // heads
+  d_v = cfg["d_v_head"] or cfg["d_head"] or hidden // heads
+  kv_heads = cfg["num_key_value_heads"]
+
+  # RoPE: the main role's layers use (rope_partial_dim, rope_theta), the alt role's
+  # (alt_rope_partial_dim, alt_rope_theta). kvm_jax has one width for swa layers and one for the
+  # others, and one theta.
+  def role_rope(kind):
+    if alternates and kind == kinds[0]:
+      return _int(cfg, "alt_rope_partial_dim", 0), float(cfg["alt_rope_theta"]), "alt_"
+    return _int(cfg, "rope_partial_dim", 0), float(cfg["rope_theta"]), ""
+  ropes = {kind: role_rope(kind) for kind in used}
+  thetas = {theta for dims, theta, _ in ropes.values() if dims > 0}
+  if len(thetas) > 1:
+    raise ConfigError(f"rope_theta={cfg['rope_theta']!r} and alt_rope_theta="
+                      f"{cfg['alt_rope_theta']!r} differ; kvm_jax uses one RoPE base for every "
+                      "layer.")
+  theta = thetas.pop() if thetas else float(cfg["rope_theta"])
+  non_swa = {ropes[k][0] for k in used if k != "swa"}
+  if len(non_swa) > 1:
+    raise ConfigError(f"rope_partial_dim={cfg['rope_partial_dim']!r} and alt_rope_partial_dim="
+                      f"{cfg['alt_rope_partial_dim']!r} differ between two non-SWA mixers; "
+                      "kvm_jax gives all non-SWA layers one RoPE width.")
+  rope_dims = non_swa.pop() if non_swa else _int(cfg, "rope_partial_dim", 0)
+  swa_rope = ropes["swa"][0] if "swa" in used else None
+
+  # Front end: token shift and value residual, per mixer kind's own mode fields.
+  def shifts(kind):
+    mode = cfg[f"{MODE_PREFIX[kind]}_token_shift_mode"]
+    return _flag(cfg, "use_tokenshift_att") and mode == "rwkv"
+  shift = {kind: shifts(kind) for kind in used}
+  if len(set(shift.values())) > 1:
+    raise ConfigError("the token shift of attention is on for some mixers and off for others ("
+                      + ", ".join(f"{MODE_PREFIX[k]}_token_shift_mode="
+                                  f"{cfg[MODE_PREFIX[k] + '_token_shift_mode']!r}" for k in used)
+                      + "); kvm_jax applies one setting to every layer.")
+  value_residual = _flag(cfg, "use_value_residual")
+  if value_residual:
+    for kind in used:
+      field = f"{MODE_PREFIX[kind]}_value_residual_mode"
+      if cfg[field] != "rwkv":
+        raise ConfigError(f"{field}={cfg[field]!r}: kvm_jax implements the 'rwkv' value residual "
+                          "only.")
+
+  chunk, window_chunks = _int(cfg, "chunk_len", 1), _int(cfg, "n_bswa_chunks", 1)
+  sink = _int(cfg, "sink_len", 0)
+  readout = "bfloat16" if numerics == "authors" else None
+  kvm = KVMConfig()
+  if "kvm" in used:
+    dims = ropes["kvm"][0]
+    zeroed = cfg["rope_partial_dim"] if cfg["rope_partial_dim"] > 0 else d_qk
+    if dims <= 0 or zeroed != dims:
+      raise ConfigError(
+          f"the KVM layers rotate {dims} channels (rope_partial_dim / alt_rope_partial_dim) but "
+          f"their state keys zero {zeroed} (rope_partial_dim={cfg['rope_partial_dim']}, where 0 "
+          "means every channel); kvm_jax zeroes exactly the rotary channels, so the two must be "
+          "equal and positive.")
+    if not _flag(cfg, "kvm_use_vlens"):
+      raise ConfigError("kvm_use_vlens=0: their state-value readout without radii divides by a "
+                        "count that is never kept (docs/kvm-spec.md §6.9); kvm_jax does not "
+                        "reproduce it (its value_norm='none' reads raw sums instead).")
+    try:
+      kvm = KVMConfig(
+          chunk_size=chunk, window_chunks=window_chunks, sink_rows=sink, rope_dims=dims,
+          budget=_budget(cfg), max_state_rows=chunk * _int(cfg, "n_max_d_chunks", 1),
+          gate_keys=_flag(cfg, "kvm_use_merge_gate_keys"),
+          gate_values=_flag(cfg, "kvm_use_merge_gate_values"),
+          gate_appends=_flag(cfg, "kvm_apply_merge_gate_to_appends"),
+          gate_initial_state=_flag(cfg, "kvm_apply_merge_gate_to_initial_state"),
+          head_temperatures=_flag(cfg, "kvm_use_head_temps"), value_norm="radius",
+          readout_value_dtype=readout)
+    except ConfigError:
+      raise
+    except ValueError as e:  # KVMConfig's own validation
+      raise ConfigError(f"the KVM fields (chunk_len, n_bswa_chunks, sink_len, state_*) give no "
+                        f"valid KVM layer: {e}") from None
+  swa_window = cfg["swa_window_size"]
+  swa_window = _int(cfg, "swa_window_size") if swa_window > 0 else chunk  # their swa_mixer rule
+  try:
+    return ModelConfig(
+        vocab_size=_int(cfg, "vocab_size", 1), num_layers=len(kinds), hidden_size=hidden,
+        num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=None if d_qk == hidden // heads else d_qk,
+        value_head_dim=None if d_v == d_qk else d_v,  # kvm_jax's value width defaults to D
+        mixers=kinds[0] if len(used) == 1 else kinds, kvm=kvm, rope_dims=rope_dims,
+        rope_theta=theta, swa_window=swa_window, swa_rope_dims=swa_rope,
+        bswa_chunk_size=chunk, bswa_window_chunks=window_chunks, bswa_sink_rows=sink,
+        ffn_expansion=float(cfg["ffn_expansion"]),
+        residual_scale=float(cfg["residual_scale"]) if cfg["residual_scale"] else None,
+        tokenshift_attention=shift[used[0]], tokenshift_mlp=_flag(cfg, "use_tokenshift_ffn"),
+        value_residual=value_residual, share_value_anchor=alternates and _flag(cfg, "alt_share_v0"),
+        mup_base_dim=_int(cfg, "mup_base_dim", 1), param_dtype=dtype, compute_dtype=dtype,
+        rope_table_dtype="bfloat16" if numerics == "authors" else "float32")
+  except ValueError as e:
+    raise ConfigError(f"config.json gives no valid kvm_jax model: {e}") from None
+
+
+def _budget(cfg: dict):
+  """The KVM budget of an authors' config (docs/kvm-spec.md §6.3)."""
+  mode = cfg["state_budget_mode"]
+  min_len = max(_int(cfg, "state_min_len"), 0)  # their default -1 never binds: targets are >= 0
+  round_down = _int(cfg, "state_round_down", 1)
+  if mode == "fixed":
+    if min_len < 1:
+      raise ConfigError(f"state_budget_mode='fixed' with state_min_len={cfg['state_min_len']!r}: "
+                        "the fixed budget is state_min_len rows; set it to a positive number.")
+    return FixedBudget(rows=min_len)
+  if mode == "power_law":
+    return PowerLawBudget(float(cfg["state_growth_factor"]), float(cfg["state_growth_exponent"]),
+                          min_rows=min_len, round_down=round_down)
+  if mode == "kvm_saturation":
+    if cfg["state_saturation_n"] is None:
+      raise ConfigError("state_budget_mode='kvm_saturation' needs state_saturation_n (the limit "
+                        "the state saturates toward), got None.")
+    return SaturatingBudget(_int(cfg, "state_saturation_n", 1), min_rows=min_len,
+                            round_down=round_down)
+  raise ConfigError(f"state_budget_mode={mode!r}: choose 'fixed', 'power_law' or "
+                    "'kvm_saturation'.")
+
+
+class ExportError(ValueError):
+  """A kvm_jax model the authors' code cannot express; the message says which setting and why."""
+
+
+def authors_config_from_model(model: ModelConfig) -> dict:
+  """The authors' ``config.json`` fields for ``model`` (every MixerConfig field, plus the Hugging
+  Face keys their ``from_pretrained`` reads), or :class:`ExportError` naming what their code
+  cannot express."""
+  kinds = model.layer_mixers
+  if model.kv_sharing != "none":
+    raise ExportError(f"kv_sharing={model.kv_sharing!r}: their model has no cross-layer KV "
+                      "sharing.")
+  used = sorted(set(kinds))
+  if len(used) == 1:
+    main, alt, every = used[0], None, -1
+  else:
+    main = alt = None
+    every = next((e for e in range(2, len(kinds) + 1)
+                  if len({kinds[i] for i in range(len(kinds)) if i % e == 0}) == 1
+                  and len({kinds[i] for i in range(len(kinds)) if i % e}) == 1
+                  and kinds[0] != kinds[1]), None)
+    if every is None:
+      raise ExportError(f"mixers={kinds}: their model runs one mixer, or two alternating with "
+                        "the alt mixer on layers i % alt_layer_every == 0; this layout is "
+                        "neither.")
+    alt, main = kinds[0], kinds[1]
+  out = dict(AUTHORS_DEFAULTS)
+  out["token_mixer"] = KVM_JAX_MIXERS[main]
+  first_main = kinds.index(main)
+  rope_main = model.rope_dims_of(first_main)
+  out.update(rope_partial_dim=rope_main, rope_theta=float(model.rope_theta),
+             alt_rope_theta=float(model.rope_theta))
+  if alt is not None:
+    out.update(alt_token_mixer=KVM_JAX_MIXERS[alt], alt_layer_every=every,
+               alt_rope_partial_dim=model.rope_dims_of(0),
+               alt_share_v0=int(model.share_value_anchor))
+  chunk, window_chunks, sink = model.bswa_chunk_size, model.bswa_window_chunks, model.bswa_sink_rows
+  if "kvm" in used:
+    k = model.kvm
+    if "bswa" in used and (k.chunk_size, k.window_chunks, k.sink_rows) != (chunk, window_chunks,
+                                                                           sink):
+      raise ExportError("their KVM and block-SWA layers share chunk_len, n_bswa_chunks and "
+                        f"sink_len, but kvm has ({k.chunk_size}, {k.window_chunks}, "
+                        f"{k.sink_rows}) and bswa ({chunk}, {window_chunks}, {sink}).")
+    chunk, window_chunks, sink = k.chunk_size, k.window_chunks, k.sink_rows
+    if model.rope_dims == 0:
+      raise ExportError("rope_dims=0 with KVM layers: their KVM layer zeroes every channel of the "
+                        "state keys when rope_partial_dim is 0, kvm_jax none.")
+    if alt == "kvm" and model.rope_dims_of(0) != rope_main:
+      raise ExportError("their KVM layer zeroes rope_partial_dim channels even as the alt mixer, "
+                        "so the alt and main RoPE widths must be equal.")
+    if k.value_norm != "radius":
+      raise ExportError(f"kvm.value_norm={k.value_norm!r}: their code reads the state values "
+                        "normalized times the radius (kvm_use_vlens=1); its kvm_use_vlens=0 path "
+                        "computes something else (docs/kvm-spec.md §6.9).")
+    if k.ln_eps != 1e-5:
+      raise ExportError(f"kvm.ln_eps={k.ln_eps}: their LN_s uses 1e-5.")
+    out.update(_authors_budget(k))
+    out.update(kvm_use_merge_gate_keys=int(k.gate_keys), kvm_use_merge_gate_values=int(k.gate_values),
+               kvm_apply_merge_gate_to_appends=int(k.gate_appends),
+               kvm_apply_merge_gate_to_initial_state=int(k.gate_initial_state),
+               kvm_use_head_temps=int(k.head_temperatures), kvm_use_vlens=1)
+  out.update(chunk_len=chunk, n_bswa_chunks=window_chunks, sink_len=sink,
+             swa_window_size=model.swa_window)
+  D, Dv = model.qk_head_dim, model.v_head_dim
+  default_head = model.hidden_size // model.num_heads
+  out.update(
+      vocab_size=model.vocab_size, num_hidden_layers=model.num_layers,
+      num_attention_heads=model.num_heads, num_key_value_heads=model.num_kv_heads,
+      hidden_size=model.hidden_size, mup_base_dim=model.mup_base_dim,
+      d_qk_head=None if D == default_head else D, d_v_head=None if Dv == default_head else Dv,
+      ffn_expansion=float(model.ffn_expansion), residual_scale=float(model.scale),
+      use_tokenshift_att=int(model.tokenshift_attention),
+      use_tokenshift_ffn=int(model.tokenshift_mlp), use_value_residual=int(model.value_residual),
+      param_dtype=model.param_dtype)
+  out["model_type"] = MODEL_TYPE
+  out["architectures"] = [ARCHITECTURE]
+  out["tie_word_embeddings"] = False
+  return out
+
+
+def _authors_budget(k: KVMConfig) -> dict:
+  budget, chunk = k.budget, k.chunk_size
+  cap = k.max_state_rows
+  if isinstance(budget, CallableBudget):
+    raise ExportError("a callable KVM budget: their code knows the fixed, power_law and "
+                      "kvm_saturation budgets only.")
+  if isinstance(budget, FixedBudget):
+    rows = budget.rows if cap is None else min(budget.rows, cap)
+    return dict(state_budget_mode="fixed", state_min_len=rows,
+                n_max_d_chunks=math.ceil(rows / chunk))
+  if cap is not None and cap % chunk:
+    raise ExportError(f"kvm.max_state_rows={cap}: their cap is chunk_len x n_max_d_chunks, so it "
+                      f"must be a multiple of chunk_size={chunk}.")
+  n_max = NO_CAP_CHUNKS if cap is None else cap // chunk
+  if isinstance(budget, PowerLawBudget):
+    return dict(state_budget_mode="power_law", state_growth_factor=float(budget.factor),
+                state_growth_exponent=float(budget.exponent), state_min_len=budget.min_rows,
+                state_round_down=budget.round_down, n_max_d_chunks=n_max)
+  if isinstance(budget, SaturatingBudget):
+    return dict(state_budget_mode="kvm_saturation", state_saturation_n=budget.limit,
+                state_min_len=budget.min_rows, state_round_down=budget.round_down,
+                n_max_d_chunks=n_max)
+  raise ExportError(f"kvm.budget={budget!r} has no equivalent in their code.")

@@ -1,0 +1,219 @@
+"""Checkpoints in the authors' Hugging Face format: load one as a kvm_jax ``LM``, import one into a
+run directory, export a run directory back (docs/checkpoints.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from kvm_jax import config_io
+from kvm_jax.hf import safetensors as st
+from kvm_jax.hf.config import (NUMERICS, ConfigError, authors_config_from_model, authors_fields,
+                               model_config_from_authors)
+from kvm_jax.hf.params import from_authors, to_authors
+from kvm_jax.model_config import ModelConfig
+from kvm_jax.runs.checkpoint import Checkpointer
+from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.directory import (CHECKPOINT_DIR, CONFIG_FILE, IMPORT_RECORD, load_config,
+                                    load_trained, save_config)
+
+DTYPES = ("float32", "bfloat16")
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def _read_json(path: Path) -> dict:
+  try:
+    return json.loads(path.read_text())
+  except FileNotFoundError:
+    raise st.CheckpointError(f"{path.parent} has no {path.name}.") from None
+  except json.JSONDecodeError as e:
+    raise st.CheckpointError(f"{path} is not valid JSON ({e}).") from None
+
+
+def checkpoint_kind(path) -> str:
+  """"run" for a kvm_jax run directory, "authors" for a Hugging Face directory in the authors'
+  format; anything else is a :class:`CheckpointError` saying what the directory lacks."""
+  path = Path(path)
+  if not path.is_dir():
+    raise st.CheckpointError(f"{path} is not a directory (give a model directory: config.json and "
+                             "model.safetensors, or a kvm_jax run directory).")
+  config = path / CONFIG_FILE
+  if not config.exists():
+    st.checkpoint_files(path)  # a pickled checkpoint is refused with the conversion hint
+    raise st.CheckpointError(f"{path} has no {CONFIG_FILE}: a model directory needs the config "
+                             "saved with its weights.")
+  data = _read_json(config)
+  if isinstance(data, dict) and config_io.CLASS_KEY in data:
+    return "run"
+  return "authors"
+
+
+def _model_config(cfg: ModelConfig, dtype: str, numerics: Optional[str]) -> ModelConfig:
+  """``cfg`` in ``dtype``, with the numerics switched when ``numerics`` is given."""
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype={dtype!r}; choose from {DTYPES}.")
+  cfg = dataclasses.replace(cfg, param_dtype=dtype, compute_dtype=dtype)
+  if numerics is None:
+    return cfg
+  if numerics not in NUMERICS:
+    raise ValueError(f"numerics={numerics!r}; choose from {NUMERICS}.")
+  authors = numerics == "authors"
+  return dataclasses.replace(
+      cfg, rope_table_dtype="bfloat16" if authors else "float32",
+      kvm=dataclasses.replace(cfg.kvm, readout_value_dtype="bfloat16" if authors else None))
+
+
+def read_authors(path, *, dtype: str = "float32", numerics: str = "authors",
+                 progress: bool = True) -> tuple[dict, ModelConfig, nnx.GraphDef, nnx.State]:
+  """(their config.json, the ModelConfig, graphdef, parameters) of an authors'-format directory."""
+  path = Path(path)
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype={dtype!r}; choose from {DTYPES}.")
+  config = _read_json(path / CONFIG_FILE)
+  _, unknown = authors_fields(config)
+  if unknown:
+    warnings.warn(f"{path / CONFIG_FILE}: ignoring keys that are neither the authors' MixerConfig "
+                  f"fields nor Hugging Face's: {unknown}", stacklevel=3)
+  try:
+    cfg = model_config_from_authors(config, numerics=numerics, dtype=dtype)
+  except ConfigError as e:
+    raise ConfigError(f"{path / CONFIG_FILE}: {e}") from None
+  tensors = st.read_checkpoint(path, progress=progress)
+  graphdef, params = from_authors(tensors, cfg, source=str(path))
+  return config, cfg, graphdef, params
+
+
+def load_pretrained(path, dtype: str = "float32", *, numerics: Optional[str] = None,
+                    step: Optional[int] = None, progress: bool = True):
+  """A model from a checkpoint directory, as a ``kvm_jax.LM`` (its ``cfg`` the ModelConfig).
+
+  ``path`` is either a directory in the authors' Hugging Face format (``config.json`` of their
+  ``MixerConfig`` and ``model.safetensors``, or shards with ``model.safetensors.index.json``), such
+  as the paper's released models, or a kvm_jax run directory (``kvm-train``, ``kvm-import``).
+
+  Args:
+    path: the directory.
+    dtype: parameter and activation dtype, "float32" (default) or "bfloat16"; tensors stored in
+      another dtype are cast.
+    numerics: "authors" computes the RoPE tables and the KVM state-value readout in bfloat16, as
+      their code does; "float32" computes both in float32. The default (None) is "authors" for
+      their checkpoints and the run's own setting for a run directory.
+    step: a run directory's checkpoint step (default: the newest).
+    progress: show a progress bar while reading large files.
+
+  Raises:
+    kvm_jax.hf.CheckpointError: missing files, a truncated or pickled checkpoint, a tensor that
+      is missing, unexpected or misshapen (named in the message).
+    kvm_jax.hf.ConfigError: a config field selects something kvm_jax does not implement (named).
+  """
+  if checkpoint_kind(path) == "run":
+    run_cfg = load_config(path)
+    model_cfg = _model_config(run_cfg.model, dtype, numerics)
+    return load_trained(path, step, dataclasses.replace(run_cfg, model=model_cfg))[1]
+  if step is not None:
+    raise ValueError(f"step={step}: an authors' checkpoint directory holds one set of weights.")
+  _, _, graphdef, params = read_authors(path, dtype=dtype, numerics=numerics or "authors",
+                                        progress=progress)
+  return nnx.merge(graphdef, params)
+
+
+def _fresh_directory(dest: Path, overwrite: bool) -> None:
+  if dest.exists() and any(dest.iterdir()):
+    if not overwrite:
+      raise FileExistsError(f"{dest} exists and is not empty; choose a new directory (or pass "
+                            "overwrite=True / --overwrite to replace it).")
+    shutil.rmtree(dest)
+  dest.mkdir(parents=True, exist_ok=True)
+
+
+def import_checkpoint(src, dest, *, dtype: str = "float32", numerics: str = "authors",
+                      tokenizer_file: Optional[str] = None, overwrite: bool = False,
+                      progress: bool = True) -> Path:
+  """Writes a kvm_jax run directory at ``dest`` from the authors'-format checkpoint ``src``.
+
+  ``dest`` then holds ``config.json`` (a :class:`TrainConfig`: the model, ``task="text"``),
+  ``checkpoints/0/`` (the parameters only, no optimizer state), ``import.json`` (where it came
+  from) and, when ``src`` has one or ``tokenizer_file`` is given, ``tokenizer.json``. kvm-eval,
+  ``kvm_jax.runs.load_trained``, the lm-eval adapter and ``generate`` read it as they read any run;
+  ``kvm-train --config.init_from=DEST`` fine-tunes from it.
+  """
+  src, dest = Path(src), Path(dest)
+  if checkpoint_kind(src) == "run":
+    raise ValueError(f"{src} is already a kvm_jax run directory; use it as it is.")
+  config, cfg, _, params = read_authors(src, dtype=dtype, numerics=numerics, progress=progress)
+  tokenizer = Path(tokenizer_file) if tokenizer_file else src / TOKENIZER_FILE
+  if tokenizer_file and not tokenizer.exists():
+    raise FileNotFoundError(f"tokenizer file {tokenizer} does not exist.")
+  _fresh_directory(dest, overwrite)
+  tok_path = ""
+  if tokenizer.exists():
+    shutil.copyfile(tokenizer, dest / TOKENIZER_FILE)
+    tok_path = str((dest / TOKENIZER_FILE).resolve())
+  train_cfg = TrainConfig(model=cfg, task="text", tokenizer_file=tok_path)
+  save_config(train_cfg, dest)
+  ckpt = Checkpointer(dest / CHECKPOINT_DIR)
+  try:
+    ckpt.save(0, {"params": params}, {"imported_from": str(src.resolve())}, force=True)
+  finally:
+    ckpt.close()
+  leaves = [np.size(x) for x in jax.tree_util.tree_leaves(params)]
+  record = {"source": str(src.resolve()), "source_config": config, "dtype": dtype,
+            "numerics": numerics, "parameters": int(sum(leaves)), "tensors": len(leaves),
+            "tokenizer": tok_path or None}
+  (dest / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+  return dest
+
+
+def export_run(run_dir, dest, *, step: Optional[int] = None, dtype: Optional[str] = None,
+               max_shard_bytes: Optional[int] = None, overwrite: bool = False,
+               progress: bool = True) -> list[Path]:
+  """Writes ``config.json`` and ``model.safetensors`` (or shards plus an index) in the authors'
+  format from a run directory's parameters (``step``: default the newest), loadable by their
+  ``RWKV7BackboneForCausalLM.from_pretrained``. ``dtype`` defaults to the run's parameter dtype.
+  A model their code cannot express is refused (:class:`kvm_jax.hf.ExportError` says why).
+  Returns the files written."""
+  run_dir, dest = Path(run_dir), Path(dest)
+  if checkpoint_kind(run_dir) != "run":
+    raise ValueError(f"{run_dir} is not a kvm_jax run directory (it is already in the authors' "
+                     "format).")
+  run_cfg = load_config(run_dir)
+  config = authors_config_from_model(run_cfg.model)  # refuse before reading any weights
+  dtype = dtype or run_cfg.model.param_dtype
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype={dtype!r}; choose from {DTYPES}.")
+  _, model, step = load_trained(run_dir, step, run_cfg)
+  tensors = to_authors(nnx.state(model, nnx.Param), run_cfg.model,
+                       np.dtype(np.float32) if dtype == "float32" else np.dtype(ml_dtypes.bfloat16))
+  _fresh_directory(dest, overwrite)
+  config["dtype"] = config["torch_dtype"] = dtype
+  written = st.write_checkpoint(dest, tensors, metadata={"format": "pt"},
+                                max_shard_bytes=max_shard_bytes, progress=progress)
+  (dest / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+  tok = run_cfg.tokenizer_file
+  if tok and Path(tok).exists():
+    shutil.copyfile(tok, dest / TOKENIZER_FILE)
+  return written + [dest / CONFIG_FILE]
+
+
+def numerics_note(cfg: ModelConfig) -> Optional[str]:
+  """What changes when a model computed with float32 numerics runs in the authors' code (which
+  always casts the RoPE tables and the KVM state-value readout to bfloat16)."""
+  parts = []
+  if cfg.rope_table_dtype != "bfloat16":
+    parts.append("RoPE tables")
+  if "kvm" in cfg.layer_mixers and cfg.kvm.readout_value_dtype != "bfloat16":
+    parts.append("the KVM state-value readout")
+  if not parts:
+    return None
+  return (f"this run computes {' and '.join(parts)} in float32; the authors' code casts them to "
+          "bfloat16, so its logits will differ from this run's by bfloat16 rounding (~1e-3 "
+          "relative).")

@@ -1,0 +1,177 @@
+"""Parameter names and layouts: kvm_jax's ``LM`` and the authors' ``RWKV7BackboneForCausalLM``
+state dict (docs/checkpoints.md has the table).
+
+Their ``nn.Linear`` stores ``weight [out, in]``, kvm_jax's ``nnx.Linear`` ``kernel [in, out]``:
+every projection is transposed. Their LayerNorms hold ``weight``/``bias``, kvm_jax's
+``scale``/``bias``. ``v_gate0`` and the MLP's ``x_k`` carry two leading singleton axes in their code.
+Their value-residual layers without token shift also hold an ``attn.x_v`` of zeros that nothing
+reads; it is written on export and required (its values ignored) on import.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvm_jax.hf.safetensors import CheckpointError
+from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.layers import path_names
+from kvm_jax.nn.model import LM
+
+# kvm_jax leaf names -> theirs, per module kind.
+_PROJECTIONS = {"c_q", "c_k", "c_v", "c_proj", "v_gate1", "v_gate2", "key_weighting", "c_fc"}
+_LAYER_NORMS = {"ln_attn": "ln_attn", "ln_mlp": "ln_mlp", "ln_q": "ln_q", "ln_k": "ln_k",
+                "ln_s": "ln_s_k", "ln_emb": "ln_emb", "ln_head": "ln_head"}
+_VECTORS = {"x_q": "x_q", "x_k": "x_k", "x_v": "x_v", "window_temperature": "front_head_temp",
+            "state_temperature": "state_head_temp", "v_gate0": "v_gate0"}
+
+
+class Layout:
+  """How one kvm_jax parameter is stored in their state dict: ``name``, ``shape`` there, and the
+  two maps between the layouts."""
+
+  def __init__(self, name: str, shape: tuple[int, ...], to_authors: Callable, from_authors: Callable):
+    self.name, self.shape = name, tuple(shape)
+    self.to_authors, self.from_authors = to_authors, from_authors
+
+
+def _same(x):
+  return x
+
+
+def _transpose(x):
+  return np.swapaxes(x, -1, -2)
+
+
+def _leading_ones(x):
+  return x.reshape((1, 1) + x.shape)
+
+
+def _drop_leading_ones(x):
+  return x.reshape(x.shape[2:])
+
+
+def layout_of(names: list[str], shape: tuple[int, ...]) -> Layout:
+  """The :class:`Layout` of the kvm_jax parameter at path ``names`` (``["blocks", "3", "attn",
+  "c_q", "kernel"]``) with shape ``shape``."""
+  if names == ["wte", "embedding"]:
+    return Layout("transformer.wte.weight", shape, _same, _same)
+  if names == ["lm_head", "kernel"]:
+    return Layout("lm_head.weight", shape[::-1], _transpose, _transpose)
+  if len(names) == 2 and names[0] in ("ln_emb", "ln_head"):
+    leaf = {"scale": "weight", "bias": "bias"}[names[1]]
+    return Layout(f"transformer.{names[0]}.{leaf}", shape, _same, _same)
+  if names[0] != "blocks" or len(names) < 4:
+    raise CheckpointError(f"parameter {'/'.join(names)} has no counterpart in the authors' model.")
+  prefix = f"transformer.h.{names[1]}."
+  module, rest = names[2], names[3:]
+  if module in ("ln_attn", "ln_mlp") and len(rest) == 1:
+    return Layout(prefix + f"{module}.{ {'scale': 'weight', 'bias': 'bias'}[rest[0]]}", shape,
+                  _same, _same)
+  if module in ("attn", "mlp"):
+    if len(rest) == 2 and rest[0] in _PROJECTIONS and rest[1] == "kernel":
+      return Layout(prefix + f"{module}.{rest[0]}.weight", shape[::-1], _transpose, _transpose)
+    if len(rest) == 2 and rest[0] in _LAYER_NORMS:
+      leaf = {"scale": "weight", "bias": "bias"}[rest[1]]
+      return Layout(prefix + f"{module}.{_LAYER_NORMS[rest[0]]}.{leaf}", shape, _same, _same)
+    if len(rest) == 1 and rest[0] in _VECTORS:
+      name = prefix + f"{module}.{_VECTORS[rest[0]]}"
+      if (module, rest[0]) in (("attn", "v_gate0"), ("mlp", "x_k")):
+        return Layout(name, (1, 1) + tuple(shape), _leading_ones, _drop_leading_ones)
+      return Layout(name, shape, _same, _same)
+  raise CheckpointError(f"parameter {'/'.join(names)} has no counterpart in the authors' model "
+                        "(cross-layer KV sharing weights, for example).")
+
+
+def abstract_model(cfg: ModelConfig):
+  """(graphdef, abstract parameter state) of ``LM(cfg)``, without allocating anything."""
+  return nnx.split(nnx.eval_shape(lambda: LM(cfg, rngs=nnx.Rngs(0))))
+
+
+def unused_zeros(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Tensors their model holds that compute nothing: ``attn.x_v`` of a value-residual layer
+  without token shift (their mixin creates it as zeros so that one code path serves both)."""
+  if not cfg.value_residual or cfg.tokenshift_attention:
+    return {}
+  dv = cfg.kv_heads * cfg.v_head_dim
+  return {f"transformer.h.{i}.attn.x_v": (dv,) for i in range(cfg.num_layers)}
+
+
+def layouts(cfg: ModelConfig) -> dict[str, Layout]:
+  """``{kvm_jax path "blocks/0/attn/c_q/kernel": Layout}`` of every parameter of ``LM(cfg)``."""
+  _, state = abstract_model(cfg)
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    names = path_names(path)
+    out["/".join(names)] = layout_of(names, tuple(leaf.shape))
+  return out
+
+
+def authors_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """``{their tensor name: shape}`` of the state dict their model holds for ``cfg``."""
+  shapes = {lay.name: lay.shape for lay in layouts(cfg).values()}
+  shapes.update(unused_zeros(cfg))
+  return shapes
+
+
+def to_authors(params: Any, cfg: ModelConfig, dtype=None) -> dict[str, np.ndarray]:
+  """Their state dict (numpy, in ``dtype`` or the parameters' own) from kvm_jax parameters
+  (``nnx.state(model, nnx.Param)`` or the pure dict of it)."""
+  table = layouts(cfg)
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    key = "/".join(path_names(path))
+    if key not in table:
+      raise CheckpointError(f"parameter {key} is not part of LM({cfg!r}).")
+    arr = np.asarray(jax.device_get(leaf))
+    out[table[key].name] = np.ascontiguousarray(
+        table[key].to_authors(arr.astype(dtype) if dtype is not None else arr))
+  missing = sorted(set(lay.name for lay in table.values()) - set(out))
+  if missing:
+    raise CheckpointError(f"the parameters lack {missing[:8]} for this config.")
+  some = next(iter(out.values()))
+  for name, shape in unused_zeros(cfg).items():
+    out[name] = np.zeros(shape, some.dtype)
+  return out
+
+
+def from_authors(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, source: str = "the checkpoint"):
+  """(graphdef, parameter state) of ``LM(cfg)`` holding their tensors, cast to
+  ``cfg.param_dtype``. Every tensor their model would hold must be there with its exact shape, and
+  nothing else: a missing, extra or misshapen tensor is a :class:`CheckpointError` naming it."""
+  graphdef, state = abstract_model(cfg)
+  table = layouts(cfg)
+  expected = authors_shapes(cfg)
+  missing = sorted(set(expected) - set(tensors))
+  extra = sorted(set(tensors) - set(expected))
+  if missing or extra:
+    parts = []
+    if missing:
+      parts.append(f"missing {len(missing)} tensor(s) the config implies: {missing[:10]}"
+                   + (" ..." if len(missing) > 10 else ""))
+    if extra:
+      parts.append(f"{len(extra)} tensor(s) the config does not explain: {extra[:10]}"
+                   + (" ..." if len(extra) > 10 else ""))
+    raise CheckpointError(f"{source} does not match its config.json: " + "; ".join(parts)
+                          + ". Is config.json the one saved with these weights?")
+  for name, shape in expected.items():
+    got = tuple(tensors[name].shape)
+    if got != shape:
+      raise CheckpointError(f"{source}: tensor {name!r} has shape {list(got)} but the config "
+                            f"implies {list(shape)}.")
+  for name in expected:
+    if not jnp.issubdtype(tensors[name].dtype, jnp.floating):
+      raise CheckpointError(f"{source}: tensor {name!r} has dtype {tensors[name].dtype}; "
+                            "parameters must be floating point.")
+  dtype = cfg.jnp_param_dtype
+
+  def convert(path, leaf):
+    lay = table["/".join(path_names(path))]
+    arr = lay.from_authors(np.asarray(tensors[lay.name]))
+    return jnp.asarray(arr.astype(dtype), dtype)
+
+  return graphdef, jax.tree_util.tree_map_with_path(convert, state)
