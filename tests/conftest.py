@@ -14,10 +14,13 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 import kvm_jax as kj
+from kvm_jax.nn.layers import path_names
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,3 +111,39 @@ def make_model(mixers="kvm", seed: int = 0, **overrides) -> kj.LM:
   leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
   nnx.update(model, jax.tree_util.tree_unflatten(treedef, leaves))
   return model
+
+
+def random_parameter(names: list[str], shape: tuple, rng: np.random.Generator) -> np.ndarray:
+  """A value for the parameter at path ``names``: every one random and far from its
+  initialization (zero-initialized projections included, like conftest's ``make_model``), at
+  scales that keep activations O(1): kernels N(0, 1/fan_in), LayerNorms 1 + 0.1·N / 0.1·N, token
+  shift mixes U(0, 1), v_gate0 0.5·N (sigmoid gates spread around 1/2), KVM temperatures
+  U(0.5, 1.5) so that a missing or misplaced temperature shows."""
+  leaf, owner = names[-1], names[-2]
+  if leaf == "kernel":
+    return rng.normal(size=shape) / np.sqrt(shape[0])
+  if leaf == "scale":
+    return 1.0 + 0.1 * rng.normal(size=shape)
+  if leaf == "bias":
+    return 0.1 * rng.normal(size=shape)
+  if leaf in ("x_q", "x_k", "x_v"):
+    return rng.uniform(0.0, 1.0, shape)
+  if leaf == "v_gate0":
+    return 0.5 * rng.normal(size=shape)
+  if leaf in ("window_temperature", "state_temperature"):
+    return rng.uniform(0.5, 1.5, shape)
+  if owner == "wte":
+    return rng.normal(size=shape)
+  raise AssertionError(f"no test value for parameter {'/'.join(names)}")
+
+
+def random_model(cfg: kj.ModelConfig, seed: int = 0) -> kj.LM:
+  """``LM(cfg)`` with every parameter drawn by :func:`random_parameter` in numpy (conftest's
+  ``make_model`` perturbs a real initialization, but its eager init compiles dozens of small
+  programs per config)."""
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: kj.LM(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  rng = np.random.default_rng(seed)
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.asarray(random_parameter(path_names(path), x.shape, rng), x.dtype),
+      params)
+  return nnx.merge(graphdef, params)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvm_jax.ops import attention as att
-from kvm_jax.ops.rope import apply_rope, rope_frequencies, rope_tables
+from kvm_jax.ops.rope import linspace01, apply_rope, rope_frequencies, rope_tables
 from kvm_jax.ops.kvm.cases import random_inputs, rel_rms
 
 
@@ -71,6 +71,28 @@ def test_rope_frequency_rule_and_pairs():
   np.testing.assert_allclose(f[:8:2], (1 / 10000.0) ** np.linspace(0, 1, 4), rtol=1e-6)
   np.testing.assert_array_equal(f[0::2][:4], f[1::2][:4])
   assert f[0] == 1.0 and np.isclose(f[6], 1e-4) and not np.any(f[8:])
+
+
+# float32 bit patterns of torch.linspace(0, 1, n) (torch 2.13, CPU) at the entries where numpy's
+# linspace differs from it: n = 32 are the exponents of the paper's 64 rotary channels, n = 64 of
+# the hybrids' full-RoPE SWA layers (128 channels).
+TORCH_LINSPACE_BITS = {
+    32: {18: 0x3F14A52A, 22: 0x3F35AD6C, 26: 0x3F56B5AE, 30: 0x3F77BDF0},
+    64: {3: 0x3D430C32, 6: 0x3DC30C32, 7: 0x3DE38E3A, 12: 0x3E430C32, 13: 0x3E534D36,
+         14: 0x3E638E3A},
+}
+
+
+def test_rope_exponents_are_torch_linspace_bit_for_bit():
+  """The authors' RoPE exponents come from torch.linspace in float32; numpy's linspace rounds
+  some of them differently, and a last-bit difference in a frequency flips roundings of the
+  bfloat16 tables (logits 2e-5 apart instead of 6e-7 on a hybrid of their checkpoints)."""
+  for n, bits in TORCH_LINSPACE_BITS.items():
+    ours = linspace01(n).view(np.uint32)
+    numpy_own = np.linspace(0, 1, n, dtype=np.float32).view(np.uint32)
+    for i, want in bits.items():
+      assert ours[i] == want and numpy_own[i] != want, (n, i)
+  assert linspace01(1).tolist() == [0.0] and linspace01(2).tolist() == [0.0, 1.0]
 
 
 def test_rope_rotation_sign_nope_channels_and_relative_positions():

@@ -36,15 +36,19 @@ LAYERS = (
     ("model", ("kvm_jax", "kvm_jax.nn.*", "kvm_jax.presets", "kvm_jax.generate",
                "kvm_jax.introspect")),
     ("tasks", ("kvm_jax.tasks.*",)),
-    ("runs", ("kvm_jax.runs.*",)),
+    ("runs", ("kvm_jax.runs.*", "kvm_jax.hf.*")),
     ("train", ("kvm_jax.train.*",)),
     ("eval", ("kvm_jax.eval.*",)),
     ("cli", ("kvm_jax.train.main", "kvm_jax.train.default_job", "kvm_jax.train.configs.*",
-             "kvm_jax.eval.cli", "kvm_jax.demo", "kvm_jax.train.prepare_data")),
+             "kvm_jax.eval.cli", "kvm_jax.demo", "kvm_jax.train.prepare_data", "kvm_jax.hf.cli")),
 )
 RANK = {"config": 0, "ops": 1, "kernels": 2, "op registry": 3, "model": 4, "tasks": 5, "runs": 6,
         "train": 7, "eval": 7, "cli": 8}
 SIBLINGS = {frozenset({"train", "eval"})}  # same rank, must not import each other
+# Upward imports allowed only inside a function body, run when it is called: the top-level
+# package's ``kj.load_pretrained`` (the issue's public name) hands over to the run-directory layer
+# without ``import kvm_jax`` loading that layer (orbax) or forming an import cycle.
+DEFERRED = {("kvm_jax", "kvm_jax.hf.load")}
 FOLDER_NAMES = ("train", "eval", "pallas_kernels")
 NOT_CODE = ("eval/lm_eval_tasks",)  # lm-eval task data (its utils.py is loaded by lm-eval)
 DATA_PACKAGES = ("kvm_jax.eval.lm_eval_tasks",)  # installed as data folders, not code
@@ -182,11 +186,24 @@ def internal_edges(module: str, found: Imports) -> list[tuple[int, str]]:
   return edges
 
 
-def layering_problems(module: str, found: Imports) -> list[str]:
-  """Edges of ``module`` that go to a higher layer or to a sibling layer."""
+def function_lines(source: str) -> set[int]:
+  """Line numbers inside function bodies."""
+  lines = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      lines.update(range(node.body[0].lineno, node.end_lineno + 1))
+  return lines
+
+
+def layering_problems(module: str, found: Imports, deferred_lines: set[int] = frozenset()
+                      ) -> list[str]:
+  """Edges of ``module`` that go to a higher layer or to a sibling layer (except the
+  :data:`DEFERRED` ones made inside a function body)."""
   here, bad = layer_of(module), []
   for line, dest in internal_edges(module, found):
     there = layer_of(dest)
+    if (module, dest) in DEFERRED and line in deferred_lines:
+      continue
     if RANK[there] > RANK[here] or frozenset({here, there}) in SIBLINGS:
       bad.append(f"{module} ({here}) -> {dest} ({there}), line {line}")
   return bad
@@ -196,8 +213,10 @@ def test_imports_run_one_way():
   graph: dict[str, set[str]] = {}
   problems = []
   for module, path in MODULES.items():
-    found = scan(path.read_text())
-    problems += folder_imports(module, found) + layering_problems(module, found)
+    source = path.read_text()
+    found = scan(source)
+    problems += folder_imports(module, found) + layering_problems(module, found,
+                                                                  function_lines(source))
     graph[module] = {dest for _, dest in internal_edges(module, found)}
   assert not problems, "imports against the layering:\n" + "\n".join(problems)
   # No cycle between modules (within a layer, too).
@@ -290,3 +309,13 @@ def test_user_facing_text_stands_on_its_own():
       elif m.group(2) and not has_section(doc.read_text(encoding="utf-8"), m.group(2)):
         problems.append(f"{rel}: cites docs/{m.group(1)} §{m.group(2)}, which does not exist")
   assert not problems, "\n".join(problems)
+
+
+def test_deferred_imports_are_allowed_only_inside_functions():
+  """The one upward import kvm_jax's top level may make (``DEFERRED``) is refused at module level."""
+  top = "from kvm_jax.hf.load import load_pretrained\n"
+  inside = "def load_pretrained(path):\n  from kvm_jax.hf.load import load_pretrained\n  return 1\n"
+  assert layering_problems("kvm_jax", scan(top), function_lines(top))
+  assert not layering_problems("kvm_jax", scan(inside), function_lines(inside))
+  other = "def f():\n  from kvm_jax.runs.directory import load_trained\n"
+  assert layering_problems("kvm_jax", scan(other), function_lines(other))

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import kvm_jax as kj
-from kvm_jax.nn.layers import path_names
+from tests.conftest import ROOT, random_model
 from tests.reference_model import lm_logits
 
 # Worst |model - reference| allowed, relative to max |reference logit|. The model runs in float32:
@@ -46,41 +46,9 @@ CASES = {
 }
 
 
-def _random_parameter(names: list[str], shape: tuple, rng: np.random.Generator) -> np.ndarray:
-  """A value for the parameter at path ``names``: every one random and far from its
-  initialization (zero-initialized projections included, like conftest's ``make_model``), at
-  scales that keep activations O(1): kernels N(0, 1/fan_in), LayerNorms 1 + 0.1·N / 0.1·N, token
-  shift mixes U(0, 1), v_gate0 0.5·N (sigmoid gates spread around 1/2), KVM temperatures
-  U(0.5, 1.5) so that a missing or misplaced temperature shows."""
-  leaf, owner = names[-1], names[-2]
-  if leaf == "kernel":
-    return rng.normal(size=shape) / np.sqrt(shape[0])
-  if leaf == "scale":
-    return 1.0 + 0.1 * rng.normal(size=shape)
-  if leaf == "bias":
-    return 0.1 * rng.normal(size=shape)
-  if leaf in ("x_q", "x_k", "x_v"):
-    return rng.uniform(0.0, 1.0, shape)
-  if leaf == "v_gate0":
-    return 0.5 * rng.normal(size=shape)
-  if leaf in ("window_temperature", "state_temperature"):
-    return rng.uniform(0.5, 1.5, shape)
-  if owner == "wte":
-    return rng.normal(size=shape)
-  raise AssertionError(f"no test value for parameter {'/'.join(names)}")
-
-
 def _model(mixers, overrides, seed: int = 0) -> kj.LM:
-  """The tiny preset with random parameters drawn in numpy. (conftest's ``make_model`` perturbs
-  a real initialization, but its eager init compiles dozens of small programs per config, which
-  alone would take most of this file's time budget.)"""
-  cfg = kj.presets.tiny(mixers=mixers, **overrides)
-  graphdef, params = nnx.split(nnx.eval_shape(lambda: kj.LM(cfg, rngs=nnx.Rngs(0))), nnx.Param)
-  rng = np.random.default_rng(seed)
-  params = jax.tree_util.tree_map_with_path(
-      lambda path, x: jnp.asarray(_random_parameter(path_names(path), x.shape, rng), x.dtype),
-      params)
-  return nnx.merge(graphdef, params)
+  """The tiny preset with every parameter random (:func:`tests.conftest.random_model`)."""
+  return random_model(kj.presets.tiny(mixers=mixers, **overrides), seed)
 
 
 def _model_logits(model: kj.LM, tokens: np.ndarray) -> np.ndarray:
@@ -176,3 +144,17 @@ def test_reference_budget_schedule():
   per_group = [(r["n_append"], r["n_merge"]) for r in log[:3]]
   assert per_group == [(8, 0), (6, 2), (3, 5)]
   assert len(log) == 3 * B * model.cfg.kv_heads
+
+
+@pytest.mark.parametrize("name", ["kvm_swa_saturating", "full_bswa", "kvm_power_gqa"])
+def test_reference_matches_the_authors_model(name):
+  """The float64 reference itself against the authors' PyTorch model: their tiny checkpoints
+  (tests/data/authors, written by their code with their float32 logits, bfloat16 casts off) run
+  through the reference with their parameters. This ties the spec the reference was written from
+  to the code it describes; the KVM cases grow and merge their state on these 45 tokens."""
+  data = ROOT / "tests" / "data" / "authors" / name
+  ref = np.load(data / "reference.npz")
+  model = kj.load_pretrained(data, numerics="float32", progress=False)
+  want = ref["logits_float32"]
+  got = lm_logits(_params(model), _reference_config(model.cfg), ref["tokens"])
+  np.testing.assert_allclose(got, want, rtol=0, atol=REL_TOL * np.abs(want).max())

@@ -128,7 +128,7 @@ def to_authors(params: Any, cfg: ModelConfig, dtype=None) -> dict[str, np.ndarra
     if key not in table:
       raise CheckpointError(f"parameter {key} is not part of LM({cfg!r}).")
     arr = np.asarray(jax.device_get(leaf))
-    out[table[key].name] = np.ascontiguousarray(
+    out[table[key].name] = np.require(
         table[key].to_authors(arr.astype(dtype) if dtype is not None else arr))
   missing = sorted(set(lay.name for lay in table.values()) - set(out))
   if missing:

@@ -149,7 +149,7 @@ def write_file(path, tensors: Mapping[str, np.ndarray],
     if arr.dtype not in CODES:
       raise CheckpointError(f"tensor {name!r} has dtype {arr.dtype}, which safetensors cannot "
                             f"store here (known: {sorted(str(d) for d in CODES)}).")
-    arr = np.ascontiguousarray(arr)
+    arr = np.require(arr, requirements="C")  # (np.ascontiguousarray would make a scalar 1-d)
     header[name] = {"dtype": CODES[arr.dtype], "shape": list(arr.shape),
                     "data_offsets": [offset, offset + arr.nbytes]}
     arrays.append(arr)

@@ -19,19 +19,24 @@ import numpy as np
 Array = jax.Array
 
 
+def linspace01(n: int) -> np.ndarray:
+  """``torch.linspace(0, 1, n)`` in float32, bit for bit (the exponents of the authors' RoPE
+  frequencies): the first half counts up from 0 and the second down from 1 in steps of
+  1/(n-1), each value one multiply-add rounded once. numpy's ``linspace`` differs from it in the
+  last bit of some entries, which bfloat16 RoPE tables then turn into flipped roundings."""
+  i = np.arange(n)
+  step = np.float64(np.float32(1.0) / np.float32(max(n - 1, 1)))
+  out = np.where(i < n // 2, step * i, 1.0 - step * (n - 1 - i)).astype(np.float32)
+  out[:1] = 0.0  # one step gives [start]
+  return out
+
+
 def rope_frequencies(head_dim: int, rope_dims: int, theta: float = 10000.0) -> np.ndarray:
   """Per-channel angular frequency ``[head_dim]`` float32 (0 on the NoPE channels)."""
   if rope_dims % 2 or not 0 <= rope_dims <= head_dim:
     raise ValueError(f"rope_dims must be even and in [0, head_dim={head_dim}], got {rope_dims}.")
   half = rope_dims // 2
-  # The exponents as torch.linspace(0, 1, half) makes them in float32 (the authors' tables): the
-  # first half counts up from 0 and the second down from 1 in steps of 1/(half-1), each value one
-  # multiply-add rounded once. numpy's linspace differs from it in the last bit, which the bf16
-  # tables then turn into flipped roundings.
-  i = np.arange(half)
-  step = np.float64(np.float32(1.0) / np.float32(max(half - 1, 1)))
-  exponents = np.where(i < half // 2, step * i, 1.0 - step * (half - 1 - i)).astype(np.float32)
-  exponents[:1] = 0.0  # torch.linspace with one step is [start]
+  exponents = linspace01(half)
   # A float32 base, the power correctly rounded (torch's own powf is within one ulp of it).
   freqs = np.power(np.float64(np.float32(1.0 / theta)), exponents.astype(np.float64)).astype(
       np.float32)

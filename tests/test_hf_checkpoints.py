@@ -1,0 +1,582 @@
+"""The authors' Hugging Face checkpoints (kvm_jax.hf): loading, kvm-import, kvm-export, fine-tuning.
+
+Oracles, each independent of the code under test:
+
+* ``tests/data/authors/*``: three tiny checkpoints written by the authors' own code
+  (``RWKV7BackboneForCausalLM.save_pretrained``, featherless-ai/KVM-paper 6bd7dfd) with their
+  logits on ragged sequences that cross several chunk boundaries (tests/data/authors/README.md);
+* :func:`authors_state_dict`: the tensor names and shapes their module tree holds for a config,
+  written down here from their module definitions;
+* round trips: export then import must give back the very same parameters and logits;
+* the ``safetensors`` package (when installed) and hand-computed bytes for the file format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import struct
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvm_jax as kj
+from kvm_jax import hf
+from kvm_jax.hf import safetensors as st
+from kvm_jax.runs import Checkpointer, TrainConfig, load_config, save_config
+from tests.conftest import ROOT, in_ci, random_model
+
+DATA = ROOT / "tests" / "data" / "authors"
+FIXTURES = ("kvm_swa_saturating", "full_bswa", "kvm_power_gqa")
+
+# Agreement with the authors' logits, relative to max |their logit|. In float32 numerics both
+# sides round only float32 operations (observed <= 9e-7 over 14 model families); 1e-5 is the
+# project's float32 target. With their numerics both sides also round the RoPE tables and the KVM
+# readout values to bfloat16, and a float32 difference of one ulp before such a cast can flip a
+# bfloat16 rounding (2^-8 relative) in one element: observed up to 7e-5 on 4-layer models, so the
+# issue's 1e-4 is the bound there.
+FLOAT32_TOL = 1e-5
+AUTHORS_TOL = 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# Their module tree, written down from their code (model/rwkv7_backbone.py: MLP, Block,
+# RWKV7BackboneModel, RWKV7BackboneForCausalLM; model/value_residual_mixin.py; model/kvm_mixer.py)
+# ----------------------------------------------------------------------------------------------
+
+_TREE_DEFAULTS = dict(
+    num_key_value_heads=None, d_qk_head=None, d_v_head=None, d_head=None, ffn_expansion=4.0,
+    alt_layer_every=-1, use_tokenshift_att=0, use_tokenshift_ffn=0, use_value_residual=1,
+    gptalpha_token_shift_mode="rwkv", kvm_token_shift_mode="rwkv", swa_token_shift_mode="rwkv",
+    kvm_use_merge_gate_keys=1, kvm_use_merge_gate_values=1, kvm_use_head_temps=1)
+_MODE_PREFIX = {"kvm": "kvm", "gptalpha": "gptalpha", "gptalpha_bswa": "gptalpha", "swa": "swa"}
+
+
+def authors_state_dict(config: dict) -> dict[str, tuple[int, ...]]:
+  """``{name: shape}`` of ``RWKV7BackboneForCausalLM(MixerConfig(**config)).state_dict()``.
+
+  nn.Linear weights are [out, in]; every LayerNorm has weight and bias; RoPE buffers are not
+  persistent. Per layer: ``ln_attn``, ``ln_mlp``; the attention mixin's ``c_q/c_k/c_v`` (query
+  width H·D, key H_kv·D, value H_kv·Dv), ``ln_q``/``ln_k`` over D, ``c_proj`` back to the width;
+  with token shift ("rwkv" mode of the mixer's own field) ``x_q``, ``x_k``, ``x_v``; with the
+  value residual ``v_gate1`` [lora, C], ``v_gate2`` [Dv·H_kv, lora], ``v_gate0`` [1, 1, H_kv·Dv]
+  and, when token shift did not already create it, ``x_v`` (zeros); KVM adds ``ln_s_k`` over D,
+  ``key_weighting`` [H_kv, C] when either merge gate is on, ``front_head_temp``/
+  ``state_head_temp`` [H] with head temperatures; the MLP ``c_fc`` [int(4C)//32·32, C],
+  ``c_proj`` and, with its token shift, ``x_k`` [1, 1, C].
+  """
+  c = dict(_TREE_DEFAULTS, **config)
+  C, H, L, V = c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"], c["vocab_size"]
+  Hkv = c["num_key_value_heads"] or H
+  D = c["d_qk_head"] or c["d_head"] or C // H
+  Dv = c["d_v_head"] or c["d_head"] or C // H
+  lora = max(32, int(round(1.3 * C ** 0.5 / 32) * 32))
+  width = int(c["ffn_expansion"] * C) // 32 * 32
+  out = {"transformer.wte.weight": (V, C), "lm_head.weight": (V, C)}
+  for ln in ("ln_emb", "ln_head"):
+    out.update({f"transformer.{ln}.weight": (C,), f"transformer.{ln}.bias": (C,)})
+  for i in range(L):
+    p = f"transformer.h.{i}."
+    every = c["alt_layer_every"]
+    mixer = c["alt_token_mixer"] if every > 1 and i % every == 0 else c["token_mixer"]
+    for ln in ("ln_attn", "ln_mlp"):
+      out.update({p + f"{ln}.weight": (C,), p + f"{ln}.bias": (C,)})
+    a = p + "attn."
+    out.update({a + "c_q.weight": (H * D, C), a + "c_k.weight": (Hkv * D, C),
+                a + "c_v.weight": (Hkv * Dv, C), a + "c_proj.weight": (C, H * Dv),
+                a + "ln_q.weight": (D,), a + "ln_q.bias": (D,), a + "ln_k.weight": (D,),
+                a + "ln_k.bias": (D,)})
+    if c["use_tokenshift_att"] and c[f"{_MODE_PREFIX[mixer]}_token_shift_mode"] == "rwkv":
+      out.update({a + "x_q": (H * D,), a + "x_k": (Hkv * D,), a + "x_v": (Hkv * Dv,)})
+    if c["use_value_residual"]:
+      out.update({a + "x_v": (Hkv * Dv,), a + "v_gate1.weight": (lora, C),
+                  a + "v_gate2.weight": (Hkv * Dv, lora), a + "v_gate0": (1, 1, Hkv * Dv)})
+    if mixer == "kvm":
+      out.update({a + "ln_s_k.weight": (D,), a + "ln_s_k.bias": (D,)})
+      if c["kvm_use_merge_gate_keys"] or c["kvm_use_merge_gate_values"]:
+        out[a + "key_weighting.weight"] = (Hkv, C)
+      if c["kvm_use_head_temps"]:
+        out.update({a + "front_head_temp": (H,), a + "state_head_temp": (H,)})
+    out.update({p + "mlp.c_fc.weight": (width, C), p + "mlp.c_proj.weight": (C, width)})
+    if c["use_tokenshift_ffn"]:
+      out[p + "mlp.x_k"] = (1, 1, C)
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Model families (kvm_jax configs, all expressible in their code)
+# ----------------------------------------------------------------------------------------------
+
+def _kvm(**kw):
+  base = dict(chunk_size=8, window_chunks=2, sink_rows=1, rope_dims=8,
+              budget=kj.PowerLawBudget(4.0, 0.5, min_rows=8))
+  return kj.KVMConfig(**{**base, **kw})
+
+
+FAMILIES = {
+    "kvm_power": dict(mixers="kvm"),
+    "kvm_fixed": dict(mixers="kvm", kvm=_kvm(budget=kj.FixedBudget(16), max_state_rows=16)),
+    "kvm_gqa": dict(mixers="kvm", num_kv_heads=2),
+    "swa_kvm_saturating": dict(mixers=("swa", "kvm"),
+                               kvm=_kvm(budget=kj.SaturatingBudget(24, min_rows=1))),
+    "full": dict(mixers="full"),
+    "bswa": dict(mixers="bswa", bswa_window_chunks=3, bswa_sink_rows=0),
+    "swa_full_halfrope": dict(mixers=("swa", "full")),
+    "swa_full_nope": dict(mixers=("swa", "full"), rope_dims=0,
+                          kvm=_kvm(rope_dims=0)),
+    "kvm_no_token_shift": dict(mixers="kvm", tokenshift_attention=False, tokenshift_mlp=False),
+    "kvm_no_value_residual": dict(mixers="kvm", value_residual=False),
+    "kvm_ablations": dict(mixers="kvm", kvm=_kvm(head_temperatures=False, gate_values=False,
+                                                 sink_rows=0, gate_appends=True,
+                                                 gate_initial_state=True)),
+    "hybrid_4_layers_shared_anchor": dict(mixers=("swa", "kvm", "swa", "kvm"), num_layers=4,
+                                          share_value_anchor=True, residual_scale=0.5),
+}
+CI_FAMILIES = ("kvm_gqa", "hybrid_4_layers_shared_anchor", "bswa", "kvm_no_token_shift")
+
+
+def _family_config(name: str) -> kj.ModelConfig:
+  return kj.presets.tiny(**FAMILIES[name])
+
+
+def _write_run(workdir, model: kj.LM) -> None:
+  """A run directory holding ``model``'s parameters (what kvm-train leaves behind)."""
+  save_config(TrainConfig(model=model.cfg, task="text"), workdir)
+  ckpt = Checkpointer(workdir / "checkpoints")
+  try:
+    ckpt.save(3, {"params": nnx.state(model, nnx.Param)}, {}, force=True)
+  finally:
+    ckpt.close()
+
+
+def _params(model) -> dict:
+  return {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(leaf)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(
+              nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]}
+
+
+def _tokens(vocab: int, T: int = 45) -> np.ndarray:
+  return np.random.default_rng(5).integers(0, vocab, (2, T))
+
+
+def _logits(model, tokens) -> np.ndarray:
+  graphdef, state = nnx.split(model)
+  with jax.default_matmul_precision("highest"):
+    return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, jnp.asarray(tokens)))
+
+
+def _effective(cfg: kj.ModelConfig) -> kj.ModelConfig:
+  """``cfg`` with the fields that cannot change its function put in one canonical form (what the
+  authors' format does not record: KVM settings of a model without KVM layers, the SWA RoPE width
+  of a model without SWA layers, block-SWA geometry without block-SWA layers, residual scale
+  None = 1, "no cap" on the state)."""
+  kinds = set(cfg.layer_mixers)
+  kvm = cfg.kvm if "kvm" in kinds else kj.KVMConfig()
+  if "kvm" in kinds and kvm.max_state_rows is not None and kvm.max_state_rows >= 80000:
+    kvm = dataclasses.replace(kvm, max_state_rows=None)
+  if "kvm" in kinds and isinstance(kvm.budget, kj.FixedBudget):
+    kvm = dataclasses.replace(kvm, max_state_rows=None)  # a cap >= the fixed rows never binds
+  bswa = {} if "bswa" in kinds else dict(bswa_chunk_size=256, bswa_window_chunks=3,
+                                          bswa_sink_rows=0)
+  return dataclasses.replace(
+      cfg, kvm=kvm, residual_scale=cfg.scale, mixers=cfg.layer_mixers,
+      swa_rope_dims=cfg.swa_rope_dims_resolved if "swa" in kinds else None, **bswa)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+  """Per family (built on first use): (original model, its run directory, the kvm-export
+  directory)."""
+  root, cache = tmp_path_factory.mktemp("families"), {}
+
+  def get(name):
+    if name not in cache:
+      model = random_model(_family_config(name), seed=sum(map(ord, name)))
+      run, out = root / name / "run", root / name / "hf"
+      _write_run(run, model)
+      hf.export_run(run, out, progress=False)
+      cache[name] = (model, run, out)
+    return cache[name]
+  return get
+
+
+@pytest.mark.parametrize("name", in_ci(FAMILIES, CI_FAMILIES))
+def test_export_writes_exactly_the_authors_tensors(exported, name):
+  """kvm-export's tensor names and shapes are those of their module tree for the config it
+  writes, and that config describes the exported model (mixers per layer, sizes)."""
+  model, _, out = exported(name)
+  config = json.loads((out / "config.json").read_text())
+  written = st.tensor_info(out / "model.safetensors")
+  want = authors_state_dict(config)
+  assert sorted(set(written) - set(want)) == [] and sorted(set(want) - set(written)) == []
+  assert {n: shape for n, (_, shape) in written.items()} == want
+  assert {code for code, _ in written.values()} == {"F32"}
+  cfg = model.cfg
+  names = {"kvm": "kvm", "full": "gptalpha", "swa": "swa", "bswa": "gptalpha_bswa"}
+  every = config["alt_layer_every"]
+  layers = [config["alt_token_mixer"] if every > 1 and i % every == 0 else config["token_mixer"]
+            for i in range(config["num_hidden_layers"])]
+  assert layers == [names[m] for m in cfg.layer_mixers]
+  assert (config["hidden_size"], config["num_attention_heads"], config["vocab_size"]) == (
+      cfg.hidden_size, cfg.num_heads, cfg.vocab_size)
+  assert (config["num_key_value_heads"] or config["num_attention_heads"]) == cfg.kv_heads
+  # the unused zeros their value-residual layers keep without token shift
+  if cfg.value_residual and not cfg.tokenshift_attention:
+    x_v = st.read_file(out / "model.safetensors", ["transformer.h.0.attn.x_v"])
+    assert not np.any(x_v["transformer.h.0.attn.x_v"])
+
+
+@pytest.mark.parametrize("name", in_ci(FAMILIES, CI_FAMILIES))
+def test_export_then_import_is_the_identity(exported, name):
+  """Parameters bitwise, logits bitwise, the config up to fields that cannot matter."""
+  model, _, out = exported(name)
+  back = kj.load_pretrained(out, numerics="float32", progress=False)
+  assert _effective(back.cfg) == _effective(model.cfg)
+  a, b = _params(model), _params(back)
+  assert a.keys() == b.keys()
+  for key in a:
+    np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+  tokens = _tokens(model.cfg.vocab_size)
+  np.testing.assert_array_equal(_logits(back, tokens), _logits(model, tokens))
+
+
+def test_kv_sharing_is_refused_by_export(tmp_path):
+  """Their model has no cross-layer KV sharing: kvm-export refuses and says so, before reading
+  weights."""
+  cfg = kj.presets.tiny(mixers="full", kv_sharing="fusedkv_lite")
+  save_config(TrainConfig(model=cfg, task="text"), tmp_path / "run")
+  with pytest.raises(hf.ExportError, match="kv_sharing='fusedkv_lite'"):
+    hf.export_run(tmp_path / "run", tmp_path / "out", progress=False)
+  assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(mixers=("swa", "swa", "kvm", "swa"), num_layers=4), "neither"),
+    (dict(kvm=_kvm(value_norm="none")), "kvm.value_norm='none'"),
+    (dict(kvm=_kvm(budget=kj.CallableBudget(lambda n: 8))), "callable"),
+    (dict(kvm=_kvm(max_state_rows=20)), "max_state_rows=20"),
+    (dict(mixers=("kvm", "bswa"), bswa_window_chunks=3), "share chunk_len"),
+])
+def test_export_refuses_what_their_code_cannot_express(overrides, match):
+  with pytest.raises(hf.ExportError, match=match):
+    hf.authors_config_from_model(kj.presets.tiny(**overrides))
+
+
+# ----------------------------------------------------------------------------------------------
+# Against the authors' own checkpoints and logits
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", in_ci(FIXTURES, ("kvm_swa_saturating", "full_bswa")))
+@pytest.mark.parametrize("numerics", ["authors", "float32"])
+def test_load_pretrained_matches_the_authors_logits(name, numerics):
+  """``kj.load_pretrained(DIR)(tokens)`` against the logits their model computed (ragged T = 45,
+  chunks of 8: the KVM state grows and merges). "float32" is compared with their model run with
+  its bfloat16 casts turned off."""
+  ref = np.load(DATA / name / "reference.npz")
+  model = kj.load_pretrained(DATA / name, numerics=numerics, progress=False)
+  want = ref["logits" if numerics == "authors" else "logits_float32"]
+  got = _logits(model, ref["tokens"])
+  tol = AUTHORS_TOL if numerics == "authors" else FLOAT32_TOL
+  np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.abs(want).max())
+  assert model.cfg.rope_table_dtype == ("bfloat16" if numerics == "authors" else "float32")
+
+
+def test_default_numerics_are_the_authors():
+  cfg = kj.load_pretrained(DATA / "kvm_power_gqa", progress=False).cfg
+  assert (cfg.rope_table_dtype, cfg.kvm.readout_value_dtype) == ("bfloat16", "bfloat16")
+  assert cfg.kv_heads == 2 and cfg.num_heads == 4
+  assert isinstance(cfg.kvm.budget, kj.PowerLawBudget)
+
+
+def test_bfloat16_load_casts_the_parameters():
+  """dtype="bfloat16": every parameter in bfloat16 (rounded from the file's float32), activations
+  bfloat16, and the logits still those of their model within bfloat16 compute error."""
+  ref = np.load(DATA / "kvm_swa_saturating" / "reference.npz")
+  model = kj.load_pretrained(DATA / "kvm_swa_saturating", dtype="bfloat16", progress=False)
+  assert model.cfg.compute_dtype == "bfloat16"
+  f32 = kj.load_pretrained(DATA / "kvm_swa_saturating", progress=False)
+  b, a = _params(model), _params(f32)
+  for key in a:
+    assert b[key].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(b[key], a[key].astype(ml_dtypes.bfloat16))
+  got = _logits(model, ref["tokens"])
+  # bfloat16 activations: ~2^-8 relative per operation over two layers
+  np.testing.assert_allclose(got, ref["logits"], rtol=0, atol=0.1 * np.abs(ref["logits"]).max())
+
+
+def test_import_then_export_gives_back_their_checkpoint(tmp_path):
+  """kvm-import then kvm-export of their checkpoint: the same tensors bitwise, a config.json whose
+  every field that matters is theirs, and the imported run's logits those of load_pretrained."""
+  src = DATA / "kvm_swa_saturating"
+  run = hf.import_checkpoint(src, tmp_path / "run", progress=False)
+  record = json.loads((run / "import.json").read_text())
+  assert record["source"] == str(src.resolve()) and record["numerics"] == "authors"
+  cfg, model, step = kj.runs.load_trained(run)
+  assert step == 0 and cfg.task == "text"
+  ref = np.load(src / "reference.npz")
+  np.testing.assert_array_equal(_logits(model, ref["tokens"]),
+                                _logits(kj.load_pretrained(src, progress=False), ref["tokens"]))
+  hf.export_run(run, tmp_path / "out", progress=False)
+  theirs = st.read_file(src / "model.safetensors")
+  ours = st.read_file(tmp_path / "out" / "model.safetensors")
+  assert theirs.keys() == ours.keys()
+  for key in theirs:
+    np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
+  original = json.loads((src / "config.json").read_text())
+  written = json.loads((tmp_path / "out" / "config.json").read_text())
+  for field in ("token_mixer", "alt_token_mixer", "alt_layer_every", "hidden_size",
+                "num_hidden_layers", "num_attention_heads", "rope_partial_dim",
+                "alt_rope_partial_dim", "chunk_len", "n_bswa_chunks", "sink_len",
+                "state_budget_mode", "state_saturation_n", "state_min_len", "n_max_d_chunks",
+                "swa_window_size", "use_tokenshift_att", "use_tokenshift_ffn",
+                "use_value_residual", "vocab_size", "residual_scale", "model_type"):
+    assert written[field] == original[field], field
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: every error names the file, field or tensor
+# ----------------------------------------------------------------------------------------------
+
+def _copy(tmp_path, name="full_bswa"):
+  dest = tmp_path / name
+  shutil.copytree(DATA / name, dest)
+  return dest
+
+
+def _edit_config(path, **fields):
+  config = json.loads((path / "config.json").read_text())
+  config.update(fields)
+  (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(token_mixer="ovq"), "token_mixer='ovq'"),
+    (dict(token_mixer="rwkv7"), "token_mixer='rwkv7'"),
+    (dict(token_mixer_class_path="model.lact_mixer.SequenceMixer"), "token_mixer_class_path"),
+    (dict(use_skip_connections=1), "use_skip_connections=1"),
+    (dict(use_block_lambdas=1), "use_block_lambdas=1"),
+    (dict(logit_softcap=30.0), "logit_softcap=30.0"),
+    (dict(gptalpha_value_residual_mode="linear"), "gptalpha_value_residual_mode='linear'"),
+    (dict(alt_token_mixer="gptalpha"), "alt_token_mixer='gptalpha'"),
+    (dict(alt_rope_theta=500000.0), "alt_rope_theta=500000.0"),
+    (dict(model_class_path="model.other.Model"), "model_class_path='model.other.Model'"),
+])
+def test_unsupported_config_fields_are_named(tmp_path, fields, match):
+  path = _copy(tmp_path)
+  _edit_config(path, **fields)
+  with pytest.raises(hf.ConfigError, match=match.replace("(", r"\(").replace(".", r"\.")):
+    kj.load_pretrained(path, progress=False)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(kvm_use_vlens=0), "kvm_use_vlens=0"),
+    (dict(state_budget_mode="exponential"), "state_budget_mode='exponential'"),
+    (dict(state_budget_mode="kvm_saturation", state_saturation_n=None), "state_saturation_n"),
+    (dict(rope_partial_dim=0), "rope_partial_dim=0"),
+    (dict(state_budget_mode="fixed", state_min_len=-1), "state_min_len=-1"),
+])
+def test_unsupported_kvm_fields_are_named(tmp_path, fields, match):
+  path = _copy(tmp_path, "kvm_power_gqa")
+  _edit_config(path, **fields)
+  with pytest.raises(hf.ConfigError, match=match):
+    kj.load_pretrained(path, progress=False)
+
+
+def test_missing_files_are_named(tmp_path):
+  with pytest.raises(hf.CheckpointError, match="is not a directory"):
+    kj.load_pretrained(tmp_path / "nowhere")
+  path = _copy(tmp_path)
+  (path / "config.json").unlink()
+  with pytest.raises(hf.CheckpointError, match="has no config.json"):
+    kj.load_pretrained(path)
+  path = _copy(tmp_path, "kvm_power_gqa")
+  (path / "model.safetensors").unlink()
+  with pytest.raises(hf.CheckpointError, match="holds no model.safetensors"):
+    kj.load_pretrained(path)
+
+
+def test_pickled_checkpoints_are_refused_with_the_conversion(tmp_path):
+  path = _copy(tmp_path)
+  (path / "model.safetensors").rename(path / "pytorch_model.bin")
+  with pytest.raises(hf.CheckpointError, match=r"pickled PyTorch weights \(\['pytorch_model.bin'\]\)"
+                     r"[\s\S]*never unpickles[\s\S]*safetensors"):
+    kj.load_pretrained(path)
+
+
+def test_truncated_file_is_named(tmp_path):
+  path = _copy(tmp_path)
+  data = (path / "model.safetensors").read_bytes()
+  (path / "model.safetensors").write_bytes(data[:-100])
+  with pytest.raises(hf.CheckpointError, match=r"model.safetensors: tensor '[\w.]+' .*truncated"):
+    kj.load_pretrained(path, progress=False)
+  (path / "model.safetensors").write_bytes(data[:5])
+  with pytest.raises(hf.CheckpointError, match="too short"):
+    kj.load_pretrained(path, progress=False)
+  (path / "model.safetensors").write_bytes(struct.pack("<Q", 6) + b"{nope}" + data[8:64])
+  with pytest.raises(hf.CheckpointError, match="not valid JSON"):
+    kj.load_pretrained(path, progress=False)
+
+
+def _rewrite(path, change):
+  tensors = {k: np.array(v) for k, v in st.read_file(path / "model.safetensors").items()}
+  change(tensors)
+  st.write_file(path / "model.safetensors", tensors, {"format": "pt"})
+
+
+def test_wrong_missing_and_extra_tensors_are_named(tmp_path):
+  path = _copy(tmp_path)
+  _rewrite(path, lambda t: t.update({"transformer.h.1.attn.c_q.weight": np.zeros((32, 31),
+                                                                                    np.float32)}))
+  with pytest.raises(hf.CheckpointError,
+                     match=r"'transformer.h.1.attn.c_q.weight' has shape \[32, 31\] but the config "
+                           r"implies \[32, 32\]"):
+    kj.load_pretrained(path, progress=False)
+  path = _copy(tmp_path / "b")
+  _rewrite(path, lambda t: t.pop("transformer.h.0.attn.v_gate0"))
+  with pytest.raises(hf.CheckpointError, match=r"missing 1 tensor.*transformer.h.0.attn.v_gate0"):
+    kj.load_pretrained(path, progress=False)
+  path = _copy(tmp_path / "c")
+  _rewrite(path, lambda t: t.update({"transformer.h.0.attn.ln_s_k.weight": np.ones(16, np.float32)}))
+  with pytest.raises(hf.CheckpointError, match=r"does not explain.*transformer.h.0.attn.ln_s_k"):
+    kj.load_pretrained(path, progress=False)
+
+
+def test_sharded_index_problems_are_named(tmp_path):
+  model = random_model(kj.presets.tiny(mixers="full"))
+  tensors = hf.to_authors(nnx.state(model, nnx.Param), model.cfg)
+  files = st.write_checkpoint(tmp_path, tensors, {"format": "pt"}, max_shard_bytes=100_000,
+                              progress=False)
+  assert len(files) > 2 and (tmp_path / st.INDEX_FILE).exists()
+  back = st.read_checkpoint(tmp_path, progress=False)
+  assert back.keys() == tensors.keys()
+  for key in tensors:
+    np.testing.assert_array_equal(back[key], tensors[key])
+  files[1].unlink()
+  with pytest.raises(hf.CheckpointError, match=f"lists \\['{files[1].name}'\\]"):
+    st.read_checkpoint(tmp_path, progress=False)
+
+
+def test_cli_errors_exit_2_with_the_message(tmp_path, capsys):
+  from kvm_jax.hf.cli import export_main, import_main
+  path = _copy(tmp_path)
+  _edit_config(path, use_skip_connections=1)
+  assert import_main([str(path), str(tmp_path / "run"), "--no-progress"]) == 2
+  assert "use_skip_connections=1" in capsys.readouterr().err
+  assert export_main([str(DATA / "full_bswa"), str(tmp_path / "out")]) == 2
+  assert "not a kvm_jax run directory" in capsys.readouterr().err
+  hf.import_checkpoint(DATA / "full_bswa", tmp_path / "run2", progress=False)
+  assert import_main([str(DATA / "full_bswa"), str(tmp_path / "run2")]) == 2
+  assert "not empty" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# The safetensors format itself
+# ----------------------------------------------------------------------------------------------
+
+def test_safetensors_round_trip_and_bytes(tmp_path):
+  tensors = {
+      "f32": np.arange(6, dtype=np.float32).reshape(2, 3) / 7,
+      "bf16": np.array([1.0, -2.5, 3.140625, 1e-3], ml_dtypes.bfloat16),
+      "f16": np.array([[0.5, -1.0]], np.float16), "i64": np.array([-3, 2**40], np.int64),
+      "scalar": np.array(2.5, np.float32), "empty": np.zeros((0, 4), np.float32),
+      "flag": np.array([True, False]),
+  }
+  st.write_file(tmp_path / "a.safetensors", tensors, {"format": "pt"})
+  back = st.read_file(tmp_path / "a.safetensors")
+  assert back.keys() == tensors.keys()
+  for key, value in tensors.items():
+    assert back[key].dtype == value.dtype and back[key].shape == value.shape
+    np.testing.assert_array_equal(back[key], value)
+  assert st.read_metadata(tmp_path / "a.safetensors") == {"format": "pt"}
+  # By hand: an 8-byte length, a JSON header padded to 8 bytes, then the raw little-endian data;
+  # bfloat16 is the top half of the float32 bit pattern.
+  raw = (tmp_path / "a.safetensors").read_bytes()
+  (n,) = struct.unpack("<Q", raw[:8])
+  header = json.loads(raw[8:8 + n])
+  assert n % 8 == 0 and header["bf16"]["dtype"] == "BF16" and header["bf16"]["shape"] == [4]
+  begin, end = header["bf16"]["data_offsets"]
+  bits = np.frombuffer(raw[8 + n + begin:8 + n + end], "<u2")
+  want = (np.array([1.0, -2.5, 3.140625, 1e-3], np.float32).view(np.uint32) >> 16)
+  # 1e-3 is not a bfloat16: round to nearest even of the dropped half
+  f = np.array([1e-3], np.float32).view(np.uint32)[0]
+  want[3] = (f + 0x7FFF + ((f >> 16) & 1)) >> 16
+  np.testing.assert_array_equal(bits, want.astype(np.uint16))
+
+
+def test_safetensors_interoperates_with_the_reference_package(tmp_path):
+  """Files the ``safetensors`` package writes read here, and files written here read there."""
+  stnp = pytest.importorskip("safetensors.numpy")
+  tensors = {"a": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4),
+             "b": np.array([[1, 2]], np.int64), "c": np.array([0.25, 8.0], np.float16)}
+  stnp.save_file(tensors, str(tmp_path / "theirs.safetensors"), metadata={"format": "pt"})
+  for key, value in st.read_file(tmp_path / "theirs.safetensors").items():
+    np.testing.assert_array_equal(value, tensors[key])
+  st.write_file(tmp_path / "ours.safetensors", tensors, {"format": "pt"})
+  for key, value in stnp.load_file(str(tmp_path / "ours.safetensors")).items():
+    np.testing.assert_array_equal(value, tensors[key])
+
+
+# ----------------------------------------------------------------------------------------------
+# Imported runs elsewhere: the trainer (fine-tuning) and evaluation
+# ----------------------------------------------------------------------------------------------
+
+def _imported_text_model(tmp_path):
+  """A vocabulary-320 model (byte tokenizer) in their format, imported as a run directory."""
+  model = random_model(kj.presets.tiny(mixers=("swa", "kvm"), vocab_size=320), seed=3)
+  _write_run(tmp_path / "native", model)
+  hf.export_run(tmp_path / "native", tmp_path / "theirs", progress=False)
+  return model, hf.import_checkpoint(tmp_path / "theirs", tmp_path / "imported", numerics="float32",
+                                     progress=False)
+
+
+def test_fine_tuning_starts_from_the_imported_parameters(tmp_path):
+  """kvm-train --config.init_from=DIR: the first step's loss is the imported model's loss on the
+  first batch (computed here from its logits), the model config is DIR's, and the imported
+  directory itself is refused as a workdir with the command to use."""
+  from kvm_jax.train.loop import task_dataset, train
+  _, imported = _imported_text_model(tmp_path)
+  cfg = TrainConfig(model=kj.presets.tiny(), task="text", seq_len=32, batch_size=2, steps=2,
+                    warmup_steps=1, log_every=1, checkpoint_every=2, init_from=str(imported))
+  with pytest.raises(ValueError, match="--config.init_from="):
+    train(dataclasses.replace(cfg, init_from=""), imported, verbose=False)
+  train(cfg, tmp_path / "tune", verbose=False)
+  run = load_config(tmp_path / "tune")
+  assert run.model == load_config(imported).model and run.init_from == str(imported)
+  first = json.loads((tmp_path / "tune" / "metrics.jsonl").read_text().splitlines()[0])
+  assert first["step"] == 1
+  data = task_dataset(cfg, "train")  # the trainer's first batch: examples 0 and 1
+  batch = {k: np.stack([data[i][k] for i in (0, 1)]) for k in ("inputs", "labels")}
+  model = kj.load_pretrained(imported)
+  logits = _logits(model, batch["inputs"]).astype(np.float64)
+  logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - logits.max(-1, keepdims=True)
+  labels = batch["labels"]
+  mask = labels >= 0
+  nll = -np.take_along_axis(logp, np.where(mask, labels, 0)[..., None], -1)[..., 0]
+  assert first["loss"] == pytest.approx(nll[mask].mean(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_imported_run_in_kvm_eval_lm_eval_and_generate(tmp_path):
+  """The evaluation tools read an imported run directory like any other: kvm-eval's MQAR suite,
+  the lm-eval adapter's loglikelihood (against the logits) and generate."""
+  model, imported = _imported_text_model(tmp_path)
+  out = tmp_path / "eval"
+  subprocess.run([sys.executable, "-m", "kvm_jax.eval.cli", "--checkpoint", str(imported),
+                  "--suite", "mqar", "--out", str(out)], check=True, cwd=ROOT)
+  assert json.loads((out / "results.json").read_text())
+  from kvm_jax.eval.lm_eval_adapter import KVMEvalLM
+  from lm_eval.api.instance import Instance
+  lm = KVMEvalLM(checkpoint=str(imported))
+  (ll, _), = lm.loglikelihood([Instance(request_type="loglikelihood", doc={},
+                                        arguments=("ab", "c"), idx=0)])
+  logits = _logits(model, np.array([[97, 98]])).astype(np.float64)[0, -1]
+  want = logits[99] - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+  assert ll == pytest.approx(want, abs=1e-4)
