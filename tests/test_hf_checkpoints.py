@@ -454,13 +454,13 @@ def test_sharded_index_problems_are_named(tmp_path):
   files = st.write_checkpoint(tmp_path, tensors, {"format": "pt"}, max_shard_bytes=100_000,
                               progress=False)
   assert len(files) > 2 and (tmp_path / st.INDEX_FILE).exists()
-  back = st.read_checkpoint(tmp_path, progress=False)
+  back = st.read_checkpoint(tmp_path)
   assert back.keys() == tensors.keys()
   for key in tensors:
     np.testing.assert_array_equal(back[key], tensors[key])
   files[1].unlink()
   with pytest.raises(hf.CheckpointError, match=f"lists \\['{files[1].name}'\\]"):
-    st.read_checkpoint(tmp_path, progress=False)
+    st.read_checkpoint(tmp_path)
 
 
 def test_cli_errors_exit_2_with_the_message(tmp_path, capsys):
@@ -474,6 +474,51 @@ def test_cli_errors_exit_2_with_the_message(tmp_path, capsys):
   hf.import_checkpoint(DATA / "full_bswa", tmp_path / "run2", progress=False)
   assert import_main([str(DATA / "full_bswa"), str(tmp_path / "run2")]) == 2
   assert "not empty" in capsys.readouterr().err
+
+
+def test_an_interrupted_import_leaves_nothing_behind(tmp_path, monkeypatch):
+  """kvm-import writes a staged directory and renames it at the end: a failure while writing
+  leaves neither DEST nor the staging directory, and an existing DEST replaced with --overwrite
+  stays whole until the new one is complete."""
+  def broken_save(self, *args, **kwargs):
+    raise OSError("disk full")
+  hf.import_checkpoint(DATA / "full_bswa", tmp_path / "run", progress=False)
+  before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*"))
+  monkeypatch.setattr(Checkpointer, "save", broken_save)
+  with pytest.raises(OSError, match="disk full"):
+    hf.import_checkpoint(DATA / "full_bswa", tmp_path / "new", progress=False)
+  with pytest.raises(OSError, match="disk full"):
+    hf.import_checkpoint(DATA / "kvm_power_gqa", tmp_path / "run", overwrite=True, progress=False)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+  assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == before
+
+
+def test_unknown_config_keys_warn_and_load(tmp_path, capsys):
+  """A key that is neither their field nor Hugging Face's is named in a warning, not an error;
+  the progress bar reports the bytes loaded (off a terminal: lines, ending at the total)."""
+  path = _copy(tmp_path)
+  _edit_config(path, kvm_future_option=3)
+  with pytest.warns(UserWarning, match=r"\['kvm_future_option'\]"):
+    kj.load_pretrained(path)
+  err = capsys.readouterr().err
+  total = sum(a.nbytes for a in st.read_file(path / "model.safetensors").values())
+  assert f"load {total}/{total}" in err
+
+
+@pytest.mark.parametrize("name", ["kvm-import", "kvm-export"])
+def test_help_explains_every_flag(name, capsys):
+  from kvm_jax.hf import cli
+  parser = cli.import_parser() if name == "kvm-import" else cli.export_parser()
+  main = cli.import_main if name == "kvm-import" else cli.export_main
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--help"])
+  assert exit_info.value.code == 0
+  text = capsys.readouterr().out
+  assert f"usage: {name}" in text
+  for action in parser._actions:
+    assert action.help, f"{action.option_strings or action.dest} has no help"
+    for flag in action.option_strings:
+      assert flag in text, flag
 
 
 # ----------------------------------------------------------------------------------------------

@@ -298,7 +298,7 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
     return ModelConfig(
         vocab_size=_int(cfg, "vocab_size", 1), num_layers=len(kinds), hidden_size=hidden,
         num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=None if d_qk == hidden // heads else d_qk,
+        head_dim=None if d_qk * heads == hidden else d_qk,
         value_head_dim=None if d_v == d_qk else d_v,  # kvm_jax's value width defaults to D
         mixers=kinds[0] if len(used) == 1 else kinds, kvm=kvm, rope_dims=rope_dims,
         rope_theta=theta, swa_window=swa_window, swa_rope_dims=swa_rope,

@@ -3,6 +3,7 @@ run directory, export a run directory back (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -87,8 +88,8 @@ def read_authors(path, *, dtype: str = "float32", numerics: str = "authors",
     cfg = model_config_from_authors(config, numerics=numerics, dtype=dtype)
   except ConfigError as e:
     raise ConfigError(f"{path / CONFIG_FILE}: {e}") from None
-  tensors = st.read_checkpoint(path, progress=progress)
-  graphdef, params = from_authors(tensors, cfg, source=str(path))
+  tensors = st.read_checkpoint(path)
+  graphdef, params = from_authors(tensors, cfg, source=str(path), progress=progress)
   return config, cfg, graphdef, params
 
 
@@ -126,13 +127,24 @@ def load_pretrained(path, dtype: str = "float32", *, numerics: Optional[str] = N
   return nnx.merge(graphdef, params)
 
 
-def _fresh_directory(dest: Path, overwrite: bool) -> None:
-  if dest.exists() and any(dest.iterdir()):
-    if not overwrite:
-      raise FileExistsError(f"{dest} exists and is not empty; choose a new directory (or pass "
-                            "overwrite=True / --overwrite to replace it).")
-    shutil.rmtree(dest)
-  dest.mkdir(parents=True, exist_ok=True)
+@contextlib.contextmanager
+def _staged(dest: Path, overwrite: bool):
+  """Yields a fresh sibling directory to write into; on success it replaces ``dest``, on failure
+  it is removed, so ``dest`` is never left half written."""
+  if dest.exists() and (not dest.is_dir() or any(dest.iterdir())) and not overwrite:
+    raise FileExistsError(f"{dest} exists and is not empty; choose a new directory (or pass "
+                          "overwrite=True / --overwrite to replace it).")
+  stage = dest.with_name(dest.name + ".partial")
+  shutil.rmtree(stage, ignore_errors=True)
+  stage.mkdir(parents=True)
+  try:
+    yield stage
+  except BaseException:
+    shutil.rmtree(stage, ignore_errors=True)
+    raise
+  if dest.exists():
+    shutil.rmtree(dest) if dest.is_dir() else dest.unlink()
+  stage.rename(dest)
 
 
 def import_checkpoint(src, dest, *, dtype: str = "float32", numerics: str = "authors",
@@ -153,23 +165,22 @@ def import_checkpoint(src, dest, *, dtype: str = "float32", numerics: str = "aut
   tokenizer = Path(tokenizer_file) if tokenizer_file else src / TOKENIZER_FILE
   if tokenizer_file and not tokenizer.exists():
     raise FileNotFoundError(f"tokenizer file {tokenizer} does not exist.")
-  _fresh_directory(dest, overwrite)
-  tok_path = ""
-  if tokenizer.exists():
-    shutil.copyfile(tokenizer, dest / TOKENIZER_FILE)
-    tok_path = str((dest / TOKENIZER_FILE).resolve())
-  train_cfg = TrainConfig(model=cfg, task="text", tokenizer_file=tok_path)
-  save_config(train_cfg, dest)
-  ckpt = Checkpointer(dest / CHECKPOINT_DIR)
-  try:
-    ckpt.save(0, {"params": params}, {"imported_from": str(src.resolve())}, force=True)
-  finally:
-    ckpt.close()
-  leaves = [np.size(x) for x in jax.tree_util.tree_leaves(params)]
-  record = {"source": str(src.resolve()), "source_config": config, "dtype": dtype,
-            "numerics": numerics, "parameters": int(sum(leaves)), "tensors": len(leaves),
-            "tokenizer": tok_path or None}
-  (dest / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+  # The run records where its tokenizer will be once the staged directory becomes dest.
+  tok_path = str(dest.resolve() / TOKENIZER_FILE) if tokenizer.exists() else ""
+  with _staged(dest, overwrite) as stage:
+    if tok_path:
+      shutil.copyfile(tokenizer, stage / TOKENIZER_FILE)
+    save_config(TrainConfig(model=cfg, task="text", tokenizer_file=tok_path), stage)
+    ckpt = Checkpointer(stage / CHECKPOINT_DIR)
+    try:
+      ckpt.save(0, {"params": params}, {"imported_from": str(src.resolve())}, force=True)
+    finally:
+      ckpt.close()
+    leaves = [np.size(x) for x in jax.tree_util.tree_leaves(params)]
+    record = {"source": str(src.resolve()), "source_config": config, "dtype": dtype,
+              "numerics": numerics, "parameters": int(sum(leaves)), "tensors": len(leaves),
+              "tokenizer": tok_path or None}
+    (stage / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
   return dest
 
 
@@ -193,15 +204,17 @@ def export_run(run_dir, dest, *, step: Optional[int] = None, dtype: Optional[str
   _, model, step = load_trained(run_dir, step, run_cfg)
   tensors = to_authors(nnx.state(model, nnx.Param), run_cfg.model,
                        np.dtype(np.float32) if dtype == "float32" else np.dtype(ml_dtypes.bfloat16))
-  _fresh_directory(dest, overwrite)
   config["dtype"] = config["torch_dtype"] = dtype
-  written = st.write_checkpoint(dest, tensors, metadata={"format": "pt"},
-                                max_shard_bytes=max_shard_bytes, progress=progress)
-  (dest / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-  tok = run_cfg.tokenizer_file
-  if tok and Path(tok).exists():
-    shutil.copyfile(tok, dest / TOKENIZER_FILE)
-  return written + [dest / CONFIG_FILE]
+  with _staged(dest, overwrite) as stage:
+    written = st.write_checkpoint(stage, tensors, metadata={"format": "pt"},
+                                  max_shard_bytes=max_shard_bytes, progress=progress)
+    (stage / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    names = [p.name for p in written] + [CONFIG_FILE]
+    tok = run_cfg.tokenizer_file
+    if tok and Path(tok).exists():
+      shutil.copyfile(tok, stage / TOKENIZER_FILE)
+      names.append(TOKENIZER_FILE)
+  return [dest / name for name in names]
 
 
 def numerics_note(cfg: ModelConfig) -> Optional[str]:

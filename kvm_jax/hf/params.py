@@ -21,6 +21,7 @@ from kvm_jax.hf.safetensors import CheckpointError
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.layers import path_names
 from kvm_jax.nn.model import LM
+from kvm_jax.progress import ProgressReport
 
 # kvm_jax leaf names -> theirs, per module kind.
 _PROJECTIONS = {"c_q", "c_k", "c_v", "c_proj", "v_gate1", "v_gate2", "key_weighting", "c_fc"}
@@ -139,10 +140,12 @@ def to_authors(params: Any, cfg: ModelConfig, dtype=None) -> dict[str, np.ndarra
   return out
 
 
-def from_authors(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, source: str = "the checkpoint"):
+def from_authors(tensors: Mapping[str, np.ndarray], cfg: ModelConfig,
+                 source: str = "the checkpoint", progress: bool = False):
   """(graphdef, parameter state) of ``LM(cfg)`` holding their tensors, cast to
   ``cfg.param_dtype``. Every tensor their model would hold must be there with its exact shape, and
-  nothing else: a missing, extra or misshapen tensor is a :class:`CheckpointError` naming it."""
+  nothing else: a missing, extra or misshapen tensor is a :class:`CheckpointError` naming it.
+  With ``progress`` a bar counts the bytes read (memory-mapped tensors are read here)."""
   graphdef, state = abstract_model(cfg)
   table = layouts(cfg)
   expected = authors_shapes(cfg)
@@ -168,10 +171,20 @@ def from_authors(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, source: st
       raise CheckpointError(f"{source}: tensor {name!r} has dtype {tensors[name].dtype}; "
                             "parameters must be floating point.")
   dtype = cfg.jnp_param_dtype
+  total = sum(tensors[name].nbytes for name in expected)
+  report = ProgressReport(total, "load", min_interval=0.2) if progress else None
+  done = 0
 
   def convert(path, leaf):
+    nonlocal done
     lay = table["/".join(path_names(path))]
-    arr = lay.from_authors(np.asarray(tensors[lay.name]))
-    return jnp.asarray(arr.astype(dtype), dtype)
+    arr = jnp.asarray(lay.from_authors(np.asarray(tensors[lay.name])).astype(dtype), dtype)
+    done += tensors[lay.name].nbytes
+    if report:
+      report.update(done, lay.name)
+    return arr
 
-  return graphdef, jax.tree_util.tree_map_with_path(convert, state)
+  params = jax.tree_util.tree_map_with_path(convert, state)
+  if report:
+    report.update(total, final=True)
+  return graphdef, params

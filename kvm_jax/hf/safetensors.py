@@ -202,20 +202,17 @@ def checkpoint_files(directory) -> list[Path]:
                         ".safetensors file.")
 
 
-def read_checkpoint(directory, progress: bool = True) -> dict[str, np.ndarray]:
+def read_checkpoint(directory) -> dict[str, np.ndarray]:
   """Every tensor of a Hugging Face model directory (single file or sharded with an index), as
-  memory-mapped numpy arrays. With ``progress`` a bar counts the bytes checked. A tensor that
-  appears in two files, or that the index assigns to another file than the one holding it, is an
-  error."""
+  memory-mapped numpy arrays: the headers are read and checked, the data stays on disk until used.
+  A tensor that appears in two files, or that the index assigns to another file than the one
+  holding it, is an error."""
   directory = Path(directory)
   files = checkpoint_files(directory)
   index = directory / INDEX_FILE
   weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else None
-  total = sum(p.stat().st_size for p in files)
-  report = ProgressReport(total, "read", min_interval=0.2) if progress else None
   tensors: dict[str, np.ndarray] = {}
   where: dict[str, str] = {}
-  done = 0
   for path in files:
     for name, arr in read_file(path).items():
       if name in tensors:
@@ -224,9 +221,6 @@ def read_checkpoint(directory, progress: bool = True) -> dict[str, np.ndarray]:
         raise CheckpointError(f"{path.name} holds tensor {name!r}, which {INDEX_FILE} assigns to "
                               f"{weight_map.get(name)!r}.")
       tensors[name], where[name] = arr, path.name
-    done += path.stat().st_size
-    if report:
-      report.update(done, f"{path.name}", final=done == total)
   if weight_map is not None:
     absent = sorted(set(weight_map) - set(tensors))
     if absent:
