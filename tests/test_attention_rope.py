@@ -73,25 +73,35 @@ def test_rope_frequency_rule_and_pairs():
   assert f[0] == 1.0 and np.isclose(f[6], 1e-4) and not np.any(f[8:])
 
 
-# float32 bit patterns of torch.linspace(0, 1, n) (torch 2.13, CPU) at the entries where numpy's
-# linspace differs from it: n = 32 are the exponents of the paper's 64 rotary channels, n = 64 of
-# the hybrids' full-RoPE SWA layers (128 channels).
+# float32 bit patterns of torch.linspace(0, 1, n) (torch 2.13, CPU): n = 32 gives the exponents of
+# the paper's 64 rotary channels, n = 64 those of the hybrids' full-RoPE SWA layers (128 channels).
 TORCH_LINSPACE_BITS = {
-    32: {18: 0x3F14A52A, 22: 0x3F35AD6C, 26: 0x3F56B5AE, 30: 0x3F77BDF0},
-    64: {3: 0x3D430C32, 6: 0x3DC30C32, 7: 0x3DE38E3A, 12: 0x3E430C32, 13: 0x3E534D36,
-         14: 0x3E638E3A},
+    32: [0x00000000, 0x3D042108, 0x3D842108, 0x3DC6318C, 0x3E042108, 0x3E25294A, 0x3E46318C,
+         0x3E6739CE, 0x3E842108, 0x3E94A529, 0x3EA5294A, 0x3EB5AD6B, 0x3EC6318C, 0x3ED6B5AD,
+         0x3EE739CE, 0x3EF7BDEF, 0x3F042108, 0x3F0C6319, 0x3F14A52A, 0x3F1CE73A, 0x3F25294A,
+         0x3F2D6B5B, 0x3F35AD6C, 0x3F3DEF7C, 0x3F46318C, 0x3F4E739D, 0x3F56B5AE, 0x3F5EF7BE,
+         0x3F6739CE, 0x3F6F7BDF, 0x3F77BDF0, 0x3F800000],
+    64: [0x00000000, 0x3C820821, 0x3D020821, 0x3D430C32, 0x3D820821, 0x3DA28A29, 0x3DC30C32,
+         0x3DE38E3A, 0x3E020821, 0x3E124925, 0x3E228A29, 0x3E32CB2D, 0x3E430C32, 0x3E534D36,
+         0x3E638E3A, 0x3E73CF3E, 0x3E820821, 0x3E8A28A3, 0x3E924925, 0x3E9A69A7, 0x3EA28A29,
+         0x3EAAAAAB, 0x3EB2CB2D, 0x3EBAEBAF, 0x3EC30C32, 0x3ECB2CB4, 0x3ED34D36, 0x3EDB6DB8,
+         0x3EE38E3A, 0x3EEBAEBC, 0x3EF3CF3E, 0x3EFBEFC0, 0x3F020820, 0x3F061861, 0x3F0A28A2,
+         0x3F0E38E3, 0x3F124924, 0x3F165965, 0x3F1A69A6, 0x3F1E79E7, 0x3F228A28, 0x3F269A69,
+         0x3F2AAAAA, 0x3F2EBAEB, 0x3F32CB2C, 0x3F36DB6D, 0x3F3AEBAE, 0x3F3EFBF0, 0x3F430C31,
+         0x3F471C72, 0x3F4B2CB3, 0x3F4F3CF4, 0x3F534D35, 0x3F575D76, 0x3F5B6DB7, 0x3F5F7DF8,
+         0x3F638E39, 0x3F679E7A, 0x3F6BAEBB, 0x3F6FBEFC, 0x3F73CF3D, 0x3F77DF7E, 0x3F7BEFBF,
+         0x3F800000],
 }
 
 
 def test_rope_exponents_are_torch_linspace_bit_for_bit():
-  """The authors' RoPE exponents come from torch.linspace in float32; numpy's linspace rounds
-  some of them differently, and a last-bit difference in a frequency flips roundings of the
-  bfloat16 tables (logits 2e-5 apart instead of 6e-7 on a hybrid of their checkpoints)."""
+  """The authors' RoPE exponents come from torch.linspace in float32, whose entries numpy's
+  linspace rounds differently in places; a last-bit difference in a frequency flips roundings of
+  the bfloat16 tables (logits 1e-5 apart instead of 6e-7 on their hybrids' checkpoints)."""
   for n, bits in TORCH_LINSPACE_BITS.items():
-    ours = linspace01(n).view(np.uint32)
-    numpy_own = np.linspace(0, 1, n, dtype=np.float32).view(np.uint32)
-    for i, want in bits.items():
-      assert ours[i] == want and numpy_own[i] != want, (n, i)
+    want = np.array(bits, np.uint32)
+    np.testing.assert_array_equal(linspace01(n).view(np.uint32), want, err_msg=str(n))
+    assert np.any(np.linspace(0, 1, n, dtype=np.float32).view(np.uint32) != want)
   assert linspace01(1).tolist() == [0.0] and linspace01(2).tolist() == [0.0, 1.0]
 
 

@@ -43,6 +43,13 @@ CASES = {
     "swa_kvm_hybrid": (("swa", "kvm"), dict(residual_scale=0.5)),
     # every layer anchored on layer 0, so the bswa layer's value residual reads the full layer's
     "full_bswa_shared_anchor": (("full", "bswa"), dict(share_value_anchor=True)),
+    # value heads wider than query/key heads (the authors' d_v_head), through every kind
+    "value_head_dim_16_of_8": (("kvm", "swa", "full", "bswa"),
+                               dict(num_layers=4, head_dim=8, value_head_dim=16, rope_dims=4,
+                                    swa_rope_dims=8,
+                                    kvm=kj.KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1,
+                                                     rope_dims=4,
+                                                     budget=kj.PowerLawBudget(4.0, 0.5, 8)))),
 }
 
 

@@ -27,6 +27,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kvm_jax.budget import average_visible_keys, average_window_keys
+from kvm_jax.hf.load import checkpoint_kind
 from kvm_jax.nn.model import LM
 from kvm_jax.ops.attention_api import runs_pallas
 from kvm_jax.ops.kvm.api import kernel_sharding
@@ -249,16 +250,25 @@ FINE_TUNE_FIELDS = ("param_dtype", "compute_dtype", "kvm_implementation",
                     "attention_implementation")
 
 
-def with_init_model(cfg: TrainConfig) -> TrainConfig:
+def with_init_model(cfg: TrainConfig, workdir=None) -> TrainConfig:
   """``cfg`` with ``model`` taken from ``cfg.init_from``'s run directory (except
-  :data:`FINE_TUNE_FIELDS`); ``cfg`` itself when it starts from scratch."""
+  :data:`FINE_TUNE_FIELDS`), or from ``workdir``'s own config once the fine-tuning run has
+  started there (so resuming does not need ``init_from`` any more); ``cfg`` itself when it starts
+  from scratch."""
   if not cfg.init_from:
     return cfg
-  if not is_run_directory(cfg.init_from):
+  if workdir is not None and is_run_directory(workdir):
+    source = load_config(workdir).model
+  elif not is_run_directory(cfg.init_from):
     raise ValueError(f"init_from={cfg.init_from!r} is not a run directory (no config.json); give "
                      "a kvm-train workdir or a kvm-import output (kvm-import converts the "
                      "authors' checkpoints).")
-  source = load_config(cfg.init_from).model
+  elif checkpoint_kind(cfg.init_from) != "run":
+    raise ValueError(f"init_from={cfg.init_from!r} is a checkpoint in the authors' format; "
+                     f"convert it first: kvm-import {cfg.init_from} RUN_DIR, then "
+                     "--config.init_from=RUN_DIR.")
+  else:
+    source = load_config(cfg.init_from).model
   model = dataclasses.replace(source, **{f: getattr(cfg.model, f) for f in FINE_TUNE_FIELDS})
   return dataclasses.replace(cfg, model=model)
 
@@ -456,7 +466,7 @@ def train(cfg: TrainConfig, workdir, *, verbose: bool = True,
   same arguments. ``profile_steps=(A, B)`` writes a ``jax.profiler`` trace of steps A..B to
   ``workdir/profile`` on process 0. Raises :class:`NonFiniteError` when a step's loss or gradient
   is not finite and ``cfg.on_nonfinite == "stop"``."""
-  cfg = with_init_model(cfg)
+  cfg = with_init_model(cfg, workdir)
   cfg.validate()
   primary = jax.process_index() == 0
   verbose = verbose and primary

@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     key, value = item[len("--config."):].split("=", 1)
     cfg = apply_override(cfg, key, value)
   try:
-    cfg = with_init_model(cfg)
+    cfg = with_init_model(cfg, args.workdir)
     cfg.validate()
   except ValueError as e:
     raise SystemExit(f"invalid config: {e}") from None

@@ -95,8 +95,10 @@ HF_KEYS = {
 }
 
 # The authors' mixer names (``token_mixer``) and class paths, by kvm_jax mixer kind.
-AUTHORS_MIXERS = {"kvm": "kvm", "gptalpha": "full", "swa": "swa", "gptalpha_bswa": "bswa"}
-KVM_JAX_MIXERS = {kind: name for name, kind in AUTHORS_MIXERS.items()}
+# ("kvm_triton" selects their Triton KVM class through the "model.<name>_mixer" rule.)
+AUTHORS_MIXERS = {"kvm": "kvm", "kvm_triton": "kvm", "gptalpha": "full", "swa": "swa",
+                  "gptalpha_bswa": "bswa"}
+KVM_JAX_MIXERS = {"kvm": "kvm", "full": "gptalpha", "swa": "swa", "bswa": "gptalpha_bswa"}
 CLASS_PATHS = {
     "model.kvm_mixer.SequenceMixer": "kvm",
     # The Triton kernels and the fp32-routing variant hold the eager layer's parameters and compute
@@ -109,8 +111,10 @@ CLASS_PATHS = {
 }
 # Which prefix of the *_value_residual_mode / *_token_shift_mode fields each kind reads.
 MODE_PREFIX = {"kvm": "kvm", "full": "gptalpha", "bswa": "gptalpha", "swa": "swa"}
-# The authors' "no cap" for growing budgets (n_max_d_chunks in their sqrt and saturation configs).
-NO_CAP_CHUNKS = 10000
+# A state cap that cannot bind: their cap is chunk_len x n_max_d_chunks rows, and no budget exceeds
+# the tokens seen, which int32 positions keep below 2^31. (Their own configs say "no cap" with
+# n_max_d_chunks = 10000, which does bind past 10000 chunks' worth of rows.)
+NO_CAP_ROWS = 2**31
 
 
 class ConfigError(ValueError):
@@ -123,12 +127,12 @@ def _resolve_mixer(cfg: dict, role: str) -> str:
                             else ("alt_token_mixer", "alt_token_mixer_class_path"))
   path = cfg[path_field]
   if path is not None:
-    if path not in CLASS_PATHS:
+    if not isinstance(path, str) or path not in CLASS_PATHS:
       raise ConfigError(f"{path_field}={path!r}: kvm_jax implements only "
                         f"{sorted(CLASS_PATHS)}.")
     return CLASS_PATHS[path]
   name = cfg[name_field]
-  if name not in AUTHORS_MIXERS:
+  if not isinstance(name, str) or name not in AUTHORS_MIXERS:
     raise ConfigError(f"{name_field}={name!r}: kvm_jax implements the mixers "
                       f"{sorted(AUTHORS_MIXERS)} (KVM, full attention, SWA, block SWA), not "
                       f"{name!r}.")
@@ -144,11 +148,26 @@ def _flag(cfg: dict, name: str) -> bool:
 
 def _int(cfg: dict, name: str, minimum: Optional[int] = None) -> int:
   value = cfg[name]
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+  if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+      or int(value) != value):
     raise ConfigError(f"{name}={value!r} must be an integer.")
   if minimum is not None and value < minimum:
     raise ConfigError(f"{name}={value!r} must be >= {minimum}.")
   return int(value)
+
+
+def _opt_int(cfg: dict, name: str, minimum: int = 1) -> Optional[int]:
+  """An integer field whose ``None`` (and, like their ``x or default``, 0) means "derive it"."""
+  return None if cfg[name] in (None, 0) else _int(cfg, name, minimum)
+
+
+def _float(cfg: dict, name: str, *, allow_none: bool = False) -> Optional[float]:
+  value = cfg[name]
+  if value is None and allow_none:
+    return None
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    raise ConfigError(f"{name}={value!r} must be a finite number.")
+  return float(value)
 
 
 def authors_fields(config: dict) -> tuple[dict, list[str]]:
@@ -206,7 +225,7 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
       raise ConfigError(f"{name}={cfg[name]!r}: kvm_jax does not implement "
                         f"{name.removeprefix('use_').replace('_', ' ')}; only {implemented} "
                         "loads.")
-  if cfg["logit_softcap"] not in (0, 0.0, None):
+  if _float(cfg, "logit_softcap", allow_none=True):
     raise ConfigError(f"logit_softcap={cfg['logit_softcap']!r}: kvm_jax's LM head has no logit "
                       "soft-capping; only 0 loads.")
   kinds = layer_kinds(cfg)
@@ -216,24 +235,25 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
 
   # Heads and widths, exactly as their ValueResidualMixin resolves them.
   hidden, heads = _int(cfg, "hidden_size", 1), _int(cfg, "num_attention_heads", 1)
-  d_qk = cfg["d_qk_head"] or cfg["d_head"] or hidden // heads
-  d_v = cfg["d_v_head"] or cfg["d_head"] or hidden // heads
-  kv_heads = cfg["num_key_value_heads"]
+  d_head = _opt_int(cfg, "d_head")
+  d_qk = _opt_int(cfg, "d_qk_head") or d_head or hidden // heads
+  d_v = _opt_int(cfg, "d_v_head") or d_head or hidden // heads
+  kv_heads = None if cfg["num_key_value_heads"] is None else _int(cfg, "num_key_value_heads", 1)
 
   # RoPE: the main role's layers use (rope_partial_dim, rope_theta), the alt role's
   # (alt_rope_partial_dim, alt_rope_theta). kvm_jax has one width for swa layers and one for the
   # others, and one theta.
   def role_rope(kind):
     if alternates and kind == kinds[0]:
-      return _int(cfg, "alt_rope_partial_dim", 0), float(cfg["alt_rope_theta"]), "alt_"
-    return _int(cfg, "rope_partial_dim", 0), float(cfg["rope_theta"]), ""
+      return _int(cfg, "alt_rope_partial_dim", 0), _float(cfg, "alt_rope_theta"), "alt_"
+    return _int(cfg, "rope_partial_dim", 0), _float(cfg, "rope_theta"), ""
   ropes = {kind: role_rope(kind) for kind in used}
   thetas = {theta for dims, theta, _ in ropes.values() if dims > 0}
   if len(thetas) > 1:
     raise ConfigError(f"rope_theta={cfg['rope_theta']!r} and alt_rope_theta="
                       f"{cfg['alt_rope_theta']!r} differ; kvm_jax uses one RoPE base for every "
                       "layer.")
-  theta = thetas.pop() if thetas else float(cfg["rope_theta"])
+  theta = thetas.pop() if thetas else _float(cfg, "rope_theta")
   non_swa = {ropes[k][0] for k in used if k != "swa"}
   if len(non_swa) > 1:
     raise ConfigError(f"rope_partial_dim={cfg['rope_partial_dim']!r} and alt_rope_partial_dim="
@@ -266,7 +286,7 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
   kvm = KVMConfig()
   if "kvm" in used:
     dims = ropes["kvm"][0]
-    zeroed = cfg["rope_partial_dim"] if cfg["rope_partial_dim"] > 0 else d_qk
+    zeroed = _int(cfg, "rope_partial_dim", 0) or d_qk
     if dims <= 0 or zeroed != dims:
       raise ConfigError(
           f"the KVM layers rotate {dims} channels (rope_partial_dim / alt_rope_partial_dim) but "
@@ -292,8 +312,8 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
     except ValueError as e:  # KVMConfig's own validation
       raise ConfigError(f"the KVM fields (chunk_len, n_bswa_chunks, sink_len, state_*) give no "
                         f"valid KVM layer: {e}") from None
-  swa_window = cfg["swa_window_size"]
-  swa_window = _int(cfg, "swa_window_size") if swa_window > 0 else chunk  # their swa_mixer rule
+  swa_window = _int(cfg, "swa_window_size")
+  swa_window = swa_window if swa_window > 0 else chunk  # their swa_mixer rule
   try:
     return ModelConfig(
         vocab_size=_int(cfg, "vocab_size", 1), num_layers=len(kinds), hidden_size=hidden,
@@ -303,8 +323,9 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
         mixers=kinds[0] if len(used) == 1 else kinds, kvm=kvm, rope_dims=rope_dims,
         rope_theta=theta, swa_window=swa_window, swa_rope_dims=swa_rope,
         bswa_chunk_size=chunk, bswa_window_chunks=window_chunks, bswa_sink_rows=sink,
-        ffn_expansion=float(cfg["ffn_expansion"]),
-        residual_scale=float(cfg["residual_scale"]) if cfg["residual_scale"] else None,
+        ffn_expansion=_float(cfg, "ffn_expansion"),
+        # their Block: residual_scale or 1.0
+        residual_scale=_float(cfg, "residual_scale", allow_none=True) or None,
         tokenshift_attention=shift[used[0]], tokenshift_mlp=_flag(cfg, "use_tokenshift_ffn"),
         value_residual=value_residual, share_value_anchor=alternates and _flag(cfg, "alt_share_v0"),
         mup_base_dim=_int(cfg, "mup_base_dim", 1), param_dtype=dtype, compute_dtype=dtype,
@@ -317,14 +338,13 @@ def _budget(cfg: dict):
   """The KVM budget of an authors' config (docs/kvm-spec.md §6.3)."""
   mode = cfg["state_budget_mode"]
   min_len = max(_int(cfg, "state_min_len"), 0)  # their default -1 never binds: targets are >= 0
-  round_down = _int(cfg, "state_round_down", 1)
   if mode == "fixed":
-    if min_len < 1:
-      raise ConfigError(f"state_budget_mode='fixed' with state_min_len={cfg['state_min_len']!r}: "
-                        "the fixed budget is state_min_len rows; set it to a positive number.")
-    return FixedBudget(rows=min_len)
+    # The state starts as the first chunk's rows and never shrinks, so any fixed target up to
+    # chunk_len (their default -1 included) keeps exactly that chunk: FixedBudget(chunk_len).
+    return FixedBudget(rows=max(min_len, _int(cfg, "chunk_len", 1)))
+  round_down = _int(cfg, "state_round_down", 1)
   if mode == "power_law":
-    return PowerLawBudget(float(cfg["state_growth_factor"]), float(cfg["state_growth_exponent"]),
+    return PowerLawBudget(_float(cfg, "state_growth_factor"), _float(cfg, "state_growth_exponent"),
                           min_rows=min_len, round_down=round_down)
   if mode == "kvm_saturation":
     if cfg["state_saturation_n"] is None:
@@ -381,12 +401,12 @@ def authors_config_from_model(model: ModelConfig) -> dict:
                         f"sink_len, but kvm has ({k.chunk_size}, {k.window_chunks}, "
                         f"{k.sink_rows}) and bswa ({chunk}, {window_chunks}, {sink}).")
     chunk, window_chunks, sink = k.chunk_size, k.window_chunks, k.sink_rows
-    if model.rope_dims == 0:
-      raise ExportError("rope_dims=0 with KVM layers: their KVM layer zeroes every channel of the "
-                        "state keys when rope_partial_dim is 0, kvm_jax none.")
-    if alt == "kvm" and model.rope_dims_of(0) != rope_main:
-      raise ExportError("their KVM layer zeroes rope_partial_dim channels even as the alt mixer, "
-                        "so the alt and main RoPE widths must be equal.")
+    zeroed = rope_main or model.qk_head_dim  # their KVM layer zeroes rope_partial_dim, 0 = all
+    if model.rope_dims == 0 or model.rope_dims != zeroed:
+      raise ExportError(
+          f"the KVM layers rotate rope_dims={model.rope_dims} channels, but their KVM layer "
+          f"zeroes rope_partial_dim={rope_main} ({zeroed}) channels of the state keys "
+          "(rope_partial_dim belongs to the main mixer; 0 means every channel).")
     if k.value_norm != "radius":
       raise ExportError(f"kvm.value_norm={k.value_norm!r}: their code reads the state values "
                         "normalized times the radius (kvm_use_vlens=1); its kvm_use_vlens=0 path "
@@ -402,6 +422,17 @@ def authors_config_from_model(model: ModelConfig) -> dict:
              swa_window_size=model.swa_window)
   D, Dv = model.qk_head_dim, model.v_head_dim
   default_head = model.hidden_size // model.num_heads
+  softmax_kinds = sorted(set(used) - {"kvm"})
+  if model.kv_heads != model.num_heads and softmax_kinds:
+    raise ExportError(f"num_kv_heads={model.num_kv_heads} with {softmax_kinds} layers: their "
+                      "full/SWA/block-SWA layers call scaled_dot_product_attention without "
+                      "enable_gqa, so only KVM layers may use grouped K/V heads.")
+  if "swa" in used and model.num_heads * Dv != model.hidden_size:
+    raise ExportError(f"SWA layers with num_heads x value head dim = {model.num_heads * Dv} != "
+                      f"hidden_size={model.hidden_size}: their SWA layer reshapes its output to "
+                      "the input's shape.")
+  if model.residual_scale == 0:
+    raise ExportError("residual_scale=0: their Block reads `residual_scale or 1.0`, i.e. 1.")
   out.update(
       vocab_size=model.vocab_size, num_hidden_layers=model.num_layers,
       num_attention_heads=model.num_heads, num_key_value_heads=model.num_kv_heads,
@@ -430,7 +461,7 @@ def _authors_budget(k: KVMConfig) -> dict:
   if cap is not None and cap % chunk:
     raise ExportError(f"kvm.max_state_rows={cap}: their cap is chunk_len x n_max_d_chunks, so it "
                       f"must be a multiple of chunk_size={chunk}.")
-  n_max = NO_CAP_CHUNKS if cap is None else cap // chunk
+  n_max = -(-NO_CAP_ROWS // chunk) if cap is None else cap // chunk
   if isinstance(budget, PowerLawBudget):
     return dict(state_budget_mode="power_law", state_growth_factor=float(budget.factor),
                 state_growth_exponent=float(budget.exponent), state_min_len=budget.min_rows,

@@ -128,9 +128,14 @@ def load_pretrained(path, dtype: str = "float32", *, numerics: Optional[str] = N
 
 
 @contextlib.contextmanager
-def _staged(dest: Path, overwrite: bool):
+def _staged(dest: Path, overwrite: bool, source: Path):
   """Yields a fresh sibling directory to write into; on success it replaces ``dest``, on failure
-  it is removed, so ``dest`` is never left half written."""
+  it is removed, so ``dest`` is never left half written. ``dest`` may not be ``source`` or hold
+  it (``overwrite`` would delete what is being read)."""
+  dest, source = dest.resolve(), source.resolve()
+  if dest == source or dest in source.parents:
+    what = "the source" if dest == source else "a folder holding the source"
+    raise ValueError(f"the destination {dest} is {what} {source}; write to a new directory.")
   if dest.exists() and (not dest.is_dir() or any(dest.iterdir())) and not overwrite:
     raise FileExistsError(f"{dest} exists and is not empty; choose a new directory (or pass "
                           "overwrite=True / --overwrite to replace it).")
@@ -167,7 +172,7 @@ def import_checkpoint(src, dest, *, dtype: str = "float32", numerics: str = "aut
     raise FileNotFoundError(f"tokenizer file {tokenizer} does not exist.")
   # The run records where its tokenizer will be once the staged directory becomes dest.
   tok_path = str(dest.resolve() / TOKENIZER_FILE) if tokenizer.exists() else ""
-  with _staged(dest, overwrite) as stage:
+  with _staged(dest, overwrite, src) as stage:
     if tok_path:
       shutil.copyfile(tokenizer, stage / TOKENIZER_FILE)
     save_config(TrainConfig(model=cfg, task="text", tokenizer_file=tok_path), stage)
@@ -205,7 +210,7 @@ def export_run(run_dir, dest, *, step: Optional[int] = None, dtype: Optional[str
   tensors = to_authors(nnx.state(model, nnx.Param), run_cfg.model,
                        np.dtype(np.float32) if dtype == "float32" else np.dtype(ml_dtypes.bfloat16))
   config["dtype"] = config["torch_dtype"] = dtype
-  with _staged(dest, overwrite) as stage:
+  with _staged(dest, overwrite, run_dir) as stage:
     written = st.write_checkpoint(stage, tensors, metadata={"format": "pt"},
                                   max_shard_bytes=max_shard_bytes, progress=progress)
     (stage / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")

@@ -165,6 +165,24 @@ def write_file(path, tensors: Mapping[str, np.ndarray],
   os.replace(tmp, path)
 
 
+def read_weight_map(index: Path) -> dict[str, str]:
+  """The ``weight_map`` of a ``model.safetensors.index.json``: tensor name -> file name, every
+  file a plain name in the index's own folder."""
+  try:
+    weight_map = json.loads(index.read_text())["weight_map"]
+  except (json.JSONDecodeError, KeyError, TypeError) as e:
+    raise CheckpointError(f"{index}: not a safetensors index ({e!r}); it needs a "
+                          "\"weight_map\" object.") from None
+  if not isinstance(weight_map, dict) or not all(
+      isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+    raise CheckpointError(f"{index}: \"weight_map\" must map tensor names to file names.")
+  for name, file in weight_map.items():
+    if Path(file).name != file or file in (".", ".."):
+      raise CheckpointError(f"{index} assigns tensor {name!r} to {file!r}; shards must be plain "
+                            "file names in the same directory.")
+  return weight_map
+
+
 def checkpoint_files(directory) -> list[Path]:
   """The safetensors files of a Hugging Face model directory: ``model.safetensors``, or the files
   its ``model.safetensors.index.json`` names, or a lone ``*.safetensors``. Pickled checkpoints
@@ -174,11 +192,7 @@ def checkpoint_files(directory) -> list[Path]:
     raise CheckpointError(f"{directory} is not a directory.")
   index = directory / INDEX_FILE
   if index.exists():
-    try:
-      weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-      raise CheckpointError(f"{index}: not a safetensors index ({e!r}); it needs a "
-                            "\"weight_map\" object.") from None
+    weight_map = read_weight_map(index)
     files = sorted(set(weight_map.values()))
     missing = [f for f in files if not (directory / f).exists()]
     if missing:
@@ -210,7 +224,7 @@ def read_checkpoint(directory) -> dict[str, np.ndarray]:
   directory = Path(directory)
   files = checkpoint_files(directory)
   index = directory / INDEX_FILE
-  weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else None
+  weight_map = read_weight_map(index) if index.exists() else None
   tensors: dict[str, np.ndarray] = {}
   where: dict[str, str] = {}
   for path in files:

@@ -25,6 +25,20 @@ from kvm_jax.ops.common import (fill_ring, joint_attention, ring_positions, to_c
 Array = jax.Array
 
 
+def _dot_product_attention(q: Array, k: Array, v: Array, scale: Optional[float], **kwargs) -> Array:
+  """``jax.nn.dot_product_attention``, also when the value head dim Dv differs from D (which it
+  rejects): the narrower side is zero-padded to the wider width, which changes neither the scores
+  (the zero channels add nothing, and the scale stays 1/sqrt(D)) nor the first Dv output
+  channels."""
+  D, Dv = q.shape[-1], v.shape[-1]
+  if D == Dv:
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, **kwargs)
+  width = max(D, Dv)
+  pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
+  scale = 1.0 / np.sqrt(D) if scale is None else scale
+  return jax.nn.dot_product_attention(pad(q), pad(k), pad(v), scale=scale, **kwargs)[..., :Dv]
+
+
 def full_attention(q: Array, k: Array, v: Array, scale: Optional[float] = None,
                    implementation: Optional[str] = None) -> Array:
   """Causal attention over all previous tokens (``jax.nn.dot_product_attention``; no dense mask
@@ -34,16 +48,15 @@ def full_attention(q: Array, k: Array, v: Array, scale: Optional[float] = None,
   D and passes the scale of one source's head dim). ``implementation``: that function's "xla"
   (dense scores) or "cudnn"; None lets it choose.
   """
-  return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                      implementation=implementation)
+  return _dot_product_attention(q, k, v, scale, is_causal=True, implementation=implementation)
 
 
 def sliding_window_attention(q: Array, k: Array, v: Array, window: int,
                              scale: Optional[float] = None,
                              implementation: Optional[str] = None) -> Array:
   """Causal attention over the last ``window`` tokens (the query's own token included)."""
-  return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window - 1, 0),
-                                      scale=scale, implementation=implementation)
+  return _dot_product_attention(q, k, v, scale, is_causal=True,
+                                local_window_size=(window - 1, 0), implementation=implementation)
 
 
 def _scale_as_temperature(scale: Optional[float], q: Array, Hkv: int) -> Array:
