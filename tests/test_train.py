@@ -410,6 +410,7 @@ def test_default_job_end_to_end_small(tmp_path):
   assert json.loads(after[30])["loss"] == json.loads(before[30])["loss"]
 
 
+@pytest.mark.slow  # CI trains on text in test_hf_checkpoints' fine-tuning test
 def test_tiny_text_training_loss_falls_and_is_accounted(tmp_path):
   """End to end on the embedded corpus: byte-level loss falls by more than half in 40 steps; the
   metrics time every step but the first, say the compile time once, and a profile is written."""
