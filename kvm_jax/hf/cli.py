@@ -79,7 +79,8 @@ def import_main(argv: Optional[Sequence[str]] = None) -> int:
 def export_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="kvm-export", description=EXPORT_HELP,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("run_dir", help="a kvm_jax run directory (kvm-train, kvm-demo sub-run, kvm-import).")
+  p.add_argument("run_dir",
+                 help="a kvm_jax run directory (kvm-train, a kvm-demo sub-run, kvm-import).")
   p.add_argument("dest", help="the directory to write (must not exist or be empty).")
   p.add_argument("--step", type=int, default=None,
                  help="checkpoint step to export (default: the newest).")

@@ -83,7 +83,8 @@ HF_KEYS = {
     "architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype",
     "pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id",
     "tie_word_embeddings", "tie_worhidden_sizedings", "max_position_embeddings", "use_cache",
-    "return_dict", "output_hidden_states", "output_attentions", "torchscript", "chunk_size_feed_forward",
+    "return_dict", "output_hidden_states", "output_attentions", "torchscript",
+    "chunk_size_feed_forward",
     "is_encoder_decoder", "is_decoder", "cross_attention_hidden_size", "add_cross_attention",
     "tie_encoder_decoder", "problem_type", "id2label", "label2id", "task_specific_params",
     "finetuning_task", "tokenizer_class", "prefix", "name_or_path", "_name_or_path",
@@ -414,7 +415,8 @@ def authors_config_from_model(model: ModelConfig) -> dict:
     if k.ln_eps != 1e-5:
       raise ExportError(f"kvm.ln_eps={k.ln_eps}: their LN_s uses 1e-5.")
     out.update(_authors_budget(k))
-    out.update(kvm_use_merge_gate_keys=int(k.gate_keys), kvm_use_merge_gate_values=int(k.gate_values),
+    out.update(kvm_use_merge_gate_keys=int(k.gate_keys),
+               kvm_use_merge_gate_values=int(k.gate_values),
                kvm_apply_merge_gate_to_appends=int(k.gate_appends),
                kvm_apply_merge_gate_to_initial_state=int(k.gate_initial_state),
                kvm_use_head_temps=int(k.head_temperatures), kvm_use_vlens=1)

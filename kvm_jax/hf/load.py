@@ -14,6 +14,7 @@ from typing import Optional
 import jax
 import ml_dtypes
 import numpy as np
+from etils import epath
 from flax import nnx
 
 from kvm_jax import config_io
@@ -22,6 +23,7 @@ from kvm_jax.hf.config import (NUMERICS, ConfigError, authors_config_from_model,
                                model_config_from_authors)
 from kvm_jax.hf.params import from_authors, to_authors
 from kvm_jax.model_config import ModelConfig
+from kvm_jax.runs import checkpoint
 from kvm_jax.runs.checkpoint import Checkpointer
 from kvm_jax.runs.config import TrainConfig
 from kvm_jax.runs.directory import (CHECKPOINT_DIR, CONFIG_FILE, IMPORT_RECORD, load_config,
@@ -31,7 +33,7 @@ DTYPES = ("float32", "bfloat16")
 TOKENIZER_FILE = "tokenizer.json"
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path) -> dict:
   try:
     return json.loads(path.read_text())
   except FileNotFoundError:
@@ -41,15 +43,17 @@ def _read_json(path: Path) -> dict:
 
 
 def checkpoint_kind(path) -> str:
-  """"run" for a kvm_jax run directory, "authors" for a Hugging Face directory in the authors'
-  format; anything else is a :class:`CheckpointError` saying what the directory lacks."""
-  path = Path(path)
+  """"run" for a kvm_jax run directory (local or ``gs://``), "authors" for a local Hugging Face
+  directory in the authors' format; anything else is a :class:`CheckpointError` saying what the
+  directory lacks."""
+  path = epath.Path(path)
   if not path.is_dir():
     raise st.CheckpointError(f"{path} is not a directory (give a model directory: config.json and "
                              "model.safetensors, or a kvm_jax run directory).")
   config = path / CONFIG_FILE
   if not config.exists():
-    st.checkpoint_files(path)  # a pickled checkpoint is refused with the conversion hint
+    if not checkpoint.is_remote(path):
+      st.checkpoint_files(Path(path))  # a pickled checkpoint is refused with the conversion hint
     raise st.CheckpointError(f"{path} has no {CONFIG_FILE}: a model directory needs the config "
                              "saved with its weights.")
   data = _read_json(config)

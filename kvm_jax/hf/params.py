@@ -3,14 +3,15 @@ state dict (docs/checkpoints.md has the table).
 
 Their ``nn.Linear`` stores ``weight [out, in]``, kvm_jax's ``nnx.Linear`` ``kernel [in, out]``:
 every projection is transposed. Their LayerNorms hold ``weight``/``bias``, kvm_jax's
-``scale``/``bias``. ``v_gate0`` and the MLP's ``x_k`` carry two leading singleton axes in their code.
+``scale``/``bias``. ``v_gate0`` and the MLP's ``x_k`` carry two leading singleton axes in their
+code.
 Their value-residual layers without token shift also hold an ``attn.x_v`` of zeros that nothing
 reads; it is written on export and required (its values ignored) on import.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,8 @@ class Layout:
   """How one kvm_jax parameter is stored in their state dict: ``name``, ``shape`` there, and the
   two maps between the layouts."""
 
-  def __init__(self, name: str, shape: tuple[int, ...], to_authors: Callable, from_authors: Callable):
+  def __init__(self, name: str, shape: tuple[int, ...], to_authors: Callable,
+               from_authors: Callable):
     self.name, self.shape = name, tuple(shape)
     self.to_authors, self.from_authors = to_authors, from_authors
 
@@ -102,9 +104,11 @@ def unused_zeros(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   return {f"transformer.h.{i}.attn.x_v": (dv,) for i in range(cfg.num_layers)}
 
 
-def layouts(cfg: ModelConfig) -> dict[str, Layout]:
-  """``{kvm_jax path "blocks/0/attn/c_q/kernel": Layout}`` of every parameter of ``LM(cfg)``."""
-  _, state = abstract_model(cfg)
+def layouts(cfg: ModelConfig, state=None) -> dict[str, Layout]:
+  """``{kvm_jax path "blocks/0/attn/c_q/kernel": Layout}`` of every parameter of ``LM(cfg)``
+  (``state``: its abstract parameters, when already at hand)."""
+  if state is None:
+    _, state = abstract_model(cfg)
   out = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
     names = path_names(path)
@@ -112,9 +116,10 @@ def layouts(cfg: ModelConfig) -> dict[str, Layout]:
   return out
 
 
-def authors_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def authors_shapes(cfg: ModelConfig, table: Optional[dict[str, Layout]] = None
+                   ) -> dict[str, tuple[int, ...]]:
   """``{their tensor name: shape}`` of the state dict their model holds for ``cfg``."""
-  shapes = {lay.name: lay.shape for lay in layouts(cfg).values()}
+  shapes = {lay.name: lay.shape for lay in (table or layouts(cfg)).values()}
   shapes.update(unused_zeros(cfg))
   return shapes
 
@@ -147,8 +152,8 @@ def from_authors(tensors: Mapping[str, np.ndarray], cfg: ModelConfig,
   nothing else: a missing, extra or misshapen tensor is a :class:`CheckpointError` naming it.
   With ``progress`` a bar counts the bytes read (memory-mapped tensors are read here)."""
   graphdef, state = abstract_model(cfg)
-  table = layouts(cfg)
-  expected = authors_shapes(cfg)
+  table = layouts(cfg, state)
+  expected = authors_shapes(cfg, table)
   missing = sorted(set(expected) - set(tensors))
   extra = sorted(set(tensors) - set(expected))
   if missing or extra:

@@ -205,7 +205,8 @@ def checkpoint_files(directory) -> list[Path]:
   if len(found) == 1:
     return found
   if len(found) > 1:
-    raise CheckpointError(f"{directory} holds several .safetensors files ({[p.name for p in found]}) "
+    names = [p.name for p in found]
+    raise CheckpointError(f"{directory} holds several .safetensors files ({names}) "
                           f"but no {INDEX_FILE} saying which tensors each holds.")
   pickled = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLED_SUFFIXES)
   if pickled:

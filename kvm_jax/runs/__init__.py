@@ -4,11 +4,10 @@ training and evaluation."""
 from kvm_jax.runs.checkpoint import Checkpointer, abstract_like
 from kvm_jax.runs.config import TrainConfig
 from kvm_jax.runs.directory import (CHECKPOINT_DIR, CONFIG_FILE, IMPORT_RECORD, TRAIN_CLASSES,
-                                    default_placement,
-                                    forward_logits, is_run_directory, load_config, load_trained,
-                                    logits_fn, save_config)
+                                    default_placement, forward_logits, is_run_directory,
+                                    load_config, load_trained, logits_fn, save_config)
 from kvm_jax.runs.launch import start_distributed
 
-__all__ = ["CHECKPOINT_DIR", "CONFIG_FILE", "IMPORT_RECORD", "Checkpointer", "TRAIN_CLASSES", "TrainConfig",
-           "abstract_like", "default_placement", "forward_logits", "is_run_directory",
+__all__ = ["CHECKPOINT_DIR", "CONFIG_FILE", "IMPORT_RECORD", "Checkpointer", "TRAIN_CLASSES",
+           "TrainConfig", "abstract_like", "default_placement", "forward_logits", "is_run_directory",
            "load_config", "load_trained", "logits_fn", "save_config", "start_distributed"]
