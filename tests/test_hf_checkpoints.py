@@ -2,11 +2,11 @@
 
 Oracles, each independent of the code under test:
 
-* ``tests/data/authors/*``: three tiny checkpoints written by the authors' own code
+* ``tests/data/authors/*``: five tiny checkpoints written by the authors' own code
   (``RWKV7BackboneForCausalLM.save_pretrained``, featherless-ai/KVM-paper 6bd7dfd) with their
   logits on ragged sequences that cross several chunk boundaries (tests/data/authors/README.md);
 * :func:`authors_state_dict`: the tensor names and shapes their module tree holds for a config,
-  written down here from their module definitions;
+  written down here from their module definitions; :data:`PAPER_CONFIGS`: their paper configs;
 * round trips: export then import must give back the very same parameters and logits;
 * the ``safetensors`` package (when installed) and hand-computed bytes for the file format.
 """

@@ -153,7 +153,8 @@ def test_reference_budget_schedule():
   assert len(log) == 3 * B * model.cfg.kv_heads
 
 
-@pytest.mark.parametrize("name", ["kvm_swa_saturating", "full_bswa", "kvm_power_gqa"])
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "tests" / "data" / "authors").iterdir()
+                                         if p.is_dir()))
 def test_reference_matches_the_authors_model(name):
   """The float64 reference itself against the authors' PyTorch model: their tiny checkpoints
   (tests/data/authors, written by their code with their float32 logits, bfloat16 casts off) run
