@@ -21,6 +21,7 @@ from flax import nnx
 
 import kvm_jax as kj
 from kvm_jax.nn.layers import path_names
+from kvm_jax.runs import logits_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -147,3 +148,11 @@ def random_model(cfg: kj.ModelConfig, seed: int = 0) -> kj.LM:
       lambda path, x: jnp.asarray(random_parameter(path_names(path), x.shape, rng), x.dtype),
       params)
   return nnx.merge(graphdef, params)
+
+
+def model_logits(model: kj.LM, tokens) -> np.ndarray:
+  """The model's float32 logits through ``kvm_jax.runs.logits_fn`` (one jitted program per model
+  structure and shape, shared by every model built alike), with float32 matmuls at full precision
+  (no TF32/bf16 passes on accelerators)."""
+  with jax.default_matmul_precision("highest"):
+    return np.asarray(logits_fn(model)(jnp.asarray(tokens)))

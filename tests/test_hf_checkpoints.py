@@ -21,7 +21,6 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -31,7 +30,7 @@ import kvm_jax as kj
 from kvm_jax import hf
 from kvm_jax.hf import safetensors as st
 from kvm_jax.runs import Checkpointer, TrainConfig, load_config, save_config
-from tests.conftest import ROOT, in_ci, random_model
+from tests.conftest import ROOT, in_ci, model_logits, random_model
 
 DATA = ROOT / "tests" / "data" / "authors"
 FIXTURES = ("kvm_swa_saturating", "full_bswa", "kvm_power_gqa", "swa_kvm_fixed_shared_anchor_bf16",
@@ -167,12 +166,6 @@ def _tokens(vocab: int, T: int = 45) -> np.ndarray:
   return np.random.default_rng(5).integers(0, vocab, (2, T))
 
 
-def _logits(model, tokens) -> np.ndarray:
-  graphdef, state = nnx.split(model)
-  with jax.default_matmul_precision("highest"):
-    return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, jnp.asarray(tokens)))
-
-
 def _effective(cfg: kj.ModelConfig) -> kj.ModelConfig:
   """``cfg`` with the fields that cannot change its function put in one canonical form (what the
   authors' format does not record: KVM settings of a model without KVM layers, the SWA RoPE width
@@ -245,7 +238,7 @@ def test_export_then_import_is_the_identity(exported, name):
   for key in a:
     np.testing.assert_array_equal(a[key], b[key], err_msg=key)
   tokens = _tokens(model.cfg.vocab_size)
-  np.testing.assert_array_equal(_logits(back, tokens), _logits(model, tokens))
+  np.testing.assert_array_equal(model_logits(back, tokens), model_logits(model, tokens))
 
 
 # The model sections of their paper configs (configs/prolong/{120M,350M}/*.yaml and base.yaml's
@@ -342,7 +335,7 @@ def test_load_pretrained_matches_the_authors_logits(name):
                              ("float32", "logits_float32", FLOAT32_TOL)):
     model = kj.load_pretrained(DATA / name, numerics=numerics, progress=False)
     want = ref[key]
-    np.testing.assert_allclose(_logits(model, ref["tokens"]), want, rtol=0,
+    np.testing.assert_allclose(model_logits(model, ref["tokens"]), want, rtol=0,
                                atol=tol * np.abs(want).max(), err_msg=numerics)
     assert model.cfg.rope_table_dtype == ("bfloat16" if numerics == "authors" else "float32")
 
@@ -365,7 +358,7 @@ def test_bfloat16_load_casts_the_parameters():
   for key in a:
     assert b[key].dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(b[key], a[key].astype(ml_dtypes.bfloat16))
-  got = _logits(model, ref["tokens"])
+  got = model_logits(model, ref["tokens"])
   # bfloat16 activations: ~2^-8 relative per operation over two layers
   np.testing.assert_allclose(got, ref["logits"], rtol=0, atol=0.1 * np.abs(ref["logits"]).max())
 
@@ -739,7 +732,7 @@ def test_fine_tuning_starts_from_the_imported_parameters(tmp_path):
   data = task_dataset(cfg, "train")  # the trainer's first batch: examples 0 and 1
   batch = {k: np.stack([data[i][k] for i in (0, 1)]) for k in ("inputs", "labels")}
   model = kj.load_pretrained(imported)
-  logits = _logits(model, batch["inputs"]).astype(np.float64)
+  logits = model_logits(model, batch["inputs"]).astype(np.float64)
   logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
       - logits.max(-1, keepdims=True)
   labels = batch["labels"]
@@ -762,6 +755,6 @@ def test_imported_run_in_kvm_eval_lm_eval_and_generate(tmp_path):
   lm = KVMEvalLM(checkpoint=str(imported))
   (ll, _), = lm.loglikelihood([Instance(request_type="loglikelihood", doc={},
                                         arguments=("ab", "c"), idx=0)])
-  logits = _logits(model, np.array([[97, 98]])).astype(np.float64)[0, -1]
+  logits = model_logits(model, np.array([[97, 98]])).astype(np.float64)[0, -1]
   want = logits[99] - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
   assert ll == pytest.approx(want, abs=1e-4)

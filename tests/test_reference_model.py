@@ -9,13 +9,12 @@ self-consistency tests (decode == forward, causality, overfitting) cannot see (i
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 import kvm_jax as kj
-from tests.conftest import ROOT, random_model
+from tests.conftest import ROOT, model_logits, random_model
 from tests.reference_model import lm_logits
 
 # Worst |model - reference| allowed, relative to max |reference logit|. The model runs in float32:
@@ -56,14 +55,6 @@ CASES = {
 def _model(mixers, overrides, seed: int = 0) -> kj.LM:
   """The tiny preset with every parameter random (:func:`tests.conftest.random_model`)."""
   return random_model(kj.presets.tiny(mixers=mixers, **overrides), seed)
-
-
-def _model_logits(model: kj.LM, tokens: np.ndarray) -> np.ndarray:
-  """The model's float32 forward (jitted: one compilation is cheaper than eager dispatch)."""
-  graphdef, state = nnx.split(model)
-  forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
-  with jax.default_matmul_precision("highest"):  # no TF32/bf16 passes on accelerators
-    return np.asarray(forward(state, jnp.asarray(tokens)), np.float64)
 
 
 def _tokens(vocab: int) -> np.ndarray:
@@ -131,7 +122,7 @@ def test_logits_match_reference(name):
   mixers, overrides = CASES[name]
   model = _model(mixers, overrides)
   tokens = _tokens(model.cfg.vocab_size)
-  got = _model_logits(model, tokens)
+  got = model_logits(model, tokens).astype(np.float64)
   log = []
   want = lm_logits(_params(model), _reference_config(model.cfg), tokens, log)
   if "kvm" in model.cfg.layer_mixers:

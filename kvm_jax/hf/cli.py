@@ -7,9 +7,8 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from kvm_jax.hf.config import NUMERICS, ConfigError, ExportError
-from kvm_jax.hf.load import DTYPES, export_run, import_checkpoint, numerics_note
-from kvm_jax.hf.safetensors import CheckpointError
+from kvm_jax.hf.config import DTYPES, NUMERICS
+from kvm_jax.hf.load import export_run, import_checkpoint, numerics_note
 
 IMPORT_HELP = """\
 Write a kvm_jax run directory (config.json, checkpoints/0 with the parameters, import.json) from a
@@ -37,6 +36,19 @@ def _fail(e: Exception) -> int:
   return 2
 
 
+def _destination_flags(p: argparse.ArgumentParser, work: str) -> argparse.ArgumentParser:
+  """The flags both commands share: how DEST is treated and whether ``work`` shows a bar."""
+  p.add_argument("--overwrite", action="store_true",
+                 help="replace DEST if it exists and is not empty.")
+  p.add_argument("--no-progress", action="store_true", help=f"no progress bar while {work}.")
+  return p
+
+
+# What a bad SRC, DEST, config or tensor raises (CheckpointError, ConfigError and ExportError are
+# ValueErrors): reported in one line, exit status 2.
+USER_ERRORS = (ValueError, FileExistsError, FileNotFoundError)
+
+
 def import_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="kvm-import", description=IMPORT_HELP,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,10 +65,7 @@ def import_parser() -> argparse.ArgumentParser:
                  help="a tokenizer.json to record in the run (default: SRC/tokenizer.json when "
                       "present; otherwise none, and text evaluations need one: the paper's models "
                       "use GPT-2's).")
-  p.add_argument("--overwrite", action="store_true",
-                 help="replace DEST if it exists and is not empty.")
-  p.add_argument("--no-progress", action="store_true", help="no progress bar while reading.")
-  return p
+  return _destination_flags(p, "reading")
 
 
 def import_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -65,7 +74,7 @@ def import_main(argv: Optional[Sequence[str]] = None) -> int:
     dest = import_checkpoint(args.src, args.dest, dtype=args.dtype, numerics=args.numerics,
                              tokenizer_file=args.tokenizer, overwrite=args.overwrite,
                              progress=not args.no_progress)
-  except (CheckpointError, ConfigError, FileExistsError, FileNotFoundError, ValueError) as e:
+  except USER_ERRORS as e:
     return _fail(e)
   from kvm_jax.runs.directory import load_config
   cfg = load_config(dest)
@@ -89,10 +98,7 @@ def export_parser() -> argparse.ArgumentParser:
   p.add_argument("--max-shard-size", type=float, default=None, metavar="GB",
                  help="split the weights into shards of at most this many GB (10^9 bytes) with "
                       "model.safetensors.index.json, as Hugging Face does (default: one file).")
-  p.add_argument("--overwrite", action="store_true",
-                 help="replace DEST if it exists and is not empty.")
-  p.add_argument("--no-progress", action="store_true", help="no progress bar while writing.")
-  return p
+  return _destination_flags(p, "writing")
 
 
 def export_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -104,7 +110,7 @@ def export_main(argv: Optional[Sequence[str]] = None) -> int:
     files = export_run(args.run_dir, args.dest, step=args.step, dtype=args.dtype,
                        max_shard_bytes=shard, overwrite=args.overwrite,
                        progress=not args.no_progress)
-  except (CheckpointError, ExportError, FileExistsError, ValueError) as e:
+  except USER_ERRORS as e:
     return _fail(e)
   from kvm_jax.runs.directory import load_config
   note = numerics_note(load_config(args.run_dir).model)
@@ -112,7 +118,3 @@ def export_main(argv: Optional[Sequence[str]] = None) -> int:
   if note:
     print(f"note: {note}")
   return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-  sys.exit(import_main())

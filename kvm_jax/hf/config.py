@@ -15,6 +15,7 @@ layers). Each mixer kind takes its value-residual anchor from its first layer, a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional
 
@@ -26,6 +27,7 @@ MODEL_CLASS_PATH = "model.rwkv7_backbone.RWKV7BackboneForCausalLM"
 MODEL_TYPE = "rwkv7backbone"
 ARCHITECTURE = "RWKV7BackboneForCausalLM"
 NUMERICS = ("authors", "float32")
+DTYPES = ("float32", "bfloat16")
 
 # Every field of the authors' MixerConfigDataclass (and its RWKV7BackboneConfigDataclass base),
 # with its default, as of featherless-ai/KVM-paper commit 6bd7dfd.
@@ -122,6 +124,22 @@ class ConfigError(ValueError):
   """A configuration that cannot be translated; the message names the field and the value."""
 
 
+def with_numerics(cfg: ModelConfig, dtype: str, numerics: Optional[str]) -> ModelConfig:
+  """``cfg`` with parameters and activations in ``dtype`` and, unless ``numerics`` is None, the
+  authors' two bfloat16 casts switched on ("authors": RoPE tables and KVM state-value readout,
+  docs/kvm-spec.md §5, §11.6) or off ("float32")."""
+  if dtype not in DTYPES:
+    raise ConfigError(f"dtype={dtype!r}; choose from {DTYPES}.")
+  cfg = dataclasses.replace(cfg, param_dtype=dtype, compute_dtype=dtype)
+  if numerics is None:
+    return cfg
+  if numerics not in NUMERICS:
+    raise ConfigError(f"numerics={numerics!r}; choose from {NUMERICS}.")
+  cast = "bfloat16" if numerics == "authors" else None
+  return dataclasses.replace(cfg, rope_table_dtype=cast or "float32",
+                             kvm=dataclasses.replace(cfg.kvm, readout_value_dtype=cast))
+
+
 def _resolve_mixer(cfg: dict, role: str) -> str:
   """kvm_jax kind of the ``main`` or ``alt`` mixer of an authors' config."""
   name_field, path_field = (("token_mixer", "token_mixer_class_path") if role == "main"
@@ -214,8 +232,6 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
   Raises:
     ConfigError: a field selects something kvm_jax does not implement (the message names it).
   """
-  if numerics not in NUMERICS:
-    raise ConfigError(f"numerics={numerics!r}; choose from {NUMERICS}.")
   cfg, _ = authors_fields(config)
   if cfg["model_class_path"] not in (None, MODEL_CLASS_PATH):
     raise ConfigError(f"model_class_path={cfg['model_class_path']!r}: kvm_jax reads "
@@ -246,10 +262,10 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
   # others, and one theta.
   def role_rope(kind):
     if alternates and kind == kinds[0]:
-      return _int(cfg, "alt_rope_partial_dim", 0), _float(cfg, "alt_rope_theta"), "alt_"
-    return _int(cfg, "rope_partial_dim", 0), _float(cfg, "rope_theta"), ""
+      return _int(cfg, "alt_rope_partial_dim", 0), _float(cfg, "alt_rope_theta")
+    return _int(cfg, "rope_partial_dim", 0), _float(cfg, "rope_theta")
   ropes = {kind: role_rope(kind) for kind in used}
-  thetas = {theta for dims, theta, _ in ropes.values() if dims > 0}
+  thetas = {theta for dims, theta in ropes.values() if dims > 0}
   if len(thetas) > 1:
     raise ConfigError(f"rope_theta={cfg['rope_theta']!r} and alt_rope_theta="
                       f"{cfg['alt_rope_theta']!r} differ; kvm_jax uses one RoPE base for every "
@@ -283,7 +299,6 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
 
   chunk, window_chunks = _int(cfg, "chunk_len", 1), _int(cfg, "n_bswa_chunks", 1)
   sink = _int(cfg, "sink_len", 0)
-  readout = "bfloat16" if numerics == "authors" else None
   kvm = KVMConfig()
   if "kvm" in used:
     dims = ropes["kvm"][0]
@@ -298,25 +313,23 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
       raise ConfigError("kvm_use_vlens=0: their state-value readout without radii divides by a "
                         "count that is never kept (docs/kvm-spec.md §6.9); kvm_jax does not "
                         "reproduce it (its value_norm='none' reads raw sums instead).")
+    fields = dict(
+        chunk_size=chunk, window_chunks=window_chunks, sink_rows=sink, rope_dims=dims,
+        budget=_budget(cfg), max_state_rows=chunk * _int(cfg, "n_max_d_chunks", 1),
+        gate_keys=_flag(cfg, "kvm_use_merge_gate_keys"),
+        gate_values=_flag(cfg, "kvm_use_merge_gate_values"),
+        gate_appends=_flag(cfg, "kvm_apply_merge_gate_to_appends"),
+        gate_initial_state=_flag(cfg, "kvm_apply_merge_gate_to_initial_state"),
+        head_temperatures=_flag(cfg, "kvm_use_head_temps"), value_norm="radius")
     try:
-      kvm = KVMConfig(
-          chunk_size=chunk, window_chunks=window_chunks, sink_rows=sink, rope_dims=dims,
-          budget=_budget(cfg), max_state_rows=chunk * _int(cfg, "n_max_d_chunks", 1),
-          gate_keys=_flag(cfg, "kvm_use_merge_gate_keys"),
-          gate_values=_flag(cfg, "kvm_use_merge_gate_values"),
-          gate_appends=_flag(cfg, "kvm_apply_merge_gate_to_appends"),
-          gate_initial_state=_flag(cfg, "kvm_apply_merge_gate_to_initial_state"),
-          head_temperatures=_flag(cfg, "kvm_use_head_temps"), value_norm="radius",
-          readout_value_dtype=readout)
-    except ConfigError:
-      raise
+      kvm = KVMConfig(**fields)
     except ValueError as e:  # KVMConfig's own validation
       raise ConfigError(f"the KVM fields (chunk_len, n_bswa_chunks, sink_len, state_*) give no "
                         f"valid KVM layer: {e}") from None
   swa_window = _int(cfg, "swa_window_size")
   swa_window = swa_window if swa_window > 0 else chunk  # their swa_mixer rule
   try:
-    return ModelConfig(
+    model = ModelConfig(
         vocab_size=_int(cfg, "vocab_size", 1), num_layers=len(kinds), hidden_size=hidden,
         num_heads=heads, num_kv_heads=kv_heads,
         head_dim=None if d_qk * heads == hidden else d_qk,
@@ -329,10 +342,10 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
         residual_scale=_float(cfg, "residual_scale", allow_none=True) or None,
         tokenshift_attention=shift[used[0]], tokenshift_mlp=_flag(cfg, "use_tokenshift_ffn"),
         value_residual=value_residual, share_value_anchor=alternates and _flag(cfg, "alt_share_v0"),
-        mup_base_dim=_int(cfg, "mup_base_dim", 1), param_dtype=dtype, compute_dtype=dtype,
-        rope_table_dtype="bfloat16" if numerics == "authors" else "float32")
+        mup_base_dim=_int(cfg, "mup_base_dim", 1))
   except ValueError as e:
     raise ConfigError(f"config.json gives no valid kvm_jax model: {e}") from None
+  return with_numerics(model, dtype, numerics)
 
 
 def _budget(cfg: dict):

@@ -12,15 +12,15 @@ from pathlib import Path
 from typing import Optional
 
 import jax
-import ml_dtypes
+import jax.numpy as jnp
 import numpy as np
 from etils import epath
 from flax import nnx
 
 from kvm_jax import config_io
 from kvm_jax.hf import safetensors as st
-from kvm_jax.hf.config import (NUMERICS, ConfigError, authors_config_from_model, authors_fields,
-                               model_config_from_authors)
+from kvm_jax.hf.config import (DTYPES, ConfigError, authors_config_from_model, authors_fields,
+                               model_config_from_authors, with_numerics)
 from kvm_jax.hf.params import from_authors, to_authors
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.runs import checkpoint
@@ -29,7 +29,6 @@ from kvm_jax.runs.config import TrainConfig
 from kvm_jax.runs.directory import (CHECKPOINT_DIR, CONFIG_FILE, IMPORT_RECORD, load_config,
                                     load_trained, save_config)
 
-DTYPES = ("float32", "bfloat16")
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -62,27 +61,10 @@ def checkpoint_kind(path) -> str:
   return "authors"
 
 
-def _model_config(cfg: ModelConfig, dtype: str, numerics: Optional[str]) -> ModelConfig:
-  """``cfg`` in ``dtype``, with the numerics switched when ``numerics`` is given."""
-  if dtype not in DTYPES:
-    raise ValueError(f"dtype={dtype!r}; choose from {DTYPES}.")
-  cfg = dataclasses.replace(cfg, param_dtype=dtype, compute_dtype=dtype)
-  if numerics is None:
-    return cfg
-  if numerics not in NUMERICS:
-    raise ValueError(f"numerics={numerics!r}; choose from {NUMERICS}.")
-  authors = numerics == "authors"
-  return dataclasses.replace(
-      cfg, rope_table_dtype="bfloat16" if authors else "float32",
-      kvm=dataclasses.replace(cfg.kvm, readout_value_dtype="bfloat16" if authors else None))
-
-
 def read_authors(path, *, dtype: str = "float32", numerics: str = "authors",
                  progress: bool = True) -> tuple[dict, ModelConfig, nnx.GraphDef, nnx.State]:
   """(their config.json, the ModelConfig, graphdef, parameters) of an authors'-format directory."""
   path = Path(path)
-  if dtype not in DTYPES:
-    raise ValueError(f"dtype={dtype!r}; choose from {DTYPES}.")
   config = _read_json(path / CONFIG_FILE)
   _, unknown = authors_fields(config)
   if unknown:
@@ -122,7 +104,7 @@ def load_pretrained(path, dtype: str = "float32", *, numerics: Optional[str] = N
   """
   if checkpoint_kind(path) == "run":
     run_cfg = load_config(path)
-    model_cfg = _model_config(run_cfg.model, dtype, numerics)
+    model_cfg = with_numerics(run_cfg.model, dtype, numerics)
     return load_trained(path, step, dataclasses.replace(run_cfg, model=model_cfg))[1]
   if step is not None:
     raise ValueError(f"step={step}: an authors' checkpoint directory holds one set of weights.")
@@ -151,8 +133,10 @@ def _staged(dest: Path, overwrite: bool, source: Path):
   except BaseException:
     shutil.rmtree(stage, ignore_errors=True)
     raise
-  if dest.exists():
-    shutil.rmtree(dest) if dest.is_dir() else dest.unlink()
+  if dest.is_dir():
+    shutil.rmtree(dest)
+  elif dest.exists():
+    dest.unlink()
   stage.rename(dest)
 
 
@@ -211,8 +195,7 @@ def export_run(run_dir, dest, *, step: Optional[int] = None, dtype: Optional[str
   if dtype not in DTYPES:
     raise ValueError(f"dtype={dtype!r}; choose from {DTYPES}.")
   _, model, step = load_trained(run_dir, step, run_cfg)
-  tensors = to_authors(nnx.state(model, nnx.Param), run_cfg.model,
-                       np.dtype(np.float32) if dtype == "float32" else np.dtype(ml_dtypes.bfloat16))
+  tensors = to_authors(nnx.state(model, nnx.Param), run_cfg.model, jnp.dtype(dtype))
   config["dtype"] = config["torch_dtype"] = dtype
   with _staged(dest, overwrite, run_dir) as stage:
     written = st.write_checkpoint(stage, tensors, metadata={"format": "pt"},

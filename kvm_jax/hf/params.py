@@ -11,6 +11,7 @@ reads; it is written on export and required (its values ignored) on import.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
 import jax
@@ -25,21 +26,24 @@ from kvm_jax.nn.model import LM
 from kvm_jax.progress import ProgressReport
 
 # kvm_jax leaf names -> theirs, per module kind.
-_PROJECTIONS = {"c_q", "c_k", "c_v", "c_proj", "v_gate1", "v_gate2", "key_weighting", "c_fc"}
+_PROJECTIONS = {"c_q", "c_k", "c_v", "c_proj", "v_gate1", "v_gate2", "key_weighting", "c_fc",
+                "lm_head"}
+_LN_LEAVES = {"scale": "weight", "bias": "bias"}
 _LAYER_NORMS = {"ln_attn": "ln_attn", "ln_mlp": "ln_mlp", "ln_q": "ln_q", "ln_k": "ln_k",
                 "ln_s": "ln_s_k", "ln_emb": "ln_emb", "ln_head": "ln_head"}
 _VECTORS = {"x_q": "x_q", "x_k": "x_k", "x_v": "x_v", "window_temperature": "front_head_temp",
             "state_temperature": "state_head_temp", "v_gate0": "v_gate0"}
 
 
+@dataclasses.dataclass(frozen=True)
 class Layout:
   """How one kvm_jax parameter is stored in their state dict: ``name``, ``shape`` there, and the
   two maps between the layouts."""
 
-  def __init__(self, name: str, shape: tuple[int, ...], to_authors: Callable,
-               from_authors: Callable):
-    self.name, self.shape = name, tuple(shape)
-    self.to_authors, self.from_authors = to_authors, from_authors
+  name: str
+  shape: tuple[int, ...]
+  to_authors: Callable
+  from_authors: Callable
 
 
 def _same(x):
@@ -61,31 +65,23 @@ def _drop_leading_ones(x):
 def layout_of(names: list[str], shape: tuple[int, ...]) -> Layout:
   """The :class:`Layout` of the kvm_jax parameter at path ``names`` (``["blocks", "3", "attn",
   "c_q", "kernel"]``) with shape ``shape``."""
-  if names == ["wte", "embedding"]:
+  if names[0] == "blocks" and len(names) >= 4:
+    prefix, path = f"transformer.h.{names[1]}.", names[2:]
+  else:
+    prefix, path = ("" if names[0] == "lm_head" else "transformer."), names
+  *owners, leaf = path
+  if owners and owners[-1] in _LAYER_NORMS and leaf in _LN_LEAVES:
+    name = ".".join(owners[:-1] + [_LAYER_NORMS[owners[-1]], _LN_LEAVES[leaf]])
+    return Layout(prefix + name, shape, _same, _same)
+  if owners and owners[-1] in _PROJECTIONS and leaf == "kernel":
+    return Layout(prefix + ".".join(owners + ["weight"]), shape[::-1], _transpose, _transpose)
+  if path == ["wte", "embedding"]:
     return Layout("transformer.wte.weight", shape, _same, _same)
-  if names == ["lm_head", "kernel"]:
-    return Layout("lm_head.weight", shape[::-1], _transpose, _transpose)
-  if len(names) == 2 and names[0] in ("ln_emb", "ln_head"):
-    leaf = {"scale": "weight", "bias": "bias"}[names[1]]
-    return Layout(f"transformer.{names[0]}.{leaf}", shape, _same, _same)
-  if names[0] != "blocks" or len(names) < 4:
-    raise CheckpointError(f"parameter {'/'.join(names)} has no counterpart in the authors' model.")
-  prefix = f"transformer.h.{names[1]}."
-  module, rest = names[2], names[3:]
-  if module in ("ln_attn", "ln_mlp") and len(rest) == 1:
-    return Layout(prefix + f"{module}.{ {'scale': 'weight', 'bias': 'bias'}[rest[0]]}", shape,
-                  _same, _same)
-  if module in ("attn", "mlp"):
-    if len(rest) == 2 and rest[0] in _PROJECTIONS and rest[1] == "kernel":
-      return Layout(prefix + f"{module}.{rest[0]}.weight", shape[::-1], _transpose, _transpose)
-    if len(rest) == 2 and rest[0] in _LAYER_NORMS:
-      leaf = {"scale": "weight", "bias": "bias"}[rest[1]]
-      return Layout(prefix + f"{module}.{_LAYER_NORMS[rest[0]]}.{leaf}", shape, _same, _same)
-    if len(rest) == 1 and rest[0] in _VECTORS:
-      name = prefix + f"{module}.{_VECTORS[rest[0]]}"
-      if (module, rest[0]) in (("attn", "v_gate0"), ("mlp", "x_k")):
-        return Layout(name, (1, 1) + tuple(shape), _leading_ones, _drop_leading_ones)
-      return Layout(name, shape, _same, _same)
+  if owners in (["attn"], ["mlp"]) and leaf in _VECTORS:
+    name = prefix + f"{owners[0]}.{_VECTORS[leaf]}"
+    if (owners[0], leaf) in (("attn", "v_gate0"), ("mlp", "x_k")):
+      return Layout(name, (1, 1) + tuple(shape), _leading_ones, _drop_leading_ones)
+    return Layout(name, shape, _same, _same)
   raise CheckpointError(f"parameter {'/'.join(names)} has no counterpart in the authors' model "
                         "(cross-layer KV sharing weights, for example).")
 

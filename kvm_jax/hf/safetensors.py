@@ -256,11 +256,13 @@ def write_checkpoint(directory, tensors: Mapping[str, np.ndarray],
   names = sorted(tensors)
   sizes = {n: np.asarray(tensors[n]).nbytes for n in names}
   shards: list[list[str]] = [[]]
+  filled = 0  # bytes in the last shard
   for n in names:
-    if (max_shard_bytes and shards[-1]
-        and sum(sizes[m] for m in shards[-1]) + sizes[n] > max_shard_bytes):
+    if max_shard_bytes and shards[-1] and filled + sizes[n] > max_shard_bytes:
       shards.append([])
+      filled = 0
     shards[-1].append(n)
+    filled += sizes[n]
   report = ProgressReport(sum(sizes.values()), "write", min_interval=0.2) if progress else None
   if len(shards) == 1:
     files = [directory / SINGLE_FILE]
