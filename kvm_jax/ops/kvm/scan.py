@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Optional
 
 import jax
@@ -65,11 +66,12 @@ XLA_OPS = ChunkOps("xla", joint_attention, update_state)
 
 
 def scan_inputs(q: Array, k: Array, v: Array, cfg: KVMConfig):
-  """What every chunked KVM scan feeds its body: ``(schedule, xs, pad_time, mask)``.
+  """Per-chunk scan inputs of the shared-routing replay (``shared_routing.py``):
+  ``(schedule, xs, pad_time, mask)``.
 
   ``xs`` holds, per query chunk, its index, queries ``[B, C, Hkv, G, D]``, the window keys and
-  values ``[B, nb·C, Hkv, ·]`` and the schedule flags; ``pad_time`` pads a ``[B, T, ...]`` array to
-  whole chunks; ``mask(chunk)`` is the ``[C, nb·C]`` causal, in-sequence window mask.
+  values ``[B, nb·C, Hkv, ·]`` and the schedule's row counts; ``pad_time`` pads a ``[B, T, ...]``
+  array to whole chunks; ``mask(chunk)`` is the ``[C, nb·C]`` causal, in-sequence window mask.
   """
   B, T, H, D = q.shape
   Hkv = k.shape[2]
@@ -86,10 +88,324 @@ def scan_inputs(q: Array, k: Array, v: Array, cfg: KVMConfig):
       "win_k": window_stack(pad_time(k), nC, C, nb),                  # [nC, B, nb*C, Hkv, D]
       "win_v": window_stack(pad_time(v), nC, C, nb),                  # [nC, B, nb*C, Hkv, Dv]
       "visible": jnp.asarray(sched.state_visible),
-      "update": jnp.asarray(sched.update_after),
       "n_append": jnp.asarray(sched.n_append, jnp.int32),
   }
   return sched, xs, pad_time, functools.partial(window_mask, chunk=C, window_chunks=nb)
+
+
+# ----------------------------------------------------------------------------------------------
+# The static schedule as runs of chunks
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """Chunks ``[start, stop)`` that one scan body serves: whether their queries see the state,
+  whether a chunk is folded in after them, and whether any of those folds appends rows. All three
+  are static (the schedule depends only on positions), so no chunk decides them on the device."""
+
+  start: int
+  stop: int
+  visible: bool
+  update: bool
+  may_append: bool
+
+  @property
+  def length(self) -> int:
+    return self.stop - self.start
+
+
+def schedule_runs(sched, max_runs: int = 8) -> tuple[Run, ...]:
+  """The schedule cut into maximal runs of chunks of one kind (typically: the causal front
+  without state or folds, the folding middle, the last chunk). A budget whose appends come and go
+  every few chunks would make many runs (one compiled body each); past ``max_runs`` appending and
+  non-appending folds share a body that selects by ``n_append > 0``."""
+
+  def runs_of(kinds):
+    out, first = [], 0
+    for c in range(1, len(kinds) + 1):
+      if c == len(kinds) or kinds[c] != kinds[first]:
+        out.append(Run(first, c, *kinds[first]))
+        first = c
+    return tuple(out)
+
+  def kind(c, merged):
+    update = sched.update_after[c]
+    appends = any(sched.n_append) if merged else sched.n_append[c] > 0
+    return (sched.state_visible[c], update, update and appends)
+
+  runs = runs_of([kind(c, False) for c in range(sched.num_chunks)])
+  if len(runs) > max_runs:
+    runs = runs_of([kind(c, True) for c in range(sched.num_chunks)])
+  return runs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Everything static about one call (hashable: a ``custom_vjp`` non-differentiable argument)."""
+
+  cfg: KVMConfig
+  ops: ChunkOps
+  row_update: str
+  runs: tuple[Run, ...]
+  n_append: tuple[int, ...]
+  num_chunks: int
+  initial_rows: int
+  capacity: int
+  block: int            # chunks between stored states in the backward pass (about sqrt(chunks))
+  out_dtype: Any
+
+
+# ----------------------------------------------------------------------------------------------
+# One chunk, and runs of chunks
+# ----------------------------------------------------------------------------------------------
+
+
+def _slice(x: Array, start, size: int, axis: int = 1) -> Array:
+  """``x[start : start + size]`` along ``axis`` (``start`` may be traced).
+
+  16-bit floats are sliced as their bits (uint16): XLA:CPU has no bfloat16 dynamic slice, and its
+  float normalization would convert the *whole* loop-invariant input to float32 outside the loop
+  (a sequence-sized float32 copy per input, ~1 GiB at T = 65,536 in the backward pass)."""
+  if x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating):
+    bits = jax.lax.dynamic_slice_in_dim(jax.lax.bitcast_convert_type(x, jnp.uint16), start,
+                                        size, axis)
+    return jax.lax.bitcast_convert_type(bits, x.dtype)
+  return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def _chunk(plan: _Plan, run: Run, params: KVMParams, state: KVMState, c, local, q_src, k_src,
+           v_src, g_src, routing_c):
+  """Query chunk ``c`` (absolute index, may be traced) attends and, if its run folds, folds the
+  chunk leaving the window. Its queries are rows ``[local·C, local·C + C)`` of ``q_src
+  [B, n·C, H, D]``; its window is rows ``[local·C, local·C + nb·C)`` of ``k_src``/``v_src``
+  (front-padded by ``(nb-1)·C``: chunk ``c``'s window starts ``(nb-1)`` chunks earlier), whose
+  first ``C`` rows are the overflow chunk. Returns ``(state, y [B, C, H, Dv], (dest, target))``."""
+  cfg, ops = plan.cfg, plan.ops
+  C, nb, R = cfg.chunk_size, cfg.window_chunks, plan.capacity
+  B, _, H, D = q_src.shape
+  Hkv = k_src.shape[2]
+  G = H // Hkv
+  q_c = _slice(q_src, local * C, C).reshape(B, C, Hkv, G, D)
+  win_k = _slice(k_src, local * C, nb * C)
+  win_v = _slice(v_src, local * C, nb * C)
+  state_keys, state_values = state_readout(state, params, cfg, G)
+  state_temp, window_temp = temperatures(params, cfg, Hkv)
+  if run.visible:
+    state_valid = (jnp.arange(R) < state.num_rows)[None, :]
+    y = ops.attend(q_c, state_keys, state_values, state_valid, win_k, win_v,
+                   window_mask(c, C, nb), state_temp, window_temp)
+  else:
+    # The causal front sees no state: one masked row stands in for it (exact: its weight is
+    # exp(MASKED - max) = 0, and every query sees at least itself in the window). Reading all R
+    # rows only to mask them would cost R columns per query, and XLA constant-folds the masks.
+    one_row = lambda x: jax.lax.slice_in_dim(x, 0, 1, axis=x.ndim - 2)
+    y = ops.attend(q_c, one_row(state_keys), one_row(state_values), jnp.zeros((1, 1), bool),
+                   win_k, win_v, window_mask(c, C, nb), state_temp, window_temp)
+  y = y.reshape(B, C, H, -1).astype(plan.out_dtype)
+  none = jnp.full((B, Hkv, C), R, jnp.int32)  # "no row": the decisions of a chunk without a fold
+  if not run.update:
+    return state, y, (none, none)
+  overflow_g = _slice(g_src, local * C, C)
+  n_append = jnp.asarray(plan.n_append, jnp.int32)[c]
+  state, decisions = ops.update(state, win_k[:, :C], win_v[:, :C], overflow_g, n_append, params,
+                                cfg, plan.row_update, state_keys, routing=routing_c,
+                                return_routing=True, may_append=run.may_append)
+  return state, y, decisions
+
+
+def _scan_chunks(plan: _Plan, run: Run, params, state, first, count: int, base, q_src, k_src,
+                 v_src, g_src, routing=None, remat_chunks: bool = False):
+  """Chunks ``first .. first + count - 1`` of ``run`` (``first`` may be traced, ``count`` is
+  static) in one ``lax.scan``; ``base`` is the chunk at row 0 of the sources. ``routing``:
+  decisions to apply, ``[count, B, Hkv, C]`` each, or None to compute them.
+  Returns ``(state, (y [count, B, C, H, Dv], decisions))``."""
+
+  def step(state, x):
+    i, routing_c = x
+    c = first + i
+    state, y, decisions = _chunk(plan, run, params, state, c, c - base, q_src, k_src, v_src,
+                                 g_src, routing_c)
+    return state, (y, decisions)
+
+  if remat_chunks:
+    step = jax.checkpoint(step, prevent_cse=False)
+  return jax.lax.scan(step, state, (jnp.arange(count, dtype=jnp.int32), routing))
+
+
+def _state(arrays, num_rows) -> KVMState:
+  keys, values, radius = arrays
+  return KVMState(keys=keys, values=values, radius=radius,
+                  num_rows=jnp.asarray(num_rows, jnp.int32))
+
+
+def _routing_slice(routing, start: int, stop: int):
+  return None if routing is None else tuple(r[start:stop] for r in routing)
+
+
+def _forward(plan: _Plan, params, state0, q_p, k_ext, v_ext, g_ext, routing):
+  """The whole sequence, run by run: ``(y [nC, B, C, H, Dv], state arrays, decisions)``."""
+  state = _state(state0, plan.initial_rows)
+  ys, decisions = [], []
+  for run in plan.runs:
+    state, (y, d) = _scan_chunks(plan, run, params, state, run.start, run.length, 0, q_p, k_ext,
+                                 v_ext, g_ext, _routing_slice(routing, run.start, run.stop))
+    ys.append(y)
+    decisions.append(d)
+  y = jnp.concatenate(ys, axis=0)
+  decisions = tuple(jnp.concatenate([d[i] for d in decisions], axis=0) for i in range(2))
+  return y, (state.keys, state.values, state.radius), decisions
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward in O(sqrt(chunks)) states: stored block states, decisions replayed, never recomputed
+# ----------------------------------------------------------------------------------------------
+
+
+def _blocks(plan: _Plan, run: Run) -> tuple[int, int]:
+  """(full blocks, leftover chunks) of ``run`` at ``plan.block`` chunks per block."""
+  return run.length // plan.block, run.length % plan.block
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _forward_checkpointed(plan: _Plan, params, state0, q_p, k_ext, v_ext, g_ext, routing):
+  return _forward(plan, params, state0, q_p, k_ext, v_ext, g_ext, routing)
+
+
+def _forward_checkpointed_fwd(plan, params, state0, q_p, k_ext, v_ext, g_ext, routing):
+  """The forward pass, keeping the state at the start of every block of ``plan.block`` chunks
+  and every chunk's routing decisions (int32, ``[nC, B, Hkv, C]``)."""
+  S = plan.block
+  state = _state(state0, plan.initial_rows)
+  ys, decisions, block_states = [], [], []
+  for run in plan.runs:
+    full, left = _blocks(plan, run)
+    if full:
+      def block(state, j, run=run):
+        first = run.start + j * S
+        given = None if routing is None else tuple(
+            jax.lax.dynamic_slice_in_dim(r, first, S, 0) for r in routing)
+        state_in = (state.keys, state.values, state.radius)
+        state, (y, d) = _scan_chunks(plan, run, params, state, first, S, 0, q_p, k_ext, v_ext,
+                                     g_ext, given)
+        return state, (state_in, y, d)
+
+      state, (starts, y, d) = jax.lax.scan(block, state, jnp.arange(full, dtype=jnp.int32))
+      block_states.append(starts)
+      ys.append(y.reshape(full * S, *y.shape[2:]))
+      decisions.append(tuple(x.reshape(full * S, *x.shape[2:]) for x in d))
+    else:
+      block_states.append(None)
+    if left:
+      first = run.start + full * S
+      block_states.append((state.keys, state.values, state.radius))
+      state, (y, d) = _scan_chunks(plan, run, params, state, first, left, 0, q_p, k_ext, v_ext,
+                                   g_ext, _routing_slice(routing, first, run.stop))
+      ys.append(y)
+      decisions.append(d)
+    else:
+      block_states.append(None)
+  y = jnp.concatenate(ys, axis=0)
+  decisions = tuple(jnp.concatenate([d[i] for d in decisions], axis=0) for i in range(2))
+  out = (y, (state.keys, state.values, state.radius), decisions)
+  return out, (params, q_p, k_ext, v_ext, g_ext, tuple(block_states), decisions)
+
+
+def _forward_checkpointed_bwd(plan, residuals, cotangents):
+  """Blocks in reverse: each is run again from its stored state *with the stored decisions*
+  (routing is never recomputed), under ``jax.vjp`` with per-chunk rematerialization, so at most
+  ``block`` chunk states are alive besides the stored block states."""
+  params, q_p, k_ext, v_ext, g_ext, block_states, decisions = residuals
+  dy, d_final, _ = cotangents
+  cfg = plan.cfg
+  C, nb, S = cfg.chunk_size, cfg.window_chunks, plan.block
+  f32 = jnp.float32
+  d_state = tuple(x.astype(f32) for x in d_final)
+  # Each query row belongs to one chunk: its gradient is produced once. A key/value/gate row
+  # belongs to nb windows: with blocks walked in reverse, a block's first (nb-1)·C rows are
+  # shared only with the block before it, so they are carried (float32) into that block, and
+  # every block emits its own rows complete, in the input's dtype. The pieces are scan outputs,
+  # not loop-carried whole-sequence buffers (which XLA:CPU would widen to float32).
+  overlap = (nb - 1) * C
+  heads = tuple(jnp.zeros((x.shape[0], overlap, *x.shape[2:]), f32) for x in (k_ext, v_ext, g_ext))
+  dparams = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, f32), params)
+  rows_before = _rows_at_chunk_start(plan)
+
+  def block_grad(carry, first, count: int, run: Run, state_in, dy_blk, given):
+    d_state, heads, dparams = carry
+    q_blk = _slice(q_p, first * C, count * C)
+    k_blk, v_blk, g_blk = (_slice(x, first * C, count * C + overlap) for x in (k_ext, v_ext, g_ext))
+    num_rows = jnp.asarray(rows_before, jnp.int32)[first]
+
+    def f(state_arrays, params, q_blk, k_blk, v_blk, g_blk):
+      state, (y, _) = _scan_chunks(plan, run, params, _state(state_arrays, num_rows), first,
+                                   count, first, q_blk, k_blk, v_blk, g_blk, given,
+                                   remat_chunks=True)
+      return y, (state.keys, state.values, state.radius)
+
+    _, vjp = jax.vjp(f, state_in, params, q_blk, k_blk, v_blk, g_blk)
+    d_in, dp, dq_b, dk_b, dv_b, dg_b = vjp((dy_blk, d_state))
+    pieces, new_heads = [dq_b.astype(q_p.dtype)], []
+    for x, grad, head in zip((k_ext, v_ext, g_ext), (dk_b, dv_b, dg_b), heads):
+      grad = grad.astype(f32)
+      # rows [count·C, count·C + overlap) of this block are the later block's carried head
+      tail = jax.lax.slice_in_dim(grad, count * C, count * C + overlap, axis=1) + head
+      grad = jnp.concatenate([jax.lax.slice_in_dim(grad, 0, count * C, axis=1), tail], axis=1)
+      pieces.append(jax.lax.slice_in_dim(grad, overlap, overlap + count * C,
+                                         axis=1).astype(x.dtype))
+      new_heads.append(jax.lax.slice_in_dim(grad, 0, overlap, axis=1))
+    dparams = jax.tree_util.tree_map(lambda a, b: a + b.astype(f32), dparams, dp)
+    return (tuple(x.astype(f32) for x in d_in), tuple(new_heads), dparams), tuple(pieces)
+
+  carry = (d_state, heads, dparams)
+  pieces = []  # per block, latest first: (dq, dk, dv, dg) over its chunks' rows
+  for r in reversed(range(len(plan.runs))):
+    run = plan.runs[r]
+    full, left = _blocks(plan, run)
+    starts, left_state = block_states[2 * r], block_states[2 * r + 1]
+    if left:
+      first = run.start + full * S
+      carry, piece = block_grad(carry, first, left, run, left_state, dy[first:run.stop],
+                                _routing_slice(decisions, first, run.stop))
+      pieces.append(piece)
+    if full:
+      def step(carry, x, run=run):
+        j, state_in = x
+        first = run.start + j * S
+        dy_blk = _slice(dy, first, S, axis=0)
+        given = tuple(jax.lax.dynamic_slice_in_dim(d, first, S, 0) for d in decisions)
+        return block_grad(carry, first, S, run, state_in, dy_blk, given)
+
+      carry, stacked = jax.lax.scan(step, carry, (jnp.arange(full, dtype=jnp.int32), starts),
+                                    reverse=True)
+      # [full, B, S·C, ...] -> [B, full·S·C, ...]
+      pieces.append(tuple(jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+                          for x in stacked))
+  d_state, heads, dparams = carry
+  pieces = pieces[::-1]
+  dq = jnp.concatenate([p[0] for p in pieces], axis=1)
+  # the last head carried is the gradient of the front padding: rows [0, (nb-1)·C) of *_ext
+  dk, dv, dg = (jnp.concatenate([h.astype(x.dtype)] + [p[i] for p in pieces], axis=1)
+                for i, (h, x) in enumerate(zip(heads, (k_ext, v_ext, g_ext)), start=1))
+  dparams = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), dparams, params)
+  return (dparams, d_state, dq, dk, dv, dg, None)
+
+
+_forward_checkpointed.defvjp(_forward_checkpointed_fwd, _forward_checkpointed_bwd)
+
+
+def _rows_at_chunk_start(plan: _Plan) -> tuple[int, ...]:
+  """Valid state rows when each chunk starts (and after the last), from the static schedule."""
+  rows = [plan.initial_rows]
+  for c in range(plan.num_chunks):
+    run = next(r for r in plan.runs if r.start <= c < r.stop)
+    rows.append(rows[-1] + (plan.n_append[c] if run.update else 0))
+  return tuple(rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# The scan
+# ----------------------------------------------------------------------------------------------
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ops", "remat", "row_update",
@@ -100,10 +416,17 @@ def kvm_attention_scan(q: Array, k: Array, v: Array, merge_gate: Array, params: 
   """Chunked-scan KVM; see :func:`kvm_jax.kvm_attention` for the contract (inputs are not
   re-validated here: this is the layer below the public API).
 
+  The static schedule is cut into :class:`Run` s, one ``lax.scan`` each, so no chunk decides on
+  the device whether it folds or appends. Each chunk slices its queries and window from the
+  (padded) inputs; nothing of size ``window_chunks × T`` is built.
+
   Args:
     ops: the per-chunk operations (:data:`XLA_OPS`, or kernels from
       :func:`kvm_jax.ops.kvm.api.chunk_ops`).
-    remat: rematerialize each chunk in the backward pass.
+    remat: the backward pass keeps the state only every ~sqrt(num_chunks) chunks and each chunk's
+      routing decisions, and runs every block of chunks again in reverse applying the stored
+      decisions: memory ``O(sqrt(T/C) · R)`` instead of ``O(T/C · R)`` for one more forward.
+      False: plain autodiff through the scan (every chunk's intermediates stored).
     row_update: how the XLA update accumulates rows: "scatter", "onehot" or "auto" (by backend).
     routing: per-chunk decisions ``(dest, target)``, each ``[num_chunks, B, Hkv, C]`` int32, to
       apply instead of computing them (shared routing).
@@ -113,38 +436,27 @@ def kvm_attention_scan(q: Array, k: Array, v: Array, merge_gate: Array, params: 
     ``(y [B, T, H, Dv], final state)``, plus the decisions when ``return_routing``.
   """
   B, T, H, D = q.shape
-  Hkv, Dv = k.shape[2], v.shape[3]
-  G = H // Hkv
-  C = cfg.chunk_size
-  sched, xs, pad_time, mask = scan_inputs(q, k, v, cfg)
-  k_p, v_p, g_p = map(pad_time, (k, v, merge_gate))
-  xs["overflow_g"] = window_stack(g_p, sched.num_chunks, C, cfg.window_chunks)[:, :, :C]
-  if routing is not None:
-    xs["routing"] = routing
-  state0 = initial_state(k_p[:, :C], v_p[:, :C], g_p[:, :C], sched.initial_rows, sched.final_rows,
-                         params, cfg)
-  state_temp, window_temp = temperatures(params, cfg, Hkv)
-  rows = jnp.arange(sched.final_rows)
-  any_update = any(sched.update_after)
-
-  def step(state: KVMState, x):
-    state_keys, state_values = state_readout(state, params, cfg, G)
-    state_valid = ((rows < state.num_rows) & x["visible"])[None, :]
-    y = ops.attend(x["q"], state_keys, state_values, state_valid, x["win_k"], x["win_v"],
-                   mask(x["chunk"]), state_temp, window_temp)
-    none = jnp.full((B, Hkv, C), sched.final_rows, jnp.int32)  # "no row": a no-op scatter
-    decisions = (none, none)
-    if any_update:
-      state, decisions = jax.lax.cond(
-          x["update"],
-          lambda s: ops.update(s, x["win_k"][:, :C], x["win_v"][:, :C], x["overflow_g"],
-                               x["n_append"], params, cfg, row_update, state_keys,
-                               routing=x.get("routing"), return_routing=True),
-          lambda s: (s, decisions), state)
-    return state, (y.astype(q.dtype), decisions if return_routing else None)
-
-  if remat:
-    step = jax.checkpoint(step, prevent_cse=False)
-  state, (y, decisions) = jax.lax.scan(step, state0, xs)
-  y = jnp.moveaxis(y, 0, 1).reshape(B, sched.num_chunks * C, H, Dv)[:, :T]  # [B, T, H, Dv]
+  Dv = v.shape[3]
+  C, nb = cfg.chunk_size, cfg.window_chunks
+  sched = kvm_schedule(cfg, T)
+  nC = sched.num_chunks
+  plan = _Plan(cfg=cfg, ops=ops, row_update=row_update, runs=schedule_runs(sched),
+               n_append=tuple(sched.n_append), num_chunks=nC, initial_rows=sched.initial_rows,
+               capacity=sched.final_rows, block=max(1, math.isqrt(nC - 1) + 1),
+               out_dtype=jnp.dtype(q.dtype))
+  # Time padded to whole chunks; keys, values and gates also get (nb-1) chunks in front, so chunk
+  # c's window is rows [c·C, (c+nb)·C) (the front is masked by window_mask).
+  pad = lambda x, front: jnp.pad(x, [(0, 0), (front, nC * C - T)] + [(0, 0)] * (x.ndim - 2))
+  q_p = pad(q, 0)
+  k_ext, v_ext, g_ext = (pad(x, (nb - 1) * C) for x in (k, v, merge_gate))
+  first = sched.initial_rows
+  s0 = initial_state(k[:, :first], v[:, :first], merge_gate[:, :first], first, sched.final_rows,
+                     params, cfg)
+  state0 = (s0.keys, s0.values, s0.radius)
+  core = _forward_checkpointed if remat else _forward
+  y, (keys, values, radius), decisions = core(plan, params, state0, q_p, k_ext, v_ext, g_ext,
+                                              routing)
+  y = jnp.moveaxis(y, 0, 1).reshape(B, nC * C, H, Dv)[:, :T]  # [B, T, H, Dv]
+  state = KVMState(keys=keys, values=values, radius=radius,
+                   num_rows=jnp.asarray(sched.final_rows, jnp.int32))
   return (y, state, decisions) if return_routing else (y, state)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -323,10 +323,39 @@ def _row_adder(row_update: str):
   raise ValueError(f"row_update must be 'auto', 'scatter' or 'onehot', got {row_update!r}.")
 
 
+def novelty_scores(k_bar: Array, read: Array, num_rows: Array) -> Array:
+  """Max over rows ``[0, num_rows)`` of ``k_bar · read`` per token (float32, HIGHEST).
+
+  ``k_bar [B, Hkv, C, D]``, ``read [B, Hkv, R, D]`` -> ``[B, Hkv, C]``."""
+  sim = jnp.einsum("bhcd,bhrd->bhcr", k_bar, read, precision=jax.lax.Precision.HIGHEST)
+  return jnp.max(jnp.where(jnp.arange(read.shape[2]) < num_rows, sim, -jnp.inf), axis=-1)
+
+
+def merge_targets(k_gated: Array, read: Array, first_row: int, stop_row: Array) -> Array:
+  """First argmax over rows ``[first_row, stop_row)`` of ``k_gated · read`` per token (int32).
+
+  ``k_gated [B, Hkv, C, D]``, ``read [B, Hkv, R, D]`` -> ``[B, Hkv, C]``."""
+  logits = jnp.einsum("bhcd,bhrd->bhcr", k_gated, read, precision=jax.lax.Precision.HIGHEST)
+  row = jnp.arange(read.shape[2])
+  return first_argmax(jnp.where((row >= first_row) & (row < stop_row), logits, -jnp.inf))
+
+
+class RoutingOps(NamedTuple):
+  """The update's heavy parts, swappable for tiled kernels (``kvm_jax.kernels.update``): the two
+  ``[C, R]`` score reductions and the accumulation of token rows into state rows. Contracts:
+  :func:`novelty_scores`, :func:`merge_targets`, and ``add_rows(rows, index, updates)`` of
+  :func:`_add_rows_onehot`."""
+
+  novelty: Callable = novelty_scores
+  targets: Callable = merge_targets
+  add_rows: Optional[Callable] = None  # None: by ``row_update``
+
+
 def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow_g: Array,
                  n_append: Array, params: KVMParams, cfg: KVMConfig,
                  row_update: str = "auto", read_keys: Array | None = None,
-                 routing: tuple[Array, Array] | None = None, return_routing: bool = False):
+                 routing: tuple[Array, Array] | None = None, return_routing: bool = False,
+                 may_append: bool = True, routing_ops: RoutingOps = RoutingOps()):
   """Folds one overflow chunk into the state (docs/kvm-spec.md §6.7).
 
   The ``n_append`` tokens least similar to the current state become new rows (in token order); every
@@ -345,14 +374,17 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
       row of each appended token (``capacity`` = not appended), ``target`` the row each other
       token merges into (``capacity`` = none), both ``[B, Hkv, C]`` int32.
     return_routing: also return the ``(dest, target)`` that were applied.
+    may_append: False when the static schedule says ``n_append`` is 0 here: the novelty ranking
+      is skipped at trace time. When True, the append is computed and *selected* by
+      ``n_append > 0`` (no ``lax.cond``: on GPU a conditional reads its predicate back to the host,
+      and with ``n_append = 0`` the append is an exact no-op, so selecting loses nothing).
+    routing_ops: the score reductions and row accumulation (:class:`RoutingOps`; XLA by default).
   Returns:
     The updated state with ``num_rows + n_append`` rows (and the routing if asked). Routing
     decisions carry no gradient; the merged sums, appended rows and radii are differentiable.
   """
-  add_rows = _row_adder(row_update)
+  add_rows = routing_ops.add_rows or _row_adder(row_update)
   R = state.capacity
-  row = jnp.arange(R)
-  precision = jax.lax.Precision.HIGHEST
   rows = overflow_rows(overflow_k, overflow_v, overflow_g, params, cfg)
   m = state.num_rows
   m_new = m + n_append
@@ -365,28 +397,25 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
       read_keys = layer_norm(state.keys, params.ln_scale, params.ln_bias, cfg.ln_eps)
     old_read = jax.lax.stop_gradient(read_keys)  # routing is a constant: no gradient through it
 
-    def append(s: KVMState):
+    if may_append:
       # Novelty: max similarity of the ungated prepared key to the valid pre-append rows (sinks
       # too); the n_append least similar tokens take rows m, m+1, ... in token order.
-      sim = jnp.einsum("bhcd,bhrd->bhcr", jax.lax.stop_gradient(rows.k_bar), old_read,
-                       precision=precision)
-      novelty = jnp.max(jnp.where(row < m, sim, -jnp.inf), axis=-1)                  # [B,Hkv,C]
+      novelty = routing_ops.novelty(jax.lax.stop_gradient(rows.k_bar), old_read, m)  # [B,Hkv,C]
       is_append = _ranks_ascending(novelty) < n_append
       dest = jnp.where(is_append, m + jnp.cumsum(is_append, axis=-1) - 1, R).astype(jnp.int32)
-      keys, values, radius = _add_appended(s.keys, s.values, s.radius, dest, rows, add_rows)
-      new_read = layer_norm(jax.lax.stop_gradient(keys), params.ln_scale, params.ln_bias,
-                            cfg.ln_eps)
-      return keys, values, radius, dest, new_read
-
-    def no_append(s: KVMState):
-      return s.keys, s.values, s.radius, jnp.full(rows.k_bar.shape[:3], R, jnp.int32), old_read
-
-    keys, values, radius, dest, new_read = jax.lax.cond(n_append > 0, append, no_append, state)
+      keys, values, radius = _add_appended(state.keys, state.values, state.radius, dest, rows,
+                                           add_rows)
+      # With nothing appended the rows are unchanged and routing reads the readout's LN_s keys
+      # (the same values the authors route against), not a second LayerNorm of equal keys.
+      new_read = jnp.where(n_append > 0,
+                           layer_norm(jax.lax.stop_gradient(keys), params.ln_scale,
+                                      params.ln_bias, cfg.ln_eps), old_read)
+    else:
+      keys, values, radius, new_read = state.keys, state.values, state.radius, old_read
+      dest = jnp.full(rows.k_bar.shape[:3], R, jnp.int32)
     # Merge: gated key vs the post-append rows, sinks excluded, first index wins ties.
-    logits = jnp.einsum("bhcd,bhrd->bhcr", jax.lax.stop_gradient(rows.k_gated), new_read,
-                        precision=precision)
-    target_ok = (row >= cfg.sink_rows) & (row < m_new)
-    target = first_argmax(jnp.where(target_ok, logits, -jnp.inf))                    # [B,Hkv,C]
+    target = routing_ops.targets(jax.lax.stop_gradient(rows.k_gated), new_read, cfg.sink_rows,
+                                 m_new)                                               # [B,Hkv,C]
     target = jnp.where(dest < R, R, target).astype(jnp.int32)  # appended tokens merge nowhere
   keys = add_rows(keys, target, rows.k_gated)
   values = add_rows(values, target, rows.v_gated)
