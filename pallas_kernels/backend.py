@@ -47,12 +47,16 @@ class KernelConfig:
     interpret = default_interpret(target) if interpret is None else bool(interpret)
     return cls(platform(target), interpret, shard_axes)
 
-  def compiler_params(self, grid_dims: int):
+  def compiler_params(self, grid_dims: int, working_set=None):
+    """Per-backend compiler parameters; ``working_set`` (a ``resources.WorkingSet``) sets the
+    VMEM Mosaic may use (``vmem_limit_bytes``) from the resource model, not the default."""
     if self.interpret:
       return None
     if self.platform == "tpu":
       from jax.experimental.pallas import tpu as pltpu
-      return pltpu.CompilerParams(dimension_semantics=("parallel",) * grid_dims)
+      from kvm_jax.kernels.resources import vmem_limit_bytes
+      extra = {} if working_set is None else {"vmem_limit_bytes": vmem_limit_bytes(working_set)}
+      return pltpu.CompilerParams(dimension_semantics=("parallel",) * grid_dims, **extra)
     if self.platform == "gpu":
       from jax.experimental.pallas import triton as pltriton
       return pltriton.CompilerParams(num_warps=4, num_stages=2)
@@ -68,11 +72,12 @@ class KernelConfig:
     return max(16, 1 << (n - 1).bit_length()) if self.triton else n
 
   def matmul_precision(self, dtype):
-    """float32: exact float32 products (as the XLA path's HIGHEST); Triton has no precision knob
-    (IEEE float32 unless TF32 is enabled); bfloat16: the default."""
-    if self.triton or jnp.dtype(dtype) != jnp.float32:
-      return None
-    return jax.lax.Precision.HIGHEST
+    """float32 operands: HIGHEST, i.e. true float32 products on every backend (the Triton
+    lowering maps it to IEEE input precision, where the default is TF32 with a 10-bit mantissa;
+    Mosaic to an fp32 contraction). Routing decisions must match the XLA path exactly, so no
+    float32 dot may run at reduced precision. bfloat16 operands: the default (bf16 products are
+    exact in the float32 accumulator)."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
   def for_matmul(self, x):
     """Matmul operand: as is when compiled; interpreted on CPU, bfloat16 is widened to float32
@@ -101,3 +106,24 @@ def pad_axis(x, axis: int, size: int, value=0):
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, extra)
   return jnp.pad(x, widths, constant_values=value)
+
+
+def onehot_matmul(onehot, x, kc: "KernelConfig"):
+  """``onehot [M, N] @ x [N, K]`` exactly in float32, where ``onehot`` holds only 0 and 1.
+
+  A 0/1 operand is exact in bfloat16, so ``x`` split into three bfloat16 parts (hi + mid + lo
+  carries float32's 24-bit mantissa) gives three bf16 x bf16 -> f32 matmuls whose products are
+  exact: full float32 accuracy on the tensor cores / MXU, about twice as fast as an IEEE float32
+  dot on a GPU and without TF32's truncation. Interpreted on CPU, one HIGHEST float32 dot
+  computes the same sums."""
+  x = x.astype(jnp.float32)
+  if kc.interpret:
+    return jnp.dot(onehot.astype(jnp.float32), x, precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32)
+  hi = x.astype(jnp.bfloat16)
+  rest = x - hi.astype(jnp.float32)
+  mid = rest.astype(jnp.bfloat16)
+  lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+  oh = onehot.astype(jnp.bfloat16)
+  dot = lambda part: jnp.dot(oh, part, preferred_element_type=jnp.float32)
+  return dot(hi) + dot(mid) + dot(lo)

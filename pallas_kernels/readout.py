@@ -20,6 +20,7 @@ dimensions (legal for TPU (8, 128) tiling), and the kernel has no data-dependent
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -27,23 +28,64 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from kvm_jax.kernels import backend
+from kvm_jax.kernels import backend, resources
 from kvm_jax.kernels.sharding import per_shard
 from kvm_jax.ops.common import MASKED
 
 
-def _readout_kernel(q_ref, sk_ref, sv_ref, sbias_ref, wk_ref, wv_ref, wbias_ref, st_ref, wt_ref,
-                    y_ref, lse_ref, *, state_block: int, window_block: int,
+@dataclasses.dataclass(frozen=True)
+class ReadoutBlocks:
+  """Tile sizes of the readout: ``queries`` rows per program, ``state`` rows and ``window`` slots
+  per loop step, and the padded sizes the wrapper allocates (multiples of the tiles)."""
+
+  queries: int
+  state: int
+  window: int
+  queries_padded: int
+  state_padded: int
+  window_padded: int
+
+
+def readout_blocks(GT: int, R: int, W: int, platform: str, interpret: bool = False
+                   ) -> ReadoutBlocks:
+  """Tiles for ``GT = G·Tq`` query rows per KV head against ``R`` state and ``W`` window rows.
+
+  GPU (Triton): 64 x 64 tiles, power-of-two sizes (a [64, 128] bf16 operand is 16 KiB; with the
+  score tile and a float32 accumulator a program holds well under 100 KiB). TPU and interpreted:
+  128 query rows x 128 keys (one lane-width MXU tile; on TPU the per-head state and window
+  blocks sit in VMEM, see :mod:`kvm_jax.kernels.resources`)."""
+  pow2 = lambda n: max(16, 1 << (max(n, 1) - 1).bit_length())
+  if platform == "gpu" and not interpret:
+    return ReadoutBlocks(min(64, pow2(GT)), min(64, pow2(R)), min(64, pow2(W)), pow2(GT),
+                         pow2(R), pow2(W))
+  up = lambda n, m: -(-n // m) * m
+  queries, state, window = (min(128, up(n, 8)) for n in (GT, R, W))
+  return ReadoutBlocks(queries, state, window, up(GT, queries), up(R, state), up(W, window))
+
+
+def _ranges_spec(kc: backend.KernelConfig, shape):
+  """Per query block ``[state row bound, first window block, end window block, 0]`` int32:
+  scalar memory on TPU (loop bounds are scalars there)."""
+  if kc.platform == "tpu" and not kc.interpret:
+    from jax.experimental.pallas import tpu as pltpu
+    return pl.BlockSpec(memory_space=pltpu.SMEM)
+  return pl.BlockSpec(shape, lambda b, h, i: (0, 0))
+
+
+def _readout_kernel(ranges_ref, q_ref, sk_ref, sv_ref, sbias_ref, wk_ref, wv_ref, wbias_ref,
+                    st_ref, wt_ref, y_ref, lse_ref, *, state_block: int, window_block: int,
                     kc: backend.KernelConfig):
+  qb = pl.program_id(2)
   q = q_ref[...]                                   # [query block, D] input dtype
   value_dtype = wv_ref.dtype
   rows = q.shape[0]
   precision = kc.matmul_precision(q.dtype)
   mm = kc.for_matmul
-  st, wt = st_ref[...], wt_ref[...]                # [G*Tq, 1] float32: temperature * 1/sqrt(D)
-  m = jnp.full((rows, 1), MASKED, jnp.float32)
-  l = jnp.zeros((rows, 1), jnp.float32)
-  acc = jnp.zeros((rows, y_ref.shape[-1]), jnp.float32)
+  st, wt = st_ref[...], wt_ref[...]                # [rows, 1] float32: temperature * 1/sqrt(D)
+
+  def scores(k):
+    return jax.lax.dot_general(mm(q), mm(k.astype(q.dtype)), (((1,), (1,)), ((), ())),
+                               precision=precision, preferred_element_type=jnp.float32)
 
   def absorb(carry, s, v):
     m, l, acc = carry
@@ -55,57 +97,78 @@ def _readout_kernel(q_ref, sk_ref, sv_ref, sbias_ref, wk_ref, wv_ref, wbias_ref,
                                      precision=precision, preferred_element_type=jnp.float32)
     return m_new, l, acc
 
-  carry = (m, l, acc)
-  num_rows = sk_ref.shape[0]
-  for start in range(0, num_rows, state_block):    # static: the state capacity is static
-    k = sk_ref[pl.ds(start, state_block), :].astype(q.dtype)
-    v = sv_ref[pl.ds(start, state_block), :]
-    s = jax.lax.dot_general(mm(q), mm(k),
-                            (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32)
-    s = s * st + sbias_ref[:, pl.ds(start, state_block)]
-    carry = absorb(carry, s, v)
-  for start in range(0, wk_ref.shape[0], window_block):
-    k = wk_ref[pl.ds(start, window_block), :]
-    v = wv_ref[pl.ds(start, window_block), :]
-    s = jax.lax.dot_general(mm(q), mm(k.astype(q.dtype)),
-                            (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32)
-    carry = absorb(carry, s * wt + wbias_ref[:, pl.ds(start, window_block)], v)
+  def state_step(j, carry):
+    start = pl.multiple_of(j * state_block, state_block)
+    k = sk_ref[pl.ds(start, state_block), :]
+    s = scores(k) * st + sbias_ref[:, pl.ds(start, state_block)]
+    return absorb(carry, s, sv_ref[pl.ds(start, state_block), :])
+
+  def window_step(j, carry):
+    start = pl.multiple_of(j * window_block, window_block)
+    s = scores(wk_ref[pl.ds(start, window_block), :]) * wt
+    return absorb(carry, s + wbias_ref[:, pl.ds(start, window_block)],
+                  wv_ref[pl.ds(start, window_block), :])
+
+  carry = (jnp.full((rows, 1), MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+           jnp.zeros((rows, y_ref.shape[-1]), jnp.float32))
+  # Only the state rows some query may see (a dynamic bound: the valid rows), and only the window
+  # blocks with a visible slot for this query block (the causal front's and the future's skipped).
+  state_end = ranges_ref[qb, 0]
+  carry = jax.lax.fori_loop(0, jax.lax.div(state_end + state_block - 1, state_block),
+                            state_step, carry)
+  carry = jax.lax.fori_loop(ranges_ref[qb, 1], ranges_ref[qb, 2], window_step, carry)
   m, l, acc = carry
   y_ref[...] = (acc / l).astype(y_ref.dtype)
   lse_ref[...] = m + jnp.log(l)
 
 
-def _block(n: int, size: int = 128) -> int:
-  """Key/query rows handled at once: 128 (a TPU lane tile; a Triton-sized tile) when it divides."""
-  return size if n % size == 0 else n
+def _block_ranges(state_bias, window_bias, blocks: ReadoutBlocks):
+  """``[query blocks, 4]`` int32: the state row bound and the window block range each query
+  block needs (from the masks: rows/slots with bias 0 are visible)."""
+  n_q = blocks.queries_padded // blocks.queries
+  visible_state = state_bias[0] > MASKED / 2                                    # [Rp]
+  state_end = jnp.max(jnp.where(visible_state, jnp.arange(visible_state.shape[0]) + 1, 0))
+  n_k = window_bias.shape[1] // blocks.window
+  seen = (window_bias > MASKED / 2).reshape(n_q, blocks.queries, n_k,
+                                            blocks.window).any(axis=(1, 3))
+  first = jnp.argmax(seen, axis=1)
+  stop = n_k - jnp.argmax(seen[:, ::-1], axis=1)
+  none = ~seen.any(axis=1)
+  first, stop = jnp.where(none, 0, first), jnp.where(none, 0, stop)
+  return jnp.stack([jnp.broadcast_to(state_end, (n_q,)), first, stop, jnp.zeros_like(first)],
+                   axis=1).astype(jnp.int32)
 
 
 def _forward(q, state_keys, state_values, state_bias, window_keys, window_values, window_bias,
              state_scale, window_scale, kc):
   B, Hkv, GT, D = q.shape
   R, W, Dv = state_keys.shape[2], window_keys.shape[2], window_values.shape[3]
-  BM = _block(GT)  # query rows per program: rows are independent (online softmax per row)
+  want = readout_blocks(GT, R, W, kc.platform, kc.interpret)
+  fit = lambda block, n: block if n % block == 0 else n  # unpadded callers: whole-array blocks
+  blocks = ReadoutBlocks(fit(want.queries, GT), fit(want.state, R), fit(want.window, W), GT, R,
+                         W)
+  BM = blocks.queries
+  ranges = _block_ranges(state_bias, window_bias, blocks)
   per_head = lambda *tail: pl.BlockSpec((None, None, *tail), lambda b, h, i: (b, h, 0, 0))
   rows_of = lambda *tail: pl.BlockSpec((None, None, BM, *tail), lambda b, h, i: (b, h, i, 0))
   whole = lambda *shape: pl.BlockSpec(shape, lambda b, h, i: (0,) * len(shape))
   row_mask = pl.BlockSpec((BM, W), lambda b, h, i: (i, 0))
   row_scale = pl.BlockSpec((None, BM, 1), lambda b, h, i: (h, i, 0))
-  kernel = functools.partial(_readout_kernel, state_block=_block(R), window_block=_block(W),
-                             kc=kc)
+  kernel = functools.partial(_readout_kernel, state_block=blocks.state,
+                             window_block=blocks.window, kc=kc)
   y, lse = pl.pallas_call(
       kernel,
       grid=(B, Hkv, GT // BM),
-      in_specs=[rows_of(D), per_head(R, D), per_head(R, Dv), whole(1, R), per_head(W, D),
-                per_head(W, Dv), row_mask, row_scale, row_scale],
+      in_specs=[_ranges_spec(kc, ranges.shape), rows_of(D), per_head(R, D), per_head(R, Dv),
+                whole(1, R), per_head(W, D), per_head(W, Dv), row_mask, row_scale, row_scale],
       out_specs=[rows_of(Dv), rows_of(1)],
       out_shape=[jax.ShapeDtypeStruct((B, Hkv, GT, Dv), q.dtype),
                  jax.ShapeDtypeStruct((B, Hkv, GT, 1), jnp.float32)],
       interpret=kc.interpret,
-      compiler_params=kc.compiler_params(3),
+      compiler_params=kc.compiler_params(3, resources.readout_set(
+          GT, R, W, D, Dv, q.dtype, kc.platform)),
       name="kvm_fused_readout",
-  )(q, state_keys, state_values, state_bias, window_keys, window_values, window_bias,
+  )(ranges, q, state_keys, state_values, state_bias, window_keys, window_values, window_bias,
     state_scale, window_scale)
   return y, lse
 
@@ -144,7 +207,7 @@ def _bwd(kc, saved, cotangents):
   (q, state_keys, state_values, state_bias, window_keys, window_values, window_bias, state_scale,
    window_scale, y, lse) = saved
   dy = cotangents[0].astype(jnp.float32)
-  precision = kc.matmul_precision(q.dtype) if not kc.triton else None
+  precision = kc.matmul_precision(q.dtype)  # XLA einsums: float32 stays float32 (no TF32)
   value_dtype = window_values.dtype
   qf = q.astype(jnp.float32)
   # delta_i = sum_v dy_iv y_iv  (= sum_j p_ij dp_ij)
@@ -177,30 +240,47 @@ fused_readout.defvjp(_fwd, _bwd)
 def joint_attention_pallas(q, state_keys, state_values, state_valid, window_keys, window_values,
                            window_valid, state_temp, window_temp, *, kc: backend.KernelConfig):
   """Drop-in for :func:`kvm_jax.ops.common.joint_attention` (same shapes and semantics) that
-  runs :func:`fused_readout`: ``q [B, Tq, Hkv, G, D]`` -> ``[B, Tq, Hkv, G, Dv]`` float32."""
+  runs :func:`fused_readout`: ``q [B, Tq, Hkv, G, D]`` -> ``[B, Tq, Hkv, G, Dv]`` float32.
+
+  The readout state enters in the dtypes the XLA readout multiplies in (keys in q's dtype, values
+  in the window values' dtype), so a bfloat16 model's kernel reads half the bytes and computes
+  the same products."""
   B, Tq, Hkv, G, D = q.shape
   R, W = state_keys.shape[2], window_keys.shape[1]
   if state_values.ndim == 5:
-    raise ValueError("the fused readout needs float32 state values (readout_value_dtype=None).")
+    raise ValueError("the fused readout needs one state value per KV head "
+                     "(readout_value_dtype=None).")
   kc.check_sizes(head_dim=D, value_dim=window_values.shape[3])
-  # Triton: power-of-two sizes and matmul operands of at least 16 rows (no-ops elsewhere).
-  Tp = kc.padded_size(G * Tq) // G if kc.triton else Tq
-  Rp, Wp = kc.padded_size(R), kc.padded_size(W)
+  blocks = readout_blocks(G * Tq, R, W, kc.platform, kc.interpret)
+  # query rows g·Tp + i; padded rows (i >= Tq) see nothing new and are dropped at the end
+  Tp = -(-blocks.queries_padded // G)
+  if kc.triton:  # power-of-two rows: pad each group so that G·Tp is the padded size
+    Tp = kc.padded_size(G * Tq) // G
+  Rp, Wp = blocks.state_padded, blocks.window_padded
   pad = backend.pad_axis
   qh = pad(jnp.transpose(q, (0, 2, 3, 1, 4)), 3, Tp).reshape(B, Hkv, G * Tp, D)
+  GTp = -(-(G * Tp) // blocks.queries) * blocks.queries
+  qh = pad(qh, 2, GTp)
   wk = pad(jnp.transpose(window_keys, (0, 2, 1, 3)), 2, Wp)
   wv = pad(jnp.transpose(window_values, (0, 2, 1, 3)), 2, Wp)
   scale = 1.0 / np.sqrt(D)
-  rows = lambda t: jnp.repeat(t.astype(jnp.float32) * scale, Tp, axis=1)[..., None]
+
+  def rows(t):
+    per_row = jnp.repeat(t.astype(jnp.float32) * scale, Tp, axis=1)          # [Hkv, G·Tp]
+    return pad(per_row, 1, GTp, 1.0)[..., None]
+
   state_bias = jnp.where(jnp.broadcast_to(state_valid, (Tq, R))[:1], 0.0, MASKED)
   window_bias = jnp.where(jnp.broadcast_to(window_valid, (Tq, W)), 0.0, MASKED)
   window_bias = pad(pad(window_bias, 0, Tp), 1, Wp, MASKED)
-  args = (qh, pad(state_keys.astype(jnp.float32), 2, Rp),
-          pad(state_values.astype(jnp.float32), 2, Rp),
+  window_bias = pad(jnp.tile(window_bias, (G, 1)), 0, GTp, MASKED)
+  # a padded query row must still see one slot (its softmax stays finite): the first
+  window_bias = window_bias.at[G * Tp:, 0].set(0.0)
+  args = (qh, pad(state_keys.astype(q.dtype), 2, Rp),
+          pad(state_values.astype(window_values.dtype), 2, Rp),
           pad(state_bias.astype(jnp.float32), 1, Rp, MASKED), wk, wv,
-          jnp.tile(window_bias.astype(jnp.float32), (G, 1)), rows(state_temp), rows(window_temp))
+          window_bias.astype(jnp.float32), rows(state_temp), rows(window_temp))
   y, _ = per_shard(lambda *a: fused_readout(*a, kc), args,
                    ("bh", "bh", "bh", "r", "bh", "bh", "r", "h", "h"), ("bh", "bh"), B, Hkv,
                    kc.shard_axes)
-  y = y.reshape(B, Hkv, G, Tp, -1)[:, :, :, :Tq]
+  y = y[:, :, :G * Tp].reshape(B, Hkv, G, Tp, -1)[:, :, :, :Tq]
   return jnp.transpose(y, (0, 3, 1, 2, 4)).astype(jnp.float32)

@@ -1,199 +1,254 @@
-"""Fused KVM routing + state update of one overflow chunk (docs/kvm-spec.md §6.7), one program per
-(batch row, KV head).
+"""Tiled Pallas kernels for the KVM state update (docs/kvm-spec.md §6.7).
 
-In one kernel: novelty of each token (max similarity of its prepared key to the valid pre-append
-rows, sinks included), rank of the novelties (ascending, ties to the lower token), append of the
-``n_append`` least similar tokens as new rows in token order, ``LN_s`` of the post-append rows,
-merge logits of the gated keys against them (sinks and unused rows excluded), first-index argmax,
-and the accumulation of gated keys/values into their rows. Rows are accumulated with one-hot
-matmuls (``[R, C] @ [C, D]``), which are MXU/tensor-core work and deterministic; there is no
-scatter. The routing decisions are returned (``dest``: new row of each appended token, ``target``:
-row each other token joins; ``R`` = none).
+The update's heavy work is two ``[C, R]`` score reductions and the accumulation of token rows
+into state rows. Here each is a kernel whose programs hold one tile at a time, so the working set
+is bounded for any state size (R up to 4096 and beyond) on Triton, Mosaic TPU and in interpret
+mode:
 
-Backward (``custom_vjp``): given the saved decisions the update is linear, so the gradient of a
-token's gated key/value is the cotangent of its row (a gather) and the old rows pass theirs
-through. Routing carries no gradient, exactly as in the XLA path.
+* :func:`max_scores` / :func:`first_argmax_rows` — per token, the max (novelty) or the
+  first-index argmax (merge target) of ``x · rows`` over a row range ``[lo, hi)``. Grid
+  ``(B, Hkv, token blocks)``; each program walks the row blocks that intersect ``[lo, hi)`` with a
+  ``fori_loop`` (dynamic bounds: blocks past the valid rows are never read), keeping a running
+  max (and the index of its first occurrence: a later block must be *strictly* better, so the
+  lowest index wins ties, exactly as the XLA path's ``first_argmax``).
+* :func:`add_rows` — ``rows[index[c]] += updates[c]`` as one-hot matmuls per ``[row block ×
+  token block]`` tile, deterministic (no atomics), each product exact: the 0/1 operand is exact in
+  bfloat16 and the updates are split into three bfloat16 parts (``backend.onehot_matmul``). Its
+  VJP is a gather of the rows' cotangent.
+
+Every float32 score is computed at HIGHEST precision (IEEE on Triton, fp32 on Mosaic): routing
+decisions must equal the XLA path's. The O(C²) ranking of novelties, the LayerNorm of the
+post-append rows and the bookkeeping stay in :func:`kvm_jax.ops.kvm.state.update_state`, which
+these kernels plug into (:class:`~kvm_jax.ops.kvm.state.RoutingOps`), so gradients are XLA's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kvm_jax.kernels import backend
+from kvm_jax.kernels import backend, resources
 from kvm_jax.kernels.sharding import per_shard
-from kvm_jax.ops.common import layer_norm
-from kvm_jax.ops.kvm.state import KVMState, overflow_rows, safe_l2_norm, update_state
-
-_NEG = -jnp.inf
+from kvm_jax.ops.kvm.state import KVMState, RoutingOps, _add_rows_scatter, update_state
 
 
-def _nt(a, b, precision):
-  """``a [M, K] @ b[N, K]^T`` in float32."""
-  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
+@dataclasses.dataclass(frozen=True)
+class RoutingBlocks:
+  """Tile sizes of the update kernels: ``tokens`` per program, ``rows`` per loop step (both
+  scoring kernels), ``acc_rows`` state rows per program and ``acc_tokens`` tokens per step of
+  :func:`add_rows`; ``rows_padded``: the state capacity padded to whole row blocks."""
+
+  tokens: int
+  rows: int
+  acc_rows: int
+  acc_tokens: int
+  rows_padded: int
 
 
-def _update_kernel(keys_ref, values_ref, radius_ref, read_ref, kbar_ref, kapp_ref, kgate_ref,
-                   vapp_ref, vgate_ref, vnorm_ref, lnw_ref, lnb_ref, counts_ref,
-                   keys_out, values_out, radius_out, dest_out, target_out, *, sink_rows, eps,
+def routing_blocks(C: int, R: int, platform: str, interpret: bool = False) -> RoutingBlocks:
+  """Tile sizes for chunk ``C`` and state capacity ``R`` on ``platform`` ("gpu", "tpu", "cpu").
+
+  GPU (Triton): 64 x 64 float32 tiles (a [64, 128] operand is 32 KiB), power-of-two sizes. TPU:
+  128 tokens x 256 rows (MXU-shaped, sublane multiples of 8). Interpreted: larger tiles, fewer
+  loop steps."""
+  if platform == "gpu" and not interpret:
+    tokens = min(64, C)
+    rows_padded = max(16, 1 << (max(R, 1) - 1).bit_length())
+    rows = min(64, rows_padded)
+    return RoutingBlocks(tokens, rows, rows, min(64, C), rows_padded)
+  if platform == "tpu" and not interpret:
+    tokens, rows = min(128, C), 256
+  else:
+    tokens, rows = min(128, C), 128
+  rows = min(rows, -(-R // 8) * 8)
+  rows_padded = -(-R // rows) * rows
+  return RoutingBlocks(tokens, rows, rows, tokens, rows_padded)
+
+
+def _bounds_spec(kc: backend.KernelConfig):
+  """The ``[1, 2]`` int32 row bounds: scalar memory on TPU (loop bounds are scalars there)."""
+  if kc.platform == "tpu" and not kc.interpret:
+    from jax.experimental.pallas import tpu as pltpu
+    return pl.BlockSpec(memory_space=pltpu.SMEM)
+  return pl.BlockSpec((1, 2), lambda b, h, i: (0, 0))
+
+
+def _scores_kernel(bounds_ref, x_ref, rows_ref, out_ref, *, row_block: int, argmax: bool,
                    kc: backend.KernelConfig):
-  keys, values, radius = keys_ref[...], values_ref[...], radius_ref[...]   # [R,D] [R,Dv] [R,1]
-  R, C = keys.shape[0], kbar_ref.shape[0]
+  lo, hi = bounds_ref[0, 0], bounds_ref[0, 1]
+  x = x_ref[...].astype(jnp.float32)                          # [tokens, D]
+  tokens = x.shape[0]
   precision = kc.matmul_precision(jnp.float32)
-  m, n_append = counts_ref[:, pl.ds(0, 1)], counts_ref[:, pl.ds(1, 1)]     # [1, 1] int32 each
-  row_col = jax.lax.broadcasted_iota(jnp.int32, (R, 1), 0)
-  row_row = jax.lax.broadcasted_iota(jnp.int32, (1, R), 1)
-  tok_col = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0)
-  tok_row = jax.lax.broadcasted_iota(jnp.int32, (1, C), 1)
-  diagonal = tok_col == tok_row                                            # [C, C]
 
-  # Novelty against the valid pre-append rows (sinks included), one value per token.
-  sim = _nt(kbar_ref[...], read_ref[...], precision)                       # [C, R]
-  nov_col = jnp.max(jnp.where(row_row < m, sim, _NEG), axis=1, keepdims=True)        # [C, 1]
-  nov_row = jnp.max(jnp.where(diagonal, nov_col, _NEG), axis=0, keepdims=True)       # [1, C]
-  # Ascending rank with ties to the lower token: j before i iff nov_j < nov_i or (== and j < i).
-  before = (nov_col < nov_row) | ((nov_col == nov_row) & (tok_col < tok_row))       # [C(j), C(i)]
-  rank_row = jnp.sum(before.astype(jnp.int32), axis=0, keepdims=True)               # [1, C]
-  append_row = rank_row < n_append
-  append_col = jnp.max(jnp.where(diagonal, append_row.astype(jnp.int32), 0), axis=1,
-                       keepdims=True)                                                # [C, 1]
-  # Appended tokens take rows m, m+1, ... in token order.
-  count_row = jnp.sum(jnp.where(tok_col <= tok_row, append_col, 0), axis=0, keepdims=True)
-  dest = jnp.where(append_row, m + count_row - 1, R)                                 # [1, C]
-  onehot = (row_col == dest).astype(jnp.float32)                                     # [R, C]
-  keys = keys + jnp.dot(onehot, kapp_ref[...], precision=precision,
-                        preferred_element_type=jnp.float32)
-  values = values + jnp.dot(onehot, vapp_ref[...], precision=precision,
-                            preferred_element_type=jnp.float32)
-  radius = radius + jnp.sum(onehot * vnorm_ref[...], axis=1, keepdims=True)
+  def step(i, carry):
+    best, arg = carry
+    start = pl.multiple_of(i * row_block, row_block)
+    rows = rows_ref[pl.ds(start, row_block), :].astype(jnp.float32)
+    s = jax.lax.dot_general(x, rows, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32)          # [tokens, row_block]
+    index = start + jax.lax.broadcasted_iota(jnp.int32, (1, row_block), 1)
+    s = jnp.where((index >= lo) & (index < hi), s, -jnp.inf)
+    block_best = jnp.max(s, axis=1, keepdims=True)
+    if not argmax:
+      return jnp.maximum(best, block_best), arg
+    block_arg = jnp.min(jnp.where(s == block_best, index, jnp.iinfo(jnp.int32).max), axis=1,
+                        keepdims=True)
+    better = block_best > best    # strictly: an earlier row keeps a tie
+    return jnp.where(better, block_best, best), jnp.where(better, block_arg, arg)
 
-  # Merge: gated keys vs LN_s of the post-append rows (the old readout when nothing appended).
-  mean = jnp.mean(keys, axis=-1, keepdims=True)
-  var = jnp.mean(jnp.square(keys - mean), axis=-1, keepdims=True)
-  fresh = (keys - mean) * jax.lax.rsqrt(var + eps) * lnw_ref[...] + lnb_ref[...]
-  read = jnp.where(n_append > 0, fresh, read_ref[...])
-  logits = _nt(read, kgate_ref[...], precision)                                    # [R, C]
-  ok = (row_col >= sink_rows) & (row_col < m + n_append)
-  logits = jnp.where(ok, logits, _NEG)
-  best = jnp.max(logits, axis=0, keepdims=True)
-  target = jnp.min(jnp.where(logits == best, row_col, R), axis=0, keepdims=True)    # first argmax
-  target = jnp.where(append_row, R, target)
-  onehot = (row_col == target).astype(jnp.float32)
-  keys_out[...] = keys + jnp.dot(onehot, kgate_ref[...], precision=precision,
-                                 preferred_element_type=jnp.float32)
-  values_out[...] = values + jnp.dot(onehot, vgate_ref[...], precision=precision,
-                                     preferred_element_type=jnp.float32)
-  radius_out[...] = radius
-  dest_out[...] = dest
-  target_out[...] = target
+  init = (jnp.full((tokens, 1), -jnp.inf, jnp.float32), jnp.zeros((tokens, 1), jnp.int32))
+  # lax.div, not //: nonnegative operands, and jnp's floor division is a jitted helper
+  # Mosaic cannot lower
+  best, arg = jax.lax.fori_loop(jax.lax.div(lo, row_block),
+                                jax.lax.div(hi + row_block - 1, row_block), step, init)
+  out_ref[...] = arg if argmax else best
 
 
-def _forward(keys, values, radius, read, kbar, kapp, kgate, vapp, vgate, vnorm, ln_scale, ln_bias,
-             counts, sink_rows, eps, kc):
-  B, Hkv, R, D = keys.shape
-  C, Dv = kbar.shape[2], values.shape[3]
-  per_head = lambda *tail: pl.BlockSpec((None, None, *tail), lambda b, h: (b, h, 0, 0))
-  whole = lambda *shape: pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
-  kernel = functools.partial(_update_kernel, sink_rows=sink_rows, eps=eps, kc=kc)
-  f32, i32 = jnp.float32, jnp.int32
-  return pl.pallas_call(
-      kernel,
-      grid=(B, Hkv),
-      in_specs=[per_head(R, D), per_head(R, Dv), per_head(R, 1), per_head(R, D), per_head(C, D),
-                per_head(C, D), per_head(C, D), per_head(C, Dv), per_head(C, Dv), per_head(1, C),
-                whole(1, D), whole(1, D), whole(1, 2)],
-      out_specs=[per_head(R, D), per_head(R, Dv), per_head(R, 1), per_head(1, C),
-                 per_head(1, C)],
-      out_shape=[jax.ShapeDtypeStruct((B, Hkv, R, D), f32),
-                 jax.ShapeDtypeStruct((B, Hkv, R, Dv), f32),
-                 jax.ShapeDtypeStruct((B, Hkv, R, 1), f32),
-                 jax.ShapeDtypeStruct((B, Hkv, 1, C), i32),
-                 jax.ShapeDtypeStruct((B, Hkv, 1, C), i32)],
-      interpret=kc.interpret,
-      compiler_params=kc.compiler_params(2),
-      name="kvm_fused_update",
-  )(keys, values, radius, read, kbar, kapp, kgate, vapp, vgate, vnorm, ln_scale, ln_bias, counts)
+def _scores(x, rows, lo, hi, argmax: bool, kc: backend.KernelConfig):
+  """``[B, Hkv, C]``: max or first argmax over rows ``[lo, hi)`` of ``x [B,Hkv,C,D] · rows
+  [B,Hkv,R,D]`` (float32)."""
+  B, Hkv, C, D = x.shape
+  R = rows.shape[2]
+  blocks = routing_blocks(C, R, kc.platform, kc.interpret)
+  kc.check_sizes(chunk_size=C, head_dim=D)
+  rows = backend.pad_axis(rows.astype(jnp.float32), 2, blocks.rows_padded)
+  bounds = jnp.stack([jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)]).reshape(1, 2)
+  kernel = functools.partial(_scores_kernel, row_block=blocks.rows, argmax=argmax, kc=kc)
+  T = blocks.tokens
+
+  def call(bounds, x, rows):
+    b, h = x.shape[:2]
+    return pl.pallas_call(
+        kernel,
+        grid=(b, h, C // T),
+        in_specs=[_bounds_spec(kc),
+                  pl.BlockSpec((None, None, T, D), lambda b, h, i: (b, h, i, 0)),
+                  pl.BlockSpec((None, None, blocks.rows_padded, D), lambda b, h, i: (b, h, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, T, 1), lambda b, h, i: (b, h, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, h, C, 1), jnp.int32 if argmax else jnp.float32),
+        interpret=kc.interpret,
+        compiler_params=kc.compiler_params(3, resources.route_set(C, R, D, kc.platform)),
+        name="kvm_route_argmax" if argmax else "kvm_route_novelty",
+    )(bounds, x.astype(jnp.float32), rows)
+
+  out = per_shard(call, (bounds, x, rows), ("r", "bh", "bh"), ("bh",), B, Hkv, kc.shard_axes)
+  return out[..., 0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(13, 14, 15))
-def fused_update(keys, values, radius, read, kbar, kapp, kgate, vapp, vgate, vnorm, ln_scale,
-                 ln_bias, counts, sink_rows, eps, kc):
-  """One overflow chunk folded into the state; all arrays head-major ``[B, Hkv, ·, ·]`` float32.
-
-  ``keys [R, D]``, ``values [R, Dv]``, ``radius [R, 1]``: the state; ``read [R, D]``: LN_s of the
-  keys (routing only); ``kbar`` prepared keys (routing only), ``kapp``/``kgate`` appended / gated
-  keys ``[C, D]``; ``vapp``/``vgate`` ``[C, Dv]``; ``vnorm [1, C]``: ‖appended value‖;
-  ``ln_scale``/``ln_bias`` ``[1, D]``; ``counts [1, 2]`` int32: (rows, rows to append).
-  Returns the new keys, values, radius and the decisions ``dest``, ``target`` ``[B, Hkv, 1, C]``.
-  """
-  return _forward(keys, values, radius, read, kbar, kapp, kgate, vapp, vgate, vnorm, ln_scale,
-                  ln_bias, counts, sink_rows, eps, kc)
+def max_scores(k_bar, read, num_rows, *, kc: backend.KernelConfig):
+  """Kernel form of :func:`kvm_jax.ops.kvm.state.novelty_scores`."""
+  return _scores(k_bar, read, 0, num_rows, False, kc)
 
 
-def _fwd(keys, values, radius, read, kbar, kapp, kgate, vapp, vgate, vnorm, ln_scale, ln_bias,
-         counts, sink_rows, eps, kc):
-  out = _forward(keys, values, radius, read, kbar, kapp, kgate, vapp, vgate, vnorm, ln_scale,
-                 ln_bias, counts, sink_rows, eps, kc)
-  return out, (out[3], out[4], read, kbar, ln_scale, ln_bias, counts)
+def first_argmax_rows(k_gated, read, first_row, stop_row, *, kc: backend.KernelConfig):
+  """Kernel form of :func:`kvm_jax.ops.kvm.state.merge_targets`."""
+  return _scores(k_gated, read, first_row, stop_row, True, kc)
 
 
-def _gather_rows(cotangent, index):
-  """Row ``index[c]`` of ``cotangent [B, Hkv, R, X]`` for each token (zeros where index == R)."""
+# ----------------------------------------------------------------------------------------------
+# Accumulating token rows into state rows
+# ----------------------------------------------------------------------------------------------
+
+
+def _add_rows_kernel(index_ref, updates_ref, rows_ref, out_ref, *, token_block: int,
+                     kc: backend.KernelConfig):
+  row_block = rows_ref.shape[0]
+  C = index_ref.shape[-1]
+  first = pl.program_id(2) * row_block
+  row_ids = first + jax.lax.broadcasted_iota(jnp.int32, (row_block, 1), 0)
+
+  def step(j, acc):
+    start = pl.multiple_of(j * token_block, token_block)
+    index = index_ref[:, pl.ds(start, token_block)]                      # [1, token_block]
+    onehot = (row_ids == index).astype(jnp.float32)                       # [row_block, tokens]
+    return acc + backend.onehot_matmul(onehot, updates_ref[pl.ds(start, token_block), :], kc)
+
+  acc = jax.lax.fori_loop(0, C // token_block, step,
+                          jnp.zeros(rows_ref.shape, jnp.float32))
+  out_ref[...] = rows_ref[...] + acc
+
+
+def _add_rows_call(rows, index, updates, kc):
+  B, Hkv, R, X = rows.shape
+  C = index.shape[-1]
+  blocks = routing_blocks(C, R, kc.platform, kc.interpret)
+  Rp = blocks.rows_padded
+  padded = backend.pad_axis(rows, 2, Rp)
+  kernel = functools.partial(_add_rows_kernel, token_block=blocks.acc_tokens, kc=kc)
+  BR = blocks.acc_rows
+
+  def call(index, updates, rows):
+    b, h = rows.shape[:2]
+    return pl.pallas_call(
+        kernel,
+        grid=(b, h, Rp // BR),
+        in_specs=[pl.BlockSpec((None, None, 1, C), lambda b, h, i: (b, h, 0, 0)),
+                  pl.BlockSpec((None, None, C, X), lambda b, h, i: (b, h, 0, 0)),
+                  pl.BlockSpec((None, None, BR, X), lambda b, h, i: (b, h, i, 0))],
+        out_specs=pl.BlockSpec((None, None, BR, X), lambda b, h, i: (b, h, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, h, Rp, X), jnp.float32),
+        input_output_aliases={2: 0},   # rows are updated in place
+        interpret=kc.interpret,
+        compiler_params=kc.compiler_params(3, resources.add_rows_set(C, R, X, kc.platform)),
+        name="kvm_add_rows",
+    )(index, updates, rows)
+
+  out = per_shard(call, (index[:, :, None, :].astype(jnp.int32), updates.astype(jnp.float32),
+                         padded.astype(jnp.float32)), ("bh", "bh", "bh"), ("bh",), B, Hkv,
+                  kc.shard_axes)
+  return out[:, :, :R]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _add_rows(rows, index, updates, kc):
+  return _add_rows_call(rows, index, updates, kc)
+
+
+def _add_rows_fwd(rows, index, updates, kc):
+  return _add_rows_call(rows, index, updates, kc), index
+
+
+def _add_rows_bwd(kc, index, cotangent):
+  """The sum is linear: rows pass their cotangent through; token c gets row ``index[c]``'s
+  (zero where ``index[c]`` is out of range: "no row")."""
   R = cotangent.shape[2]
-  idx = index[:, :, 0, :]                                                  # [B, Hkv, C]
-  rows = jnp.take_along_axis(cotangent, jnp.minimum(idx, R - 1)[..., None], axis=2)
-  return jnp.where((idx < R)[..., None], rows, 0.0)
+  gathered = jnp.take_along_axis(cotangent, jnp.minimum(index, R - 1)[..., None], axis=2)
+  return cotangent, None, jnp.where((index < R)[..., None], gathered, 0.0)
 
 
-def _bwd(sink_rows, eps, kc, saved, cotangents):
-  del sink_rows, eps, kc
-  dest, target, read, kbar, ln_scale, ln_bias, counts = saved
-  d_keys, d_values, d_radius = cotangents[:3]
-  del read, kbar, ln_scale, ln_bias, counts  # routing inputs: no gradient (None below)
-  return (d_keys, d_values, d_radius, None, None,
-          _gather_rows(d_keys, dest), _gather_rows(d_keys, target),
-          _gather_rows(d_values, dest), _gather_rows(d_values, target),
-          jnp.swapaxes(_gather_rows(d_radius, dest), 2, 3), None, None, None)
+_add_rows.defvjp(_add_rows_fwd, _add_rows_bwd)
 
 
-fused_update.defvjp(_fwd, _bwd)
+def add_rows(rows, index, updates, *, kc: backend.KernelConfig):
+  """``rows [B,Hkv,R,X]`` plus ``updates [B,Hkv,C,X]`` at rows ``index [B,Hkv,C]`` (``R`` or
+  more: dropped), float32. Narrow rows (X < 16: the radius) use XLA's scatter: each appended row
+  receives one token, so the scatter is deterministic, and a matmul of width 1 is no work for a
+  matrix unit."""
+  if rows.shape[-1] < 16:
+    return _add_rows_scatter(rows, index, updates)
+  return _add_rows(rows.astype(jnp.float32), index.astype(jnp.int32), updates, kc)
+
+
+def routing_ops(kc: backend.KernelConfig) -> RoutingOps:
+  """The update's score reductions and accumulation as the kernels of this module."""
+  return RoutingOps(novelty=functools.partial(max_scores, kc=kc),
+                    targets=functools.partial(first_argmax_rows, kc=kc),
+                    add_rows=functools.partial(add_rows, kc=kc))
 
 
 def update_state_pallas(state: KVMState, overflow_k, overflow_v, overflow_g, n_append, params,
                         cfg, row_update="auto", read_keys=None, routing=None,
-                        return_routing=False, *, kc: backend.KernelConfig):
-  """Drop-in for :func:`kvm_jax.ops.kvm.state.update_state` running :func:`fused_update`.
-
-  Given decisions (shared routing) are applied by the XLA path: there is nothing to fuse.
-  """
-  if routing is not None:
-    return update_state(state, overflow_k, overflow_v, overflow_g, n_append, params, cfg,
-                        row_update, read_keys, routing, return_routing)
+                        return_routing=False, may_append=True, *, kc: backend.KernelConfig):
+  """Drop-in for :func:`kvm_jax.ops.kvm.state.update_state` with the tiled kernels. Given
+  decisions (shared routing, the backward's replay) need no scores; they are accumulated by
+  :func:`add_rows` all the same."""
   del row_update
   kc.check_sizes(chunk_size=overflow_k.shape[1], head_dim=overflow_k.shape[3],
                  value_dim=overflow_v.shape[3])
-  rows = overflow_rows(overflow_k, overflow_v, overflow_g, params, cfg)
-  if read_keys is None:
-    read_keys = layer_norm(state.keys, params.ln_scale, params.ln_bias, cfg.ln_eps)
-  counts = jnp.stack([state.num_rows, jnp.asarray(n_append, jnp.int32)]).astype(jnp.int32)
-  R = state.keys.shape[2]
-  Rp = kc.padded_size(R)  # Triton: power-of-two rows; padded rows are never valid
-  pad = lambda x: backend.pad_axis(x, 2, Rp)
-  args = (pad(state.keys), pad(state.values), pad(state.radius[..., None]),
-          pad(jax.lax.stop_gradient(read_keys)), jax.lax.stop_gradient(rows.k_bar), rows.k_app,
-          rows.k_gated, rows.v_app, rows.v_gated, safe_l2_norm(rows.v_app)[:, :, None, :],
-          params.ln_scale.astype(jnp.float32)[None], params.ln_bias.astype(jnp.float32)[None],
-          counts.reshape(1, 2))
-  B, Hkv = state.keys.shape[:2]
-  keys, values, radius, dest, target = per_shard(
-      lambda *a: fused_update(*a, cfg.sink_rows, cfg.ln_eps, kc), args,
-      ("bh",) * 10 + ("r",) * 3, ("bh",) * 5, B, Hkv, kc.shard_axes)
-  keys, values, radius = keys[:, :, :R], values[:, :, :R], radius[:, :, :R]
-  dest, target = jnp.minimum(dest, R), jnp.minimum(target, R)  # "none" is R again
-  new = KVMState(keys=keys, values=values, radius=radius[..., 0],
-                 num_rows=(state.num_rows + n_append).astype(jnp.int32))
-  return (new, (dest[:, :, 0], target[:, :, 0])) if return_routing else new
+  return update_state(state, overflow_k, overflow_v, overflow_g, n_append, params, cfg,
+                      read_keys=read_keys, routing=routing, return_routing=return_routing,
+                      may_append=may_append, routing_ops=routing_ops(kc))
