@@ -15,14 +15,25 @@ generated; it prints tokens/s and the decode-cache bytes of every layer, measure
 
 Then it prints ms and speed-ups per budget (``fixed256``: 256 rows; ``sqrt16``: 16·√N, min 256), the
 crossover length where KVM prefill first beats full attention, and the decode-cache bytes measured
-from the arrays (state + window) against the full KV cache. ``--paper`` uses the paper's
-B=8, H=32, D=128, bf16 (an accelerator is needed for that); CPU defaults finish in minutes.
+from the arrays (state + window) against the full KV cache, and the bytes one decode step moves:
+XLA's count for the compiled step (``cost_analysis()["bytes accessed"]``) next to the minimum the
+step must read and write (:func:`kvm_decode_min_bytes`, :func:`full_decode_min_bytes`).
+``--paper`` uses the paper's B=8, H=32, D=128, bf16 (an accelerator is needed for that); CPU
+defaults finish in minutes.
+
+``--readout-anchor`` also times, per T and budget, one chunk's readout as ``kvm_attention`` runs it
+(Tq = C = 256 queries, G = 1, the budget's state rows at T, the 2·256-slot window): the XLA readout
+(``kvm_jax.ops.common.joint_attention``), the project's Pallas kernel
+(``kvm_jax.kernels.readout``; not timed where it would be interpreted, i.e. on CPU) and the same
+computation run by tokamax's attention (``kvm_jax.kernels.anchor``, when tokamax is installed:
+``pip install 'kvm_jax[tokamax]'``), with each one's speed relative to that anchor.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -37,7 +48,10 @@ from kvm_jax.config import KVM_IMPLEMENTATIONS
 from kvm_jax.eval.timing import (full_attention_impl, median_ms, time_full_decode,
                                  time_kvm_decode)
 from kvm_jax.generate import prefill_logits, sample_step
-from kvm_jax.ops.common import tree_nbytes
+from kvm_jax.kernels import anchor
+from kvm_jax.kernels.backend import KernelConfig
+from kvm_jax.kernels.readout import joint_attention_pallas
+from kvm_jax.ops.common import joint_attention, tree_nbytes, window_mask
 from kvm_jax.ops.kvm.cases import random_inputs
 
 BUDGETS = {
@@ -97,20 +111,139 @@ def kvm_prefill_work(cfg: kj.KVMConfig, T: int, B: int, H: int, Hkv: int, D: int
   return flops, bytes_
 
 
+def kvm_decode_min_bytes(cfg: kj.KVMConfig, T: int, n: int, rows: int, B: int, H: int, Hkv: int,
+                         D: int, Dv: int, itemsize: int) -> float:
+  """Bytes one KVM decode step must read and write, averaged over the n steps at positions
+  T..T+n-1 (no fold; the state update every C steps is not included).
+
+  Reads: the ``rows`` valid rows of the cache's normalized readout (keys and values in the
+  activation dtype, ``KVMCache.readout_keys/values``) once, only at positions the state is
+  visible to (t >= L); the window ring's keys and values at the positions the token attends to
+  (``[max(0, (t//C + 1)·C - L), t)``); the token's q, k, v and merge gate. Writes: the output y
+  and the token's k, v and gate into the ring. Parameters (O(H·D)) are left out."""
+  C, L = cfg.chunk_size, cfg.window_len
+  row_bytes = (D + Dv) * itemsize
+  token = B * (H * D + 2 * Hkv * (D + Dv) + H * Dv) * itemsize + 2 * B * Hkv * 4
+  total = 0.0
+  for t in range(T, T + n):
+    window = t - max(0, (t // C + 1) * C - L)
+    state = rows * row_bytes if t >= L else 0
+    total += B * Hkv * (state + window * (D + Dv) * itemsize) + token
+  return total / n
+
+
+def full_decode_min_bytes(T: int, n: int, B: int, H: int, Hkv: int, D: int, Dv: int,
+                          itemsize: int) -> float:
+  """Bytes one full-attention decode step must read and write, averaged over positions
+  T..T+n-1: the t cached keys and values once, the token's q, k, v in (k and v written into the
+  cache) and y out."""
+  token = B * (H * D + 2 * Hkv * (D + Dv) + H * Dv) * itemsize
+  return sum(B * Hkv * t * (D + Dv) * itemsize + token for t in range(T, T + n)) / n
+
+
 def time_decode(T, args, dtype):
   n = args.decode_steps
   q, k, v, g = random_inputs(T + 1, args.batch, T + n, args.heads, args.heads, args.head_dim,
                              args.head_dim, dtype)
+  sizes = dict(B=args.batch, H=args.heads, Hkv=args.heads, D=args.head_dim, Dv=args.head_dim,
+               itemsize=jnp.dtype(dtype).itemsize)
   out = {}
   for budget in args.budgets:
     cfg = kvm_config(budget, args.head_dim)
-    times, cache = time_kvm_decode(cfg, kj.KVMParams.init(args.head_dim, args.heads), q, k, v, g,
-                                   T, n, implementation=args.implementation)
+    times, cache, accessed = time_kvm_decode(
+        cfg, kj.KVMParams.init(args.head_dim, args.heads), q, k, v, g, T, n,
+        implementation=args.implementation, return_bytes_accessed=True)
+    rows = int(cache.state.num_rows)
     out[budget] = {"decode_ms": statistics.fmean(times), "cache_bytes": cache.nbytes()["total"],
-                   "state_rows": int(cache.state.num_rows)}
-  times, full_bytes = time_full_decode(q, k, v, T, n)
-  out["full"] = {"decode_ms": statistics.fmean(times), "cache_bytes": full_bytes}
+                   "state_rows": rows, "decode_bytes_accessed": accessed,
+                   "decode_min_bytes": kvm_decode_min_bytes(cfg, T, n, rows, **sizes)}
+  times, full_bytes, accessed = time_full_decode(q, k, v, T, n, return_bytes_accessed=True)
+  out["full"] = {"decode_ms": statistics.fmean(times), "cache_bytes": full_bytes,
+                 "decode_bytes_accessed": accessed,
+                 "decode_min_bytes": full_decode_min_bytes(T, n, **sizes)}
   return out
+
+
+def anchor_candidates(platform: str) -> tuple[str, ...]:
+  """tokamax implementations tried for the anchor, best first; the first that compiles is timed
+  (and named in the output), so a kernel that refuses the shape or the dense mask is seen, not
+  silently replaced."""
+  return {"gpu": ("mosaic", "triton", "xla"), "tpu": ("mosaic", "xla")}.get(platform, ("xla",))
+
+
+def readout_inputs(cfg: kj.KVMConfig, T: int, B: int, H: int, D: int, dtype):
+  """One chunk's readout arguments as ``kvm_attention`` builds them for the last chunk of a
+  T-token sequence (G = 1): the state at its capacity with the rows valid at that chunk, the
+  2·C-slot window and its causal mask. Returns (args, valid rows, capacity)."""
+  sched = kj.kvm_schedule(cfg, T)
+  C, nb = cfg.chunk_size, cfg.window_chunks
+  last = sched.num_chunks - 1
+  capacity = sched.final_rows
+  rows = sched.rows_before[last] if sched.state_visible[last] else 0
+  ks = jax.random.split(jax.random.PRNGKey(T), 7)
+  q = jax.random.normal(ks[0], (B, C, H, 1, D), dtype)
+  state_keys = jax.random.normal(ks[1], (B, H, capacity, D), jnp.float32)
+  state_values = jax.random.normal(ks[2], (B, H, capacity, D), jnp.float32)
+  window_keys = jax.random.normal(ks[3], (B, nb * C, H, D), dtype)
+  window_values = jax.random.normal(ks[4], (B, nb * C, H, D), dtype)
+  state_valid = (jnp.arange(capacity) < rows)[None, :]
+  window_valid = jnp.asarray(window_mask(last, C, nb))
+  state_temp = jax.random.uniform(ks[5], (H, 1), minval=0.5, maxval=2.0)
+  window_temp = jax.random.uniform(ks[6], (H, 1), minval=0.5, maxval=2.0)
+  args = (q, state_keys, state_values, state_valid, window_keys, window_values, window_valid,
+          state_temp, window_temp)
+  return args, rows, capacity
+
+
+def time_readout(T, args, dtype):
+  """Per budget: ms of one chunk's readout by the XLA path, the Pallas kernel (None where it
+  would be interpreted) and the tokamax anchor (None without tokamax), the anchor's
+  implementation, and each arm's speed relative to the anchor (anchor ms / ms)."""
+  kc = KernelConfig.for_target()
+  out = {}
+  for budget in args.budgets:
+    cfg = kvm_config(budget, args.head_dim)
+    inputs, rows, capacity = readout_inputs(cfg, T, args.batch, args.heads, args.head_dim, dtype)
+    r = {"readout_rows": rows, "readout_capacity": capacity, "readout_tokamax_impl": None}
+    r["readout_xla_ms"] = median_ms(jax.jit(joint_attention), *inputs, repeats=args.repeats)
+    r["readout_pallas_ms"] = None if kc.interpret else median_ms(
+        jax.jit(functools.partial(joint_attention_pallas, kc=kc)), *inputs, repeats=args.repeats)
+    r["readout_tokamax_ms"] = None
+    if anchor.tokamax_available():
+      for impl in anchor_candidates(kc.platform):
+        fn = jax.jit(functools.partial(anchor.joint_attention_tokamax, implementation=impl))
+        try:
+          compiled = fn.lower(*inputs).compile()
+        except Exception as e:  # a kernel refusing this shape or mask: try the next one
+          print(f"  tokamax[{impl}] unavailable for this readout ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:120] if str(e) else ''})", flush=True)
+          continue
+        r["readout_tokamax_impl"] = impl
+        r["readout_tokamax_ms"] = median_ms(compiled, *inputs, repeats=args.repeats)
+        break
+    for arm in ("xla", "pallas"):
+      ms, anchor_ms = r[f"readout_{arm}_ms"], r["readout_tokamax_ms"]
+      r[f"readout_{arm}_vs_anchor"] = anchor_ms / ms if ms and anchor_ms else None
+    out[budget] = r
+  return out
+
+
+def readout_line(T: int, budget: str, r: dict, kc: KernelConfig) -> str:
+  """One printed line of ``--readout-anchor``."""
+  cells = []
+  if r["readout_tokamax_ms"] is not None:
+    cells.append(f"tokamax[{r['readout_tokamax_impl']}] {r['readout_tokamax_ms']:.3f} ms")
+  else:
+    cells.append("tokamax not timed" + ("" if anchor.tokamax_available() else
+                                        f" (not installed: {anchor.INSTALL_HINT})"))
+  for arm in ("xla", "pallas"):
+    ms, ratio = r[f"readout_{arm}_ms"], r[f"readout_{arm}_vs_anchor"]
+    if ms is None:
+      cells.append(f"{arm} not timed (interpreted on {kc.platform})")
+    else:
+      cells.append(f"{arm} {ms:.3f} ms" + (f" {ratio:.2f}x" if ratio is not None else ""))
+  return (f"  readout T={T:>6} {budget:<9} R={r['readout_rows']}/{r['readout_capacity']}: "
+          + " | ".join(cells))
 
 
 def time_model_decode(name: str, context: int, steps: int, batch: int, dtype: str) -> dict:
@@ -147,6 +280,13 @@ def time_model_decode(name: str, context: int, steps: int, batch: int, dtype: st
           "cache_bytes": sum(per_layer), "parameters": kj.count_params(cfg)["total"]}
 
 
+def decode_bytes_cell(row: dict, arm: str) -> str:
+  measured, minimum = row[f"{arm}_decode_bytes_accessed"], row[f"{arm}_decode_min_bytes"]
+  if measured is None:
+    return f"n/a / {minimum:,.0f}"
+  return f"{measured:,.0f} / {minimum:,.0f} ({measured / minimum:.1f}x)"
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="kvm-bench", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "kvm256_120m,kvm_sqrt16_120m,gpta2_120m (default: none)")
   p.add_argument("--model-context", type=int, default=2048,
                  help="prompt tokens before the whole-model decode timing (default: %(default)s)")
+  p.add_argument("--readout-anchor", action="store_true",
+                 help="also time one chunk's readout (XLA, Pallas, and tokamax's attention as the "
+                      "anchor when installed: pip install 'kvm_jax[tokamax]') per T and budget")
   p.add_argument("--json", default=None, help="write all measurements to this JSON file")
   p.add_argument("--plot", default=None, help="write a PNG of ms vs T to this path")
   return p
@@ -191,8 +334,8 @@ def main(argv=None) -> int:
   phases = set(p for p in args.phases.split(",") if p)
   if not phases <= {"prefill", "decode", "backward"}:
     raise SystemExit(f"--phases: unknown {sorted(phases - {'prefill', 'decode', 'backward'})}.")
-  if not phases and not args.models:
-    raise SystemExit("nothing to time: give --phases and/or --models.")
+  if not phases and not args.models and not args.readout_anchor:
+    raise SystemExit("nothing to time: give --phases, --models and/or --readout-anchor.")
   if args.lengths is None:
     top = 16384 if jax.default_backend() == "cpu" else 32768
     lengths = [512 * 2 ** i for i in range(12) if 512 * 2 ** i <= top]
@@ -203,8 +346,12 @@ def main(argv=None) -> int:
         f"B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}; C=256 L=512; KVM "
         f"implementation={args.implementation}; full "
         f"attention: dot_product_attention({full_attention_impl()})", flush=True)
+  if args.readout_anchor:
+    print("readout of one chunk (Tq=256, G=1, R = valid/allocated state rows, W=512); ratios are "
+          "the tokamax anchor's ms / the arm's ms (> 1: faster than the anchor)", flush=True)
+  kc = KernelConfig.for_target()
   rows = []
-  for T in (lengths if phases else []):
+  for T in (lengths if phases or args.readout_anchor else []):
     row = {"T": T}
     if phases & {"prefill", "backward"}:
       for arm, r in time_prefill_backward(T, args, dtype, phases).items():
@@ -212,6 +359,9 @@ def main(argv=None) -> int:
     if "decode" in phases:
       for arm, r in time_decode(T, args, dtype).items():
         row.update({f"{arm}_{k}": v for k, v in r.items()})
+    readout = time_readout(T, args, dtype) if args.readout_anchor else {}
+    for arm, r in readout.items():
+      row.update({f"{arm}_{k}": v for k, v in r.items()})
     rows.append(row)
     cells = []
     for phase in ("prefill", "backward", "decode"):
@@ -230,7 +380,10 @@ def main(argv=None) -> int:
       cells.append("achieved " + " ".join(
           f"{b} {row[f'{b}_prefill_tflops']:.3f} TFLOP/s {row[f'{b}_prefill_gbps']:.1f} GB/s"
           for b in args.budgets))
-    print(f"T={T:>6}  " + " | ".join(cells), flush=True)
+    if cells:
+      print(f"T={T:>6}  " + " | ".join(cells), flush=True)
+    for budget, r in readout.items():
+      print(readout_line(T, budget, r, kc), flush=True)
   if "prefill" in phases:
     for b in args.budgets:
       wins = [r["T"] for r in rows if r[f"{b}_prefill_ms"] < r["full_prefill_ms"]]
@@ -241,6 +394,11 @@ def main(argv=None) -> int:
     for r in rows:
       print(f"  T={r['T']:>6}  full {r['full_cache_bytes']:>13,}  " + "  ".join(
           f"{b} {r[f'{b}_cache_bytes']:>11,} ({r[f'{b}_state_rows']} rows)" for b in args.budgets))
+    print("decode bytes per step: XLA's count for the compiled step (KVM: the branch of the "
+          "chunk-boundary fold included) / the minimum the step must move (ratio):")
+    for r in rows:
+      print(f"  T={r['T']:>6}  " + "  ".join(
+          f"{arm} {decode_bytes_cell(r, arm)}" for arm in ["full"] + args.budgets))
   model_rows = []
   for name in (m for m in args.models.split(",") if m):
     r = time_model_decode(name, args.model_context, args.decode_steps, args.batch, args.dtype)

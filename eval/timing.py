@@ -1,13 +1,15 @@
 """Measurement primitives of the speed benchmarks (``kvm-bench``, ``kvm-bench-core``): wall-time
 medians after warm-up, per-step decode timings of KVM and of full attention over a preallocated KV
-cache, and the strongest stock attention per backend. No timing is ever asserted in a test; the
-benchmarks print ratios against a baseline measured in the same run."""
+cache (with XLA's count of the bytes the compiled step accesses), and the strongest stock attention
+per backend. No timing is ever asserted in a test; the benchmarks print ratios against a baseline
+measured in the same run."""
 
 from __future__ import annotations
 
 import functools
 import statistics
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +46,21 @@ def full_decode_step(q_t, k_t, v_t, k_cache, v_cache, position, implementation="
   return y, k_cache, v_cache
 
 
+def bytes_accessed(compiled) -> Optional[float]:
+  """XLA's "bytes accessed" of a compiled program (``jax.stages.Compiled``), or None where the
+  backend reports no cost analysis. ``cost_analysis()`` is a dict in current JAX and was a list
+  holding one dict per program in older versions (the first is the program's)."""
+  try:
+    costs = compiled.cost_analysis()
+  except NotImplementedError:
+    return None
+  if isinstance(costs, (list, tuple)):
+    costs = costs[0] if costs else None
+  if not costs or costs.get("bytes accessed") is None:
+    return None
+  return float(costs["bytes accessed"])
+
+
 def timed_steps(step, token_args, carry, T, n):
   """Per-step wall times (ms) of ``carry = step(*token_args(t), carry)`` for t in [T, T+n).
 
@@ -63,8 +80,12 @@ def timed_steps(step, token_args, carry, T, n):
   return times, carry
 
 
-def time_kvm_decode(cfg, params, q, k, v, g, T: int, n: int, implementation: str = "xla"):
-  """(per-step ms, final cache) of n KVM decode steps after prefilling T tokens."""
+def time_kvm_decode(cfg, params, q, k, v, g, T: int, n: int, implementation: str = "xla",
+                    return_bytes_accessed: bool = False):
+  """(per-step ms, final cache) of n KVM decode steps after prefilling T tokens, plus
+  :func:`bytes_accessed` of the compiled step when ``return_bytes_accessed``.
+
+  The step is compiled once, ahead of time, and that executable is both timed and costed."""
   B, _, H, D = q.shape
   cache = kvm_init_cache(cfg, batch=B, kv_heads=k.shape[2], head_dim=D, value_dim=v.shape[3],
                          max_len=T + n, dtype=q.dtype)
@@ -74,20 +95,30 @@ def time_kvm_decode(cfg, params, q, k, v, g, T: int, n: int, implementation: str
                                                        implementation=implementation),
                  donate_argnums=(4,))
   token = lambda t: (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1])
-  return timed_steps(step, token, cache, T, n)
+  compiled = step.lower(*token(T), cache).compile()
+  times, cache = timed_steps(compiled, token, cache, T, n)
+  return (times, cache, bytes_accessed(compiled)) if return_bytes_accessed else (times, cache)
 
 
-def time_full_decode(q, k, v, T: int, n: int):
-  """(per-step ms, KV-cache bytes at T) of n full-attention decode steps after T tokens."""
+def time_full_decode(q, k, v, T: int, n: int, return_bytes_accessed: bool = False):
+  """(per-step ms, KV-cache bytes at T) of n full-attention decode steps after T tokens, plus
+  :func:`bytes_accessed` of the compiled step (compiled once, timed and costed) when
+  ``return_bytes_accessed``."""
   B, _, H, D = k.shape
   impl = full_attention_impl()
   caches = (jnp.zeros((B, T + n, H, D), k.dtype).at[:, :T].set(k[:, :T]),
             jnp.zeros((B, T + n, H, v.shape[3]), v.dtype).at[:, :T].set(v[:, :T]))
 
+  token = lambda t: (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], t)
+  compiled = full_decode_step.lower(*token(T)[:3], *caches, jnp.int32(T),
+                                    implementation=impl).compile()
+
   def step(q_t, k_t, v_t, t, kv):
-    y, k_cache, v_cache = full_decode_step(q_t, k_t, v_t, *kv, jnp.int32(t), implementation=impl)
+    y, k_cache, v_cache = compiled(q_t, k_t, v_t, *kv, jnp.int32(t))
     return y, (k_cache, v_cache)
 
-  token = lambda t: (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], t)
   times, _ = timed_steps(step, token, caches, T, n)
-  return times, int(k[:, :T].nbytes + v[:, :T].nbytes)
+  cache_bytes = int(k[:, :T].nbytes + v[:, :T].nbytes)
+  if return_bytes_accessed:
+    return times, cache_bytes, bytes_accessed(compiled)
+  return times, cache_bytes

@@ -5,7 +5,9 @@ per-chunk operations of :mod:`kvm_jax.ops.kvm`, selected with ``implementation="
 * :mod:`kvm_jax.kernels.readout` — the fused readout over ``[state ; window]`` (+ ``custom_vjp``);
 * :mod:`kvm_jax.kernels.update` — the fused routing and state update (+ ``custom_vjp``);
 * :mod:`kvm_jax.kernels.backend` — TPU (Mosaic) / GPU (Triton) / CPU-interpret choices;
-* :mod:`kvm_jax.kernels.sharding` — per-shard execution under a mesh, over caller-named axes.
+* :mod:`kvm_jax.kernels.sharding` — per-shard execution under a mesh, over caller-named axes;
+* :mod:`kvm_jax.kernels.anchor` — the same readout run by tokamax's attention (optional package),
+  the speed anchor of ``kvm-bench --readout-anchor``; never selected by the registry.
 
 Kernels import only lower-level op helpers (``kvm_jax.ops.common``, ``kvm_jax.ops.kvm.state``),
 never the dispatcher that calls them. The XLA scan (``implementation="xla"``) stays the default

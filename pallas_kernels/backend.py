@@ -10,12 +10,51 @@ traced, because ``custom_vjp`` traces its forward rule lazily, under ``grad``. A
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from kvm_jax.kernels.sharding import ShardAxes
+
+
+KiB, MiB = 1024, 1024 * 1024
+GPU_STAGES, GPU_WARPS = 2, 4   # Triton software-pipelining stages and warps per program
+TPU_VMEM_BUDGET = 96 * MiB     # of a v5e core's 128 MiB VMEM; the rest left to the compiler
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkingSet:
+  """Bytes one program of a kernel holds: ``shared`` memory and ``registers`` (GPU, Triton) or
+  ``vmem`` (TPU, Mosaic); computed by each kernel module from its own tiles and compared with the
+  hardware by :mod:`kvm_jax.kernels.resources`."""
+
+  kernel: str
+  shared: int = 0
+  registers: int = 0
+  vmem: int = 0
+
+
+def nbytes(shape, dtype) -> int:
+  """Bytes of a dense tile."""
+  return math.prod(shape) * jnp.dtype(dtype).itemsize
+
+
+def tpu_bytes(shape, dtype) -> int:
+  """Bytes of a VMEM buffer: the last dim padded to 128 lanes, the one before to whole sublane
+  tiles (8 rows of 32-bit, 16 of 16-bit)."""
+  itemsize = jnp.dtype(dtype).itemsize
+  *lead, rows, lanes = (1,) * max(0, 2 - len(shape)) + tuple(shape)
+  sublanes = 8 * max(1, 4 // itemsize)
+  return (math.prod(lead) * (-(-rows // sublanes) * sublanes) * (-(-lanes // 128) * 128)
+          * itemsize)
+
+
+def vmem_limit_bytes(ws: WorkingSet) -> int:
+  """The VMEM to request from Mosaic for a kernel: the model's figure plus half again for the
+  compiler's own temporaries, at least the 16 MiB default scoped limit, at most the budget."""
+  return int(min(TPU_VMEM_BUDGET, max(16 * MiB, ws.vmem * 3 // 2)))
 
 
 def platform(target: Optional[str] = None) -> str:
@@ -47,19 +86,18 @@ class KernelConfig:
     interpret = default_interpret(target) if interpret is None else bool(interpret)
     return cls(platform(target), interpret, shard_axes)
 
-  def compiler_params(self, grid_dims: int, working_set=None):
-    """Per-backend compiler parameters; ``working_set`` (a ``resources.WorkingSet``) sets the
-    VMEM Mosaic may use (``vmem_limit_bytes``) from the resource model, not the default."""
+  def compiler_params(self, grid_dims: int, working_set: Optional[WorkingSet] = None):
+    """Per-backend compiler parameters; ``working_set`` (the kernel's :class:`WorkingSet`) sets
+    the VMEM Mosaic may use (``vmem_limit_bytes``) from the resource model, not the default."""
     if self.interpret:
       return None
     if self.platform == "tpu":
       from jax.experimental.pallas import tpu as pltpu
-      from kvm_jax.kernels.resources import vmem_limit_bytes
       extra = {} if working_set is None else {"vmem_limit_bytes": vmem_limit_bytes(working_set)}
       return pltpu.CompilerParams(dimension_semantics=("parallel",) * grid_dims, **extra)
     if self.platform == "gpu":
       from jax.experimental.pallas import triton as pltriton
-      return pltriton.CompilerParams(num_warps=4, num_stages=2)
+      return pltriton.CompilerParams(num_warps=GPU_WARPS, num_stages=GPU_STAGES)
     return None
 
   @property

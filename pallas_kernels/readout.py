@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from kvm_jax.kernels import backend, resources
+from kvm_jax.kernels import backend
 from kvm_jax.kernels.sharding import per_shard
 from kvm_jax.ops.common import MASKED
 
@@ -61,6 +61,31 @@ def readout_blocks(GT: int, R: int, W: int, platform: str, interpret: bool = Fal
   up = lambda n, m: -(-n // m) * m
   queries, state, window = (min(128, up(n, 8)) for n in (GT, R, W))
   return ReadoutBlocks(queries, state, window, up(GT, queries), up(R, state), up(W, window))
+
+
+def readout_working_set(GT, R, W, D, Dv, dtype, platform) -> backend.WorkingSet:
+  """The readout (``kvm_jax.kernels.readout``) for G·Tq query rows, R state, W window rows."""
+  dense, tile, stages = backend.nbytes, backend.tpu_bytes, backend.GPU_STAGES
+  WorkingSet = backend.WorkingSet
+  b = readout_blocks(GT, R, W, platform)
+  f32 = jnp.float32
+  if platform == "gpu":
+    step = max(b.state, b.window)
+    shared = dense((b.queries, D), dtype) + stages * (
+        dense((step, D), dtype) + dense((step, Dv), dtype) + dense((b.queries, step), f32))
+    registers = (2 * dense((b.queries, step), f32) + dense((b.queries, Dv), f32)
+                 + 4 * dense((b.queries, 1), f32))
+    return WorkingSet("readout", shared=shared, registers=registers)
+  blocks = [((b.queries, D), dtype), ((b.state_padded, D), dtype), ((b.state_padded, Dv), dtype),
+            ((1, b.state_padded), f32), ((b.window_padded, D), dtype),
+            ((b.window_padded, Dv), dtype), ((b.queries, b.window_padded), f32),
+            ((b.queries, 1), f32), ((b.queries, 1), f32), ((b.queries, Dv), dtype),
+            ((b.queries, 1), f32)]
+  # score, probabilities, exp temporaries; accumulator; running max and sum
+  scratch = [((b.queries, max(b.state, b.window)), f32)] * 3 + [((b.queries, Dv), f32)] + \
+      [((b.queries, 1), f32)] * 2
+  vmem = 2 * sum(tile(s, d) for s, d in blocks) + sum(tile(s, d) for s, d in scratch)
+  return WorkingSet("readout", vmem=vmem)
 
 
 def _ranges_spec(kc: backend.KernelConfig, shape):
@@ -165,7 +190,7 @@ def _forward(q, state_keys, state_values, state_bias, window_keys, window_values
       out_shape=[jax.ShapeDtypeStruct((B, Hkv, GT, Dv), q.dtype),
                  jax.ShapeDtypeStruct((B, Hkv, GT, 1), jnp.float32)],
       interpret=kc.interpret,
-      compiler_params=kc.compiler_params(3, resources.readout_set(
+      compiler_params=kc.compiler_params(3, readout_working_set(
           GT, R, W, D, Dv, q.dtype, kc.platform)),
       name="kvm_fused_readout",
   )(ranges, q, state_keys, state_values, state_bias, window_keys, window_values, window_bias,
@@ -239,30 +264,38 @@ fused_readout.defvjp(_fwd, _bwd)
 
 def joint_attention_pallas(q, state_keys, state_values, state_valid, window_keys, window_values,
                            window_valid, state_temp, window_temp, *, kc: backend.KernelConfig):
-  """Drop-in for :func:`kvm_jax.ops.common.joint_attention` (same shapes and semantics) that
-  runs :func:`fused_readout`: ``q [B, Tq, Hkv, G, D]`` -> ``[B, Tq, Hkv, G, Dv]`` float32.
+  """Drop-in for :func:`kvm_jax.ops.common.joint_attention` (token-major): transposes around
+  :func:`joint_attention_heads_pallas`. ``q [B, Tq, Hkv, G, D]`` -> ``[B, Tq, Hkv, G, Dv]``."""
+  y = joint_attention_heads_pallas(
+      jnp.transpose(q, (0, 2, 3, 1, 4)), state_keys, state_values, state_valid,
+      jnp.transpose(window_keys, (0, 2, 1, 3)), jnp.transpose(window_values, (0, 2, 1, 3)),
+      window_valid, state_temp, window_temp, kc=kc)
+  return jnp.transpose(y, (0, 3, 1, 2, 4))
+
+
+def joint_attention_heads_pallas(q, state_keys, state_values, state_valid, window_keys,
+                                 window_values, window_valid, state_temp, window_temp, *,
+                                 kc: backend.KernelConfig):
+  """Drop-in for :func:`kvm_jax.ops.common.joint_attention_heads` (the scan's head-major
+  layout, prepared once per sequence) that runs :func:`fused_readout`:
+  ``q [B, Hkv, G, Tq, D]``, window ``[B, Hkv, W, ·]`` -> ``[B, Hkv, G, Tq, Dv]`` float32.
 
   The readout state enters in the dtypes the XLA readout multiplies in (keys in q's dtype, values
-  in the window values' dtype), so a bfloat16 model's kernel reads half the bytes and computes
-  the same products."""
-  B, Tq, Hkv, G, D = q.shape
-  R, W = state_keys.shape[2], window_keys.shape[1]
+  in the window values' dtype), so a bfloat16 model's kernel reads half the bytes."""
+  B, Hkv, G, Tq, D = q.shape
+  R, W = state_keys.shape[2], window_keys.shape[2]
   if state_values.ndim == 5:
     raise ValueError("the fused readout needs one state value per KV head "
                      "(readout_value_dtype=None).")
   kc.check_sizes(head_dim=D, value_dim=window_values.shape[3])
   blocks = readout_blocks(G * Tq, R, W, kc.platform, kc.interpret)
   # query rows g·Tp + i; padded rows (i >= Tq) see nothing new and are dropped at the end
-  Tp = -(-blocks.queries_padded // G)
-  if kc.triton:  # power-of-two rows: pad each group so that G·Tp is the padded size
-    Tp = kc.padded_size(G * Tq) // G
+  Tp = kc.padded_size(G * Tq) // G if kc.triton else Tq  # Triton: G·Tp a power of two
+  GTp = -(-(G * Tp) // blocks.queries) * blocks.queries
   Rp, Wp = blocks.state_padded, blocks.window_padded
   pad = backend.pad_axis
-  qh = pad(jnp.transpose(q, (0, 2, 3, 1, 4)), 3, Tp).reshape(B, Hkv, G * Tp, D)
-  GTp = -(-(G * Tp) // blocks.queries) * blocks.queries
-  qh = pad(qh, 2, GTp)
-  wk = pad(jnp.transpose(window_keys, (0, 2, 1, 3)), 2, Wp)
-  wv = pad(jnp.transpose(window_values, (0, 2, 1, 3)), 2, Wp)
+  qh = pad(pad(q, 3, Tp).reshape(B, Hkv, G * Tp, D), 2, GTp)
+  wk, wv = pad(window_keys, 2, Wp), pad(window_values, 2, Wp)
   scale = 1.0 / np.sqrt(D)
 
   def rows(t):
@@ -282,5 +315,4 @@ def joint_attention_pallas(q, state_keys, state_values, state_valid, window_keys
   y, _ = per_shard(lambda *a: fused_readout(*a, kc), args,
                    ("bh", "bh", "bh", "r", "bh", "bh", "r", "h", "h"), ("bh", "bh"), B, Hkv,
                    kc.shard_axes)
-  y = y[:, :, :G * Tp].reshape(B, Hkv, G, Tp, -1)[:, :, :, :Tq]
-  return jnp.transpose(y, (0, 3, 1, 2, 4)).astype(jnp.float32)
+  return y[:, :, :G * Tp].reshape(B, Hkv, G, Tp, -1)[:, :, :, :Tq].astype(jnp.float32)

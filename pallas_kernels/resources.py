@@ -1,12 +1,14 @@
 """What each kernel holds per program, from the block shapes it will use, against the hardware.
 
 :func:`working_set` returns, for one kernel at one shape, the bytes a program (one grid step)
-keeps live, computed from the same tile functions the kernels call (``readout_blocks``,
-``routing_blocks``, ``decode_blocks``), so the model cannot drift from the code:
+keeps live. Each kernel module computes its own figure from the tile function it launches with
+(``readout.readout_working_set`` from ``readout_blocks``, ``update.route_working_set`` /
+``add_rows_working_set`` from ``routing_blocks``, ``decode.working_set_bytes`` from
+``decode_blocks``), so the model cannot drift from the code:
 
-* **GPU (Triton)**: ``shared`` — the tiles a loop step loads for its dots (``stages`` copies of the
-  streamed operands, as Triton software-pipelines them) — and ``registers`` — the float32 score
-  and accumulator tiles, spread over ``num_warps · 32`` threads;
+* **GPU (Triton)**: ``shared`` — the tiles a loop step loads for its dots (``stages`` copies of
+  the streamed operands, as Triton software-pipelines them) — and ``registers`` — the float32
+  score and accumulator tiles, spread over ``num_warps · 32`` threads;
 * **TPU (Mosaic)**: ``vmem`` — every BlockSpec block twice (the pipeline double-buffers them),
   each padded to whole (sublane, 128-lane) tiles, plus the in-kernel float32 temporaries.
 
@@ -18,12 +20,10 @@ for the VMEM the model computes (``vmem_limit_bytes``) instead of the default sc
 from __future__ import annotations
 
 import dataclasses
-import math
 
-import jax.numpy as jnp
-
-KiB, MiB = 1024, 1024 * 1024
-GPU_STAGES, GPU_WARPS = 2, 4   # backend.KernelConfig.compiler_params (Triton)
+from kvm_jax.kernels import decode, readout, update
+from kvm_jax.kernels.backend import (GPU_WARPS, KiB, MiB, TPU_VMEM_BUDGET, WorkingSet,
+                                     vmem_limit_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,102 +38,22 @@ class Limits:
 
 
 LIMITS = {
-    # 227 KiB of shared memory per block; 255 32-bit registers per thread x 128 threads.
+    # 227 KiB of shared memory per block; 255 32-bit registers per thread x GPU_WARPS warps.
     "h100": Limits("H100", "gpu", shared=227 * KiB, registers=255 * 4 * GPU_WARPS * 32),
     "h200": Limits("H200", "gpu", shared=227 * KiB, registers=255 * 4 * GPU_WARPS * 32),
     # 128 MiB of VMEM per core; a quarter is left to the compiler's own buffers.
-    "tpu_v5e": Limits("TPU v5e", "tpu", vmem=96 * MiB),
+    "tpu_v5e": Limits("TPU v5e", "tpu", vmem=TPU_VMEM_BUDGET),
 }
-
-
-def _tpu_bytes(shape, dtype) -> int:
-  """Bytes of a VMEM buffer: the last dim padded to 128 lanes, the one before to whole
-  sublane tiles (8 rows of 32-bit, 16 of 16-bit)."""
-  itemsize = jnp.dtype(dtype).itemsize
-  *lead, rows, lanes = (1,) * max(0, 2 - len(shape)) + tuple(shape)
-  sublanes = 8 * max(1, 4 // itemsize)
-  return (math.prod(lead) * (-(-rows // sublanes) * sublanes) * (-(-lanes // 128) * 128)
-          * itemsize)
-
-
-def _bytes(shape, dtype) -> int:
-  return math.prod(shape) * jnp.dtype(dtype).itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkingSet:
-  """Bytes per program: ``shared`` and ``registers`` (GPU) or ``vmem`` (TPU)."""
-
-  kernel: str
-  shared: int = 0
-  registers: int = 0
-  vmem: int = 0
-
-
-def readout_set(GT, R, W, D, Dv, dtype, platform) -> WorkingSet:
-  """The readout (``kvm_jax.kernels.readout``) for G·Tq query rows, R state, W window rows."""
-  from kvm_jax.kernels.readout import readout_blocks  # the kernels import this module
-  b = readout_blocks(GT, R, W, platform)
-  f32 = jnp.float32
-  if platform == "gpu":
-    step = max(b.state, b.window)
-    shared = _bytes((b.queries, D), dtype) + GPU_STAGES * (
-        _bytes((step, D), dtype) + _bytes((step, Dv), dtype) + _bytes((b.queries, step), f32))
-    registers = (2 * _bytes((b.queries, step), f32) + _bytes((b.queries, Dv), f32)
-                 + 4 * _bytes((b.queries, 1), f32))
-    return WorkingSet("readout", shared=shared, registers=registers)
-  blocks = [((b.queries, D), dtype), ((b.state_padded, D), dtype), ((b.state_padded, Dv), dtype),
-            ((1, b.state_padded), f32), ((b.window_padded, D), dtype),
-            ((b.window_padded, Dv), dtype), ((b.queries, b.window_padded), f32),
-            ((b.queries, 1), f32), ((b.queries, 1), f32), ((b.queries, Dv), dtype),
-            ((b.queries, 1), f32)]
-  # score, probabilities, exp temporaries; accumulator; running max and sum
-  scratch = [((b.queries, max(b.state, b.window)), f32)] * 3 + [((b.queries, Dv), f32)] + \
-      [((b.queries, 1), f32)] * 2
-  vmem = 2 * sum(_tpu_bytes(s, d) for s, d in blocks) + sum(_tpu_bytes(s, d) for s, d in scratch)
-  return WorkingSet("readout", vmem=vmem)
-
-
-def route_set(C, R, D, platform) -> WorkingSet:
-  """Either routing-score kernel (``kvm_jax.kernels.update``)."""
-  from kvm_jax.kernels.update import routing_blocks
-  b = routing_blocks(C, R, platform)
-  f32, i32 = jnp.float32, jnp.int32
-  if platform == "gpu":
-    shared = _bytes((b.tokens, D), f32) + GPU_STAGES * _bytes((b.rows, D), f32)
-    registers = 2 * _bytes((b.tokens, b.rows), f32) + 2 * _bytes((b.tokens, 1), f32)
-    return WorkingSet("route", shared=shared, registers=registers)
-  blocks = [((1, 2), i32), ((b.tokens, D), f32), ((b.rows_padded, D), f32), ((b.tokens, 1), f32)]
-  scratch = [((b.tokens, b.rows), f32)] * 3 + [((b.tokens, 1), f32)] * 2
-  vmem = 2 * sum(_tpu_bytes(s, d) for s, d in blocks) + sum(_tpu_bytes(s, d) for s, d in scratch)
-  return WorkingSet("route", vmem=vmem)
-
-
-def add_rows_set(C, R, X, platform) -> WorkingSet:
-  """The row accumulation (``kvm_jax.kernels.update.add_rows``) of width X."""
-  from kvm_jax.kernels.update import routing_blocks
-  b = routing_blocks(C, R, platform)
-  f32, bf16 = jnp.float32, jnp.bfloat16
-  if platform == "gpu":
-    # one-hot tile and the three bf16 parts of an update tile per step
-    shared = GPU_STAGES * (_bytes((b.acc_rows, b.acc_tokens), bf16)
-                           + 3 * _bytes((b.acc_tokens, X), bf16))
-    registers = _bytes((b.acc_rows, X), f32) * 2 + _bytes((b.acc_tokens, X), f32)
-    return WorkingSet("add_rows", shared=shared, registers=registers)
-  blocks = [((1, C), jnp.int32), ((C, X), f32), ((b.acc_rows, X), f32), ((b.acc_rows, X), f32)]
-  scratch = [((b.acc_rows, b.acc_tokens), f32), ((b.acc_rows, X), f32)] + \
-      [((b.acc_tokens, X), bf16)] * 3
-  vmem = 2 * sum(_tpu_bytes(s, d) for s, d in blocks) + sum(_tpu_bytes(s, d) for s, d in scratch)
-  return WorkingSet("add_rows", vmem=vmem)
-
 
 def decode_set(R, L, G, D, Dv, dtype, platform) -> WorkingSet:
   """The decode kernel (``kvm_jax.kernels.decode``) over R state rows and an L-slot ring."""
-  from kvm_jax.kernels import decode
   blocks = decode.decode_blocks(R, L, G, D, Dv, dtype, platform)
   total = decode.working_set_bytes(blocks, D, Dv, dtype, platform)
   if platform == "gpu":
-    return WorkingSet("decode", shared=total)
+    # the float32 score tile and accumulator (with max and sum) live in registers
+    step = max(blocks["state_block"], blocks["window_block"])
+    registers = blocks["g_pad"] * (step + Dv + 2) * 4
+    return WorkingSet("decode", shared=total, registers=registers)
   return WorkingSet("decode", vmem=total)
 
 
@@ -148,11 +68,11 @@ def working_set(kernel: str, *, H: int, Hkv: int, D: int, C: int, R: int, dtype,
   Dv = D if Dv is None else Dv
   G, W = H // Hkv, window_chunks * C
   if kernel == "readout":
-    return readout_set(G * C, R, W, D, Dv, dtype, platform)
+    return readout.readout_working_set(G * C, R, W, D, Dv, dtype, platform)
   if kernel == "route":
-    return route_set(C, R, D, platform)
+    return update.route_working_set(C, R, D, platform)
   if kernel == "add_rows":
-    return add_rows_set(C, R, max(D, Dv), platform)
+    return update.add_rows_working_set(C, R, max(D, Dv), platform)
   if kernel == "decode":
     return decode_set(R, W, G, D, Dv, dtype, platform)
   raise ValueError(f"working_set: unknown kernel {kernel!r}; choose readout, route, add_rows "
@@ -169,7 +89,5 @@ def fits(ws: WorkingSet, limits: Limits) -> bool:
   return ws.vmem <= limits.vmem
 
 
-def vmem_limit_bytes(ws: WorkingSet) -> int:
-  """The VMEM to request from Mosaic for a kernel: the model's figure plus half again for the
-  compiler's own temporaries, at least the 16 MiB default and at most v5e's budget."""
-  return int(min(LIMITS["tpu_v5e"].vmem, max(16 * MiB, ws.vmem * 3 // 2)))
+__all__ = ["KERNELS", "LIMITS", "Limits", "MiB", "WorkingSet", "fits", "vmem_limit_bytes",
+           "working_set"]

@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kvm_jax.kernels import backend, resources
+from kvm_jax.kernels import backend
 from kvm_jax.kernels.sharding import per_shard
-from kvm_jax.ops.kvm.state import KVMState, RoutingOps, _add_rows_scatter, update_state
+from kvm_jax.ops.kvm.state import KVMState, RoutingOps, add_rows_scatter, update_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +67,41 @@ def routing_blocks(C: int, R: int, platform: str, interpret: bool = False) -> Ro
   rows = min(rows, -(-R // 8) * 8)
   rows_padded = -(-R // rows) * rows
   return RoutingBlocks(tokens, rows, rows, tokens, rows_padded)
+
+
+def route_working_set(C, R, D, platform) -> backend.WorkingSet:
+  """Either routing-score kernel (``kvm_jax.kernels.update``)."""
+  dense, tile, stages = backend.nbytes, backend.tpu_bytes, backend.GPU_STAGES
+  WorkingSet = backend.WorkingSet
+  b = routing_blocks(C, R, platform)
+  f32, i32 = jnp.float32, jnp.int32
+  if platform == "gpu":
+    shared = dense((b.tokens, D), f32) + stages * dense((b.rows, D), f32)
+    registers = 2 * dense((b.tokens, b.rows), f32) + 2 * dense((b.tokens, 1), f32)
+    return WorkingSet("route", shared=shared, registers=registers)
+  blocks = [((1, 2), i32), ((b.tokens, D), f32), ((b.rows_padded, D), f32), ((b.tokens, 1), f32)]
+  scratch = [((b.tokens, b.rows), f32)] * 3 + [((b.tokens, 1), f32)] * 2
+  vmem = 2 * sum(tile(s, d) for s, d in blocks) + sum(tile(s, d) for s, d in scratch)
+  return WorkingSet("route", vmem=vmem)
+
+
+def add_rows_working_set(C, R, X, platform) -> backend.WorkingSet:
+  """The row accumulation (``kvm_jax.kernels.update.add_rows``) of width X."""
+  dense, tile, stages = backend.nbytes, backend.tpu_bytes, backend.GPU_STAGES
+  WorkingSet = backend.WorkingSet
+  b = routing_blocks(C, R, platform)
+  f32, bf16 = jnp.float32, jnp.bfloat16
+  if platform == "gpu":
+    # one-hot tile and the three bf16 parts of an update tile per step
+    shared = stages * (dense((b.acc_rows, b.acc_tokens), bf16)
+                           + 3 * dense((b.acc_tokens, X), bf16))
+    registers = dense((b.acc_rows, X), f32) * 2 + dense((b.acc_tokens, X), f32)
+    return WorkingSet("add_rows", shared=shared, registers=registers)
+  blocks = [((1, C), jnp.int32), ((C, X), f32), ((b.acc_rows, X), f32), ((b.acc_rows, X), f32)]
+  scratch = [((b.acc_rows, b.acc_tokens), f32), ((b.acc_rows, X), f32)] + \
+      [((b.acc_tokens, X), bf16)] * 3
+  vmem = 2 * sum(tile(s, d) for s, d in blocks) + sum(tile(s, d) for s, d in scratch)
+  return WorkingSet("add_rows", vmem=vmem)
 
 
 def _bounds_spec(kc: backend.KernelConfig):
@@ -131,11 +166,12 @@ def _scores(x, rows, lo, hi, argmax: bool, kc: backend.KernelConfig):
         out_specs=pl.BlockSpec((None, None, T, 1), lambda b, h, i: (b, h, i, 0)),
         out_shape=jax.ShapeDtypeStruct((b, h, C, 1), jnp.int32 if argmax else jnp.float32),
         interpret=kc.interpret,
-        compiler_params=kc.compiler_params(3, resources.route_set(C, R, D, kc.platform)),
+        compiler_params=kc.compiler_params(3, route_working_set(C, R, D, kc.platform)),
         name="kvm_route_argmax" if argmax else "kvm_route_novelty",
     )(bounds, x.astype(jnp.float32), rows)
 
-  out = per_shard(call, (bounds, x, rows), ("r", "bh", "bh"), ("bh",), B, Hkv, kc.shard_axes)
+  out, = per_shard(lambda *a: (call(*a),), (bounds, x, rows), ("r", "bh", "bh"), ("bh",), B,
+                   Hkv, kc.shard_axes)
   return out[..., 0]
 
 
@@ -193,13 +229,14 @@ def _add_rows_call(rows, index, updates, kc):
         out_shape=jax.ShapeDtypeStruct((b, h, Rp, X), jnp.float32),
         input_output_aliases={2: 0},   # rows are updated in place
         interpret=kc.interpret,
-        compiler_params=kc.compiler_params(3, resources.add_rows_set(C, R, X, kc.platform)),
+        compiler_params=kc.compiler_params(3, add_rows_working_set(C, R, X, kc.platform)),
         name="kvm_add_rows",
     )(index, updates, rows)
 
-  out = per_shard(call, (index[:, :, None, :].astype(jnp.int32), updates.astype(jnp.float32),
-                         padded.astype(jnp.float32)), ("bh", "bh", "bh"), ("bh",), B, Hkv,
-                  kc.shard_axes)
+  out, = per_shard(lambda *a: (call(*a),),
+                   (index[:, :, None, :].astype(jnp.int32), updates.astype(jnp.float32),
+                    padded.astype(jnp.float32)), ("bh", "bh", "bh"), ("bh",), B, Hkv,
+                   kc.shard_axes)
   return out[:, :, :R]
 
 
@@ -229,7 +266,7 @@ def add_rows(rows, index, updates, *, kc: backend.KernelConfig):
   receives one token, so the scatter is deterministic, and a matmul of width 1 is no work for a
   matrix unit."""
   if rows.shape[-1] < 16:
-    return _add_rows_scatter(rows, index, updates)
+    return add_rows_scatter(rows, index, updates)
   return _add_rows(rows.astype(jnp.float32), index.astype(jnp.int32), updates, kc)
 
 
@@ -242,13 +279,15 @@ def routing_ops(kc: backend.KernelConfig) -> RoutingOps:
 
 def update_state_pallas(state: KVMState, overflow_k, overflow_v, overflow_g, n_append, params,
                         cfg, row_update="auto", read_keys=None, routing=None,
-                        return_routing=False, may_append=True, *, kc: backend.KernelConfig):
+                        return_routing=False, may_append=True, head_major=False, *,
+                        kc: backend.KernelConfig):
   """Drop-in for :func:`kvm_jax.ops.kvm.state.update_state` with the tiled kernels. Given
   decisions (shared routing, the backward's replay) need no scores; they are accumulated by
   :func:`add_rows` all the same."""
   del row_update
-  kc.check_sizes(chunk_size=overflow_k.shape[1], head_dim=overflow_k.shape[3],
-                 value_dim=overflow_v.shape[3])
+  kc.check_sizes(chunk_size=overflow_k.shape[2 if head_major else 1],
+                 head_dim=overflow_k.shape[3], value_dim=overflow_v.shape[3])
   return update_state(state, overflow_k, overflow_v, overflow_g, n_append, params, cfg,
                       read_keys=read_keys, routing=routing, return_routing=return_routing,
-                      may_append=may_append, routing_ops=routing_ops(kc))
+                      may_append=may_append, routing_ops=routing_ops(kc),
+                      head_major=head_major)

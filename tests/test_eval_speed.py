@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvm_jax.eval import speed
 
 
@@ -22,7 +24,14 @@ def test_kvm_bench_smoke(tmp_path, capsys):
         assert r[f"{arm}_{phase}_ms"] > 0
     # memory is measured from arrays: the full KV cache grows with T, KVM's is bounded
     assert r["full_cache_bytes"] == 2 * 1 * r["T"] * 2 * 16 * 4
+    # bytes per decode step: XLA's count for the compiled step and the minimum, both positive
+    for arm in ("full", "fixed256", "sqrt16"):
+      assert r[f"{arm}_decode_bytes_accessed"] > 0 and r[f"{arm}_decode_min_bytes"] > 0
+    # full attention's minimum: the t cached keys and values (t = T, T+1) plus the token's
+    # q, k, v in, its k, v written and y out (2 heads of 16, float32)
+    assert r["full_decode_min_bytes"] == (2 * r["T"] + 1) / 2 * 2 * 32 * 4 + (32 + 128 + 32) * 4
   assert rows[1]["fixed256_cache_bytes"] == rows[0]["fixed256_cache_bytes"]
+  assert "decode bytes per step" in text
   assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -41,6 +50,38 @@ def test_whole_model_decode_rate(tmp_path, capsys):
 
 
 def test_kvm_bench_needs_something_to_time():
-  import pytest
   with pytest.raises(SystemExit, match="nothing to time"):
     speed.main(["--phases", ""])
+
+
+def test_kvm_decode_min_bytes_by_hand():
+  cfg = speed.kvm_config("fixed256", 16)  # C=256, L=512
+  sizes = dict(B=1, H=2, Hkv=2, D=16, Dv=16, itemsize=4)
+  token = (2 * 16 + 2 * 2 * 32 + 2 * 16) * 4 + 2 * 2 * 4  # q, k/v in and into the ring, y; gates
+  # t = 512 >= L: 256 rows of the normalized readout cache (keys and values in the activation
+  # dtype) and window [256, 512)
+  assert speed.kvm_decode_min_bytes(cfg, 512, 1, 256, **sizes) == (
+      2 * (256 * 32 * 4 + 256 * 32 * 4) + token)
+  # t = 300 < L: no state; window [0, 300)
+  assert speed.kvm_decode_min_bytes(cfg, 300, 1, 256, **sizes) == 2 * 300 * 32 * 4 + token
+
+
+def test_readout_anchor(tmp_path, capsys):
+  from kvm_jax.kernels import anchor
+  from kvm_jax.kernels.backend import KernelConfig
+  out = tmp_path / "readout.json"
+  assert speed.main(["--phases", "", "--readout-anchor", "--lengths", "768", "--repeats", "1",
+                     "--budgets", "fixed256", "--heads", "2", "--head-dim", "16",
+                     "--json", str(out)]) == 0
+  text = capsys.readouterr().out
+  assert "readout T=   768 fixed256  R=256/256" in text
+  (r,) = json.loads(out.read_text())["rows"]
+  assert r["fixed256_readout_rows"] == 256 and r["fixed256_readout_xla_ms"] > 0
+  if KernelConfig.for_target().interpret:
+    assert r["fixed256_readout_pallas_ms"] is None and "pallas not timed" in text
+  if anchor.tokamax_available():
+    assert r["fixed256_readout_tokamax_ms"] > 0
+    assert r["fixed256_readout_xla_vs_anchor"] == pytest.approx(
+        r["fixed256_readout_tokamax_ms"] / r["fixed256_readout_xla_ms"])
+  else:
+    assert r["fixed256_readout_tokamax_ms"] is None and "kvm_jax[tokamax]" in text

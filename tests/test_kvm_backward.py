@@ -68,8 +68,7 @@ def test_checkpointed_backward_equals_plain_autodiff(name):
   # float32 both ways; the only difference is summation order (window rows summed across block
   # boundaries, parameter gradients summed per block): observed <= 6e-7 relative.
   for a, b in zip(jax.tree_util.tree_leaves(g_ckpt), jax.tree_util.tree_leaves(g_plain)):
-    scale = float(jnp.max(jnp.abs(b)))
-    assert scale > 0
+    scale = float(jnp.max(jnp.abs(b)))  # 0 for the state temperature of "short" (no state)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * scale)
   if sched.num_chunks > 4:
     assert any(r.update for r in schedule_runs(sched))  # the case folds: the test is not vacuous
@@ -99,12 +98,13 @@ def test_backward_applies_stored_routing():
 
   ops = dataclasses.replace(XLA_OPS, name="recording", update_fn=recording_update)
   jax.make_jaxpr(lambda *a: _loss(cfg, True, ops)(*a))(*args)
-  forward_traces = len(computed)
-  assert forward_traces and all(computed)  # the forward computes routing
+  assert computed and all(computed)  # the forward computes routing
   computed.clear()
   jax.make_jaxpr(jax.grad(_loss(cfg, True, ops), argnums=(0, 1, 2)))(*args)
-  assert computed.count(True) == forward_traces  # only the forward pass computes routing
-  assert computed.count(False) > 0               # the backward's replays are given decisions
+  # traced in order: the forward pass (computes routing), then the backward (given decisions)
+  first_replay = computed.index(False)
+  assert first_replay > 0 and all(computed[:first_replay])
+  assert not any(computed[first_replay:])
 
 
 def _primitives(jaxpr, found=None):

@@ -98,8 +98,9 @@ def test_cache_bytes_are_measured_from_arrays():
   cache = kj.kvm_init_cache(cfg, batch=1, kv_heads=4, head_dim=64, value_dim=64, max_len=16384,
                             dtype=jnp.bfloat16)
   sizes = cache.nbytes()
-  # state: keys + values (f32, 256 rows) + radius (f32) + num_rows (int32)
-  assert sizes["state"] == 4 * 256 * (64 + 64 + 1) * 4 + 4
+  # state: keys + values (f32, 256 rows) + radius (f32) + num_rows (int32), and its normalized
+  # readout (keys + values in the cache's bf16)
+  assert sizes["state"] == 4 * 256 * (64 + 64 + 1) * 4 + 4 + 4 * 256 * (64 + 64) * 2
   # window ring: L = 512 tokens of bf16 keys and values + f32 gates
   assert sizes["window"] == 512 * 4 * (64 + 64) * 2 + 512 * 4 * 4
 

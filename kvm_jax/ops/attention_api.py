@@ -37,6 +37,7 @@ from kvm_jax.kernels.sharding import per_shard
 from kvm_jax.model_config import ATTENTION_IMPLEMENTATIONS
 from kvm_jax.ops import attention as dense
 from kvm_jax.ops.chunked_attention import DEFAULT_BLOCK, chunked_attention
+from kvm_jax.ops.common import import_tokamax
 from kvm_jax.ops.kvm.api import current_shard_axes
 
 Array = jax.Array
@@ -103,12 +104,7 @@ def causal_attention(q: Array, k: Array, v: Array, *, window: Optional[int] = No
 
 
 def _tokamax(q, k, v, window, scale):
-  try:
-    import tokamax  # optional: pip install "kvm-jax[kernels]"
-  except ImportError as e:
-    raise ImportError("attention implementation 'tokamax' needs the tokamax package: "
-                      "pip install 'kvm-jax[kernels]' or 'tokamax>=0.0.12' (or use 'auto')."
-                      ) from e
+  tokamax = import_tokamax("attention implementation 'tokamax' (or use 'auto')")
   local = None if window is None else (window - 1, 0)
   return tokamax.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
                                        scale=scale)

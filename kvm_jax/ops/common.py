@@ -22,6 +22,24 @@ Array = jax.Array
 MASKED = -1e30
 
 
+def import_tokamax(purpose: str):
+  """The optional ``tokamax`` package, or an ImportError naming ``purpose`` and the install.
+
+  tokamax reads its options from absl flags and, when the program never parsed them, parses
+  ``sys.argv`` itself, which fails on any command line absl does not know (pytest's, the CLIs').
+  They are marked parsed, so tokamax's options keep their defaults (a program that parses absl
+  flags itself, e.g. under ``absl.app.run``, is unaffected)."""
+  try:
+    import tokamax
+  except ImportError as e:
+    raise ImportError(f"{purpose} needs the optional tokamax package: pip install "
+                      "'kvm_jax[tokamax]' (or 'tokamax>=0.0.12').") from e
+  from absl import flags  # a tokamax dependency
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  return tokamax
+
+
 def tree_nbytes(tree) -> int:
   """Bytes of every array in ``tree`` as allocated (measured from the arrays, not estimated)."""
   return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
@@ -90,7 +108,8 @@ def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
 def joint_attention(q: Array, state_keys: Array, state_values: Array, state_valid: Array,
                     window_keys: Array, window_values: Array, window_valid: Array,
                     state_temp: Array, window_temp: Array) -> Array:
-  """One softmax over [state rows ; exact window] without concatenating them.
+  """One softmax over [state rows ; exact window], token-major (see :func:`joint_attention_heads`
+  for the math).
 
   Args:
     q: ``[B, Tq, Hkv, G, D]`` queries (query head h = kv·G + g).
@@ -103,32 +122,57 @@ def joint_attention(q: Array, state_keys: Array, state_values: Array, state_vali
   Returns:
     ``[B, Tq, Hkv, G, Dv]`` float32.
   """
+  y = joint_attention_heads(jnp.transpose(q, (0, 2, 3, 1, 4)), state_keys, state_values,
+                            state_valid, jnp.transpose(window_keys, (0, 2, 1, 3)),
+                            jnp.transpose(window_values, (0, 2, 1, 3)), window_valid, state_temp,
+                            window_temp)
+  return jnp.transpose(y, (0, 3, 1, 2, 4))
+
+
+def joint_attention_heads(q: Array, state_keys: Array, state_values: Array, state_valid: Array,
+                          window_keys: Array, window_values: Array, window_valid: Array,
+                          state_temp: Array, window_temp: Array) -> Array:
+  """:func:`joint_attention` in head-major layout: ``q [B, Hkv, G, Tq, D]``, window keys / values
+  ``[B, Hkv, W, ·]`` -> ``[B, Hkv, G, Tq, Dv]`` float32 (the scan prepares this layout once per
+  sequence instead of transposing every chunk).
+
+  The temperatures and 1/√D multiply the *keys* (per query head), before the cast to the
+  compute dtype, as in the authors' readout (docs/kvm-spec.md §6.1); one score matrix over the
+  concatenated ``[state ; window]`` keys then takes one masked softmax. Scaling ``(R+W)·D`` keys
+  instead of ``Tq·(R+W)`` scores, with one matmul per side instead of two, makes the XLA:CPU
+  readout about twice as fast as scoring the two parts apart.
+  """
   dtype = q.dtype
   precision = precision_for(dtype)
-  scale = 1.0 / np.sqrt(q.shape[-1])
+  B, Hkv, G, Tq, D = q.shape
+  R, W = state_keys.shape[2], window_keys.shape[2]
+  scale = 1.0 / np.sqrt(D)
   mm = matmul_operand
-  s_state = jnp.einsum("bqhgd,bhrd->bhgqr", mm(q), mm(state_keys.astype(dtype)),
-                       precision=precision, preferred_element_type=jnp.float32)
-  s_window = jnp.einsum("bqhgd,bwhd->bhgqw", mm(q), mm(window_keys.astype(dtype)),
-                        precision=precision, preferred_element_type=jnp.float32)
-  s_state = s_state * (state_temp * scale)[None, :, :, None, None]
-  s_window = s_window * (window_temp * scale)[None, :, :, None, None]
-  s_state = jnp.where(state_valid, s_state, MASKED)
-  s_window = jnp.where(window_valid, s_window, MASKED)
-  row_max = jax.lax.stop_gradient(
-      jnp.maximum(jnp.max(s_state, axis=-1, keepdims=True), jnp.max(s_window, axis=-1, keepdims=True)))
-  p_state = jnp.exp(s_state - row_max)
-  p_window = jnp.exp(s_window - row_max)
-  denom = jnp.sum(p_state, axis=-1) + jnp.sum(p_window, axis=-1)  # [B, Hkv, G, Tq]
+  f32 = jnp.float32
+  per_head = lambda temp: (temp.astype(f32) * scale)[None, :, :, None, None]   # [1,Hkv,G,1,1]
+  keys = jnp.concatenate([state_keys.astype(f32)[:, :, None] * per_head(state_temp),
+                          window_keys.astype(f32)[:, :, None] * per_head(window_temp)],
+                         axis=3).astype(dtype)                                 # [B,Hkv,G,R+W,D]
+  s = jnp.einsum("bhgqd,bhgkd->bhgqk", mm(q), mm(keys), precision=precision,
+                 preferred_element_type=f32)
+  valid = jnp.concatenate([jnp.broadcast_to(state_valid, (Tq, R)),
+                           jnp.broadcast_to(window_valid, (Tq, W))], axis=1)
+  s = jnp.where(valid, s, MASKED)
+  p = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
+  denom = jnp.sum(p, axis=-1, keepdims=True)                                   # [B,Hkv,G,Tq,1]
   value_dtype = window_values.dtype
-  per_head = "bhgrv" if state_values.ndim == 5 else "bhrv"
-  out = jnp.einsum(f"bhgqr,{per_head}->bqhgv", mm(p_state.astype(value_dtype)),
-                   mm(state_values.astype(value_dtype)), precision=precision,
-                   preferred_element_type=jnp.float32)
-  out = out + jnp.einsum("bhgqw,bwhv->bqhgv", mm(p_window.astype(value_dtype)),
-                         mm(window_values), precision=precision,
-                         preferred_element_type=jnp.float32)
-  return out / jnp.transpose(denom, (0, 3, 1, 2))[..., None]
+  if state_values.ndim == 5:  # one copy per query head (the authors' bf16 readout values)
+    values = jnp.concatenate(
+        [state_values.astype(value_dtype),
+         jnp.broadcast_to(window_values[:, :, None], (B, Hkv, G, W, window_values.shape[3]))],
+        axis=3)
+    spec = "bhgqk,bhgkv->bhgqv"
+  else:
+    values = jnp.concatenate([state_values.astype(value_dtype), window_values], axis=2)
+    spec = "bhgqk,bhkv->bhgqv"
+  out = jnp.einsum(spec, mm(p.astype(value_dtype)), mm(values), precision=precision,
+                   preferred_element_type=f32)
+  return out / denom
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from typing import Iterator, Optional, Sequence
 
 import jax
 
 from kvm_jax.config import KVM_IMPLEMENTATIONS, KVMConfig
+from kvm_jax.kernels.anchor import INSTALL_HINT, joint_attention_tokamax, tokamax_available
 from kvm_jax.kernels.backend import KernelConfig
-from kvm_jax.kernels.readout import joint_attention_pallas
+from kvm_jax.kernels.decode import decode_attention_pallas
+from kvm_jax.kernels.readout import joint_attention_heads_pallas, joint_attention_pallas
 from kvm_jax.kernels.sharding import ShardAxes
 from kvm_jax.kernels.update import update_state_pallas
 from kvm_jax.ops.common import is_concrete
@@ -39,6 +42,16 @@ Array = jax.Array
 # Backends on which "auto" picks the Pallas kernels: only where a benchmark (kvm-bench
 # --implementation pallas) measured them faster than the XLA scan. None has been measured yet.
 AUTO_PALLAS_BACKENDS: frozenset = frozenset()
+
+# The readout (one softmax over [state ; window] per chunk) can run on the implementation's own
+# code ("own": the XLA einsums or the Pallas kernel) or on tokamax's flash attention ("tokamax",
+# kvm_jax.kernels.anchor; pip install 'kvm_jax[tokamax]'). "auto" takes tokamax only on the
+# backends listed here, where `kvm-bench --readout-anchor` measured it faster than the
+# implementation's own readout in the same run, and only when tokamax imports. No accelerator
+# has measured it yet (on CPU the own XLA readout is faster at sqrt16 and the XLA path is the
+# reference), so the list is empty.
+KVM_READOUTS = ("auto", "own", "tokamax")
+TOKAMAX_READOUT_BACKENDS: dict = {"xla": frozenset(), "pallas": frozenset()}
 
 _SHARD_AXES: contextvars.ContextVar[ShardAxes] = contextvars.ContextVar(
     "kvm_kernel_shard_axes", default=ShardAxes())
@@ -68,40 +81,61 @@ def current_shard_axes() -> ShardAxes:
 
 def chunk_ops(implementation: str, *, target: Optional[str] = None,
               interpret: Optional[bool] = None,
-              shard_axes: Optional[ShardAxes] = None) -> ChunkOps:
+              shard_axes: Optional[ShardAxes] = None, readout: str = "own") -> ChunkOps:
   """The per-chunk operations of ``implementation`` ("xla" or "pallas").
 
   For "pallas": kernels built for ``target`` ("tpu", "cuda", "cpu"; default: this machine's
   backend), interpreted where there is no compiler unless ``interpret`` says otherwise, split over
   ``shard_axes`` (default: the enclosing :func:`kernel_sharding`, else none).
+  ``readout``: "own" (the implementation's readout) or "tokamax" (the anchor,
+  :func:`kvm_jax.kernels.anchor.joint_attention_tokamax`; decode keeps its own step).
   """
+  if readout not in ("own", "tokamax"):
+    raise ValueError(f"chunk_ops: readout={readout!r}; choose 'own' or 'tokamax' ('auto' is "
+                     "resolved by resolve_implementation).")
   if implementation == "xla":
-    return XLA_OPS
-  if implementation != "pallas":
+    ops = XLA_OPS
+  elif implementation == "pallas":
+    kc = KernelConfig.for_target(
+        target, interpret, shard_axes=_SHARD_AXES.get() if shard_axes is None else shard_axes)
+    name = f"pallas[{kc.platform}{', interpret' if kc.interpret else ''}]"
+    ops = ChunkOps(name, joint_attention_pallas, update_state_pallas, kernel=kc,
+                   decode_attend_fn=decode_attention_pallas,
+                   attend_heads_fn=joint_attention_heads_pallas)
+  else:
     raise ValueError(f"chunk_ops: implementation={implementation!r}; choose 'xla' or 'pallas' "
                      "('auto' is resolved by resolve_implementation).")
-  kc = KernelConfig.for_target(target, interpret,
-                               shard_axes=_SHARD_AXES.get() if shard_axes is None else shard_axes)
-  name = f"pallas[{kc.platform}{', interpret' if kc.interpret else ''}]"
-  return ChunkOps(name, joint_attention_pallas, update_state_pallas, kernel=kc)
+  if readout == "tokamax":  # a module-level function: equal ChunkOps share compiled programs
+    ops = dataclasses.replace(ops, name=f"{ops.name}+tokamax-readout",
+                              attend_fn=joint_attention_tokamax, attend_heads_fn=None)
+  return ops
 
 
-def resolve_implementation(implementation: str, cfg: KVMConfig) -> ChunkOps:
-  """What ``implementation`` means on this machine for ``cfg``, with a clear error otherwise."""
+def resolve_implementation(implementation: str, cfg: KVMConfig, readout: str = "auto"
+                           ) -> ChunkOps:
+  """What ``implementation`` and ``readout`` (:data:`KVM_READOUTS`) mean on this machine for
+  ``cfg``, with a clear error otherwise."""
   if implementation not in KVM_IMPLEMENTATIONS:
     raise ValueError(f"implementation={implementation!r} is not available; choose one of "
                      f"{KVM_IMPLEMENTATIONS}.")
+  if readout not in KVM_READOUTS:
+    raise ValueError(f"readout={readout!r} is not available; choose one of {KVM_READOUTS}.")
   if implementation == "auto":
     implementation = "pallas" if jax.default_backend() in AUTO_PALLAS_BACKENDS else "xla"
   if implementation == "pallas" and cfg.readout_value_dtype is not None:
     raise ValueError("implementation='pallas' reads float32 state values; it does not reproduce "
                      "readout_value_dtype (use implementation='xla' for that).")
-  return chunk_ops(implementation)
+  if readout == "auto":
+    faster = jax.default_backend() in TOKAMAX_READOUT_BACKENDS[implementation]
+    readout = "tokamax" if faster and tokamax_available() else "own"
+  elif readout == "tokamax" and not tokamax_available():
+    raise ImportError(f"readout='tokamax' needs the optional tokamax package: {INSTALL_HINT}.")
+  return chunk_ops(implementation, readout=readout)
 
 
 def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
                   cfg: KVMConfig, *, implementation: str = "xla", remat: bool = True,
-                  routing=None, return_routing: bool = False):
+                  routing=None, return_routing: bool = False, readout: str = "auto"):
   """KVM attention over a whole sequence (prefill / training forward), jit-compiled.
 
   Args:
@@ -116,12 +150,14 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
       instead of every chunk's attention probabilities).
     routing / return_routing: apply given per-chunk routing decisions / also return the applied
       ones (shared routing across layers; see :func:`kvm_jax.ops.kvm.scan.kvm_attention_scan`).
+    readout: "auto", "own" or "tokamax" (:data:`KVM_READOUTS`): who computes each chunk's
+      softmax over [state ; window]; "auto" uses tokamax only where it was measured faster.
   Returns:
     ``y [B, T, H, Dv]`` in q's dtype, and the final :class:`KVMState` (float32, capacity = the
     number of rows the schedule reaches at T).
   """
   validate_inputs(q, k, v, merge_gate, params, cfg)
-  ops = resolve_implementation(implementation, cfg)
+  ops = resolve_implementation(implementation, cfg, readout)
   return kvm_attention_scan(q, k, v, merge_gate, params, cfg=cfg, ops=ops, remat=remat,
                             routing=routing, return_routing=return_routing)
 

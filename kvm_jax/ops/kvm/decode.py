@@ -37,6 +37,10 @@ class KVMCache:
 
   Attributes:
     state: :class:`KVMState` with capacity = state rows reached at ``max_len``.
+    readout_keys / readout_values: ``[B, Hkv, R, D]`` / ``[B, Hkv, R, Dv]`` the state as a query
+      reads it (LN_s keys, radius-normalized values), in the cache's dtype. Refreshed only when
+      the state changes (a fold every C tokens, a new row while the prompt is shorter than a
+      chunk), so a decode step reads these once instead of normalizing the float32 state.
     window_keys: ``[B, L, Hkv, D]`` ring buffer of the last L keys (slot = position mod L).
     window_values: ``[B, L, Hkv, Dv]`` likewise.
     window_gates: ``[B, L, Hkv]`` float32 merge gates (needed when their chunk overflows).
@@ -45,6 +49,8 @@ class KVMCache:
   """
 
   state: KVMState
+  readout_keys: Array
+  readout_values: Array
   window_keys: Array
   window_values: Array
   window_gates: Array
@@ -52,15 +58,32 @@ class KVMCache:
   max_len: int
 
   def nbytes(self) -> dict[str, int]:
-    """Bytes of the allocated arrays: state, window ring and total."""
-    state = self.state.nbytes()
+    """Bytes of the allocated arrays: state (with its readout cache), window ring and total."""
+    state = self.state.nbytes() + tree_nbytes((self.readout_keys, self.readout_values))
     window = tree_nbytes((self.window_keys, self.window_values, self.window_gates))
     return {"state": state, "window": window, "total": state + window + tree_nbytes(self.length)}
 
 
 jax.tree_util.register_dataclass(
-    KVMCache, data_fields=["state", "window_keys", "window_values", "window_gates", "length"],
+    KVMCache, data_fields=["state", "readout_keys", "readout_values", "window_keys",
+                           "window_values", "window_gates", "length"],
     meta_fields=["max_len"])
+
+
+def readout_cache(state: KVMState, params: KVMParams, cfg: KVMConfig, dtype):
+  """``(keys, values)`` of :func:`state_readout` for the cache, in ``dtype`` (one copy per KV
+  head: the authors' per-query-head rounding, ``readout_value_dtype``, is applied when read)."""
+  keys, values = state_readout(state, params, dataclasses.replace(cfg, readout_value_dtype=None))
+  return keys.astype(dtype), values.astype(dtype)
+
+
+def cached_readout(cache: KVMCache, cfg: KVMConfig, groups: int):
+  """The readout a decode step attends to, from the cache (float32 where the cache is)."""
+  values = cache.readout_values
+  if cfg.readout_value_dtype is not None:
+    rounded = values.astype(cfg.readout_value_dtype).astype(jnp.float32)
+    values = jnp.broadcast_to(rounded[:, :, None], (*values.shape[:2], groups, *values.shape[2:]))
+  return cache.readout_keys, values
 
 
 def kvm_init_cache(cfg: KVMConfig, *, batch: int, kv_heads: int, head_dim: int, value_dim: int,
@@ -75,6 +98,8 @@ def kvm_init_cache(cfg: KVMConfig, *, batch: int, kv_heads: int, head_dim: int, 
   capacity = kvm_schedule(cfg, max_len).final_rows
   return KVMCache(
       state=empty_state(batch, kv_heads, capacity, head_dim, value_dim),
+      readout_keys=jnp.zeros((batch, kv_heads, capacity, head_dim), dtype),
+      readout_values=jnp.zeros((batch, kv_heads, capacity, value_dim), dtype),
       window_keys=jnp.zeros((batch, L, kv_heads, head_dim), dtype),
       window_values=jnp.zeros((batch, L, kv_heads, value_dim), dtype),
       window_gates=jnp.zeros((batch, L, kv_heads), jnp.float32),
@@ -101,8 +126,10 @@ def prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, 
   y, state, *decisions = kvm_attention_scan(q, k, v, merge_gate, params, cfg=cfg, ops=ops,
                                             remat=False, routing=routing,
                                             return_routing=return_routing)
+  state = pad_rows(state, cache.state.capacity)
+  readout_keys, readout_values = readout_cache(state, params, cfg, cache.readout_keys.dtype)
   new = KVMCache(
-      state=pad_rows(state, cache.state.capacity),
+      state=state, readout_keys=readout_keys, readout_values=readout_values,
       window_keys=fill_ring(cache.window_keys, k), window_values=fill_ring(cache.window_values, v),
       window_gates=fill_ring(cache.window_gates, merge_gate),
       length=jnp.asarray(T, jnp.int32), max_len=cache.max_len)
@@ -152,7 +179,10 @@ def decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParam
   row = jnp.arange(R)
   t = cache.length
 
-  # 1) A prompt shorter than one chunk: the initial state grows by this token.
+  cache_dtype = cache.readout_keys.dtype
+
+  # 1) A prompt shorter than one chunk: the initial state grows by this token (and its readout
+  #    row is written: LN_s and the value normalization act on each row alone).
   grow = t < C
   new_key, new_value, new_radius = token_rows(k_t, v_t, g_t, params, cfg)   # [B, Hkv, 1, ·]
   write = (grow & (row == t))[None, None, :]
@@ -160,35 +190,49 @@ def decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParam
                    values=jnp.where(write[..., None], new_value, state.values),
                    radius=jnp.where(write, new_radius, state.radius),
                    num_rows=jnp.where(grow, t + 1, state.num_rows).astype(jnp.int32))
+  row_keys, row_values = readout_cache(
+      KVMState(new_key, new_value, new_radius, jnp.ones((), jnp.int32)), params, cfg, cache_dtype)
+  readout = (jnp.where(write[..., None], row_keys, cache.readout_keys),
+             jnp.where(write[..., None], row_values, cache.readout_values))
 
   # 2) Crossing a chunk boundary past the window: fold chunk [t-L, t-L+C) into the state.
   rows_table = _rows_after_overflow(cfg, cache.max_len)
   fire = (t % C == 0) & (t >= L + C) & (t < cache.max_len)
 
-  def fold(s: KVMState):
+  def fold(s: KVMState, readout):
     start = t % L  # == (t - L) % L, a multiple of C: the chunk is contiguous in the ring
     ov_k = jax.lax.dynamic_slice_in_dim(cache.window_keys, start, C, axis=1)
     ov_v = jax.lax.dynamic_slice_in_dim(cache.window_values, start, C, axis=1)
     ov_g = jax.lax.dynamic_slice_in_dim(cache.window_gates, start, C, axis=1)
     overflow_index = jnp.clip(t // C - nb, 0, rows_table.shape[0] - 1)
     n_append = jnp.asarray(rows_table)[overflow_index] - s.num_rows
-    return ops.update(s, ov_k, ov_v, ov_g, n_append, params, cfg, routing=routing,
-                      return_routing=True)
+    # routing reads the float32 LN_s keys of the state (update_state computes them), as prefill
+    s, decisions = ops.update(s, ov_k, ov_v, ov_g, n_append, params, cfg, routing=routing,
+                              return_routing=True)
+    return s, readout_cache(s, params, cfg, cache_dtype), decisions
 
   none = jnp.full((B, Hkv, C), R, jnp.int32)  # "no row": the decisions of a step without a fold
-  state, decisions = jax.lax.cond(fire, fold, lambda s: (s, (none, none)), state)
+  # A conditional per step (the position is traced: one compiled step serves every position);
+  # the fold, with its full readout refresh, runs once every C steps.
+  state, readout, decisions = jax.lax.cond(fire, fold,
+                                           lambda s, r: (s, r, (none, none)), state, readout)
 
   # 3) The token enters the ring (after the fold, which may still need the slot it overwrites).
   window_keys = write_ring(cache.window_keys, k_t, t)
   window_values = write_ring(cache.window_values, v_t, t)
   window_gates = write_ring(cache.window_gates, g_t, t)
 
-  # 4) Attend: state rows (once t >= L) and the window [bswa_begin(t + 1), t].
-  state_keys, state_values = state_readout(state, params, cfg, H // Hkv)
-  y = decode_attention(q_t, state_keys, state_values, state.num_rows, window_keys, window_values,
-                       t, *temperatures(params, cfg, Hkv), cfg, attend=ops.attend)
+  # 4) Attend: state rows (once t >= L) and the window [bswa_begin(t + 1), t], from the caches.
+  new = KVMCache(state=state, readout_keys=readout[0], readout_values=readout[1],
+                 window_keys=window_keys, window_values=window_values,
+                 window_gates=window_gates, length=t + 1, max_len=cache.max_len)
+  state_keys, state_values = cached_readout(new, cfg, H // Hkv)
+  args = (q_t, state_keys, state_values, state.num_rows, window_keys, window_values, t,
+          *temperatures(params, cfg, Hkv), cfg)
+  if ops.decode_attend_fn is None:
+    y = decode_attention(*args, attend=ops.attend)
+  else:
+    y = ops.decode_attend(*args)
   # Past max_len the state has no room for the schedule: poison the output instead of lying.
   y = jnp.where(t < cache.max_len, y, jnp.nan).reshape(B, 1, H, -1).astype(q_t.dtype)
-  new = KVMCache(state=state, window_keys=window_keys, window_values=window_values,
-                 window_gates=window_gates, length=t + 1, max_len=cache.max_len)
   return (y, new, decisions) if return_routing else (y, new)

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig
-from kvm_jax.ops.common import joint_attention, to_chunks, window_mask, window_stack
+from kvm_jax.ops.common import (joint_attention, joint_attention_heads, to_chunks, window_mask,
+                                window_stack)
 from kvm_jax.ops.kvm.state import (KVMParams, KVMState, initial_state, state_readout,
                                    temperatures, update_state)
 
@@ -39,8 +40,13 @@ class ChunkOps:
     name: what runs, e.g. "xla" or "pallas[gpu]" (shown in errors and benchmarks).
     attend_fn: the contract of :func:`kvm_jax.ops.common.joint_attention`.
     update_fn: the contract of :func:`kvm_jax.ops.kvm.state.update_state`.
-    kernel: static configuration passed to both as ``kc=`` (a kernel's target, interpret mode and
-      mesh axes), or None for plain XLA functions.
+    attend_heads_fn: ``attend_fn`` in head-major layout, the contract of
+      :func:`kvm_jax.ops.common.joint_attention_heads` (what the scan calls); None: transposes
+      around ``attend_fn``.
+    decode_attend_fn: one token against state and ring, the contract of
+      :func:`kvm_jax.ops.kvm.decode.decode_attention`; None: that function over ``attend_fn``.
+    kernel: static configuration passed to all three as ``kc=`` (a kernel's target, interpret
+      mode and mesh axes), or None for plain XLA functions.
 
   Frozen and compared by value, so it is a static argument of ``jit``: equal ops share compiled
   programs.
@@ -50,6 +56,8 @@ class ChunkOps:
   attend_fn: Callable
   update_fn: Callable
   kernel: Optional[Any] = None
+  decode_attend_fn: Optional[Callable] = None
+  attend_heads_fn: Optional[Callable] = None
 
   def attend(self, *args, **kwargs):
     if self.kernel is not None:
@@ -61,8 +69,29 @@ class ChunkOps:
       kwargs["kc"] = self.kernel
     return self.update_fn(*args, **kwargs)
 
+  def attend_heads(self, *args, **kwargs):
+    """:meth:`attend` in the scan's head-major layout (``attend_heads_fn``'s contract:
+    :func:`kvm_jax.ops.common.joint_attention_heads`); without one, transposes around
+    :meth:`attend`."""
+    if self.attend_heads_fn is None:
+      q, sk, sv, sval, wk, wv, *rest = args
+      y = self.attend(jnp.transpose(q, (0, 3, 1, 2, 4)), sk, sv, sval,
+                      jnp.transpose(wk, (0, 2, 1, 3)), jnp.transpose(wv, (0, 2, 1, 3)), *rest,
+                      **kwargs)
+      return jnp.transpose(y, (0, 2, 3, 1, 4))
+    if self.kernel is not None:
+      kwargs["kc"] = self.kernel
+    return self.attend_heads_fn(*args, **kwargs)
 
-XLA_OPS = ChunkOps("xla", joint_attention, update_state)
+  def decode_attend(self, *args, **kwargs):
+    """``decode_attend_fn`` (callers check that it is set; decode.py falls back to its own
+    ``decode_attention`` over :meth:`attend`)."""
+    if self.kernel is not None:
+      kwargs["kc"] = self.kernel
+    return self.decode_attend_fn(*args, **kwargs)
+
+
+XLA_OPS = ChunkOps("xla", joint_attention, update_state, attend_heads_fn=joint_attention_heads)
 
 
 def scan_inputs(q: Array, k: Array, v: Array, cfg: KVMConfig):
@@ -174,43 +203,49 @@ def _slice(x: Array, start, size: int, axis: int = 1) -> Array:
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
+# The scan's layout is head-major, prepared once per sequence: queries [B, Hkv, G, T, D] (time on
+# axis 3), keys / values [B, Hkv, T, ·] and gates [B, Hkv, T] (time on axis 2).
+Q_TIME, KV_TIME = 3, 2
+
+
 def _chunk(plan: _Plan, run: Run, params: KVMParams, state: KVMState, c, local, q_src, k_src,
            v_src, g_src, routing_c):
   """Query chunk ``c`` (absolute index, may be traced) attends and, if its run folds, folds the
-  chunk leaving the window. Its queries are rows ``[local·C, local·C + C)`` of ``q_src
-  [B, n·C, H, D]``; its window is rows ``[local·C, local·C + nb·C)`` of ``k_src``/``v_src``
-  (front-padded by ``(nb-1)·C``: chunk ``c``'s window starts ``(nb-1)`` chunks earlier), whose
-  first ``C`` rows are the overflow chunk. Returns ``(state, y [B, C, H, Dv], (dest, target))``."""
+  chunk leaving the window. Its queries are time steps ``[local·C, local·C + C)`` of ``q_src``;
+  its window is time steps ``[local·C, local·C + nb·C)`` of ``k_src``/``v_src`` (front-padded by
+  ``(nb-1)·C``: chunk ``c``'s window starts ``(nb-1)`` chunks earlier), whose first ``C`` are the
+  overflow chunk. Returns ``(state, y [B, Hkv, G, C, Dv], (dest, target))``."""
   cfg, ops = plan.cfg, plan.ops
   C, nb, R = cfg.chunk_size, cfg.window_chunks, plan.capacity
-  B, _, H, D = q_src.shape
-  Hkv = k_src.shape[2]
-  G = H // Hkv
-  q_c = _slice(q_src, local * C, C).reshape(B, C, Hkv, G, D)
-  win_k = _slice(k_src, local * C, nb * C)
-  win_v = _slice(v_src, local * C, nb * C)
+  B, Hkv, G = q_src.shape[:3]
+  q_c = _slice(q_src, local * C, C, Q_TIME)                     # [B, Hkv, G, C, D]
+  win_k = _slice(k_src, local * C, nb * C, KV_TIME)             # [B, Hkv, nb·C, D]
+  win_v = _slice(v_src, local * C, nb * C, KV_TIME)
   state_keys, state_values = state_readout(state, params, cfg, G)
   state_temp, window_temp = temperatures(params, cfg, Hkv)
   if run.visible:
     state_valid = (jnp.arange(R) < state.num_rows)[None, :]
-    y = ops.attend(q_c, state_keys, state_values, state_valid, win_k, win_v,
-                   window_mask(c, C, nb), state_temp, window_temp)
+    y = ops.attend_heads(q_c, state_keys, state_values, state_valid, win_k, win_v,
+                         window_mask(c, C, nb), state_temp, window_temp)
   else:
     # The causal front sees no state: one masked row stands in for it (exact: its weight is
     # exp(MASKED - max) = 0, and every query sees at least itself in the window). Reading all R
     # rows only to mask them would cost R columns per query, and XLA constant-folds the masks.
     one_row = lambda x: jax.lax.slice_in_dim(x, 0, 1, axis=x.ndim - 2)
-    y = ops.attend(q_c, one_row(state_keys), one_row(state_values), jnp.zeros((1, 1), bool),
-                   win_k, win_v, window_mask(c, C, nb), state_temp, window_temp)
-  y = y.reshape(B, C, H, -1).astype(plan.out_dtype)
+    y = ops.attend_heads(q_c, one_row(state_keys), one_row(state_values),
+                         jnp.zeros((1, 1), bool), win_k, win_v, window_mask(c, C, nb),
+                         state_temp, window_temp)
+  y = y.astype(plan.out_dtype)
   none = jnp.full((B, Hkv, C), R, jnp.int32)  # "no row": the decisions of a chunk without a fold
   if not run.update:
     return state, y, (none, none)
-  overflow_g = _slice(g_src, local * C, C)
+  overflow = lambda x: jax.lax.slice_in_dim(x, 0, C, axis=KV_TIME)
+  overflow_g = _slice(g_src, local * C, C, KV_TIME)
   n_append = jnp.asarray(plan.n_append, jnp.int32)[c]
-  state, decisions = ops.update(state, win_k[:, :C], win_v[:, :C], overflow_g, n_append, params,
-                                cfg, plan.row_update, state_keys, routing=routing_c,
-                                return_routing=True, may_append=run.may_append)
+  state, decisions = ops.update(state, overflow(win_k), overflow(win_v), overflow_g, n_append,
+                                params, cfg, plan.row_update, state_keys, routing=routing_c,
+                                return_routing=True, may_append=run.may_append,
+                                head_major=True)
   return state, y, decisions
 
 
@@ -219,7 +254,7 @@ def _scan_chunks(plan: _Plan, run: Run, params, state, first, count: int, base, 
   """Chunks ``first .. first + count - 1`` of ``run`` (``first`` may be traced, ``count`` is
   static) in one ``lax.scan``; ``base`` is the chunk at row 0 of the sources. ``routing``:
   decisions to apply, ``[count, B, Hkv, C]`` each, or None to compute them.
-  Returns ``(state, (y [count, B, C, H, Dv], decisions))``."""
+  Returns ``(state, (y [count, B, Hkv, G, C, Dv], decisions))``."""
 
   def step(state, x):
     i, routing_c = x
@@ -244,7 +279,7 @@ def _routing_slice(routing, start: int, stop: int):
 
 
 def _forward(plan: _Plan, params, state0, q_p, k_ext, v_ext, g_ext, routing):
-  """The whole sequence, run by run: ``(y [nC, B, C, H, Dv], state arrays, decisions)``."""
+  """The whole sequence, run by run: ``(y [nC, B, Hkv, G, C, Dv], state arrays, decisions)``."""
   state = _state(state0, plan.initial_rows)
   ys, decisions = [], []
   for run in plan.runs:
@@ -327,14 +362,17 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
   # every block emits its own rows complete, in the input's dtype. The pieces are scan outputs,
   # not loop-carried whole-sequence buffers (which XLA:CPU would widen to float32).
   overlap = (nb - 1) * C
-  heads = tuple(jnp.zeros((x.shape[0], overlap, *x.shape[2:]), f32) for x in (k_ext, v_ext, g_ext))
+  T = KV_TIME
+  heads = tuple(jnp.zeros((*x.shape[:T], overlap, *x.shape[T + 1:]), f32)
+                for x in (k_ext, v_ext, g_ext))
   dparams = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, f32), params)
   rows_before = _rows_at_chunk_start(plan)
 
   def block_grad(carry, first, count: int, run: Run, state_in, dy_blk, given):
     d_state, heads, dparams = carry
-    q_blk = _slice(q_p, first * C, count * C)
-    k_blk, v_blk, g_blk = (_slice(x, first * C, count * C + overlap) for x in (k_ext, v_ext, g_ext))
+    q_blk = _slice(q_p, first * C, count * C, Q_TIME)
+    k_blk, v_blk, g_blk = (_slice(x, first * C, count * C + overlap, T)
+                           for x in (k_ext, v_ext, g_ext))
     num_rows = jnp.asarray(rows_before, jnp.int32)[first]
 
     def f(state_arrays, params, q_blk, k_blk, v_blk, g_blk):
@@ -349,11 +387,11 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
     for x, grad, head in zip((k_ext, v_ext, g_ext), (dk_b, dv_b, dg_b), heads):
       grad = grad.astype(f32)
       # rows [count·C, count·C + overlap) of this block are the later block's carried head
-      tail = jax.lax.slice_in_dim(grad, count * C, count * C + overlap, axis=1) + head
-      grad = jnp.concatenate([jax.lax.slice_in_dim(grad, 0, count * C, axis=1), tail], axis=1)
+      tail = jax.lax.slice_in_dim(grad, count * C, count * C + overlap, axis=T) + head
+      grad = jnp.concatenate([jax.lax.slice_in_dim(grad, 0, count * C, axis=T), tail], axis=T)
       pieces.append(jax.lax.slice_in_dim(grad, overlap, overlap + count * C,
-                                         axis=1).astype(x.dtype))
-      new_heads.append(jax.lax.slice_in_dim(grad, 0, overlap, axis=1))
+                                         axis=T).astype(x.dtype))
+      new_heads.append(jax.lax.slice_in_dim(grad, 0, overlap, axis=T))
     dparams = jax.tree_util.tree_map(lambda a, b: a + b.astype(f32), dparams, dp)
     return (tuple(x.astype(f32) for x in d_in), tuple(new_heads), dparams), tuple(pieces)
 
@@ -378,20 +416,28 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
 
       carry, stacked = jax.lax.scan(step, carry, (jnp.arange(full, dtype=jnp.int32), starts),
                                     reverse=True)
-      # [full, B, S·C, ...] -> [B, full·S·C, ...]
-      pieces.append(tuple(jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
-                          for x in stacked))
+      pieces.append(tuple(_merge_blocks(x, axis)
+                          for x, axis in zip(stacked, (Q_TIME, T, T, T))))
   d_state, heads, dparams = carry
   pieces = pieces[::-1]
-  dq = jnp.concatenate([p[0] for p in pieces], axis=1)
+  dq = jnp.concatenate([p[0] for p in pieces], axis=Q_TIME)
   # the last head carried is the gradient of the front padding: rows [0, (nb-1)·C) of *_ext
-  dk, dv, dg = (jnp.concatenate([h.astype(x.dtype)] + [p[i] for p in pieces], axis=1)
+  dk, dv, dg = (jnp.concatenate([h.astype(x.dtype)] + [p[i] for p in pieces], axis=T)
                 for i, (h, x) in enumerate(zip(heads, (k_ext, v_ext, g_ext)), start=1))
   dparams = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), dparams, params)
   return (dparams, d_state, dq, dk, dv, dg, None)
 
 
 _forward_checkpointed.defvjp(_forward_checkpointed_fwd, _forward_checkpointed_bwd)
+
+
+def _merge_blocks(x: Array, time_axis: int) -> Array:
+  """Stacked per-block pieces ``[blocks, ...]`` (time on ``time_axis`` of a piece) -> one piece
+  with the blocks in order along its time axis."""
+  x = jnp.moveaxis(x, 0, time_axis)
+  shape = x.shape
+  return x.reshape(*shape[:time_axis], shape[time_axis] * shape[time_axis + 1],
+                   *shape[time_axis + 2:])
 
 
 def _rows_at_chunk_start(plan: _Plan) -> tuple[int, ...]:
@@ -444,11 +490,14 @@ def kvm_attention_scan(q: Array, k: Array, v: Array, merge_gate: Array, params: 
                n_append=tuple(sched.n_append), num_chunks=nC, initial_rows=sched.initial_rows,
                capacity=sched.final_rows, block=max(1, math.isqrt(nC - 1) + 1),
                out_dtype=jnp.dtype(q.dtype))
-  # Time padded to whole chunks; keys, values and gates also get (nb-1) chunks in front, so chunk
-  # c's window is rows [c·C, (c+nb)·C) (the front is masked by window_mask).
+  # Head-major once per sequence (Q_TIME, KV_TIME), time padded to whole chunks; keys, values
+  # and gates also get (nb-1) chunks in front, so chunk c's window is time steps [c·C, (c+nb)·C)
+  # (the front is masked by window_mask).
+  Hkv = k.shape[2]
   pad = lambda x, front: jnp.pad(x, [(0, 0), (front, nC * C - T)] + [(0, 0)] * (x.ndim - 2))
-  q_p = pad(q, 0)
-  k_ext, v_ext, g_ext = (pad(x, (nb - 1) * C) for x in (k, v, merge_gate))
+  q_p = jnp.transpose(pad(q, 0).reshape(B, nC * C, Hkv, H // Hkv, D), (0, 2, 3, 1, 4))
+  k_ext, v_ext = (jnp.transpose(pad(x, (nb - 1) * C), (0, 2, 1, 3)) for x in (k, v))
+  g_ext = jnp.transpose(pad(merge_gate, (nb - 1) * C), (0, 2, 1))
   first = sched.initial_rows
   s0 = initial_state(k[:, :first], v[:, :first], merge_gate[:, :first], first, sched.final_rows,
                      params, cfg)
@@ -456,7 +505,8 @@ def kvm_attention_scan(q: Array, k: Array, v: Array, merge_gate: Array, params: 
   core = _forward_checkpointed if remat else _forward
   y, (keys, values, radius), decisions = core(plan, params, state0, q_p, k_ext, v_ext, g_ext,
                                               routing)
-  y = jnp.moveaxis(y, 0, 1).reshape(B, nC * C, H, Dv)[:, :T]  # [B, T, H, Dv]
+  # [nC, B, Hkv, G, C, Dv] -> [B, nC, C, Hkv, G, Dv] -> [B, T, H, Dv]: one transpose
+  y = jnp.transpose(y, (1, 0, 4, 2, 3, 5)).reshape(B, nC * C, H, Dv)[:, :T]
   state = KVMState(keys=keys, values=values, radius=radius,
                    num_rows=jnp.asarray(sched.final_rows, jnp.int32))
   return (y, state, decisions) if return_routing else (y, state)

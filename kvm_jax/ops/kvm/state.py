@@ -296,7 +296,7 @@ def _ranks_ascending(scores: Array) -> Array:
   return jnp.sum(before, axis=-1).astype(jnp.int32)
 
 
-def _add_rows_onehot(rows: Array, index: Array, updates: Array) -> Array:
+def add_rows_onehot(rows: Array, index: Array, updates: Array) -> Array:
   """rows[..., index[c], :] += updates[..., c, :] as a one-hot matmul (deterministic, MXU-friendly).
 
   rows ``[B, Hkv, R, X]``, index ``[B, Hkv, C]`` (R = dropped), updates ``[B, Hkv, C, X]``.
@@ -305,8 +305,8 @@ def _add_rows_onehot(rows: Array, index: Array, updates: Array) -> Array:
   return rows + jnp.einsum("bhcr,bhcx->bhrx", onehot, updates, precision=jax.lax.Precision.HIGHEST)
 
 
-def _add_rows_scatter(rows: Array, index: Array, updates: Array) -> Array:
-  """Same contract as :func:`_add_rows_onehot` with a scatter-add: O(C·X) instead of O(C·R·X)."""
+def add_rows_scatter(rows: Array, index: Array, updates: Array) -> Array:
+  """Same contract as :func:`add_rows_onehot` with a scatter-add: O(C·X) instead of O(C·R·X)."""
   add = lambda r, i, u: r.at[i].add(u, mode="drop")
   return jax.vmap(jax.vmap(add))(rows, index, updates)
 
@@ -317,9 +317,9 @@ def _row_adder(row_update: str):
     # deterministic (no atomics) and runs on the matrix units.
     row_update = "scatter" if jax.default_backend() == "cpu" else "onehot"
   if row_update == "scatter":
-    return _add_rows_scatter
+    return add_rows_scatter
   if row_update == "onehot":
-    return _add_rows_onehot
+    return add_rows_onehot
   raise ValueError(f"row_update must be 'auto', 'scatter' or 'onehot', got {row_update!r}.")
 
 
@@ -344,7 +344,7 @@ class RoutingOps(NamedTuple):
   """The update's heavy parts, swappable for tiled kernels (``kvm_jax.kernels.update``): the two
   ``[C, R]`` score reductions and the accumulation of token rows into state rows. Contracts:
   :func:`novelty_scores`, :func:`merge_targets`, and ``add_rows(rows, index, updates)`` of
-  :func:`_add_rows_onehot`."""
+  :func:`add_rows_onehot`."""
 
   novelty: Callable = novelty_scores
   targets: Callable = merge_targets
@@ -355,7 +355,8 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
                  n_append: Array, params: KVMParams, cfg: KVMConfig,
                  row_update: str = "auto", read_keys: Array | None = None,
                  routing: tuple[Array, Array] | None = None, return_routing: bool = False,
-                 may_append: bool = True, routing_ops: RoutingOps = RoutingOps()):
+                 may_append: bool = True, routing_ops: RoutingOps = RoutingOps(),
+                 head_major: bool = False):
   """Folds one overflow chunk into the state (docs/kvm-spec.md §6.7).
 
   The ``n_append`` tokens least similar to the current state become new rows (in token order); every
@@ -363,8 +364,8 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
 
   Args:
     state: current state, ``num_rows`` valid rows.
-    overflow_k / overflow_v / overflow_g: ``[B, C, Hkv, D]`` / ``[B, C, Hkv, Dv]`` / ``[B, C, Hkv]``,
-      the chunk leaving the exact window.
+    overflow_k / overflow_v / overflow_g: ``[B, C, Hkv, D]`` / ``[B, C, Hkv, Dv]`` /
+      ``[B, C, Hkv]``, the chunk leaving the exact window (head-major with ``head_major``).
     n_append: int32 scalar from the static schedule (may be traced).
     row_update: how rows are accumulated: "scatter", "onehot" or "auto" (by backend).
     read_keys: optional LN_s(state.keys) already computed for the readout; saves recomputing it
@@ -379,13 +380,14 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
       ``n_append > 0`` (no ``lax.cond``: on GPU a conditional reads its predicate back to the host,
       and with ``n_append = 0`` the append is an exact no-op, so selecting loses nothing).
     routing_ops: the score reductions and row accumulation (:class:`RoutingOps`; XLA by default).
+    head_major: the overflow arrays are ``[B, Hkv, C, ·]`` (the scan's layout) instead.
   Returns:
     The updated state with ``num_rows + n_append`` rows (and the routing if asked). Routing
     decisions carry no gradient; the merged sums, appended rows and radii are differentiable.
   """
   add_rows = routing_ops.add_rows or _row_adder(row_update)
   R = state.capacity
-  rows = overflow_rows(overflow_k, overflow_v, overflow_g, params, cfg)
+  rows = overflow_rows(overflow_k, overflow_v, overflow_g, params, cfg, head_major)
   m = state.num_rows
   m_new = m + n_append
   if routing is not None:
@@ -435,11 +437,15 @@ class OverflowRows(NamedTuple):
 
 
 def overflow_rows(overflow_k: Array, overflow_v: Array, overflow_g: Array, params: KVMParams,
-                  cfg: KVMConfig) -> OverflowRows:
-  """``[B, C, Hkv, ·]`` overflow keys/values/gates -> :class:`OverflowRows`."""
-  k_bar = jnp.transpose(prepare_state_keys(overflow_k, params, cfg), (0, 2, 1, 3))  # [B,Hkv,C,D]
-  v_raw = jnp.transpose(overflow_v.astype(jnp.float32), (0, 2, 1, 3))              # [B,Hkv,C,Dv]
-  gate = jnp.transpose(overflow_g.astype(jnp.float32), (0, 2, 1))[..., None]        # [B,Hkv,C,1]
+                  cfg: KVMConfig, head_major: bool = False) -> OverflowRows:
+  """``[B, C, Hkv, ·]`` overflow keys/values/gates (``[B, Hkv, C, ·]`` when ``head_major``) ->
+  :class:`OverflowRows`."""
+  if not head_major:
+    overflow_k, overflow_v = (jnp.transpose(x, (0, 2, 1, 3)) for x in (overflow_k, overflow_v))
+    overflow_g = jnp.transpose(overflow_g, (0, 2, 1))
+  k_bar = prepare_state_keys(overflow_k, params, cfg)                               # [B,Hkv,C,D]
+  v_raw = overflow_v.astype(jnp.float32)                                            # [B,Hkv,C,Dv]
+  gate = overflow_g.astype(jnp.float32)[..., None]                                  # [B,Hkv,C,1]
   k_gated = k_bar * gate if cfg.gate_keys else k_bar
   v_gated = v_raw * gate if cfg.gate_values else v_raw
   k_app, v_app = (k_gated, v_gated) if cfg.gate_appends else (k_bar, v_raw)
