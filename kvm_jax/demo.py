@@ -97,8 +97,9 @@ def main(argv=None) -> int:
 
   sizes = cache.nbytes()
   full = B * T * Hkv * D * 2 * 4
-  print(f"\n3) Decode cache after {T} tokens (float32): state {sizes['state']:,} B + window "
-        f"{sizes['window']:,} B = {sizes['total']:,} B; full-attention KV cache {full:,} B")
+  print(f"\n3) Decode cache after {T} tokens (float32): state {sizes['state']:,} B (with its "
+        f"normalized readout) + window {sizes['window']:,} B = {sizes['total']:,} B; "
+        f"full-attention KV cache {full:,} B")
   ok = err_ref < 1e-4 and err_dec < 1e-4
   print("\nall three implementations agree" if ok else "\nMISMATCH between implementations")
   return 0 if ok else 1

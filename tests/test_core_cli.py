@@ -139,9 +139,10 @@ def test_core_demo_prints_the_numbers_worked_out_by_hand(capsys):
   assert len(errors) == 2 and max(errors) < 1e-4
   assert "prefill(13)+decode" in out and "all three implementations agree" in out
 
-  # 3) Bytes, float32 (4 B): state keys + values + radii over 22 rows plus the int32 row count;
-  # the window ring holds L = 16 keys, values and gates; the cache adds its int32 length.
-  state = 4 * 2 * 2 * 22 * (32 + 32 + 1) + 4
+  # 3) Bytes, float32 (4 B): state keys + values + radii over 22 rows plus the int32 row count,
+  # and the normalized readout (keys + values, 22 rows); the window ring holds L = 16 keys,
+  # values and gates; the cache adds its int32 length.
+  state = 4 * 2 * 2 * 22 * (32 + 32 + 1) + 4 + 4 * 2 * 2 * 22 * (32 + 32)
   window = 4 * 2 * 16 * 2 * (32 + 32 + 1)
   full = 4 * 2 * 40 * 2 * 32 * 2
   line = next(x for x in out.splitlines() if x.startswith("3) Decode cache"))
@@ -171,8 +172,8 @@ def test_bench_core_prints_one_consistent_row_per_size(tmp_path, capsys):
   assert 0 < d["kvm_median_ms"] <= d["kvm_max_ms"] and d["full_mean_ms"] > 0
   assert f"(mean) {d['full_mean_ms'] / d['kvm_mean_ms']:.2f}x" in out
   # Cache bytes by hand (float32, B = H = 1, D = 16, C = 8, L = 16): full KV holds T = 32 keys and
-  # values; KVM holds 8 state rows (keys, values, radii, int32 count), the window ring (keys,
-  # values, gates) and an int32 length.
-  kvm_bytes = 4 * 8 * (16 + 16 + 1) + 4 + 4 * 16 * (16 + 16 + 1) + 4
+  # values; KVM holds 8 state rows (keys, values, radii, int32 count) and their normalized
+  # readout (keys, values), the window ring (keys, values, gates) and an int32 length.
+  kvm_bytes = 4 * 8 * (16 + 16 + 1) + 4 + 4 * 8 * (16 + 16) + 4 * 16 * (16 + 16 + 1) + 4
   assert (d["kvm_cache_bytes"], d["full_cache_bytes_at_T"]) == (kvm_bytes, 4 * 32 * 16 * 2)
   assert f"KVM {kvm_bytes:,} (state + window" in out and f"full KV {4 * 32 * 16 * 2:,}" in out
