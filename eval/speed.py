@@ -155,7 +155,8 @@ def time_decode(T, args, dtype):
         implementation=args.implementation, return_bytes_accessed=True)
     rows = int(cache.state.num_rows)
     out[budget] = {"decode_ms": statistics.fmean(times), "cache_bytes": cache.nbytes()["total"],
-                   "state_rows": rows, "decode_bytes_accessed": accessed,
+                   "state_rows": rows, "decode_bytes_accessed": accessed["step"],
+                   "decode_attend_bytes_accessed": accessed["attend"],
                    "decode_min_bytes": kvm_decode_min_bytes(cfg, T, n, rows, **sizes)}
   times, full_bytes, accessed = time_full_decode(q, k, v, T, n, return_bytes_accessed=True)
   out["full"] = {"decode_ms": statistics.fmean(times), "cache_bytes": full_bytes,
@@ -282,9 +283,13 @@ def time_model_decode(name: str, context: int, steps: int, batch: int, dtype: st
 
 def decode_bytes_cell(row: dict, arm: str) -> str:
   measured, minimum = row[f"{arm}_decode_bytes_accessed"], row[f"{arm}_decode_min_bytes"]
+  attend = row.get(f"{arm}_decode_attend_bytes_accessed")
+  cell = "n/a" if measured is None else f"{measured:,.0f}"
+  if attend is not None:
+    cell += f" [attend {attend:,.0f}: {attend / minimum:.2f}x]"
   if measured is None:
-    return f"n/a / {minimum:,.0f}"
-  return f"{measured:,.0f} / {minimum:,.0f} ({measured / minimum:.1f}x)"
+    return f"{cell} / {minimum:,.0f}"
+  return f"{cell} / {minimum:,.0f} ({measured / minimum:.1f}x)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -394,8 +399,10 @@ def main(argv=None) -> int:
     for r in rows:
       print(f"  T={r['T']:>6}  full {r['full_cache_bytes']:>13,}  " + "  ".join(
           f"{b} {r[f'{b}_cache_bytes']:>11,} ({r[f'{b}_state_rows']} rows)" for b in args.budgets))
-    print("decode bytes per step: XLA's count for the compiled step (KVM: the branch of the "
-          "chunk-boundary fold included) / the minimum the step must move (ratio):")
+    print("decode bytes per step: XLA's count for the compiled step (KVM: both branches of the "
+          "chunk-boundary fold included) [the token's attention over the cache alone: what a step "
+          "between folds moves, and its ratio to the minimum] / the minimum the step must move "
+          "(ratio):")
     for r in rows:
       print(f"  T={r['T']:>6}  " + "  ".join(
           f"{arm} {decode_bytes_cell(r, arm)}" for arm in ["full"] + args.budgets))

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from kvm_jax.ops.kvm.api import kvm_decode_step, kvm_prefill
-from kvm_jax.ops.kvm.decode import kvm_init_cache
+from kvm_jax.ops.kvm.decode import cached_readout, decode_attention, kvm_init_cache
+from kvm_jax.ops.kvm.state import temperatures
 
 
 def median_ms(fn, *args, repeats: int, warmup: int = 1) -> float:
@@ -96,8 +97,28 @@ def time_kvm_decode(cfg, params, q, k, v, g, T: int, n: int, implementation: str
                  donate_argnums=(4,))
   token = lambda t: (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1])
   compiled = step.lower(*token(T), cache).compile()
+  accessed = None
+  if return_bytes_accessed:
+    accessed = {"step": bytes_accessed(compiled),
+                "attend": attend_bytes_accessed(cfg, params, q[:, T:T + 1], cache)}
   times, cache = timed_steps(compiled, token, cache, T, n)
-  return (times, cache, bytes_accessed(compiled)) if return_bytes_accessed else (times, cache)
+  return (times, cache, accessed) if return_bytes_accessed else (times, cache)
+
+
+def attend_bytes_accessed(cfg, params, q_t, cache) -> Optional[float]:
+  """XLA's bytes accessed by the XLA path's attention of one token over the cache (the cached
+  readout and the ring; no fold, no ring write): what every step moves between folds. (The
+  compiled step counts both branches of its fold conditional, so its figure is not the
+  steady state.)"""
+  H, Hkv = q_t.shape[2], cache.window_keys.shape[2]
+
+  def attend(q_t, cache):
+    state_keys, state_values = cached_readout(cache, cfg, H // Hkv)
+    return decode_attention(q_t, state_keys, state_values, cache.state.num_rows,
+                            cache.window_keys, cache.window_values, cache.length,
+                            *temperatures(params, cfg, Hkv), cfg)
+
+  return bytes_accessed(jax.jit(attend).lower(q_t, cache).compile())
 
 
 def time_full_decode(q, k, v, T: int, n: int, return_bytes_accessed: bool = False):

@@ -140,11 +140,16 @@ def joint_attention_heads(q: Array, state_keys: Array, state_values: Array, stat
   compute dtype, as in the authors' readout (docs/kvm-spec.md §6.1); one score matrix over the
   concatenated ``[state ; window]`` keys then takes one masked softmax. Scaling ``(R+W)·D`` keys
   instead of ``Tq·(R+W)`` scores, with one matmul per side instead of two, makes the XLA:CPU
-  readout about twice as fast as scoring the two parts apart.
+  readout about twice as fast as scoring the two parts apart. For one query (a decode step) the
+  scores are scaled instead, which moves fewer bytes there (the tests run both forms: chunks in
+  the scan, single tokens in decode).
   """
+  B, Hkv, G, Tq, D = q.shape
+  if Tq == 1:  # a decode step: scaling scores is the cheaper side, and no concatenation
+    return _joint_attention_one_query(q, state_keys, state_values, state_valid, window_keys,
+                                      window_values, window_valid, state_temp, window_temp)
   dtype = q.dtype
   precision = precision_for(dtype)
-  B, Hkv, G, Tq, D = q.shape
   R, W = state_keys.shape[2], window_keys.shape[2]
   scale = 1.0 / np.sqrt(D)
   mm = matmul_operand
@@ -172,6 +177,38 @@ def joint_attention_heads(q: Array, state_keys: Array, state_values: Array, stat
     spec = "bhgqk,bhkv->bhgqv"
   out = jnp.einsum(spec, mm(p.astype(value_dtype)), mm(values), precision=precision,
                    preferred_element_type=f32)
+  return out / denom
+
+
+def _joint_attention_one_query(q, state_keys, state_values, state_valid, window_keys,
+                               window_values, window_valid, state_temp, window_temp):
+  """:func:`joint_attention_heads` for one query per head (a decode step): the temperatures
+  multiply the ``Tq·(R+W)`` scores instead of the ``(R+W)·D`` keys, and the state and the window
+  are scored apart, so a step reads the cache once and writes no scaled copy of it. Same math;
+  float32 results agree with the key-scaled form to rounding."""
+  dtype = q.dtype
+  precision = precision_for(dtype)
+  B, Hkv, G, Tq, D = q.shape
+  R, W = state_keys.shape[2], window_keys.shape[2]
+  mm = matmul_operand
+  f32 = jnp.float32
+  scale = lambda temp: (temp.astype(f32) / np.sqrt(D))[None, :, :, None, None]  # [1,Hkv,G,1,1]
+  s_state = jnp.einsum("bhgqd,bhrd->bhgqr", mm(q), mm(state_keys.astype(dtype)),
+                       precision=precision, preferred_element_type=f32) * scale(state_temp)
+  s_window = jnp.einsum("bhgqd,bhwd->bhgqw", mm(q), mm(window_keys.astype(dtype)),
+                        precision=precision, preferred_element_type=f32) * scale(window_temp)
+  s_state = jnp.where(jnp.broadcast_to(state_valid, (Tq, R)), s_state, MASKED)
+  s_window = jnp.where(jnp.broadcast_to(window_valid, (Tq, W)), s_window, MASKED)
+  row_max = jax.lax.stop_gradient(jnp.maximum(jnp.max(s_state, axis=-1, keepdims=True),
+                                              jnp.max(s_window, axis=-1, keepdims=True)))
+  p_state, p_window = jnp.exp(s_state - row_max), jnp.exp(s_window - row_max)
+  denom = jnp.sum(p_state, axis=-1, keepdims=True) + jnp.sum(p_window, axis=-1, keepdims=True)
+  value_dtype = window_values.dtype
+  spec = "bhgqr,bhgrv->bhgqv" if state_values.ndim == 5 else "bhgqr,bhrv->bhgqv"
+  out = jnp.einsum(spec, mm(p_state.astype(value_dtype)), mm(state_values.astype(value_dtype)),
+                   precision=precision, preferred_element_type=f32)
+  out = out + jnp.einsum("bhgqw,bhwv->bhgqv", mm(p_window.astype(value_dtype)),
+                         mm(window_values), precision=precision, preferred_element_type=f32)
   return out / denom
 
 
