@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -59,7 +60,7 @@ def _loss(cfg, remat, ops=XLA_OPS):
   return loss
 
 
-@pytest.mark.parametrize("name", in_ci(sorted(CONFIGS), {"sqrt_nb3", "saturating_runs", "short"}))
+@pytest.mark.parametrize("name", in_ci(sorted(CONFIGS), {"sqrt_nb3", "short"}))
 def test_checkpointed_backward_equals_plain_autodiff(name):
   cfg, args = _setup(name)
   sched = kj.kvm_schedule(cfg, args[0].shape[1])
@@ -111,7 +112,7 @@ def _primitives(jaxpr, found=None):
   found = set() if found is None else found
   for eqn in jaxpr.eqns:
     found.add(eqn.primitive.name)
-    for sub in jax.core.jaxprs_in_params(eqn.params):
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       _primitives(sub, found)
   return found
 

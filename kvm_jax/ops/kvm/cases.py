@@ -193,6 +193,9 @@ CASES: tuple[Case, ...] = (
          value_dim=16, dtype="bfloat16", uses=frozenset({"kernels"})),
     Case("three_window_chunks_kernels", _kernel(budget=_SQRT_SMALL, sink_rows=1, window_chunks=3),
          70, head_dim=16, value_dim=16, uses=frozenset({"kernels"})),
+    # a group of 3 query heads per KV head (not a power of two)
+    Case("gqa3_kernels", _kernel(budget=_SQRT_SMALL, sink_rows=1), 47, heads=6, kv_heads=2,
+         head_dim=16, value_dim=16, uses=frozenset({"kernels"})),
     # kvm-check, small (any machine, seconds) and at the paper's operator geometry (GPU/TPU).
     Case("fixed, sink 1", _kernel(budget=_FIXED_SMALL, sink_rows=1), 75, heads=4, kv_heads=4,
          head_dim=16, value_dim=16, uses=frozenset({"check-small"})),
