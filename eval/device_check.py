@@ -263,15 +263,9 @@ class Recorder:
 
 
 def median_ms(fn, args, repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
-  """Median wall time (ms) of ``fn(*args)``, outputs blocked on, after ``warmup`` calls."""
-  import jax
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    samples.append((time.perf_counter() - start) * 1e3)
+  """Median wall time (ms) of ``fn(*args)`` and the samples (``kvm_jax.eval.timing``)."""
+  from kvm_jax.eval.timing import sample_ms
+  samples = sample_ms(fn, *args, repeats=repeats, warmup=warmup)
   return statistics.median(samples), samples
 
 

@@ -19,8 +19,9 @@ from kvm_jax.ops.kvm.decode import cached_readout, decode_attention, kvm_init_ca
 from kvm_jax.ops.kvm.state import temperatures
 
 
-def median_ms(fn, *args, repeats: int, warmup: int = 1) -> float:
-  """Median wall time in ms of ``fn(*args)`` (outputs blocked on) after ``warmup`` calls."""
+def sample_ms(fn, *args, repeats: int, warmup: int = 1) -> list[float]:
+  """Wall times in ms of ``repeats`` calls of ``fn(*args)`` (outputs blocked on) after ``warmup``
+  calls."""
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
   samples = []
@@ -28,7 +29,12 @@ def median_ms(fn, *args, repeats: int, warmup: int = 1) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     samples.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(samples)
+  return samples
+
+
+def median_ms(fn, *args, repeats: int, warmup: int = 1) -> float:
+  """Median wall time in ms of ``fn(*args)`` (outputs blocked on) after ``warmup`` calls."""
+  return statistics.median(sample_ms(fn, *args, repeats=repeats, warmup=warmup))
 
 
 def full_attention_impl() -> str:

@@ -38,10 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.sharding import PartitionSpec as P
 
 from kvm_jax.kernels import backend
-from kvm_jax.kernels.sharding import layout
+from kvm_jax.kernels.sharding import per_shard
 from kvm_jax.ops.common import MASKED
 
 Array = jax.Array
@@ -351,32 +350,6 @@ def _merge(m, l, acc):
   return jnp.sum(w * acc, axis=2) / jnp.sum(w * l, axis=2)
 
 
-def _run_per_shard(fn, args, kinds, B: int, Hkv: int, axes):
-  """``fn(*args)`` (-> ``[B, Hkv, ...]``), inside ``shard_map`` when a mesh splits the batch or KV
-  heads (the plan of :func:`kvm_jax.kernels.sharding.layout`, as ``per_shard`` does). Besides
-  ``per_shard``'s "bh"/"h"/"r", kind "bth" is a time-major ``[B, L, Hkv, ...]`` array (the ring),
-  split on axes 0 and 2 — so the ring is passed unreshaped and viewed as ``[B, L, Hkv·D]`` inside
-  each shard."""
-  plan = layout(B, Hkv, axes)
-  if plan is None:
-    return fn(*args)
-  mesh, batch_axes, head_axis = plan
-
-  def spec(kind, ndim):
-    if kind == "bh":
-      return P(batch_axes, head_axis, *([None] * (ndim - 2)))
-    if kind == "bth":
-      return P(batch_axes, None, head_axis, *([None] * (ndim - 3)))
-    if kind == "h":
-      return P(head_axis, *([None] * (ndim - 1)))
-    return P(*([None] * ndim))
-
-  in_specs = tuple(spec(k, np.ndim(a)) for k, a in zip(kinds, args))
-  out_ndim = len(jax.eval_shape(fn, *args).shape)
-  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec("bh", out_ndim),
-                       check_vma=False)(*args)
-
-
 def decode_attention_pallas(q_t: Array, state_keys: Array, state_values: Array, num_rows: Array,
                             window_keys: Array, window_values: Array, t: Array, state_temp: Array,
                             window_temp: Array, cfg, *, kc: backend.KernelConfig,
@@ -430,7 +403,8 @@ def decode_attention_pallas(q_t: Array, state_keys: Array, state_values: Array, 
         blocks=blocks, kc=kc)
     return _merge(m, lsum, acc)
 
-  y = _run_per_shard(run, (bounds, q, *scales, state_keys, state_values, window_keys,
-                           window_values),
-                     ("r", "bh", "h", "h", "bh", "bh", "bth", "bth"), B, Hkv, kc.shard_axes)
+  # the ring is passed unreshaped ("bth": split on batch and heads) and viewed as [B, L, Hkv·D]
+  # inside each shard
+  y = per_shard(run, (bounds, q, *scales, state_keys, state_values, window_keys, window_values),
+                ("r", "bh", "h", "h", "bh", "bh", "bth", "bth"), "bh", B, Hkv, kc.shard_axes)
   return y[:, None, :, :G]

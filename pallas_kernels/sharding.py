@@ -15,7 +15,7 @@ knows no mesh convention of its own.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import jax
 import numpy as np
@@ -54,12 +54,15 @@ def layout(batch: int, kv_heads: int, axes: ShardAxes):
   return mesh, tuple(batch_axes) or None, head_axis
 
 
-def per_shard(fn: Callable, args: Sequence, kinds: Sequence[str], out_kinds: Sequence[str],
+def per_shard(fn: Callable, args: Sequence, kinds: Sequence[str],
+              out_kinds: Union[str, Sequence[str]],
               batch: int, kv_heads: int, axes: ShardAxes):
   """Calls ``fn(*args)``, inside ``shard_map`` when a mesh splits batch or KV heads.
 
   ``kinds``/``out_kinds`` say how each argument / output is laid out: "bh" (``[B, Hkv, ...]``),
-  "h" (``[Hkv, ...]``) or "r" (replicated).
+  "bth" (time-major ``[B, T, Hkv, ...]``, e.g. a decode ring), "h" (``[Hkv, ...]``) or "r"
+  (replicated). ``out_kinds`` is a sequence for a function returning a tuple, or one kind for a
+  function returning one array.
   """
   plan = layout(batch, kv_heads, axes)
   if plan is None:
@@ -69,12 +72,17 @@ def per_shard(fn: Callable, args: Sequence, kinds: Sequence[str], out_kinds: Seq
   def spec(kind, ndim):
     if kind == "bh":
       return P(batch_axes, head_axis, *([None] * (ndim - 2)))
+    if kind == "bth":
+      return P(batch_axes, None, head_axis, *([None] * (ndim - 3)))
     if kind == "h":
       return P(head_axis, *([None] * (ndim - 1)))
     return P(*([None] * ndim))
 
   in_specs = tuple(spec(k, np.ndim(a)) for k, a in zip(kinds, args))
   out_shapes = jax.eval_shape(fn, *args)
-  out_specs = tuple(spec(k, len(o.shape)) for k, o in zip(out_kinds, out_shapes))
+  if isinstance(out_kinds, str):
+    out_specs = spec(out_kinds, len(out_shapes.shape))
+  else:
+    out_specs = tuple(spec(k, len(o.shape)) for k, o in zip(out_kinds, out_shapes))
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                        check_vma=False)(*args)

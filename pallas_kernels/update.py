@@ -170,8 +170,7 @@ def _scores(x, rows, lo, hi, argmax: bool, kc: backend.KernelConfig):
         name="kvm_route_argmax" if argmax else "kvm_route_novelty",
     )(bounds, x.astype(jnp.float32), rows)
 
-  out, = per_shard(lambda *a: (call(*a),), (bounds, x, rows), ("r", "bh", "bh"), ("bh",), B,
-                   Hkv, kc.shard_axes)
+  out = per_shard(call, (bounds, x, rows), ("r", "bh", "bh"), "bh", B, Hkv, kc.shard_axes)
   return out[..., 0]
 
 
@@ -233,10 +232,9 @@ def _add_rows_call(rows, index, updates, kc):
         name="kvm_add_rows",
     )(index, updates, rows)
 
-  out, = per_shard(lambda *a: (call(*a),),
-                   (index[:, :, None, :].astype(jnp.int32), updates.astype(jnp.float32),
-                    padded.astype(jnp.float32)), ("bh", "bh", "bh"), ("bh",), B, Hkv,
-                   kc.shard_axes)
+  out = per_shard(call, (index[:, :, None, :].astype(jnp.int32), updates.astype(jnp.float32),
+                        padded.astype(jnp.float32)), ("bh", "bh", "bh"), "bh", B, Hkv,
+                  kc.shard_axes)
   return out[:, :, :R]
 
 

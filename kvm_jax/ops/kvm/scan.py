@@ -178,6 +178,7 @@ class _Plan:
   row_update: str
   runs: tuple[Run, ...]
   n_append: tuple[int, ...]
+  rows_before: tuple[int, ...]  # valid state rows when each chunk attends (the schedule's)
   num_chunks: int
   initial_rows: int
   capacity: int
@@ -366,14 +367,13 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
   heads = tuple(jnp.zeros((*x.shape[:T], overlap, *x.shape[T + 1:]), f32)
                 for x in (k_ext, v_ext, g_ext))
   dparams = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, f32), params)
-  rows_before = _rows_at_chunk_start(plan)
 
   def block_grad(carry, first, count: int, run: Run, state_in, dy_blk, given):
     d_state, heads, dparams = carry
     q_blk = _slice(q_p, first * C, count * C, Q_TIME)
     k_blk, v_blk, g_blk = (_slice(x, first * C, count * C + overlap, T)
                            for x in (k_ext, v_ext, g_ext))
-    num_rows = jnp.asarray(rows_before, jnp.int32)[first]
+    num_rows = jnp.asarray(plan.rows_before, jnp.int32)[first]
 
     def f(state_arrays, params, q_blk, k_blk, v_blk, g_blk):
       state, (y, _) = _scan_chunks(plan, run, params, _state(state_arrays, num_rows), first,
@@ -440,15 +440,6 @@ def _merge_blocks(x: Array, time_axis: int) -> Array:
                    *shape[time_axis + 2:])
 
 
-def _rows_at_chunk_start(plan: _Plan) -> tuple[int, ...]:
-  """Valid state rows when each chunk starts (and after the last), from the static schedule."""
-  rows = [plan.initial_rows]
-  for c in range(plan.num_chunks):
-    run = next(r for r in plan.runs if r.start <= c < r.stop)
-    rows.append(rows[-1] + (plan.n_append[c] if run.update else 0))
-  return tuple(rows)
-
-
 # ----------------------------------------------------------------------------------------------
 # The scan
 # ----------------------------------------------------------------------------------------------
@@ -487,9 +478,9 @@ def kvm_attention_scan(q: Array, k: Array, v: Array, merge_gate: Array, params: 
   sched = kvm_schedule(cfg, T)
   nC = sched.num_chunks
   plan = _Plan(cfg=cfg, ops=ops, row_update=row_update, runs=schedule_runs(sched),
-               n_append=tuple(sched.n_append), num_chunks=nC, initial_rows=sched.initial_rows,
-               capacity=sched.final_rows, block=max(1, math.isqrt(nC - 1) + 1),
-               out_dtype=jnp.dtype(q.dtype))
+               n_append=tuple(sched.n_append), rows_before=tuple(sched.rows_before),
+               num_chunks=nC, initial_rows=sched.initial_rows, capacity=sched.final_rows,
+               block=max(1, math.isqrt(nC - 1) + 1), out_dtype=jnp.dtype(q.dtype))
   # Head-major once per sequence (Q_TIME, KV_TIME), time padded to whole chunks; keys, values
   # and gates also get (nb-1) chunks in front, so chunk c's window is time steps [c·C, (c+nb)·C)
   # (the front is masked by window_mask).
