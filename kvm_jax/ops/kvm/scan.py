@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig
@@ -215,26 +216,45 @@ def _chunk(plan: _Plan, run: Run, params: KVMParams, state: KVMState, c, local, 
   chunk leaving the window. Its queries are time steps ``[local·C, local·C + C)`` of ``q_src``;
   its window is time steps ``[local·C, local·C + nb·C)`` of ``k_src``/``v_src`` (front-padded by
   ``(nb-1)·C``: chunk ``c``'s window starts ``(nb-1)`` chunks earlier), whose first ``C`` are the
-  overflow chunk. Returns ``(state, y [B, Hkv, G, C, Dv], (dest, target))``."""
+  overflow chunk. Returns ``(state, y [B, Hkv, G, C, Dv], (dest, target))``.
+
+  Masks are constants wherever the schedule decides them: a chunk that sees the state is at or
+  past the window (``c >= nb``), so its window lies inside the sequence and its mask is the
+  causal one; its state rows are all valid when every chunk of its run sees a full state. A
+  front chunk with a static index drops the window slots before the sequence start instead of
+  masking them (chunk 0 scores ``C`` keys instead of ``nb·C``)."""
   cfg, ops = plan.cfg, plan.ops
   C, nb, R = cfg.chunk_size, cfg.window_chunks, plan.capacity
   B, Hkv, G = q_src.shape[:3]
   q_c = _slice(q_src, local * C, C, Q_TIME)                     # [B, Hkv, G, C, D]
   win_k = _slice(k_src, local * C, nb * C, KV_TIME)             # [B, Hkv, nb·C, D]
   win_v = _slice(v_src, local * C, nb * C, KV_TIME)
-  state_keys, state_values = state_readout(state, params, cfg, G)
+  # The front (no state seen, nothing folded) needs no readout of the state.
+  state_keys, state_values = (state_readout(state, params, cfg, G) if run.visible or run.update
+                              else (None, None))
   state_temp, window_temp = temperatures(params, cfg, Hkv)
   if run.visible:
-    state_valid = (jnp.arange(R) < state.num_rows)[None, :]
+    if all(plan.rows_before[i] == R for i in range(run.start, run.stop)):
+      state_valid = np.ones((1, R), bool)
+    else:
+      state_valid = (jnp.arange(R) < state.num_rows)[None, :]
     y = ops.attend_heads(q_c, state_keys, state_values, state_valid, win_k, win_v,
-                         window_mask(c, C, nb), state_temp, window_temp)
+                         window_mask(nb, C, nb), state_temp, window_temp)
   else:
-    # The causal front sees no state: one masked row stands in for it (exact: its weight is
-    # exp(MASKED - max) = 0, and every query sees at least itself in the window). Reading all R
-    # rows only to mask them would cost R columns per query, and XLA constant-folds the masks.
-    one_row = lambda x: jax.lax.slice_in_dim(x, 0, 1, axis=x.ndim - 2)
-    y = ops.attend_heads(q_c, one_row(state_keys), one_row(state_values),
-                         jnp.zeros((1, 1), bool), win_k, win_v, window_mask(c, C, nb),
+    # The causal front sees no state: one masked zero row stands in for it (exact: its weight
+    # is exp(MASKED - max) = 0, and every query sees at least itself in the window). Reading all
+    # R rows only to mask them would cost R columns per query.
+    zeros = lambda x: jnp.zeros((B, Hkv, 1, x.shape[-1]), jnp.float32)  # noqa: E731
+    no_state = KVMState(keys=zeros(q_src), values=zeros(v_src),
+                        radius=jnp.zeros((B, Hkv, 1), jnp.float32),
+                        num_rows=jnp.zeros((), jnp.int32))
+    row_keys, row_values = state_readout(no_state, params, cfg, G)
+    mask = window_mask(c, C, nb)
+    before = max(0, nb - 1 - c) * C if isinstance(c, int) else 0
+    if before:  # a static front chunk: the slots before the sequence start are not read at all
+      win_k, win_v = (jax.lax.slice_in_dim(x, before, nb * C, axis=KV_TIME) for x in (win_k, win_v))
+      mask = mask[:, before:]
+    y = ops.attend_heads(q_c, row_keys, row_values, np.zeros((1, 1), bool), win_k, win_v, mask,
                          state_temp, window_temp)
   y = y.astype(plan.out_dtype)
   none = jnp.full((B, Hkv, C), R, jnp.int32)  # "no row": the decisions of a chunk without a fold
@@ -255,7 +275,10 @@ def _scan_chunks(plan: _Plan, run: Run, params, state, first, count: int, base, 
   """Chunks ``first .. first + count - 1`` of ``run`` (``first`` may be traced, ``count`` is
   static) in one ``lax.scan``; ``base`` is the chunk at row 0 of the sources. ``routing``:
   decisions to apply, ``[count, B, Hkv, C]`` each, or None to compute them.
-  Returns ``(state, (y [count, B, Hkv, G, C, Dv], decisions))``."""
+  Returns ``(state, (y [count, B, Hkv, G, C, Dv], decisions))``.
+
+  The causal front (at most ``window_chunks`` chunks) is unrolled when ``first`` is static, so
+  each of its chunks knows its index and reads only the window slots inside the sequence."""
 
   def step(state, x):
     i, routing_c = x
@@ -266,6 +289,20 @@ def _scan_chunks(plan: _Plan, run: Run, params, state, first, count: int, base, 
 
   if remat_chunks:
     step = jax.checkpoint(step, prevent_cse=False)
+  if isinstance(first, int) and isinstance(base, int) and not run.visible:
+    outs = []
+    for i in range(count):
+      c = first + i
+
+      def one(state, routing_c, c=c):
+        return _chunk(plan, run, params, state, c, c - base, q_src, k_src, v_src, g_src,
+                      routing_c)
+
+      if remat_chunks:
+        one = jax.checkpoint(one, prevent_cse=False)
+      state, y, decisions = one(state, None if routing is None else tuple(r[i] for r in routing))
+      outs.append((y, decisions))
+    return state, jax.tree_util.tree_map(lambda *x: jnp.stack(x), *outs)
   return jax.lax.scan(step, state, (jnp.arange(count, dtype=jnp.int32), routing))
 
 
@@ -326,7 +363,11 @@ def _forward_checkpointed_fwd(plan, params, state0, q_p, k_ext, v_ext, g_ext, ro
                                      g_ext, given)
         return state, (state_in, y, d)
 
-      state, (starts, y, d) = jax.lax.scan(block, state, jnp.arange(full, dtype=jnp.int32))
+      if full == 1:  # one block: its first chunk stays static (see _scan_chunks)
+        state, out = block(state, 0)
+        starts, y, d = jax.tree_util.tree_map(lambda x: x[None], out)
+      else:
+        state, (starts, y, d) = jax.lax.scan(block, state, jnp.arange(full, dtype=jnp.int32))
       block_states.append(starts)
       ys.append(y.reshape(full * S, *y.shape[2:]))
       decisions.append(tuple(x.reshape(full * S, *x.shape[2:]) for x in d))
@@ -414,10 +455,14 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
         given = tuple(jax.lax.dynamic_slice_in_dim(d, first, S, 0) for d in decisions)
         return block_grad(carry, first, S, run, state_in, dy_blk, given)
 
-      carry, stacked = jax.lax.scan(step, carry, (jnp.arange(full, dtype=jnp.int32), starts),
-                                    reverse=True)
-      pieces.append(tuple(_merge_blocks(x, axis)
-                          for x, axis in zip(stacked, (Q_TIME, T, T, T))))
+      if full == 1:  # one block: its first chunk stays static (see _scan_chunks)
+        carry, piece = step(carry, (0, jax.tree_util.tree_map(lambda x: x[0], starts)))
+        pieces.append(piece)
+      else:
+        carry, stacked = jax.lax.scan(step, carry, (jnp.arange(full, dtype=jnp.int32), starts),
+                                      reverse=True)
+        pieces.append(tuple(_merge_blocks(x, axis)
+                            for x, axis in zip(stacked, (Q_TIME, T, T, T))))
   d_state, heads, dparams = carry
   pieces = pieces[::-1]
   dq = jnp.concatenate([p[0] for p in pieces], axis=Q_TIME)
