@@ -277,8 +277,8 @@ def routing_ops(kc: backend.KernelConfig) -> RoutingOps:
 
 def update_state_pallas(state: KVMState, overflow_k, overflow_v, overflow_g, n_append, params,
                         cfg, row_update="auto", read_keys=None, routing=None,
-                        return_routing=False, may_append=True, head_major=False, *,
-                        kc: backend.KernelConfig):
+                        return_routing=False, may_append=True, head_major=False,
+                        rows_after=None, *, kc: backend.KernelConfig):
   """Drop-in for :func:`kvm_jax.ops.kvm.state.update_state` with the tiled kernels. Given
   decisions (shared routing, the backward's replay) need no scores; they are accumulated by
   :func:`add_rows` all the same."""
@@ -288,4 +288,4 @@ def update_state_pallas(state: KVMState, overflow_k, overflow_v, overflow_g, n_a
   return update_state(state, overflow_k, overflow_v, overflow_g, n_append, params, cfg,
                       read_keys=read_keys, routing=routing, return_routing=return_routing,
                       may_append=may_append, routing_ops=routing_ops(kc),
-                      head_major=head_major)
+                      head_major=head_major, rows_after=rows_after)

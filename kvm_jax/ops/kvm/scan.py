@@ -233,8 +233,12 @@ def _chunk(plan: _Plan, run: Run, params: KVMParams, state: KVMState, c, local, 
   state_keys, state_values = (state_readout(state, params, cfg, G) if run.visible or run.update
                               else (None, None))
   state_temp, window_temp = temperatures(params, cfg, Hkv)
+  # Whether every chunk of this run sees a full state and appends nothing (a fixed budget after
+  # its first chunk): the state and merge masks are then all-true, known at trace time.
+  full = all(plan.rows_before[i] == R and plan.n_append[i] == 0
+             for i in range(run.start, run.stop))
   if run.visible:
-    if all(plan.rows_before[i] == R for i in range(run.start, run.stop)):
+    if full:
       state_valid = np.ones((1, R), bool)
     else:
       state_valid = (jnp.arange(R) < state.num_rows)[None, :]
@@ -266,7 +270,7 @@ def _chunk(plan: _Plan, run: Run, params: KVMParams, state: KVMState, c, local, 
   state, decisions = ops.update(state, overflow(win_k), overflow(win_v), overflow_g, n_append,
                                 params, cfg, plan.row_update, state_keys, routing=routing_c,
                                 return_routing=True, may_append=run.may_append,
-                                head_major=True)
+                                head_major=True, rows_after=R if full else None)
   return state, y, decisions
 
 

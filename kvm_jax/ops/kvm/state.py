@@ -331,10 +331,16 @@ def novelty_scores(k_bar: Array, read: Array, num_rows: Array) -> Array:
   return jnp.max(jnp.where(jnp.arange(read.shape[2]) < num_rows, sim, -jnp.inf), axis=-1)
 
 
-def merge_targets(k_gated: Array, read: Array, first_row: int, stop_row: Array) -> Array:
+def merge_targets(k_gated: Array, read: Array, first_row: int, stop_row: Array | int) -> Array:
   """First argmax over rows ``[first_row, stop_row)`` of ``k_gated · read`` per token (int32).
 
-  ``k_gated [B, Hkv, C, D]``, ``read [B, Hkv, R, D]`` -> ``[B, Hkv, C]``."""
+  ``k_gated [B, Hkv, C, D]``, ``read [B, Hkv, R, D]`` -> ``[B, Hkv, C]``. A static ``stop_row``
+  equal to ``R`` (a full state the schedule knows of) scores only rows ``[first_row, R)`` and
+  needs no mask."""
+  if isinstance(stop_row, int) and stop_row == read.shape[2]:
+    read = jax.lax.slice_in_dim(read, first_row, stop_row, axis=2)
+    logits = jnp.einsum("bhcd,bhrd->bhcr", k_gated, read, precision=jax.lax.Precision.HIGHEST)
+    return (first_argmax(logits) + first_row).astype(jnp.int32)
   logits = jnp.einsum("bhcd,bhrd->bhcr", k_gated, read, precision=jax.lax.Precision.HIGHEST)
   row = jnp.arange(read.shape[2])
   return first_argmax(jnp.where((row >= first_row) & (row < stop_row), logits, -jnp.inf))
@@ -356,7 +362,7 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
                  row_update: str = "auto", read_keys: Array | None = None,
                  routing: tuple[Array, Array] | None = None, return_routing: bool = False,
                  may_append: bool = True, routing_ops: RoutingOps = RoutingOps(),
-                 head_major: bool = False):
+                 head_major: bool = False, rows_after: int | None = None):
   """Folds one overflow chunk into the state (docs/kvm-spec.md §6.7).
 
   The ``n_append`` tokens least similar to the current state become new rows (in token order); every
@@ -381,6 +387,9 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
       and with ``n_append = 0`` the append is an exact no-op, so selecting loses nothing).
     routing_ops: the score reductions and row accumulation (:class:`RoutingOps`; XLA by default).
     head_major: the overflow arrays are ``[B, Hkv, C, ·]`` (the scan's layout) instead.
+    rows_after: ``num_rows + n_append`` when the static schedule knows it (the scan passes the
+      capacity for a fixed budget's full state), so the merge scores need no row mask; None:
+      taken from the traced row count.
   Returns:
     The updated state with ``num_rows + n_append`` rows (and the routing if asked). Routing
     decisions carry no gradient; the merged sums, appended rows and radii are differentiable.
@@ -417,7 +426,7 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
       dest = jnp.full(rows.k_bar.shape[:3], R, jnp.int32)
     # Merge: gated key vs the post-append rows, sinks excluded, first index wins ties.
     target = routing_ops.targets(jax.lax.stop_gradient(rows.k_gated), new_read, cfg.sink_rows,
-                                 m_new)                                               # [B,Hkv,C]
+                                 m_new if rows_after is None else rows_after)         # [B,Hkv,C]
     target = jnp.where(dest < R, R, target).astype(jnp.int32)  # appended tokens merge nowhere
   keys = add_rows(keys, target, rows.k_gated)
   values = add_rows(values, target, rows.v_gated)
