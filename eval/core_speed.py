@@ -88,7 +88,7 @@ def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   cfg = kj.KVMConfig(chunk_size=args.chunk_size, window_chunks=args.window_chunks, sink_rows=1,
-                     rope_dims=min(64, args.head_dim // 2 * 2),
+                     rope_dims=min(64, args.head_dim // 4 * 2),  # half rotary (speed.py)
                      budget=kj.FixedBudget(rows=args.state_rows))
   params = kj.KVMParams.init(args.head_dim, args.heads)
   print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; "

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 
+import jax.numpy as jnp
 import pytest
 
+import kvm_jax as kj
 from kvm_jax.eval import speed
 
 
@@ -52,6 +54,28 @@ def test_whole_model_decode_rate(tmp_path, capsys):
 def test_kvm_bench_needs_something_to_time():
   with pytest.raises(SystemExit, match="nothing to time"):
     speed.main(["--phases", ""])
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_bench_config_routes_on_real_key_content(head_dim):
+  """The benchmark's state keys keep non-rotary channels, so routing is not degenerate (with
+  every channel rotary, prep(k) is all zeros and every token merges into the first non-sink
+  row); at the paper's head_dim it is the paper's 64 rotary channels."""
+  import numpy as np
+  from kvm_jax.ops.kvm.state import merge_targets, prepare_state_keys
+
+  cfg = speed.kvm_config("fixed256", head_dim)
+  assert 0 < cfg.rope_dims < head_dim and cfg.rope_dims % 2 == 0
+  if head_dim == 128:
+    assert cfg.rope_dims == 64
+  params = kj.KVMParams.init(head_dim, 2)
+  rng = np.random.default_rng(0)
+  keys = jnp.asarray(rng.standard_normal((1, 2, 64, head_dim)), jnp.float32)
+  rows = jnp.asarray(rng.standard_normal((1, 2, 32, head_dim)), jnp.float32)
+  prepared = prepare_state_keys(keys, params, cfg)
+  read = prepare_state_keys(rows, params, cfg)
+  targets = merge_targets(prepared, read, cfg.sink_rows, 32)
+  assert len(np.unique(np.asarray(targets))) > 4  # tokens spread over many rows
 
 
 def test_kvm_decode_min_bytes_by_hand():
