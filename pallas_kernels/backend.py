@@ -15,6 +15,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from kvm_jax.kernels.sharding import ShardAxes
 
@@ -49,6 +50,22 @@ def tpu_bytes(shape, dtype) -> int:
   sublanes = 8 * max(1, 4 // itemsize)
   return (math.prod(lead) * (-(-rows // sublanes) * sublanes) * (-(-lanes // 128) * 128)
           * itemsize)
+
+
+def tpu_vmem(pipelined, scratch) -> int:
+  """VMEM of a Mosaic kernel: every ``(shape, dtype)`` BlockSpec block twice (the pipeline
+  double-buffers them) plus the in-kernel ``scratch`` temporaries, each padded to whole tiles."""
+  return (2 * sum(tpu_bytes(s, d) for s, d in pipelined)
+          + sum(tpu_bytes(s, d) for s, d in scratch))
+
+
+def scalar_bounds_spec(kc: "KernelConfig", shape):
+  """A small int32 bounds array: scalar memory on TPU (loop bounds are scalars there), else one
+  whole-array block (grid ``(b, h, i)``)."""
+  if kc.platform == "tpu" and not kc.interpret:
+    from jax.experimental.pallas import tpu as pltpu
+    return pl.BlockSpec(memory_space=pltpu.SMEM)
+  return pl.BlockSpec(shape, lambda b, h, i: (0, 0))
 
 
 def vmem_limit_bytes(ws: WorkingSet) -> int:

@@ -88,14 +88,6 @@ def _loop_bytes(Gp: int, block: int, D: int, Dv: int, q_isz: int, kv_isz: int,
           + Gp * Dv * 4 + 4 * Gp * 4)
 
 
-def _tile_bytes(shape, dtype) -> int:
-  """Bytes of a TPU VMEM buffer: the last dim padded to 128 lanes, the one before to whole
-  sublane tiles (8 rows of 32-bit values, 16 of 16-bit)."""
-  itemsize = jnp.dtype(dtype).itemsize
-  rows, lanes = shape
-  return _round_up(rows, 8 * max(1, 4 // itemsize)) * _round_up(lanes, 128) * itemsize
-
-
 def working_set_bytes(blocks: dict, D: int, Dv: int, dtype, platform: str,
                       state_dtype=jnp.float32) -> int:
   """Bytes one program holds at once with ``blocks`` (:func:`decode_blocks`).
@@ -120,8 +112,7 @@ def working_set_bytes(blocks: dict, D: int, Dv: int, dtype, platform: str,
                  ((Gp, 1), f32), ((Gp, Dv), f32)]
     temporaries = [((Gp, step), f32)] * 3 + [((Gp, Dv), f32), ((step, D), dtype),
                                              ((step, Dv), f32)]
-    return (2 * sum(_tile_bytes(*b) for b in pipelined)
-            + sum(_tile_bytes(*b) for b in temporaries))
+    return backend.tpu_vmem(pipelined, temporaries)
   stages = 2 if p == "gpu" else 1
   return max(_loop_bytes(Gp, blocks["state_block"], D, Dv, q_isz, s_isz, stages),
              _loop_bytes(Gp, blocks["window_block"], D, Dv, q_isz, q_isz, stages))

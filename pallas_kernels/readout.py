@@ -65,7 +65,7 @@ def readout_blocks(GT: int, R: int, W: int, platform: str, interpret: bool = Fal
 
 def readout_working_set(GT, R, W, D, Dv, dtype, platform) -> backend.WorkingSet:
   """The readout (``kvm_jax.kernels.readout``) for G·Tq query rows, R state, W window rows."""
-  dense, tile, stages = backend.nbytes, backend.tpu_bytes, backend.GPU_STAGES
+  dense, stages = backend.nbytes, backend.GPU_STAGES
   WorkingSet = backend.WorkingSet
   b = readout_blocks(GT, R, W, platform)
   f32 = jnp.float32
@@ -84,17 +84,7 @@ def readout_working_set(GT, R, W, D, Dv, dtype, platform) -> backend.WorkingSet:
   # score, probabilities, exp temporaries; accumulator; running max and sum
   scratch = [((b.queries, max(b.state, b.window)), f32)] * 3 + [((b.queries, Dv), f32)] + \
       [((b.queries, 1), f32)] * 2
-  vmem = 2 * sum(tile(s, d) for s, d in blocks) + sum(tile(s, d) for s, d in scratch)
-  return WorkingSet("readout", vmem=vmem)
-
-
-def _ranges_spec(kc: backend.KernelConfig, shape):
-  """Per query block ``[state row bound, first window block, end window block, 0]`` int32:
-  scalar memory on TPU (loop bounds are scalars there)."""
-  if kc.platform == "tpu" and not kc.interpret:
-    from jax.experimental.pallas import tpu as pltpu
-    return pl.BlockSpec(memory_space=pltpu.SMEM)
-  return pl.BlockSpec(shape, lambda b, h, i: (0, 0))
+  return WorkingSet("readout", vmem=backend.tpu_vmem(blocks, scratch))
 
 
 def _readout_kernel(ranges_ref, q_ref, sk_ref, sv_ref, sbias_ref, wk_ref, wv_ref, wbias_ref,
@@ -184,7 +174,7 @@ def _forward(q, state_keys, state_values, state_bias, window_keys, window_values
   y, lse = pl.pallas_call(
       kernel,
       grid=(B, Hkv, GT // BM),
-      in_specs=[_ranges_spec(kc, ranges.shape), rows_of(D), per_head(R, D), per_head(R, Dv),
+      in_specs=[backend.scalar_bounds_spec(kc, ranges.shape), rows_of(D), per_head(R, D), per_head(R, Dv),
                 whole(1, R), per_head(W, D), per_head(W, Dv), row_mask, row_scale, row_scale],
       out_specs=[rows_of(Dv), rows_of(1)],
       out_shape=[jax.ShapeDtypeStruct((B, Hkv, GT, Dv), q.dtype),

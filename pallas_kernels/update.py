@@ -71,7 +71,7 @@ def routing_blocks(C: int, R: int, platform: str, interpret: bool = False) -> Ro
 
 def route_working_set(C, R, D, platform) -> backend.WorkingSet:
   """Either routing-score kernel (``kvm_jax.kernels.update``)."""
-  dense, tile, stages = backend.nbytes, backend.tpu_bytes, backend.GPU_STAGES
+  dense, stages = backend.nbytes, backend.GPU_STAGES
   WorkingSet = backend.WorkingSet
   b = routing_blocks(C, R, platform)
   f32, i32 = jnp.float32, jnp.int32
@@ -81,13 +81,12 @@ def route_working_set(C, R, D, platform) -> backend.WorkingSet:
     return WorkingSet("route", shared=shared, registers=registers)
   blocks = [((1, 2), i32), ((b.tokens, D), f32), ((b.rows_padded, D), f32), ((b.tokens, 1), f32)]
   scratch = [((b.tokens, b.rows), f32)] * 3 + [((b.tokens, 1), f32)] * 2
-  vmem = 2 * sum(tile(s, d) for s, d in blocks) + sum(tile(s, d) for s, d in scratch)
-  return WorkingSet("route", vmem=vmem)
+  return WorkingSet("route", vmem=backend.tpu_vmem(blocks, scratch))
 
 
 def add_rows_working_set(C, R, X, platform) -> backend.WorkingSet:
   """The row accumulation (``kvm_jax.kernels.update.add_rows``) of width X."""
-  dense, tile, stages = backend.nbytes, backend.tpu_bytes, backend.GPU_STAGES
+  dense, stages = backend.nbytes, backend.GPU_STAGES
   WorkingSet = backend.WorkingSet
   b = routing_blocks(C, R, platform)
   f32, bf16 = jnp.float32, jnp.bfloat16
@@ -100,16 +99,7 @@ def add_rows_working_set(C, R, X, platform) -> backend.WorkingSet:
   blocks = [((1, C), jnp.int32), ((C, X), f32), ((b.acc_rows, X), f32), ((b.acc_rows, X), f32)]
   scratch = [((b.acc_rows, b.acc_tokens), f32), ((b.acc_rows, X), f32)] + \
       [((b.acc_tokens, X), bf16)] * 3
-  vmem = 2 * sum(tile(s, d) for s, d in blocks) + sum(tile(s, d) for s, d in scratch)
-  return WorkingSet("add_rows", vmem=vmem)
-
-
-def _bounds_spec(kc: backend.KernelConfig):
-  """The ``[1, 2]`` int32 row bounds: scalar memory on TPU (loop bounds are scalars there)."""
-  if kc.platform == "tpu" and not kc.interpret:
-    from jax.experimental.pallas import tpu as pltpu
-    return pl.BlockSpec(memory_space=pltpu.SMEM)
-  return pl.BlockSpec((1, 2), lambda b, h, i: (0, 0))
+  return WorkingSet("add_rows", vmem=backend.tpu_vmem(blocks, scratch))
 
 
 def _scores_kernel(bounds_ref, x_ref, rows_ref, out_ref, *, row_block: int, argmax: bool,
@@ -160,7 +150,7 @@ def _scores(x, rows, lo, hi, argmax: bool, kc: backend.KernelConfig):
     return pl.pallas_call(
         kernel,
         grid=(b, h, C // T),
-        in_specs=[_bounds_spec(kc),
+        in_specs=[backend.scalar_bounds_spec(kc, (1, 2)),
                   pl.BlockSpec((None, None, T, D), lambda b, h, i: (b, h, i, 0)),
                   pl.BlockSpec((None, None, blocks.rows_padded, D), lambda b, h, i: (b, h, 0, 0))],
         out_specs=pl.BlockSpec((None, None, T, 1), lambda b, h, i: (b, h, i, 0)),

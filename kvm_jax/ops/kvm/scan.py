@@ -284,29 +284,26 @@ def _scan_chunks(plan: _Plan, run: Run, params, state, first, count: int, base, 
   The causal front (at most ``window_chunks`` chunks) is unrolled when ``first`` is static, so
   each of its chunks knows its index and reads only the window slots inside the sequence."""
 
+  def one(state, routing_c, c):
+    return _chunk(plan, run, params, state, c, c - base, q_src, k_src, v_src, g_src, routing_c)
+
+  if isinstance(first, int) and isinstance(base, int) and not run.visible:
+    if remat_chunks:
+      one = jax.checkpoint(one, prevent_cse=False, static_argnums=(2,))
+    outs = []
+    for i in range(count):
+      state, y, decisions = one(state, None if routing is None else tuple(r[i] for r in routing),
+                                first + i)
+      outs.append((y, decisions))
+    return state, jax.tree_util.tree_map(lambda *x: jnp.stack(x), *outs)
+
   def step(state, x):
     i, routing_c = x
-    c = first + i
-    state, y, decisions = _chunk(plan, run, params, state, c, c - base, q_src, k_src, v_src,
-                                 g_src, routing_c)
+    state, y, decisions = one(state, routing_c, first + i)
     return state, (y, decisions)
 
   if remat_chunks:
     step = jax.checkpoint(step, prevent_cse=False)
-  if isinstance(first, int) and isinstance(base, int) and not run.visible:
-    outs = []
-    for i in range(count):
-      c = first + i
-
-      def one(state, routing_c, c=c):
-        return _chunk(plan, run, params, state, c, c - base, q_src, k_src, v_src, g_src,
-                      routing_c)
-
-      if remat_chunks:
-        one = jax.checkpoint(one, prevent_cse=False)
-      state, y, decisions = one(state, None if routing is None else tuple(r[i] for r in routing))
-      outs.append((y, decisions))
-    return state, jax.tree_util.tree_map(lambda *x: jnp.stack(x), *outs)
   return jax.lax.scan(step, state, (jnp.arange(count, dtype=jnp.int32), routing))
 
 
@@ -340,7 +337,11 @@ def _forward(plan: _Plan, params, state0, q_p, k_ext, v_ext, g_ext, routing):
 
 
 def _blocks(plan: _Plan, run: Run) -> tuple[int, int]:
-  """(full blocks, leftover chunks) of ``run`` at ``plan.block`` chunks per block."""
+  """(full blocks, leftover chunks) of ``run`` at ``plan.block`` chunks per block. The causal
+  front (at most ``window_chunks`` chunks, no state) is one leftover piece, so its chunk indices
+  stay static (see :func:`_scan_chunks`)."""
+  if not run.visible:
+    return 0, run.length
   return run.length // plan.block, run.length % plan.block
 
 
@@ -367,11 +368,7 @@ def _forward_checkpointed_fwd(plan, params, state0, q_p, k_ext, v_ext, g_ext, ro
                                      g_ext, given)
         return state, (state_in, y, d)
 
-      if full == 1:  # one block: its first chunk stays static (see _scan_chunks)
-        state, out = block(state, 0)
-        starts, y, d = jax.tree_util.tree_map(lambda x: x[None], out)
-      else:
-        state, (starts, y, d) = jax.lax.scan(block, state, jnp.arange(full, dtype=jnp.int32))
+      state, (starts, y, d) = jax.lax.scan(block, state, jnp.arange(full, dtype=jnp.int32))
       block_states.append(starts)
       ys.append(y.reshape(full * S, *y.shape[2:]))
       decisions.append(tuple(x.reshape(full * S, *x.shape[2:]) for x in d))
@@ -459,14 +456,10 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
         given = tuple(jax.lax.dynamic_slice_in_dim(d, first, S, 0) for d in decisions)
         return block_grad(carry, first, S, run, state_in, dy_blk, given)
 
-      if full == 1:  # one block: its first chunk stays static (see _scan_chunks)
-        carry, piece = step(carry, (0, jax.tree_util.tree_map(lambda x: x[0], starts)))
-        pieces.append(piece)
-      else:
-        carry, stacked = jax.lax.scan(step, carry, (jnp.arange(full, dtype=jnp.int32), starts),
-                                      reverse=True)
-        pieces.append(tuple(_merge_blocks(x, axis)
-                            for x, axis in zip(stacked, (Q_TIME, T, T, T))))
+      carry, stacked = jax.lax.scan(step, carry, (jnp.arange(full, dtype=jnp.int32), starts),
+                                    reverse=True)
+      pieces.append(tuple(_merge_blocks(x, axis)
+                          for x, axis in zip(stacked, (Q_TIME, T, T, T))))
   d_state, heads, dparams = carry
   pieces = pieces[::-1]
   dq = jnp.concatenate([p[0] for p in pieces], axis=Q_TIME)
