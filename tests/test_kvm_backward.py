@@ -76,15 +76,21 @@ def test_checkpointed_backward_equals_plain_autodiff(name):
 
 
 def test_checkpointed_backward_bf16_inputs():
-  """bf16 inputs: gradients come back in bf16; against plain autodiff at bf16 resolution."""
+  """bf16 inputs: gradients come back in bf16, equal to float32 autodiff of the same (bf16-exact)
+  inputs at bf16 resolution, both with and without the checkpointed backward. (The scan slices
+  16-bit inputs as their bits; a bare bitcast has no derivative, which once made every q
+  gradient and most k/v gradients exactly 0 on both paths alike.)"""
   cfg, args = _setup("fixed_nb2", dtype=jnp.bfloat16)
-  g_ckpt = jax.grad(_loss(cfg, True), argnums=(0, 1, 2))(*args)
-  g_plain = jax.grad(_loss(cfg, False), argnums=(0, 1, 2))(*args)
-  for a, b in zip(g_ckpt, g_plain):
-    assert a.dtype == jnp.bfloat16
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    # both round the same float32 sums to bf16 (8 bits); a few ulps of the largest entry
-    np.testing.assert_allclose(a, b, rtol=0, atol=2 ** -6 * np.abs(b).max())
+  exact = [x.astype(jnp.float32) for x in args[:4]] + [args[4]]
+  g_ref = jax.grad(_loss(cfg, True), argnums=(0, 1, 2))(*exact)
+  for remat in (True, False):
+    grads = jax.grad(_loss(cfg, remat), argnums=(0, 1, 2))(*args)
+    for a, b in zip(grads, g_ref):
+      assert a.dtype == jnp.bfloat16
+      a, b = np.asarray(a, np.float32), np.asarray(b)
+      # bf16 matmul operands in the readout and bf16 gradients (8-bit mantissa, a few roundings
+      # per entry): observed <= 1.2% of the largest entry; a lost gradient is 100%.
+      np.testing.assert_allclose(a, b, rtol=0, atol=2 ** -5 * np.abs(b).max())
 
 
 def test_backward_applies_stored_routing():

@@ -192,17 +192,49 @@ class _Plan:
 # ----------------------------------------------------------------------------------------------
 
 
-def _slice(x: Array, start, size: int, axis: int = 1) -> Array:
-  """``x[start : start + size]`` along ``axis`` (``start`` may be traced).
+def _is_16bit_float(x: Array) -> bool:
+  return x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating)
 
-  16-bit floats are sliced as their bits (uint16): XLA:CPU has no bfloat16 dynamic slice, and its
-  float normalization would convert the *whole* loop-invariant input to float32 outside the loop
-  (a sequence-sized float32 copy per input, ~1 GiB at T = 65,536 in the backward pass)."""
-  if x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating):
-    bits = jax.lax.dynamic_slice_in_dim(jax.lax.bitcast_convert_type(x, jnp.uint16), start,
-                                        size, axis)
-    return jax.lax.bitcast_convert_type(bits, x.dtype)
+
+def _as_bits(x: Array) -> Array:
+  """16-bit floats as their bits (uint16), anything else as is: XLA:CPU has no bfloat16 dynamic
+  slice or update, and its float normalization would convert the *whole* loop-invariant or
+  loop-carried array to float32 around every access (a sequence-sized float32 copy per array,
+  ~1 GiB at T = 65,536 in the backward pass). A bitcast has no derivative: only values that are
+  not differentiated go through it bare (see :func:`_slice`)."""
+  return jax.lax.bitcast_convert_type(x, jnp.uint16) if _is_16bit_float(x) else x
+
+
+def _from_bits(x: Array, dtype) -> Array:
+  return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def _slice(x: Array, start, size: int, axis: int = 1) -> Array:
+  """``x[start : start + size]`` along ``axis`` (``start`` may be traced). Differentiable; 16-bit
+  floats are sliced as bits (:func:`_as_bits`), and so is their cotangent placed."""
+  if _is_16bit_float(x):
+    return _slice_bits(size, axis, x, start)
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _slice_bits(size: int, axis: int, x: Array, start) -> Array:
+  return _from_bits(jax.lax.dynamic_slice_in_dim(_as_bits(x), start, size, axis), x.dtype)
+
+
+def _slice_bits_fwd(size, axis, x, start):
+  # x is a residual only for its shape: it is an input of the loop, never a per-chunk copy
+  return _slice_bits(size, axis, x, start), (x, start)
+
+
+def _slice_bits_bwd(size, axis, residuals, ct):
+  x, start = residuals
+  placed = jax.lax.dynamic_update_slice_in_dim(jnp.zeros(x.shape, jnp.uint16), _as_bits(ct),
+                                               start, axis)
+  return _from_bits(placed, x.dtype), None
+
+
+_slice_bits.defvjp(_slice_bits_fwd, _slice_bits_bwd)
 
 
 # The scan's layout is head-major, prepared once per sequence: queries [B, Hkv, G, T, D] (time on
