@@ -185,6 +185,42 @@ class _Plan:
   capacity: int
   block: int            # chunks between stored states in the backward pass (about sqrt(chunks))
   out_dtype: Any
+  time_major: bool      # sources in the caller's [B, T, H, ·] layout (see SOURCE_LAYOUTS)
+
+  @property
+  def q_time(self) -> int:
+    """Time axis of the query source: ``[B, T, H, D]`` or head-major ``[B, Hkv, G, T, D]``."""
+    return 1 if self.time_major else 3
+
+  @property
+  def kv_time(self) -> int:
+    """Time axis of the key / value / gate sources: ``[B, T, Hkv, ·]`` or ``[B, Hkv, T, ·]``."""
+    return 1 if self.time_major else 2
+
+  @property
+  def overlap(self) -> int:
+    """Time steps a chunk's window reaches back before the chunk: ``(window_chunks - 1)·C``."""
+    return (self.cfg.window_chunks - 1) * self.cfg.chunk_size
+
+
+# How the scan reads its inputs. "heads": transposed once per sequence to head-major copies
+# (queries [B, Hkv, G, T, D], keys / values [B, Hkv, T, ·], gates [B, Hkv, T]), the layout the
+# fused kernels read in blocks. "time": sliced in place from the caller's [B, T, H, ·] arrays and
+# transposed per chunk inside the readout's own fusions. XLA:CPU allocates a program's temporaries
+# as one block per call, and a block over 32 MiB comes fresh from the OS, so every page of it
+# faults on first touch every call (~2 us per 4 KiB page measured on the project's 2-core VM:
+# 60 ms of a 250 ms call at T = 16,384, where the head-major copies and the stacked outputs made a
+# 120 MB block). "auto": "time" for plain XLA ops on CPU, "heads" otherwise (accelerators pool
+# their memory, and the kernels want head-major blocks).
+SOURCE_LAYOUTS = ("auto", "time", "heads")
+
+
+def _time_major(source_layout: str, ops: ChunkOps) -> bool:
+  if source_layout not in SOURCE_LAYOUTS:
+    raise ValueError(f"source_layout must be one of {SOURCE_LAYOUTS}, got {source_layout!r}.")
+  if source_layout == "auto":
+    return ops.kernel is None and jax.default_backend() == "cpu"
+  return source_layout == "time"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,18 +273,55 @@ def _slice_bits_bwd(size, axis, residuals, ct):
 _slice_bits.defvjp(_slice_bits_fwd, _slice_bits_bwd)
 
 
-# The scan's layout is head-major, prepared once per sequence: queries [B, Hkv, G, T, D] (time on
-# axis 3), keys / values [B, Hkv, T, ·] and gates [B, Hkv, T] (time on axis 2).
-Q_TIME, KV_TIME = 3, 2
+def _update_slice(x: Array, update: Array, start, axis: int = 1) -> Array:
+  """``x`` with ``update`` written at ``start`` along ``axis`` (in place in a loop carry).
+  Differentiable; 16-bit floats are written as bits (:func:`_as_bits`)."""
+  if _is_16bit_float(x):
+    return _update_slice_bits(axis, x, update, start)
+  return jax.lax.dynamic_update_slice_in_dim(x, update, start, axis)
 
 
-def _chunk(plan: _Plan, run: Run, params: KVMParams, state: KVMState, c, local, q_src, k_src,
-           v_src, g_src, routing_c):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _update_slice_bits(axis: int, x: Array, update: Array, start) -> Array:
+  return _from_bits(jax.lax.dynamic_update_slice_in_dim(_as_bits(x), _as_bits(update), start,
+                                                        axis), x.dtype)
+
+
+def _update_slice_bits_fwd(axis, x, update, start):
+  return _update_slice_bits(axis, x, update, start), (update, start)
+
+
+def _update_slice_bits_bwd(axis, residuals, ct):
+  update, start = residuals
+  size = update.shape[axis]
+  d_update = _slice_bits(size, axis, ct, start)
+  d_x = _update_slice_bits(axis, ct, jnp.zeros(update.shape, ct.dtype), start)
+  return d_x, d_update, None
+
+
+_update_slice_bits.defvjp(_update_slice_bits_fwd, _update_slice_bits_bwd)
+
+
+def _window(x: Array, start, size: int, axis: int) -> tuple[Array, int]:
+  """``(x[max(start, 0) : start + size], slots cut off before row 0)`` along ``axis``. A static
+  negative ``start`` (a front chunk, whose window reaches before the sequence) keeps only the
+  rows that exist; a traced ``start`` is never negative (only chunks past the front have one)."""
+  if isinstance(start, int) and start < 0:
+    return jax.lax.slice_in_dim(x, 0, start + size, axis=axis), -start
+  return _slice(x, start, size, axis), 0
+
+
+def _chunk(plan: _Plan, run: Run, params: KVMParams, state: KVMState, c, base: int | Array,
+           k_lead: int, q_src, k_src, v_src, g_src, routing_c):
   """Query chunk ``c`` (absolute index, may be traced) attends and, if its run folds, folds the
-  chunk leaving the window. Its queries are time steps ``[local·C, local·C + C)`` of ``q_src``;
-  its window is time steps ``[local·C, local·C + nb·C)`` of ``k_src``/``v_src`` (front-padded by
-  ``(nb-1)·C``: chunk ``c``'s window starts ``(nb-1)`` chunks earlier), whose first ``C`` are the
-  overflow chunk. Returns ``(state, y [B, Hkv, G, C, Dv], (dest, target))``.
+  chunk leaving the window.
+
+  Sources (layout per ``plan``): ``q_src`` starts at chunk ``base``, so the chunk's queries are
+  its time steps ``[(c - base)·C, (c - base + 1)·C)``; ``k_src`` / ``v_src`` / ``g_src`` start
+  ``k_lead`` time steps before chunk ``base`` (0 for the whole sequence, the window overlap for a
+  block of the backward pass), and the window is the ``nb·C`` steps ending with the chunk, whose
+  first ``C`` are the overflow chunk. Returns ``(state, y [B, C, H, Dv] in the output dtype,
+  (dest, target))``.
 
   Masks are constants wherever the schedule decides them: a chunk that sees the state is at or
   past the window (``c >= nb``), so its window lies inside the sequence and its mask is the
@@ -257,10 +330,23 @@ def _chunk(plan: _Plan, run: Run, params: KVMParams, state: KVMState, c, local, 
   masking them (chunk 0 scores ``C`` keys instead of ``nb·C``)."""
   cfg, ops = plan.cfg, plan.ops
   C, nb, R = cfg.chunk_size, cfg.window_chunks, plan.capacity
-  B, Hkv, G = q_src.shape[:3]
-  q_c = _slice(q_src, local * C, C, Q_TIME)                     # [B, Hkv, G, C, D]
-  win_k = _slice(k_src, local * C, nb * C, KV_TIME)             # [B, Hkv, nb·C, D]
-  win_v = _slice(v_src, local * C, nb * C, KV_TIME)
+  qt, kt = plan.q_time, plan.kv_time
+  if plan.time_major:
+    B, _, H = q_src.shape[:3]
+    Hkv = k_src.shape[2]
+  else:
+    B, Hkv, G = q_src.shape[:3]
+    H = Hkv * G
+  G = H // Hkv
+  q_c = _slice(q_src, (c - base) * C, C, qt)
+  win_start = (c - base) * C + k_lead - plan.overlap
+  win_k, before = _window(k_src, win_start, nb * C, kt)
+  win_v, _ = _window(v_src, win_start, nb * C, kt)
+  if plan.time_major:
+    q_c = q_c.reshape(B, C, Hkv, G, q_c.shape[-1])
+    attend = ops.attend                                 # [B, C, Hkv, G, ·] and [B, W, Hkv, ·]
+  else:
+    attend = ops.attend_heads                           # [B, Hkv, G, C, ·] and [B, Hkv, W, ·]
   # The front (no state seen, nothing folded) needs no readout of the state.
   state_keys, state_values = (state_readout(state, params, cfg, G) if run.visible or run.update
                               else (None, None))
@@ -274,69 +360,96 @@ def _chunk(plan: _Plan, run: Run, params: KVMParams, state: KVMState, c, local, 
       state_valid = np.ones((1, R), bool)
     else:
       state_valid = (jnp.arange(R) < state.num_rows)[None, :]
-    y = ops.attend_heads(q_c, state_keys, state_values, state_valid, win_k, win_v,
-                         window_mask(nb, C, nb), state_temp, window_temp)
+    y = attend(q_c, state_keys, state_values, state_valid, win_k, win_v,
+               window_mask(nb, C, nb), state_temp, window_temp)
   else:
     # The causal front sees no state: one masked zero row stands in for it (exact: its weight
     # is exp(MASKED - max) = 0, and every query sees at least itself in the window). Reading all
     # R rows only to mask them would cost R columns per query.
-    zeros = lambda x: jnp.zeros((B, Hkv, 1, x.shape[-1]), jnp.float32)  # noqa: E731
-    no_state = KVMState(keys=zeros(q_src), values=zeros(v_src),
+    zeros = lambda d: jnp.zeros((B, Hkv, 1, d), jnp.float32)  # noqa: E731
+    no_state = KVMState(keys=zeros(k_src.shape[-1]), values=zeros(v_src.shape[-1]),
                         radius=jnp.zeros((B, Hkv, 1), jnp.float32),
                         num_rows=jnp.zeros((), jnp.int32))
     row_keys, row_values = state_readout(no_state, params, cfg, G)
-    mask = window_mask(c, C, nb)
-    before = max(0, nb - 1 - c) * C if isinstance(c, int) else 0
-    if before:  # a static front chunk: the slots before the sequence start are not read at all
-      win_k, win_v = (jax.lax.slice_in_dim(x, before, nb * C, axis=KV_TIME) for x in (win_k, win_v))
-      mask = mask[:, before:]
-    y = ops.attend_heads(q_c, row_keys, row_values, np.zeros((1, 1), bool), win_k, win_v, mask,
-                         state_temp, window_temp)
-  y = y.astype(plan.out_dtype)
+    y = attend(q_c, row_keys, row_values, np.zeros((1, 1), bool), win_k, win_v,
+               window_mask(c, C, nb)[:, before:], state_temp, window_temp)
+  if not plan.time_major:
+    y = jnp.transpose(y, (0, 3, 1, 2, 4))               # [B, C, Hkv, G, Dv]
+  y = y.reshape(B, C, H, y.shape[-1]).astype(plan.out_dtype)
   none = jnp.full((B, Hkv, C), R, jnp.int32)  # "no row": the decisions of a chunk without a fold
   if not run.update:
     return state, y, (none, none)
-  overflow = lambda x: jax.lax.slice_in_dim(x, 0, C, axis=KV_TIME)
-  overflow_g = _slice(g_src, local * C, C, KV_TIME)
+  overflow = lambda x: jax.lax.slice_in_dim(x, 0, C, axis=kt)  # noqa: E731
+  overflow_g = _slice(g_src, win_start, C, kt)
   n_append = jnp.asarray(plan.n_append, jnp.int32)[c]
   state, decisions = ops.update(state, overflow(win_k), overflow(win_v), overflow_g, n_append,
                                 params, cfg, plan.row_update, state_keys, routing=routing_c,
                                 return_routing=True, may_append=run.may_append,
-                                head_major=True, rows_after=R if full else None)
+                                head_major=not plan.time_major, rows_after=R if full else None)
   return state, y, decisions
 
 
-def _scan_chunks(plan: _Plan, run: Run, params, state, first, count: int, base, q_src, k_src,
-                 v_src, g_src, routing=None, remat_chunks: bool = False):
+def _scan_chunks(plan: _Plan, run: Run, params, state, first, count: int, base, k_lead: int,
+                 q_src, k_src, v_src, g_src, routing=None, remat_chunks: bool = False,
+                 out=None):
   """Chunks ``first .. first + count - 1`` of ``run`` (``first`` may be traced, ``count`` is
-  static) in one ``lax.scan``; ``base`` is the chunk at row 0 of the sources. ``routing``:
-  decisions to apply, ``[count, B, Hkv, C]`` each, or None to compute them.
-  Returns ``(state, (y [count, B, Hkv, G, C, Dv], decisions))``.
+  static) in one ``lax.scan``; ``base`` and ``k_lead`` place the sources (:func:`_chunk`).
+  ``routing``: decisions to apply, ``[count, B, Hkv, C]`` each, or None to compute them.
+
+  ``out``: None, or an output buffer ``[B, ·, H, Dv]`` whose row 0
+  is chunk ``base``'s first time step; each chunk writes its rows into it in place.
+  Returns ``(state, y, decisions)``: ``y`` is the updated ``out``, or (without one) the chunks'
+  outputs stacked, ``[count, B, C, H, Dv]``.
 
   The causal front (at most ``window_chunks`` chunks) is unrolled when ``first`` is static, so
   each of its chunks knows its index and reads only the window slots inside the sequence."""
+  C = plan.cfg.chunk_size
 
   def one(state, routing_c, c):
-    return _chunk(plan, run, params, state, c, c - base, q_src, k_src, v_src, g_src, routing_c)
+    return _chunk(plan, run, params, state, c, base, k_lead, q_src, k_src, v_src, g_src,
+                  routing_c)
+
+  def write(out, y, c):
+    return _update_slice(out, y, (c - base) * C, axis=1)
 
   if isinstance(first, int) and isinstance(base, int) and not run.visible:
     if remat_chunks:
       one = jax.checkpoint(one, prevent_cse=False, static_argnums=(2,))
-    outs = []
+    ys, decisions = [], []
     for i in range(count):
-      state, y, decisions = one(state, None if routing is None else tuple(r[i] for r in routing),
-                                first + i)
-      outs.append((y, decisions))
-    return state, jax.tree_util.tree_map(lambda *x: jnp.stack(x), *outs)
+      state, y, d = one(state, None if routing is None else tuple(r[i] for r in routing),
+                        first + i)
+      if out is None:
+        ys.append(y)
+      else:
+        out = write(out, y, first + i)
+      decisions.append(d)
+    decisions = jax.tree_util.tree_map(lambda *x: jnp.stack(x), *decisions)
+    return state, (jnp.stack(ys) if out is None else out), decisions
 
-  def step(state, x):
+  if out is None:
+    def step(state, x):
+      i, routing_c = x
+      state, y, decisions = one(state, routing_c, first + i)
+      return state, (y, decisions)
+
+    if remat_chunks:
+      step = jax.checkpoint(step, prevent_cse=False)
+    state, (ys, decisions) = jax.lax.scan(step, state, (jnp.arange(count, dtype=jnp.int32),
+                                                        routing))
+    return state, ys, decisions
+
+  # The output buffer is carried, not stacked: a scan's stacked outputs are a second buffer of
+  # their own size, initialized and then copied into place.
+  def step_out(carry, x):
+    state, out = carry
     i, routing_c = x
     state, y, decisions = one(state, routing_c, first + i)
-    return state, (y, decisions)
+    return (state, write(out, y, first + i)), decisions
 
-  if remat_chunks:
-    step = jax.checkpoint(step, prevent_cse=False)
-  return jax.lax.scan(step, state, (jnp.arange(count, dtype=jnp.int32), routing))
+  (state, out), decisions = jax.lax.scan(step_out, (state, out),
+                                         (jnp.arange(count, dtype=jnp.int32), routing))
+  return state, out, decisions
 
 
 def _state(arrays, num_rows) -> KVMState:
@@ -349,18 +462,27 @@ def _routing_slice(routing, start: int, stop: int):
   return None if routing is None else tuple(r[start:stop] for r in routing)
 
 
-def _forward(plan: _Plan, params, state0, q_p, k_ext, v_ext, g_ext, routing):
-  """The whole sequence, run by run: ``(y [nC, B, Hkv, G, C, Dv], state arrays, decisions)``."""
+def _output_buffer(plan: _Plan, q_src, v_src) -> Array:
+  """The zero output ``[B, num_chunks·C, H, Dv]`` the chunks write into."""
+  if plan.time_major:
+    B, Tp, H = q_src.shape[:3]
+  else:
+    B, Hkv, G, Tp = q_src.shape[:4]
+    H = Hkv * G
+  return jnp.zeros((B, Tp, H, v_src.shape[-1]), plan.out_dtype)
+
+
+def _forward(plan: _Plan, params, state0, q_p, k_p, v_p, g_p, routing):
+  """The whole sequence, run by run: ``(y [B, nC·C, H, Dv], state arrays, decisions)``."""
   state = _state(state0, plan.initial_rows)
-  ys, decisions = [], []
+  out = _output_buffer(plan, q_p, v_p)
+  decisions = []
   for run in plan.runs:
-    state, (y, d) = _scan_chunks(plan, run, params, state, run.start, run.length, 0, q_p, k_ext,
-                                 v_ext, g_ext, _routing_slice(routing, run.start, run.stop))
-    ys.append(y)
+    state, out, d = _scan_chunks(plan, run, params, state, run.start, run.length, 0, 0, q_p, k_p,
+                                 v_p, g_p, _routing_slice(routing, run.start, run.stop), out=out)
     decisions.append(d)
-  y = jnp.concatenate(ys, axis=0)
   decisions = tuple(jnp.concatenate([d[i] for d in decisions], axis=0) for i in range(2))
-  return y, (state.keys, state.values, state.radius), decisions
+  return out, (state.keys, state.values, state.radius), decisions
 
 
 # ----------------------------------------------------------------------------------------------
@@ -378,57 +500,65 @@ def _blocks(plan: _Plan, run: Run) -> tuple[int, int]:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _forward_checkpointed(plan: _Plan, params, state0, q_p, k_ext, v_ext, g_ext, routing):
-  return _forward(plan, params, state0, q_p, k_ext, v_ext, g_ext, routing)
+def _forward_checkpointed(plan: _Plan, params, state0, q_p, k_p, v_p, g_p, routing):
+  return _forward(plan, params, state0, q_p, k_p, v_p, g_p, routing)
 
 
-def _forward_checkpointed_fwd(plan, params, state0, q_p, k_ext, v_ext, g_ext, routing):
+def _forward_checkpointed_fwd(plan, params, state0, q_p, k_p, v_p, g_p, routing):
   """The forward pass, keeping the state at the start of every block of ``plan.block`` chunks
   and every chunk's routing decisions (int32, ``[nC, B, Hkv, C]``)."""
   S = plan.block
   state = _state(state0, plan.initial_rows)
-  ys, decisions, block_states = [], [], []
+  out = _output_buffer(plan, q_p, v_p)
+  decisions, block_states = [], []
   for run in plan.runs:
     full, left = _blocks(plan, run)
     if full:
-      def block(state, j, run=run):
+      def block(carry, j, run=run):
+        state, out = carry
         first = run.start + j * S
         given = None if routing is None else tuple(
             jax.lax.dynamic_slice_in_dim(r, first, S, 0) for r in routing)
         state_in = (state.keys, state.values, state.radius)
-        state, (y, d) = _scan_chunks(plan, run, params, state, first, S, 0, q_p, k_ext, v_ext,
-                                     g_ext, given)
-        return state, (state_in, y, d)
+        state, out, d = _scan_chunks(plan, run, params, state, first, S, 0, 0, q_p, k_p, v_p,
+                                     g_p, given, out=out)
+        return (state, out), (state_in, d)
 
-      state, (starts, y, d) = jax.lax.scan(block, state, jnp.arange(full, dtype=jnp.int32))
+      (state, out), (starts, d) = jax.lax.scan(block, (state, out),
+                                               jnp.arange(full, dtype=jnp.int32))
       block_states.append(starts)
-      ys.append(y.reshape(full * S, *y.shape[2:]))
       decisions.append(tuple(x.reshape(full * S, *x.shape[2:]) for x in d))
     else:
       block_states.append(None)
     if left:
       first = run.start + full * S
       block_states.append((state.keys, state.values, state.radius))
-      state, (y, d) = _scan_chunks(plan, run, params, state, first, left, 0, q_p, k_ext, v_ext,
-                                   g_ext, _routing_slice(routing, first, run.stop))
-      ys.append(y)
+      state, out, d = _scan_chunks(plan, run, params, state, first, left, 0, 0, q_p, k_p, v_p,
+                                   g_p, _routing_slice(routing, first, run.stop), out=out)
       decisions.append(d)
     else:
       block_states.append(None)
-  y = jnp.concatenate(ys, axis=0)
   decisions = tuple(jnp.concatenate([d[i] for d in decisions], axis=0) for i in range(2))
-  out = (y, (state.keys, state.values, state.radius), decisions)
-  return out, (params, q_p, k_ext, v_ext, g_ext, tuple(block_states), decisions)
+  out = (out, (state.keys, state.values, state.radius), decisions)
+  return out, (params, q_p, k_p, v_p, g_p, tuple(block_states), decisions)
+
+
+def _block_sources(x: Array, start, size: int, axis: int) -> Array:
+  """``x[start : start + size]`` along ``axis``; a static negative ``start`` (the first block,
+  whose window overlap reaches before the sequence) is zero-padded in front."""
+  if isinstance(start, int) and start < 0:
+    part = jax.lax.slice_in_dim(x, 0, start + size, axis=axis)
+    return jnp.pad(part, [(0, 0)] * axis + [(-start, 0)] + [(0, 0)] * (x.ndim - axis - 1))
+  return _slice(x, start, size, axis)
 
 
 def _forward_checkpointed_bwd(plan, residuals, cotangents):
   """Blocks in reverse: each is run again from its stored state *with the stored decisions*
   (routing is never recomputed), under ``jax.vjp`` with per-chunk rematerialization, so at most
   ``block`` chunk states are alive besides the stored block states."""
-  params, q_p, k_ext, v_ext, g_ext, block_states, decisions = residuals
+  params, q_p, k_p, v_p, g_p, block_states, decisions = residuals
   dy, d_final, _ = cotangents
-  cfg = plan.cfg
-  C, nb, S = cfg.chunk_size, cfg.window_chunks, plan.block
+  C, S = plan.cfg.chunk_size, plan.block
   f32 = jnp.float32
   d_state = tuple(x.astype(f32) for x in d_final)
   # Each query row belongs to one chunk: its gradient is produced once. A key/value/gate row
@@ -436,29 +566,31 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
   # shared only with the block before it, so they are carried (float32) into that block, and
   # every block emits its own rows complete, in the input's dtype. The pieces are scan outputs,
   # not loop-carried whole-sequence buffers (which XLA:CPU would widen to float32).
-  overlap = (nb - 1) * C
-  T = KV_TIME
+  overlap, T, QT = plan.overlap, plan.kv_time, plan.q_time
   heads = tuple(jnp.zeros((*x.shape[:T], overlap, *x.shape[T + 1:]), f32)
-                for x in (k_ext, v_ext, g_ext))
+                for x in (k_p, v_p, g_p))
   dparams = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, f32), params)
 
   def block_grad(carry, first, count: int, run: Run, state_in, dy_blk, given):
     d_state, heads, dparams = carry
-    q_blk = _slice(q_p, first * C, count * C, Q_TIME)
-    k_blk, v_blk, g_blk = (_slice(x, first * C, count * C + overlap, T)
-                           for x in (k_ext, v_ext, g_ext))
+    q_blk = _slice(q_p, first * C, count * C, QT)
+    k_blk, v_blk, g_blk = (_block_sources(x, first * C - overlap, count * C + overlap, T)
+                           for x in (k_p, v_p, g_p))
     num_rows = jnp.asarray(plan.rows_before, jnp.int32)[first]
+    # [B, count·C, H, Dv] -> the stacked chunks' layout [count, B, C, H, Dv]
+    B, _, H, Dv = dy_blk.shape
+    dy_chunks = jnp.moveaxis(dy_blk.reshape(B, count, C, H, Dv), 1, 0)
 
     def f(state_arrays, params, q_blk, k_blk, v_blk, g_blk):
-      state, (y, _) = _scan_chunks(plan, run, params, _state(state_arrays, num_rows), first,
-                                   count, first, q_blk, k_blk, v_blk, g_blk, given,
-                                   remat_chunks=True)
+      state, y, _ = _scan_chunks(plan, run, params, _state(state_arrays, num_rows), first,
+                                 count, first, overlap, q_blk, k_blk, v_blk, g_blk, given,
+                                 remat_chunks=True)
       return y, (state.keys, state.values, state.radius)
 
     _, vjp = jax.vjp(f, state_in, params, q_blk, k_blk, v_blk, g_blk)
-    d_in, dp, dq_b, dk_b, dv_b, dg_b = vjp((dy_blk, d_state))
+    d_in, dp, dq_b, dk_b, dv_b, dg_b = vjp((dy_chunks, d_state))
     pieces, new_heads = [dq_b.astype(q_p.dtype)], []
-    for x, grad, head in zip((k_ext, v_ext, g_ext), (dk_b, dv_b, dg_b), heads):
+    for x, grad, head in zip((k_p, v_p, g_p), (dk_b, dv_b, dg_b), heads):
       grad = grad.astype(f32)
       # rows [count·C, count·C + overlap) of this block are the later block's carried head
       tail = jax.lax.slice_in_dim(grad, count * C, count * C + overlap, axis=T) + head
@@ -477,27 +609,25 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
     starts, left_state = block_states[2 * r], block_states[2 * r + 1]
     if left:
       first = run.start + full * S
-      carry, piece = block_grad(carry, first, left, run, left_state, dy[first:run.stop],
+      carry, piece = block_grad(carry, first, left, run, left_state,
+                                jax.lax.slice_in_dim(dy, first * C, run.stop * C, axis=1),
                                 _routing_slice(decisions, first, run.stop))
       pieces.append(piece)
     if full:
       def step(carry, x, run=run):
         j, state_in = x
         first = run.start + j * S
-        dy_blk = _slice(dy, first, S, axis=0)
+        dy_blk = _slice(dy, first * C, S * C, axis=1)
         given = tuple(jax.lax.dynamic_slice_in_dim(d, first, S, 0) for d in decisions)
         return block_grad(carry, first, S, run, state_in, dy_blk, given)
 
       carry, stacked = jax.lax.scan(step, carry, (jnp.arange(full, dtype=jnp.int32), starts),
                                     reverse=True)
-      pieces.append(tuple(_merge_blocks(x, axis)
-                          for x, axis in zip(stacked, (Q_TIME, T, T, T))))
-  d_state, heads, dparams = carry
+      pieces.append(tuple(_merge_blocks(x, axis) for x, axis in zip(stacked, (QT, T, T, T))))
+  d_state, _, dparams = carry  # the last heads carried: rows before the sequence start
   pieces = pieces[::-1]
-  dq = jnp.concatenate([p[0] for p in pieces], axis=Q_TIME)
-  # the last head carried is the gradient of the front padding: rows [0, (nb-1)·C) of *_ext
-  dk, dv, dg = (jnp.concatenate([h.astype(x.dtype)] + [p[i] for p in pieces], axis=T)
-                for i, (h, x) in enumerate(zip(heads, (k_ext, v_ext, g_ext)), start=1))
+  dq, dk, dv, dg = (jnp.concatenate([p[i] for p in pieces], axis=QT if i == 0 else T)
+                    for i in range(4))
   dparams = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), dparams, params)
   return (dparams, d_state, dq, dk, dv, dg, None)
 
@@ -520,16 +650,17 @@ def _merge_blocks(x: Array, time_axis: int) -> Array:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ops", "remat", "row_update",
-                                             "return_routing"))
+                                             "return_routing", "source_layout"))
 def kvm_attention_scan(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
                        cfg: KVMConfig, ops: ChunkOps = XLA_OPS, remat: bool = True,
-                       row_update: str = "auto", routing=None, return_routing: bool = False):
+                       row_update: str = "auto", routing=None, return_routing: bool = False,
+                       source_layout: str = "auto"):
   """Chunked-scan KVM; see :func:`kvm_jax.kvm_attention` for the contract (inputs are not
   re-validated here: this is the layer below the public API).
 
   The static schedule is cut into :class:`Run` s, one ``lax.scan`` each, so no chunk decides on
   the device whether it folds or appends. Each chunk slices its queries and window from the
-  (padded) inputs; nothing of size ``window_chunks × T`` is built.
+  inputs and writes its output rows in place; nothing of size ``window_chunks × T`` is built.
 
   Args:
     ops: the per-chunk operations (:data:`XLA_OPS`, or kernels from
@@ -543,35 +674,40 @@ def kvm_attention_scan(q: Array, k: Array, v: Array, merge_gate: Array, params: 
       apply instead of computing them (shared routing).
     return_routing: also return the decisions this call applied, in that form (chunks without an
       update hold ``capacity``: a no-op).
+    source_layout: "time" (chunks sliced from the inputs as given), "heads" (head-major copies
+      made once per sequence) or "auto" ("time" for plain XLA ops on CPU); see
+      :data:`SOURCE_LAYOUTS`. The results are the same.
   Returns:
     ``(y [B, T, H, Dv], final state)``, plus the decisions when ``return_routing``.
   """
   B, T, H, D = q.shape
-  Dv = v.shape[3]
-  C, nb = cfg.chunk_size, cfg.window_chunks
+  C = cfg.chunk_size
   sched = kvm_schedule(cfg, T)
   nC = sched.num_chunks
   plan = _Plan(cfg=cfg, ops=ops, row_update=row_update, runs=schedule_runs(sched),
                n_append=tuple(sched.n_append), rows_before=tuple(sched.rows_before),
                num_chunks=nC, initial_rows=sched.initial_rows, capacity=sched.final_rows,
-               block=max(1, math.isqrt(nC - 1) + 1), out_dtype=jnp.dtype(q.dtype))
-  # Head-major once per sequence (Q_TIME, KV_TIME), time padded to whole chunks; keys, values
-  # and gates also get (nb-1) chunks in front, so chunk c's window is time steps [c·C, (c+nb)·C)
-  # (the front is masked by window_mask).
+               block=max(1, math.isqrt(nC - 1) + 1), out_dtype=jnp.dtype(q.dtype),
+               time_major=_time_major(source_layout, ops))
+  # Time padded to whole chunks (a copy only when T is not a multiple of C). Nothing is padded in
+  # front: a window reaching before the sequence belongs to a front chunk, which has a static
+  # index and slices only the rows that exist.
   Hkv = k.shape[2]
-  pad = lambda x, front: jnp.pad(x, [(0, 0), (front, nC * C - T)] + [(0, 0)] * (x.ndim - 2))
-  q_p = jnp.transpose(pad(q, 0).reshape(B, nC * C, Hkv, H // Hkv, D), (0, 2, 3, 1, 4))
-  k_ext, v_ext = (jnp.transpose(pad(x, (nb - 1) * C), (0, 2, 1, 3)) for x in (k, v))
-  g_ext = jnp.transpose(pad(merge_gate, (nb - 1) * C), (0, 2, 1))
+  pad = lambda x: x if nC * C == T else jnp.pad(  # noqa: E731
+      x, [(0, 0), (0, nC * C - T)] + [(0, 0)] * (x.ndim - 2))
+  q_p, k_p, v_p, g_p = (pad(x) for x in (q, k, v, merge_gate))
+  if not plan.time_major:  # head-major, once per sequence (plan.q_time, plan.kv_time)
+    q_p = jnp.transpose(q_p.reshape(B, nC * C, Hkv, H // Hkv, D), (0, 2, 3, 1, 4))
+    k_p, v_p = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k_p, v_p))
+    g_p = jnp.transpose(g_p, (0, 2, 1))
   first = sched.initial_rows
   s0 = initial_state(k[:, :first], v[:, :first], merge_gate[:, :first], first, sched.final_rows,
                      params, cfg)
   state0 = (s0.keys, s0.values, s0.radius)
   core = _forward_checkpointed if remat else _forward
-  y, (keys, values, radius), decisions = core(plan, params, state0, q_p, k_ext, v_ext, g_ext,
-                                              routing)
-  # [nC, B, Hkv, G, C, Dv] -> [B, nC, C, Hkv, G, Dv] -> [B, T, H, Dv]: one transpose
-  y = jnp.transpose(y, (1, 0, 4, 2, 3, 5)).reshape(B, nC * C, H, Dv)[:, :T]
+  y, (keys, values, radius), decisions = core(plan, params, state0, q_p, k_p, v_p, g_p, routing)
+  if nC * C != T:
+    y = y[:, :T]
   state = KVMState(keys=keys, values=values, radius=radius,
                    num_rows=jnp.asarray(sched.final_rows, jnp.int32))
   return (y, state, decisions) if return_routing else (y, state)
