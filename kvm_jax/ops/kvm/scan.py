@@ -249,56 +249,53 @@ def _slice(x: Array, start, size: int, axis: int = 1) -> Array:
   """``x[start : start + size]`` along ``axis`` (``start`` may be traced). Differentiable; 16-bit
   floats are sliced as bits (:func:`_as_bits`), and so is their cotangent placed."""
   if _is_16bit_float(x):
-    return _slice_bits(size, axis, x, start)
+    return _slice_bits(size, axis, x.shape, x, start)
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _slice_bits(size: int, axis: int, x: Array, start) -> Array:
-  return _from_bits(jax.lax.dynamic_slice_in_dim(_as_bits(x), start, size, axis), x.dtype)
-
-
-def _slice_bits_fwd(size, axis, x, start):
-  # x is a residual only for its shape: it is an input of the loop, never a per-chunk copy
-  return _slice_bits(size, axis, x, start), (x, start)
-
-
-def _slice_bits_bwd(size, axis, residuals, ct):
-  x, start = residuals
-  placed = jax.lax.dynamic_update_slice_in_dim(jnp.zeros(x.shape, jnp.uint16), _as_bits(ct),
-                                               start, axis)
-  return _from_bits(placed, x.dtype), None
-
-
-_slice_bits.defvjp(_slice_bits_fwd, _slice_bits_bwd)
 
 
 def _update_slice(x: Array, update: Array, start, axis: int = 1) -> Array:
   """``x`` with ``update`` written at ``start`` along ``axis`` (in place in a loop carry).
   Differentiable; 16-bit floats are written as bits (:func:`_as_bits`)."""
   if _is_16bit_float(x):
-    return _update_slice_bits(axis, x, update, start)
+    return _update_slice_bits(axis, update.shape, x, update, start)
   return jax.lax.dynamic_update_slice_in_dim(x, update, start, axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _update_slice_bits(axis: int, x: Array, update: Array, start) -> Array:
+# The bit-level slice and update with their derivatives. Shapes are static arguments, so the only
+# residual is the (scalar) start: a loop-invariant source is never kept per chunk.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _slice_bits(size: int, axis: int, shape: tuple, x: Array, start) -> Array:
+  return _from_bits(jax.lax.dynamic_slice_in_dim(_as_bits(x), start, size, axis), x.dtype)
+
+
+def _slice_bits_fwd(size, axis, shape, x, start):
+  return _slice_bits(size, axis, shape, x, start), start
+
+
+def _slice_bits_bwd(size, axis, shape, start, ct):
+  zeros = jnp.zeros(shape, ct.dtype)
+  return _update_slice_bits(axis, ct.shape, zeros, ct, start), None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _update_slice_bits(axis: int, update_shape: tuple, x: Array, update: Array, start) -> Array:
   return _from_bits(jax.lax.dynamic_update_slice_in_dim(_as_bits(x), _as_bits(update), start,
                                                         axis), x.dtype)
 
 
-def _update_slice_bits_fwd(axis, x, update, start):
-  return _update_slice_bits(axis, x, update, start), (update, start)
+def _update_slice_bits_fwd(axis, update_shape, x, update, start):
+  return _update_slice_bits(axis, update_shape, x, update, start), start
 
 
-def _update_slice_bits_bwd(axis, residuals, ct):
-  update, start = residuals
-  size = update.shape[axis]
-  d_update = _slice_bits(size, axis, ct, start)
-  d_x = _update_slice_bits(axis, ct, jnp.zeros(update.shape, ct.dtype), start)
+def _update_slice_bits_bwd(axis, update_shape, start, ct):
+  d_update = _slice_bits(update_shape[axis], axis, ct.shape, ct, start)
+  d_x = _update_slice_bits(axis, update_shape, ct, jnp.zeros(update_shape, ct.dtype), start)
   return d_x, d_update, None
 
 
+_slice_bits.defvjp(_slice_bits_fwd, _slice_bits_bwd)
 _update_slice_bits.defvjp(_update_slice_bits_fwd, _update_slice_bits_bwd)
 
 
