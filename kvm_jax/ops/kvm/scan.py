@@ -39,11 +39,12 @@ class ChunkOps:
 
   Attributes:
     name: what runs, e.g. "xla" or "pallas[gpu]" (shown in errors and benchmarks).
-    attend_fn: the contract of :func:`kvm_jax.ops.common.joint_attention`.
+    attend_fn: the contract of :func:`kvm_jax.ops.common.joint_attention` (what the scan calls
+      with time-major sources, ``source_layout="time"``).
     update_fn: the contract of :func:`kvm_jax.ops.kvm.state.update_state`.
     attend_heads_fn: ``attend_fn`` in head-major layout, the contract of
-      :func:`kvm_jax.ops.common.joint_attention_heads` (what the scan calls); None: transposes
-      around ``attend_fn``.
+      :func:`kvm_jax.ops.common.joint_attention_heads` (what the scan calls with head-major
+      sources, ``source_layout="heads"``); None: transposes around ``attend_fn``.
     decode_attend_fn: one token against state and ring, the contract of
       :func:`kvm_jax.ops.kvm.decode.decode_attention`; None: that function over ``attend_fn``.
     kernel: static configuration passed to all three as ``kc=`` (a kernel's target, interpret
