@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 import kvm_jax as kj
+from kvm_jax.eval.speed import bench_rope_dims
 from kvm_jax.eval.timing import (full_attention_impl, median_ms, time_full_decode,
                                  time_kvm_decode)
 from kvm_jax.ops.kvm.cases import random_inputs
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   cfg = kj.KVMConfig(chunk_size=args.chunk_size, window_chunks=args.window_chunks, sink_rows=1,
-                     rope_dims=min(64, args.head_dim // 4 * 2),  # half rotary (speed.py)
+                     rope_dims=bench_rope_dims(args.head_dim),
                      budget=kj.FixedBudget(rows=args.state_rows))
   params = kj.KVMParams.init(args.head_dim, args.heads)
   print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; "

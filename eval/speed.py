@@ -60,12 +60,16 @@ BUDGETS = {
 }
 
 
+def bench_rope_dims(head_dim: int) -> int:
+  """Half the head's channels rotary (at most 64), as the paper's 64 of 128: the state keys are
+  the other half, so routing sees real key content at any head_dim (with every channel rotary,
+  prep(k) would be all zeros and every merge would go to the first non-sink row)."""
+  return min(64, head_dim // 4 * 2)
+
+
 def kvm_config(budget: str, head_dim: int) -> kj.KVMConfig:
-  # Half the head's channels rotary (at most 64), as the paper's 64 of 128: the state keys are
-  # the other half, so routing sees real key content at any head_dim (with every channel
-  # rotary, prep(k) would be all zeros and every merge would go to the first non-sink row).
   return kj.KVMConfig(chunk_size=256, window_chunks=2, sink_rows=1,
-                      rope_dims=min(64, head_dim // 4 * 2), budget=BUDGETS[budget](),
+                      rope_dims=bench_rope_dims(head_dim), budget=BUDGETS[budget](),
                       max_state_rows=256 * 10000)
 
 

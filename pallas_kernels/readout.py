@@ -174,8 +174,9 @@ def _forward(q, state_keys, state_values, state_bias, window_keys, window_values
   y, lse = pl.pallas_call(
       kernel,
       grid=(B, Hkv, GT // BM),
-      in_specs=[backend.scalar_bounds_spec(kc, ranges.shape), rows_of(D), per_head(R, D), per_head(R, Dv),
-                whole(1, R), per_head(W, D), per_head(W, Dv), row_mask, row_scale, row_scale],
+      in_specs=[backend.scalar_bounds_spec(kc, ranges.shape), rows_of(D), per_head(R, D),
+                per_head(R, Dv), whole(1, R), per_head(W, D), per_head(W, Dv), row_mask,
+                row_scale, row_scale],
       out_specs=[rows_of(Dv), rows_of(1)],
       out_shape=[jax.ShapeDtypeStruct((B, Hkv, GT, Dv), q.dtype),
                  jax.ShapeDtypeStruct((B, Hkv, GT, 1), jnp.float32)],

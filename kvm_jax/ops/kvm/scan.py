@@ -186,12 +186,19 @@ class _Plan:
   capacity: int
   block: int            # chunks between stored states in the backward pass (about sqrt(chunks))
   out_dtype: Any
-  time_major: bool      # sources in the caller's [B, T, H, ·] layout (see SOURCE_LAYOUTS)
+  time_major: bool      # sources in the caller's time-major layout (see SOURCE_LAYOUTS)
 
   @property
   def q_time(self) -> int:
-    """Time axis of the query source: ``[B, T, H, D]`` or head-major ``[B, Hkv, G, T, D]``."""
+    """Time axis of the query source: ``[B, T, Hkv, G, D]`` or head-major ``[B, Hkv, G, T, D]``."""
     return 1 if self.time_major else 3
+
+  def dims(self, q_src: Array) -> tuple[int, int, int, int]:
+    """``(B, time steps, Hkv, G)`` of a query source in this plan's layout."""
+    if self.time_major:
+      return q_src.shape[:4]
+    B, Hkv, G, T = q_src.shape[:4]
+    return B, T, Hkv, G
 
   @property
   def kv_time(self) -> int:
@@ -206,8 +213,9 @@ class _Plan:
 
 # How the scan reads its inputs. "heads": transposed once per sequence to head-major copies
 # (queries [B, Hkv, G, T, D], keys / values [B, Hkv, T, ·], gates [B, Hkv, T]), the layout the
-# fused kernels read in blocks. "time": sliced in place from the caller's [B, T, H, ·] arrays and
-# transposed per chunk inside the readout's own fusions. XLA:CPU allocates a program's temporaries
+# fused kernels read in blocks. "time": sliced in place from the caller's [B, T, H, ·] arrays
+# (queries viewed as [B, T, Hkv, G, D], a free reshape) and transposed per chunk inside the
+# readout's own fusions. XLA:CPU allocates a program's temporaries
 # as one block per call, and a block over 32 MiB comes fresh from the OS, so every page of it
 # faults on first touch every call (~2 us per 4 KiB page measured on the project's 2-core VM:
 # 60 ms of a 250 ms call at T = 16,384, where the head-major copies and the stacked outputs made a
@@ -329,22 +337,13 @@ def _chunk(plan: _Plan, run: Run, params: KVMParams, state: KVMState, c, base: i
   cfg, ops = plan.cfg, plan.ops
   C, nb, R = cfg.chunk_size, cfg.window_chunks, plan.capacity
   qt, kt = plan.q_time, plan.kv_time
-  if plan.time_major:
-    B, _, H = q_src.shape[:3]
-    Hkv = k_src.shape[2]
-  else:
-    B, Hkv, G = q_src.shape[:3]
-    H = Hkv * G
-  G = H // Hkv
+  B, _, Hkv, G = plan.dims(q_src)
   q_c = _slice(q_src, (c - base) * C, C, qt)
   win_start = (c - base) * C + k_lead - plan.overlap
   win_k, before = _window(k_src, win_start, nb * C, kt)
   win_v, _ = _window(v_src, win_start, nb * C, kt)
-  if plan.time_major:
-    q_c = q_c.reshape(B, C, Hkv, G, q_c.shape[-1])
-    attend = ops.attend                                 # [B, C, Hkv, G, ·] and [B, W, Hkv, ·]
-  else:
-    attend = ops.attend_heads                           # [B, Hkv, G, C, ·] and [B, Hkv, W, ·]
+  # [B, C, Hkv, G, ·] and [B, W, Hkv, ·], or [B, Hkv, G, C, ·] and [B, Hkv, W, ·]
+  attend = ops.attend if plan.time_major else ops.attend_heads
   # The front (no state seen, nothing folded) needs no readout of the state.
   state_keys, state_values = (state_readout(state, params, cfg, G) if run.visible or run.update
                               else (None, None))
@@ -373,7 +372,7 @@ def _chunk(plan: _Plan, run: Run, params: KVMParams, state: KVMState, c, base: i
                window_mask(c, C, nb)[:, before:], state_temp, window_temp)
   if not plan.time_major:
     y = jnp.transpose(y, (0, 3, 1, 2, 4))               # [B, C, Hkv, G, Dv]
-  y = y.reshape(B, C, H, y.shape[-1]).astype(plan.out_dtype)
+  y = y.reshape(B, C, Hkv * G, y.shape[-1]).astype(plan.out_dtype)
   none = jnp.full((B, Hkv, C), R, jnp.int32)  # "no row": the decisions of a chunk without a fold
   if not run.update:
     return state, y, (none, none)
@@ -402,52 +401,38 @@ def _scan_chunks(plan: _Plan, run: Run, params, state, first, count: int, base, 
   The causal front (at most ``window_chunks`` chunks) is unrolled when ``first`` is static, so
   each of its chunks knows its index and reads only the window slots inside the sequence."""
   C = plan.cfg.chunk_size
+  unrolled = isinstance(first, int) and isinstance(base, int) and not run.visible
 
   def one(state, routing_c, c):
     return _chunk(plan, run, params, state, c, base, k_lead, q_src, k_src, v_src, g_src,
                   routing_c)
 
-  def write(out, y, c):
-    return _update_slice(out, y, (c - base) * C, axis=1)
+  if remat_chunks:
+    one = jax.checkpoint(one, prevent_cse=False, static_argnums=(2,) if unrolled else ())
 
-  if isinstance(first, int) and isinstance(base, int) and not run.visible:
-    if remat_chunks:
-      one = jax.checkpoint(one, prevent_cse=False, static_argnums=(2,))
-    ys, decisions = [], []
-    for i in range(count):
-      state, y, d = one(state, None if routing is None else tuple(r[i] for r in routing),
-                        first + i)
-      if out is None:
-        ys.append(y)
-      else:
-        out = write(out, y, first + i)
-      decisions.append(d)
-    decisions = jax.tree_util.tree_map(lambda *x: jnp.stack(x), *decisions)
-    return state, (jnp.stack(ys) if out is None else out), decisions
-
-  if out is None:
-    def step(state, x):
-      i, routing_c = x
-      state, y, decisions = one(state, routing_c, first + i)
-      return state, (y, decisions)
-
-    if remat_chunks:
-      step = jax.checkpoint(step, prevent_cse=False)
-    state, (ys, decisions) = jax.lax.scan(step, state, (jnp.arange(count, dtype=jnp.int32),
-                                                        routing))
-    return state, ys, decisions
-
-  # The output buffer is carried, not stacked: a scan's stacked outputs are a second buffer of
-  # their own size, initialized and then copied into place.
-  def step_out(carry, x):
+  def step(carry, x):
     state, out = carry
     i, routing_c = x
-    state, y, decisions = one(state, routing_c, first + i)
-    return (state, write(out, y, first + i)), decisions
+    c = first + i
+    state, y, decisions = one(state, routing_c, c)
+    if out is None:
+      return (state, None), (y, decisions)
+    # The output buffer is carried, not stacked: a scan's stacked outputs are a second buffer of
+    # their own size, initialized and then copied into place.
+    return (state, _update_slice(out, y, (c - base) * C, axis=1)), (None, decisions)
 
-  (state, out), decisions = jax.lax.scan(step_out, (state, out),
-                                         (jnp.arange(count, dtype=jnp.int32), routing))
-  return state, out, decisions
+  if unrolled:
+    outs = []
+    carry = (state, out)
+    for i in range(count):
+      carry, o = step(carry, (i, None if routing is None else tuple(r[i] for r in routing)))
+      outs.append(o)
+    ys, decisions = jax.tree_util.tree_map(lambda *x: jnp.stack(x), *outs)
+  else:
+    carry, (ys, decisions) = jax.lax.scan(step, (state, out),
+                                          (jnp.arange(count, dtype=jnp.int32), routing))
+  state, out = carry
+  return state, (ys if out is None else out), decisions
 
 
 def _state(arrays, num_rows) -> KVMState:
@@ -462,12 +447,8 @@ def _routing_slice(routing, start: int, stop: int):
 
 def _output_buffer(plan: _Plan, q_src, v_src) -> Array:
   """The zero output ``[B, num_chunks·C, H, Dv]`` the chunks write into."""
-  if plan.time_major:
-    B, Tp, H = q_src.shape[:3]
-  else:
-    B, Hkv, G, Tp = q_src.shape[:4]
-    H = Hkv * G
-  return jnp.zeros((B, Tp, H, v_src.shape[-1]), plan.out_dtype)
+  B, Tp, Hkv, G = plan.dims(q_src)
+  return jnp.zeros((B, Tp, Hkv * G, v_src.shape[-1]), plan.out_dtype)
 
 
 def _forward(plan: _Plan, params, state0, q_p, k_p, v_p, g_p, routing):
@@ -542,12 +523,10 @@ def _forward_checkpointed_fwd(plan, params, state0, q_p, k_p, v_p, g_p, routing)
 
 
 def _block_sources(x: Array, start, size: int, axis: int) -> Array:
-  """``x[start : start + size]`` along ``axis``; a static negative ``start`` (the first block,
-  whose window overlap reaches before the sequence) is zero-padded in front."""
-  if isinstance(start, int) and start < 0:
-    part = jax.lax.slice_in_dim(x, 0, start + size, axis=axis)
-    return jnp.pad(part, [(0, 0)] * axis + [(-start, 0)] + [(0, 0)] * (x.ndim - axis - 1))
-  return _slice(x, start, size, axis)
+  """:func:`_window` with the rows before the sequence start zero-padded back in front (the
+  first block, whose window overlap reaches before the sequence)."""
+  part, before = _window(x, start, size, axis)
+  return jnp.pad(part, [(0, 0)] * axis + [(before, 0)] + [(0, 0)] * (x.ndim - axis - 1))
 
 
 def _forward_checkpointed_bwd(plan, residuals, cotangents):
@@ -694,8 +673,9 @@ def kvm_attention_scan(q: Array, k: Array, v: Array, merge_gate: Array, params: 
   pad = lambda x: x if nC * C == T else jnp.pad(  # noqa: E731
       x, [(0, 0), (0, nC * C - T)] + [(0, 0)] * (x.ndim - 2))
   q_p, k_p, v_p, g_p = (pad(x) for x in (q, k, v, merge_gate))
+  q_p = q_p.reshape(B, nC * C, Hkv, H // Hkv, D)  # query head h = kv·G + g (free)
   if not plan.time_major:  # head-major, once per sequence (plan.q_time, plan.kv_time)
-    q_p = jnp.transpose(q_p.reshape(B, nC * C, Hkv, H // Hkv, D), (0, 2, 3, 1, 4))
+    q_p = jnp.transpose(q_p, (0, 2, 3, 1, 4))
     k_p, v_p = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k_p, v_p))
     g_p = jnp.transpose(g_p, (0, 2, 1))
   first = sched.initial_rows

@@ -337,11 +337,12 @@ def merge_targets(k_gated: Array, read: Array, first_row: int, stop_row: Array |
   ``k_gated [B, Hkv, C, D]``, ``read [B, Hkv, R, D]`` -> ``[B, Hkv, C]``. A static ``stop_row``
   equal to ``R`` (a full state the schedule knows of) scores only rows ``[first_row, R)`` and
   needs no mask."""
-  if isinstance(stop_row, int) and stop_row == read.shape[2]:
+  full = isinstance(stop_row, int) and stop_row == read.shape[2]
+  if full:
     read = jax.lax.slice_in_dim(read, first_row, stop_row, axis=2)
-    logits = jnp.einsum("bhcd,bhrd->bhcr", k_gated, read, precision=jax.lax.Precision.HIGHEST)
-    return (first_argmax(logits) + first_row).astype(jnp.int32)
   logits = jnp.einsum("bhcd,bhrd->bhcr", k_gated, read, precision=jax.lax.Precision.HIGHEST)
+  if full:
+    return (first_argmax(logits) + first_row).astype(jnp.int32)
   row = jnp.arange(read.shape[2])
   return first_argmax(jnp.where((row >= first_row) & (row < stop_row), logits, -jnp.inf))
 
