@@ -6,6 +6,7 @@
 * ``check`` — ``kvm-check``: oracle ↔ XLA scan ↔ Pallas ↔ prefill+decode on this machine;
 * ``speed`` / ``core_speed`` / ``timing`` — ``kvm-bench`` and ``kvm-bench-core``, ratios against
   full attention measured in the same run.
-* ``device_check`` — the one prepared check of a GPU machine (``scripts/device_check.sh``): compile
-  matrix, numerics, kvm-check and timings, each stage under its own time budget.
+
+The prepared check of a GPU machine (``scripts/device_check.sh``) is not part of the package: its
+harness is the repository's ``benchmarks/device/``, run from a checkout.
 """

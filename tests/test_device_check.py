@@ -1,19 +1,43 @@
-"""scripts/device_check.sh and its driver (kvm_jax.eval.device_check) in --smoke mode on CPU: every
-stage leaves a record, one failing or hung stage does not stop the others, and the report is
-built from the records. No timing is asserted."""
+"""The device check (``scripts/device_check.sh``, harness ``benchmarks/device``) on CPU.
+
+A ``--smoke`` run through the script, as the device machine would start it (python3 from a plain
+checkout, without grain, tokamax or lm_eval installed), with a planted kernel failure, a planted
+stage failure, a planted process crash and a planted hang: the files that come back, their
+names and depth, the stage order, baselines before Pallas entries, the restart after the crash
+and the skips after the failed kernel. Then the pieces alone: each kernel's pre-flight against
+its XLA op, the write-through of kvm-check's output, the report and the follow-up command. No
+timing is asserted."""
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import subprocess
 import sys
+import tarfile
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import kvm_jax as kj
-from kvm_jax.eval import device_check as dc
-from tests.conftest import ROOT
+from benchmarks.device import cli, geometry, measure, preflight, records, report, stages
+from kvm_jax.kernels.backend import KernelConfig
+from tests.conftest import ROOT, lowering_for, subprocess_env
+
+# What the device machine returns: at most 8 files, none deeper than $OUT/a/b/file, named in
+# letters, digits, '.', '_' and '-'.
+RETURNED_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+BLOCKED = ("grain", "tokamax", "lm_eval")   # not on the GPU machine
+BLOCKER = f"""
+import importlib.abc, sys
+class _Absent(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path=None, target=None):
+    if name.split(".")[0] in {BLOCKED!r}:
+      raise ModuleNotFoundError(f"No module named {{name!r}} (not on the device machine)")
+sys.meta_path.insert(0, _Absent())
+"""
 
 
 def strict_json(line: str) -> dict:
@@ -23,96 +47,257 @@ def strict_json(line: str) -> dict:
   return json.loads(line, parse_constant=refuse)
 
 
-def test_smoke_run_survives_a_failed_and_a_hung_stage(tmp_path, subprocess_environ):
-  out = tmp_path / "out"
-  env = subprocess_environ(1, OUT=str(out), PYTHON=sys.executable)
-  # check raises at its start, trace hangs until killed (budget 1 s + grace 1 s); short budgets
-  # (each stage's first entry still runs) and the total budget bound the run on a busy machine.
-  proc = subprocess.run(
-      ["bash", str(ROOT / "scripts" / "device_check.sh"), "--smoke", "--fail-stage", "check",
-       "--hang-stage", "trace", "--timeouts", "compile=2,numerics=2,prefill=3,decode=3,"
-       "backward=2,trace=1", "--grace", "1", "--total-budget", "28"],
-      env=env, capture_output=True, text=True, timeout=150)
-  assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+  """One smoke run (stages forked from one parent): the readout kernel's pre-flight raises,
+  numerics raises at its start and compile hangs until killed."""
+  tmp = tmp_path_factory.mktemp("device_check")
+  return device_check(tmp, "--smoke", "--fail-kernel", "readout", "--fail-stage", "numerics",
+                      "--hang-stage", "compile", "--timeouts",
+                      "kernels=6,check=3,prefill=6,decode=4,backward=3,compile=1,trace=10",
+                      "--grace", "2", "--total-budget", "60")
 
-  lines = (out / "results.jsonl").read_text().splitlines()
-  records = [strict_json(line) for line in lines]
-  assert records[0]["kind"] == "run" and records[0]["mode"] == "smoke"
-  stages = [r for r in records if r["kind"] == "stage"]
-  assert [r["stage"] for r in stages] == list(dc.STAGES)  # one line per stage, in order
-  status = {r["stage"]: r["status"] for r in stages}
-  assert status["env"] == "ok"
-  assert status["check"] == "error" and "planted failure" in stages[3]["note"]
-  assert status["trace"] == "timeout"
-  for r in records:
+
+def device_check(tmp, *flags):
+  """``bash scripts/device_check.sh FLAGS`` as the device machine runs it (its python, grain,
+  tokamax and lm_eval absent), from a folder that is not the repository:
+  ``(process, output folder, records)``."""
+  block = tmp / "block"
+  block.mkdir()
+  (block / "sitecustomize.py").write_text(BLOCKER)
+  out = tmp / "out"
+  env = subprocess_env(tmp, 1, OUT=str(out), PYTHON=sys.executable)
+  env["PYTHONPATH"] = f"{block}:{env['PYTHONPATH']}"
+  proc = subprocess.run(["bash", str(ROOT / "scripts" / "device_check.sh"), *flags], env=env,
+                        capture_output=True, text=True, timeout=240, cwd=tmp)
+  lines = (out / records.RESULTS).read_text().splitlines()
+  return proc, out, [strict_json(line) for line in lines]
+
+
+def _entries(recs, stage, status=None):
+  return [r for r in recs if r["kind"] == "entry" and r["stage"] == stage
+          and r.get("entry") != "(stage)" and (status is None or r["status"] == status)]
+
+
+def test_smoke_run_returns_every_file_within_the_machines_limits(smoke_run):
+  proc, out, recs = smoke_run
+  assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # numerics, compile
+  files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+  assert files == sorted(records.OUTPUT_FILES), files  # the same set a full run writes
+  assert len(files) <= 8 and all(RETURNED_NAME.match(f) for f in files)
+  assert not [p for p in out.rglob("*") if p.is_dir()]
+  with tarfile.open(out / records.TRACE) as tar:
+    assert tar.getnames()
+  log = (out / records.STAGES_LOG).read_text()
+  for stage in geometry.STAGES:
+    assert f"[{stage}] " in log, stage
+  assert "[runner] == env" in log
+  env = (out / records.ENV_REPORT).read_text()
+  assert "## versions" in env and "## nvidia-smi" in env and '"jax": "' in env
+  summary = (out / records.SUMMARY).read_text()
+  assert "## Stages" in summary and "planted failure" in summary
+  for stage in geometry.STAGES:
+    assert f"| {stage} |" in summary
+  # nothing the device machine lacks was imported
+  assert "not on the device machine" not in log
+
+
+def test_smoke_run_order_restarts_and_skips(smoke_run):
+  _, _, recs = smoke_run
+  assert recs[0]["kind"] == "run" and recs[0]["mode"] == "smoke"
+  stage_recs = [r for r in recs if r["kind"] == "stage"]
+  order = [r["stage"] for r in stage_recs]
+  assert order == list(geometry.STAGES)
+  assert order.index("kernels") == 1 and order.index("kernels") < order.index("compile")
+  status = {r["stage"]: r for r in stage_recs}
+  assert status["env"]["status"] == "ok"
+  assert status["numerics"]["status"] == "error" and "planted" in status["numerics"]["note"]
+  assert status["compile"]["status"] == "timeout"
+  for r in recs:
     if r["kind"] == "entry":
       assert r["status"] in ("ok", "failed", "error", "skipped"), r
       assert r["status"] != "skipped" or r.get("reason"), r
 
-  def entries(stage, st=None):
-    return [r for r in records if r["kind"] == "entry" and r["stage"] == stage
-            and (st is None or r["status"] == st)]
+  # the failed kernel is recorded with its error; every later entry using it is skipped for it
+  readout = [r for r in _entries(recs, "kernels") if r["kernel"] == "readout"]
+  assert readout[0]["status"] == "error" and "planted" in readout[0]["error"]
+  assert all(r["status"] == "error" or r["reason"] == "time" for r in readout)
+  users = [r for r in recs if r["kind"] == "entry" and "readout" in (r.get("kernels") or [])
+           and r["stage"] not in ("kernels", "numerics", "compile")]  # (those two never ran)
+  # (the decode step has its own kernel: a Pallas decode entry does not use the readout)
+  assert {r["stage"] for r in users} >= {"check", "prefill", "backward", "trace"}
+  assert all(r["status"] == "skipped" and re.match(r"kernel .*readout.* failed in the kernels "
+                                                   r"stage", r["reason"]) for r in users), users
 
-  assert {"versions", "devices", "memory", "config"} <= {r["entry"] for r in entries("env", "ok")}
-  assert [r for r in entries("env", "ok") if r["entry"] == "devices"][0]["backend"] == "cpu"
-  # the stages after the failed one ran and measured something (a busy machine may cut them short)
-  assert entries("prefill", "ok") and status["prefill"] in ("ok", "timeout")
-  ran_after = [s for s in ("prefill", "decode", "backward") if entries(s)]
-  assert ran_after == ["prefill", "decode", "backward"]
-  # no GPU here: cuDNN is recorded as skipped, with why
-  cudnn = [r for r in entries("prefill") if r.get("impl") == "cudnn"]
-  assert cudnn and all(r["status"] == "skipped" for r in cudnn)
-  assert any("GPU" in r["reason"] for r in cudnn)
-  # every planned entry of the stages that ran is accounted for
-  for plan in (r for r in records if r["kind"] == "plan"):
-    if status[plan["stage"]] == "ok":
-      assert {r["entry"] for r in entries(plan["stage"])} == set(plan["entries"])
+  # baselines (cuDNN, XLA attention, KVM-XLA) recorded before any Pallas entry
+  for stage in ("prefill", "decode", "backward"):
+    impls = [r["impl"] for r in _entries(recs, stage)]
+    pallas = [i for i, impl in enumerate(impls) if measure.is_pallas(impl)]
+    others = [i for i, impl in enumerate(impls) if not measure.is_pallas(impl)]
+    assert pallas and others and max(others) < min(pallas), (stage, impls)
+  cudnn = [r for r in _entries(recs, "prefill") if r["impl"] == "cudnn"]
+  assert all(r["status"] == "skipped" for r in cudnn) and "GPU" in cudnn[0]["reason"]  # no GPU
 
-  summary = (out / "summary.md").read_text()
-  assert "## Stages" in summary and "planted failure" in summary
-  for stage in dc.STAGES:
-    assert f"| {stage} |" in summary
-  assert (out / "logs" / "trace.log").exists() and (out / "console.txt").exists()
+  # every planned entry is accounted for exactly once, whatever stopped its stage
+  for plan in (r for r in recs if r["kind"] == "plan"):
+    got = [r["entry"] for r in _entries(recs, plan["stage"])]
+    assert sorted(got) == sorted(plan["entries"]), plan["stage"]
 
 
-def test_summary_from_records_and_strict_json(tmp_path):
-  path = tmp_path / dc.RESULTS
-  dc.append_record(path, {"kind": "run", "mode": "full", "stages": ["prefill", "decode"]})
+def test_full_run_isolation_restarts_a_crashed_stage(tmp_path):
+  """The full run's isolation (a fresh interpreter per stage, as on the GPU): the process running
+  prefill's ``full-xla T=256`` aborts (SIGABRT, as a Triton abort would); that entry is recorded
+  with the signal, and a new process runs the entries after it."""
+  proc, out, recs = device_check(tmp_path, "--smoke", "--isolation", "subprocess", "--stages",
+                                 "env,prefill", "--crash-entry", "full-xla T=256",
+                                 "--timeouts", "prefill=20", "--total-budget", "40")
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  stage = [r for r in recs if r["kind"] == "stage" and r["stage"] == "prefill"][0]
+  assert stage["status"] == "ok" and stage["restarts"] == 1 and "signal 6" in stage["note"]
+  entries = {r["entry"]: r for r in _entries(recs, "prefill")}
+  assert entries["full-xla T=256"]["status"] == "error"
+  assert "crashed (signal 6)" in entries["full-xla T=256"]["error"]
+  assert entries["kvm-xla T=256"]["status"] == "ok"  # measured by the restarted process
+  assert len(_entries(recs, "prefill")) == len(entries)  # nothing recorded twice
+  log = (out / records.STAGES_LOG).read_text()
+  assert "planted crash" in log and "restarting for" in log
+
+
+PREFLIGHTS = [(k, G) for k in records.KERNELS
+              for G in (geometry.SMOKE.kernel_groups if k in preflight.GROUPED else (1,))]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_preflights_agree_with_their_xla_ops(dtype):
+  """Every pre-flight entry (kernels interpreted here) passes against its XLA op, and a wrong
+  kernel fails it: the comparison is real."""
+  geo, kc, dt = geometry.SMOKE, KernelConfig.for_target(), jnp.dtype(dtype)
+  chosen = PREFLIGHTS if dtype == "float32" else [("readout", 4), ("decode", 4)]
+  for kernel, G in chosen:
+    result = preflight.comparison(kernel, geo, G, dt, kc).run()
+    assert result["status"] == "ok", (kernel, G, result)
+  if dtype == "float32":
+    wrong = preflight.merge_target(geo, dt, kc, first_row=2).run()
+    assert wrong["status"] == "failed" and wrong["differences"] > 0
+
+
+def test_kernel_preflights_lower_for_the_gpu():
+  """At the paper's pre-flight shapes (B=1, Hkv=2, C=256, D=128, R=256), every pre-flight kernel
+  lowers to a Triton custom call on this CPU-only machine, in both dtypes (the kernels' own
+  lowering tests cover TPU and the larger shapes)."""
+  platform = "cuda"
+  kc = KernelConfig.for_target(platform, interpret=False)
+  marker = "xla.gpu.triton"
+  for dtype in (jnp.bfloat16, jnp.float32):
+    for kernel, G in [(k, G) for k in records.KERNELS
+                      for G in (geometry.PAPER.kernel_groups if k in preflight.GROUPED else (1,))]:
+      c = preflight.comparison(kernel, geometry.PAPER, G, dtype, kc)
+      abstract = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.asarray(a).dtype) for a in c.args]
+      with lowering_for(platform):
+        text = jax.jit(c.kernel).trace(*abstract).lower(lowering_platforms=(platform,)).as_text()
+      assert marker in text, (kernel, G, dtype)
+
+
+def test_check_output_is_written_through_before_a_failure(tmp_path, monkeypatch):
+  """kvm-check's lines reach check.txt as they are printed, so a stage killed mid-case keeps
+  them: here the case raises after printing."""
+  def fake_main(argv):
+    print("kvm-check on cpu: first line", flush=True)
+    assert (tmp_path / records.CHECK_LOG).read_text().endswith("first line\n")
+    raise RuntimeError("killed mid-case")
+
+  monkeypatch.setattr(stages.check, "main", fake_main)
+  rec = records.Recorder(tmp_path / records.RESULTS, "check", deadline=1e18)
+  ctx = measure.Context(out=tmp_path, geo=geometry.SMOKE, smoke=True, repeats=1)
+  stages.stage_check(rec, ctx)
+  text = (tmp_path / records.CHECK_LOG).read_text()
+  assert "$ kvm-check --size small --no-grads --cases 1" in text and "first line" in text
+  entry = records.read_records(tmp_path / records.RESULTS)[-1]
+  assert entry["status"] == "error" and "killed mid-case" in entry["error"]
+
+
+def test_recorder_skips_entries_of_broken_kernels_and_recorded_entries(tmp_path):
+  path = tmp_path / records.RESULTS
+  records.append_record(path, {"kind": "entry", "stage": "kernels", "entry": "decode bf16 G=1",
+                               "kernel": "decode", "status": "error", "error": "Boom"})
+  records.append_record(path, {"kind": "entry", "stage": "kernels", "entry": "novelty bf16",
+                               "kernel": "novelty", "status": "failed"})  # wrong, not broken
+  records.append_record(path, {"kind": "entry", "stage": "decode", "entry": "full-xla",
+                               "status": "ok"})  # recorded by a process that crashed later
+  assert records.broken_kernels(records.read_records(path)) == {"decode": "decode bf16 G=1: Boom"}
+  ran = []
+  rec = records.Recorder(path, "decode", deadline=1e18)
+  rec.run([records.Task(n, lambda n=n: ran.append(n), {"kernels": k}) for n, k in (
+      ("full-xla", []), ("kvm-xla", []), ("kvm-pallas", list(records.DECODE_KERNELS)))])
+  assert ran == ["kvm-xla"]
+  last = records.read_records(path)[-1]
+  assert last["entry"] == "kvm-pallas" and last["status"] == "skipped"
+  assert last["reason"] == "kernel decode failed in the kernels stage"
+
+
+def test_summary_from_records_and_follow_up_command(tmp_path):
+  path = tmp_path / records.RESULTS
+  records.append_record(path, {"kind": "run", "mode": "full", "stages": ["prefill", "check"],
+                               "budgets_s": {"check": 120, "prefill": 70}})
   for impl, ms in (("cudnn", 8.0), ("kvm-xla", 4.0), ("kvm-pallas", float("nan"))):
-    dc.append_record(path, {"kind": "entry", "stage": "prefill", "entry": f"{impl} T=4096",
-                            "status": "ok", "impl": impl, "T": 4096, "batch": 8, "ms": ms,
-                            "ms_per_seq": ms / 8})
-  dc.append_record(path, {"kind": "entry", "stage": "prefill", "entry": "kvm-xla T=8192",
-                          "status": "skipped", "reason": "time"})
-  dc.append_record(path, {"kind": "stage", "stage": "prefill", "status": "ok", "seconds": 3.0,
-                          "entries": {"ok": 3, "skipped": 1}})
-  dc.append_record(path, {"kind": "entry", "stage": "decode", "entry": "(stage)",
-                          "status": "error", "error": "RuntimeError: boom"})
-  dc.append_record(path, {"kind": "stage", "stage": "decode", "status": "error",
-                          "note": "RuntimeError: boom"})
+    records.append_record(path, {"kind": "entry", "stage": "prefill", "entry": f"{impl} T=4096",
+                                 "status": "ok", "impl": impl, "T": 4096, "batch": 8, "ms": ms,
+                                 "ms_per_seq": ms / 8})
+  records.append_record(path, {"kind": "entry", "stage": "check", "entry": "case 2",
+                               "status": "skipped", "reason": "time"})
+  records.append_record(path, {"kind": "stage", "stage": "prefill", "status": "ok",
+                               "seconds": 3.0, "entries": {"ok": 3}})
+  records.append_record(path, {"kind": "entry", "stage": "decode", "entry": "(stage)",
+                               "status": "error", "error": "RuntimeError: boom"})
   with open(path, "a") as f:
     f.write('{"kind": "entry", "stage": "deco')  # a line torn by a killed stage
-  records = [strict_json(line) for line in path.read_text().splitlines()[:-1]]
-  assert records[3]["ms"] == "nan"  # NaN is written as a string, never as bare NaN
-  text = dc.write_summary(tmp_path)
-  assert (tmp_path / dc.SUMMARY).read_text() == text
+  recs = [strict_json(line) for line in path.read_text().splitlines()[:-1]]
+  assert recs[3]["ms"] == "nan"  # NaN is written as a string, never as bare NaN
+  text = report.write_summary(tmp_path)
+  assert (tmp_path / records.SUMMARY).read_text() == text
   assert "| 4096 | kvm-xla | 8 | ok | 4 | 0.5 | cudnn | 2 |" in text  # 8 ms ÷ 4 ms
   assert "skipped: time" in text and "- decode: RuntimeError: boom" in text
+  # only the stage cut short by time, three times its budget, within one device call
+  command = report.follow_up(recs)
+  assert command == ("bash scripts/device_check.sh --stages check --timeouts check=360 "
+                     "--total-budget 540")
+  assert command in text
+  args = cli.parser().parse_args(command.split()[2:])
+  assert args.stages == ["check"] and args.timeouts == {"check": 360.0}
 
 
-def test_help_explains_every_flag_and_shapes():
-  text = " ".join(dc.parser().format_help().split())
-  for flag in ("--out", "--smoke", "--stages", "--timeouts", "--total-budget", "--grace",
-               "--repeats", "--isolation", "--fast-compile", "--compile-cache", "--fail-stage",
-               "--hang-stage", "--summarize", "--child", "--child-deadline"):
+def test_help_explains_every_flag_and_the_plan_fits():
+  text = " ".join(cli.parser().format_help().split())
+  for flag in ("--out", "--overwrite", "--smoke", "--stages", "--timeouts", "--total-budget",
+               "--grace", "--repeats", "--isolation", "--fast-compile", "--compile-cache",
+               "--fail-stage", "--hang-stage", "--crash-entry", "--fail-kernel", "--summarize",
+               "--child", "--child-deadline"):
     assert re.search(rf"{flag}\b[^\n]*?\s\w", text), flag
-  for stage in dc.STAGES:
+  for stage in geometry.STAGES:
     assert stage in text
+  for name in records.OUTPUT_FILES:
+    assert name in text
+  # the whole full run, its grace and a parent's start inside 8 minutes
+  assert sum(geometry.BUDGETS.values()) == geometry.TOTAL_BUDGET["full"]
+  assert geometry.TOTAL_BUDGET["full"] + geometry.GRACE["full"] + 20 <= 8 * 60
+  assert set(geometry.BUDGETS) == set(geometry.SMOKE_BUDGETS) == set(geometry.STAGES)
   # T reaches R rows and folds once into the full state: R + 3 chunks at the paper's geometry
-  cfg = dc.kvm_config(dc.PAPER, kj.FixedBudget(1024))
-  assert dc.length_for_rows(cfg, 1024) == 1024 + 3 * 256
+  cfg = measure.kvm_config(geometry.PAPER, kj.FixedBudget(1024))
+  assert measure.length_for_rows(cfg, 1024) == 1024 + 3 * 256
   assert kj.state_rows_after(cfg, 1024 + 3 * 256) == 1024
-  assert dc.length_for_rows(dc.kvm_config(dc.PAPER, kj.FixedBudget(256)), 256) == 4 * 256
-  assert dc.longest_first([4096, 8192, 16384, 32768]) == [32768, 4096, 8192, 16384]
-  with pytest.raises(SystemExit):
-    dc.parser().parse_args(["--timeouts", "nonsense=3"])
+  assert geometry.longest_first([4096, 8192, 16384, 32768]) == [32768, 4096, 8192, 16384]
+  assert geometry.baselines_first(["kvm-pallas", "cudnn", "kvm-xla"], measure.is_pallas) == [
+      "cudnn", "kvm-xla", "kvm-pallas"]
+  for bad in (["--timeouts", "nonsense=3"], ["--timeouts", "check=0"], ["--stages", "x"],
+              ["--fail-kernel", "softmax"]):
+    with pytest.raises(SystemExit):
+      cli.parser().parse_args(bad)
+
+
+def test_an_earlier_runs_files_are_not_mixed_in(tmp_path):
+  from benchmarks.device import runner
+  (tmp_path / records.RESULTS).write_text('{"kind": "run"}\n')
+  with pytest.raises(SystemExit, match="--overwrite"):
+    runner.prepare_out(tmp_path, overwrite=False)
+  runner.prepare_out(tmp_path, overwrite=True)
+  assert not (tmp_path / records.RESULTS).exists() and (tmp_path / records.CHECK_LOG).exists()

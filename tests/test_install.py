@@ -1,7 +1,8 @@
 """A regular (not editable) install works on its own: run from another directory, with the
 repository out of sight, it imports the trainer and the evaluations under the one name ``kvm_jax``
 (no module named ``train``, ``eval`` or ``pallas_kernels`` is ever loaded), ships the lm-eval task
-files, and the console scripts answer ``--help``.
+files, leaves out the device check's harness (``benchmarks/``), and the console scripts answer
+``--help``.
 
 The install is real (``pip install --no-deps`` of a copy of the repository, built from source, into
 a fresh virtual environment); the environment sees the test environment's dependencies through a
@@ -73,6 +74,9 @@ def test_regular_install_from_another_directory(tmp_path):
                                 "kvm_local_perplexity.yaml"])
   assert not (site / "train").exists() and not (site / "eval").exists()
   assert not (site / "pallas_kernels").exists()
+  # the device check's harness (benchmarks/) runs from a checkout only: nothing of it installed
+  assert not (site / "benchmarks").exists()
+  assert not [p for p in site.rglob("*device_check*")], "device_check installed"
 
   # Every console script is installed; the three a user needs first answer --help.
   for name in SCRIPTS:

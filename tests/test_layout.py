@@ -246,7 +246,27 @@ def test_no_private_names_across_modules():
   for path, source in notebook_sources():
     found = scan(source)
     problems += private_uses(path.name, found) + folder_imports(path.name, found)
+  for path in harness_files():
+    found = scan(path.read_text())
+    problems += private_uses(str(path.relative_to(ROOT)), found) + folder_imports(
+        str(path.relative_to(ROOT)), found)
   assert not problems, "\n".join(problems)
+
+
+def harness_files():
+  """The harnesses that run from a checkout (the device check): ``benchmarks/``."""
+  return sorted((ROOT / "benchmarks").rglob("*.py"))
+
+
+def test_harnesses_are_not_installed_and_use_the_package_as_users_do():
+  """``benchmarks/`` is in no installed package, and imports only modules the package has."""
+  setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+  assert not [p for p in setuptools["packages"] if p.split(".")[0] == "benchmarks"]
+  assert not [d for d in setuptools.get("package-dir", {}).values() if "benchmarks" in d]
+  assert harness_files()
+  for path in harness_files():
+    for line, dest in internal_edges(path.name, scan(path.read_text())):
+      assert dest in MODULES, f"{path}:{line}: {dest}"
 
 
 def test_the_checker_reports_what_it_guards_against():
@@ -279,7 +299,8 @@ CITATION = re.compile(r"docs/([\w-]+\.md)(?:\W{0,3}§\s?(\d+(?:\.\d+)?))?")
 
 def user_facing_files():
   yield ROOT / "README.md"
-  for folder in ("docs", "kvm_jax", "pallas_kernels", "train", "eval", "scripts", "notebooks"):
+  for folder in ("docs", "kvm_jax", "pallas_kernels", "train", "eval", "scripts", "notebooks",
+                 "benchmarks"):
     for f in sorted((ROOT / folder).rglob("*")):
       if f.suffix in (".py", ".md", ".sh", ".ipynb", ".yaml") and "__pycache__" not in f.parts:
         yield f

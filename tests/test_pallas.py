@@ -18,7 +18,7 @@ from kvm_jax.ops.kvm.cases import (TOLERANCE, random_inputs, random_params, rel_
                                    valid_rows)
 from kvm_jax.ops.kvm.scan import XLA_OPS, kvm_attention_scan
 from kvm_jax.ops.kvm.state import update_state
-from tests.conftest import in_ci, make_model
+from tests.conftest import in_ci, lowering_for, make_model
 
 CASES = {c.name: c for c in select("kernels")}
 PALLAS = chunk_ops("pallas", interpret=True)
@@ -179,7 +179,8 @@ def test_kernels_lower_for_accelerators(platform, rows, heads, dtype):
           kj.KVMParams.init(D, H))
   ops = chunk_ops("pallas", target=platform, interpret=False)
   f = lambda *a: kvm_attention_scan(*a, cfg=cfg, ops=ops)[0]
-  text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  with lowering_for(platform):
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
   # novelty is computed only where the static schedule appends rows (R > C here)
   kernels = ["kvm_fused_readout", "kvm_route_argmax", "kvm_add_rows"]
   kernels += ["kvm_route_novelty"] if any(kj.kvm_schedule(cfg, T).n_append) else []
@@ -190,7 +191,8 @@ def test_kernels_lower_for_accelerators(platform, rows, heads, dtype):
     for name in kernels:
       assert name in text, name
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
-  jax.jit(grad).trace(*args).lower(lowering_platforms=(platform,))
+  with lowering_for(platform):
+    jax.jit(grad).trace(*args).lower(lowering_platforms=(platform,))
 
 
 def test_gpu_target_rejects_non_power_of_two_chunks():

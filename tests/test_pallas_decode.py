@@ -21,7 +21,7 @@ from kvm_jax.kernels import backend
 from kvm_jax.kernels.decode import decode_attention_pallas, decode_blocks, decode_bytes
 from kvm_jax.ops.common import joint_attention, ring_positions
 from kvm_jax.ops.kvm.decode import decode_attention
-from tests.conftest import ROOT
+from tests.conftest import ROOT, lowering_for
 
 # C = 8, L = 16 (two chunks), R = 40 state rows (not a power of two, not a multiple of a block).
 CFG = kj.KVMConfig(chunk_size=8, window_chunks=2, rope_dims=8, budget=kj.FixedBudget(16))
@@ -173,7 +173,8 @@ def test_decode_kernel_lowers_for_accelerators(platform):
             spec((Bp, L, Hkv, Dp), dtype), spec((Bp, L, Hkv, Dp), dtype),
             spec((), jnp.int32), spec((Hkv, G), jnp.float32), spec((Hkv, G), jnp.float32))
     f = lambda *a: decode_attention_pallas(*a, PAPER, kc=kc)
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    with lowering_for(platform):
+      text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
     assert len(calls) == 1 and marker in calls[0], (Hkv, rows, dtype, state)
     # No copy of the cache: the state (%arg1, %arg2) and the ring (%arg4, %arg5) reach the
