@@ -208,7 +208,7 @@ def test_check_output_is_written_through_before_a_failure(tmp_path, monkeypatch)
 
   monkeypatch.setattr(stages.check, "main", fake_main)
   rec = records.Recorder(tmp_path / records.RESULTS, "check", deadline=1e18)
-  ctx = measure.Context(out=tmp_path, geo=geometry.SMOKE, smoke=True, repeats=1)
+  ctx = measure.Context(out=tmp_path, geo=geometry.SMOKE, repeats=1)
   stages.stage_check(rec, ctx)
   text = (tmp_path / records.CHECK_LOG).read_text()
   assert "$ kvm-check --size small --no-grads --cases 1" in text and "first line" in text
@@ -233,6 +233,35 @@ def test_recorder_skips_entries_of_broken_kernels_and_recorded_entries(tmp_path)
   last = records.read_records(path)[-1]
   assert last["entry"] == "kvm-pallas" and last["status"] == "skipped"
   assert last["reason"] == "kernel decode failed in the kernels stage"
+
+
+def test_a_lost_device_ends_the_process_and_a_new_one_runs_the_rest(tmp_path, monkeypatch):
+  """An error that leaves the CUDA context unusable is recorded, ends the stage's process with
+  its own exit code, and the runner starts a fresh process for the entries after it (forked
+  here, with a stand-in stage that touches no device)."""
+  import argparse
+  import os
+  from benchmarks.device import runner
+
+  def stage(rec, ctx):
+    def lose():
+      raise RuntimeError("INTERNAL: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access")
+    rec.run([records.Task("first", lambda: {"pid": os.getpid()}), records.Task("lost", lose),
+             records.Task("after", lambda: {"pid": os.getpid()})])
+
+  monkeypatch.setattr(runner, "stage_function", lambda name: stage)
+  args = argparse.Namespace(out=str(tmp_path), isolation="fork", smoke=True, repeats=None,
+                            fast_compile=False, compile_cache=None, crash_entry=None,
+                            hang_stage=None, fail_stage=None, fail_kernel=None)
+  runner.prepare_out(tmp_path, overwrite=False)
+  log = runner.StageLog(tmp_path / records.STAGES_LOG)
+  status, extra = runner.run_one_stage("decode", args, [], log, soft=30.0, grace=5.0)
+  recs = {r["entry"]: r for r in records.read_records(tmp_path / records.RESULTS)
+          if r["kind"] == "entry"}
+  assert recs["lost"]["status"] == "error" and recs["lost"]["device_lost"]
+  assert recs["first"]["status"] == recs["after"]["status"] == "ok"
+  assert recs["first"]["pid"] != recs["after"]["pid"]  # a fresh process ran the rest
+  assert status == "ok" and extra["restarts"] == 1 and "device lost" in extra["note"]
 
 
 def test_summary_from_records_and_follow_up_command(tmp_path):
@@ -264,6 +293,11 @@ def test_summary_from_records_and_follow_up_command(tmp_path):
   assert command in text
   args = cli.parser().parse_args(command.split()[2:])
   assert args.stages == ["check"] and args.timeouts == {"check": 360.0}
+  # README's example is what a run cut short in check and compile prints
+  cut = [{"kind": "run", "mode": "full"}] + [
+      {"kind": "entry", "stage": s, "entry": "x", "status": "skipped", "reason": "time"}
+      for s in ("compile", "check")]
+  assert report.follow_up(cut) in (ROOT / "README.md").read_text()
 
 
 def test_help_explains_every_flag_and_the_plan_fits():

@@ -26,7 +26,6 @@ class Context:
 
   out: Path
   geo: Geometry
-  smoke: bool
   repeats: int
   fail_kernels: frozenset = frozenset()   # testing: kernels whose pre-flight raises
 

@@ -71,7 +71,7 @@ def run_stage(stage: str, args, deadline: float) -> int:
       jax.config.update("jax_compilation_cache_dir", args.compile_cache)
     from benchmarks.device.measure import Context
     geo = SMOKE if args.smoke else PAPER
-    ctx = Context(out=out, geo=geo, smoke=args.smoke, repeats=args.repeats or geo.repeats,
+    ctx = Context(out=out, geo=geo, repeats=args.repeats or geo.repeats,
                   fail_kernels=frozenset(_names(args.fail_kernel)))
     stage_function(stage)(rec, ctx)
     return 0
@@ -116,8 +116,9 @@ class StageLog:
     return thread
 
 
-def _wait(pid: int, timeout: float) -> Optional[int]:
-  """The exit code of child ``pid`` (negative: killed by that signal), or None at ``timeout``."""
+def _wait_forked(pid: int, timeout: float) -> Optional[int]:
+  """The exit code of forked child ``pid`` (negative: killed by that signal), or None at
+  ``timeout``."""
   end = time.monotonic() + timeout
   while True:
     done, status = os.waitpid(pid, os.WNOHANG)
@@ -128,18 +129,35 @@ def _wait(pid: int, timeout: float) -> Optional[int]:
     time.sleep(0.05)
 
 
-def _kill_group(pid: int) -> None:
-  for sig, pause in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
+class Child:
+  """One stage's process, leading its own process group: a fork (``popen`` None) or a fresh
+  interpreter (``popen``); ``fd`` is the read end of its stdout and stderr."""
+
+  def __init__(self, pid: int, fd: int, popen: Optional[subprocess.Popen] = None):
+    self.pid, self.fd, self.popen = pid, fd, popen
+
+  def wait(self, timeout: float) -> Optional[int]:
+    """The exit code (negative: killed by that signal), or None at ``timeout``."""
+    if self.popen is None:
+      return _wait_forked(self.pid, max(0.0, timeout))
     try:
-      os.killpg(pid, sig)
-    except ProcessLookupError:
-      return
-    if _wait(pid, pause) is not None:
-      return
+      return self.popen.wait(max(0.0, timeout))
+    except subprocess.TimeoutExpired:
+      return None
+
+  def kill(self) -> None:
+    """SIGTERM to the whole group, SIGKILL if it is still there 3 s later."""
+    for sig, pause in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
+      try:
+        os.killpg(self.pid, sig)
+      except ProcessLookupError:
+        return
+      if self.wait(pause) is not None:
+        return
 
 
-def _start(stage: str, args, argv: Sequence[str], deadline: float) -> tuple[int, int]:
-  """Starts one stage's child in a new process group: ``(pid, read end of its output)``."""
+def _start(stage: str, args, argv: Sequence[str], deadline: float) -> Child:
+  """Starts one stage's child in a new process group."""
   if args.isolation == "fork":
     read, write = os.pipe()
     sys.stdout.flush()
@@ -157,23 +175,25 @@ def _start(stage: str, args, argv: Sequence[str], deadline: float) -> tuple[int,
       finally:
         os._exit(code)
     os.close(write)
-    return pid, read
+    return Child(pid, read)
   cmd = [sys.executable, "-m", "benchmarks.device", *argv, "--child", stage,
          "--child-deadline", f"{deadline:.3f}"]
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           start_new_session=True)
-  return proc.pid, os.dup(proc.stdout.fileno())
+  fd = os.dup(proc.stdout.fileno())
+  proc.stdout.close()
+  return Child(proc.pid, fd, proc)
 
 
 def _launch(stage: str, args, argv: Sequence[str], log: StageLog, deadline: float,
             hard: float) -> tuple[str, Optional[int]]:
   """One process of ``stage``: ``(status, exit code)`` with status ok / error / device lost /
   timeout / crashed."""
-  pid, fd = _start(stage, args, argv, deadline)
-  reader = log.follow(stage, fd)
-  code = _wait(pid, hard)
+  child = _start(stage, args, argv, deadline)
+  reader = log.follow(stage, child.fd)
+  code = child.wait(hard)
   if code is None:
-    _kill_group(pid)
+    child.kill()
   reader.join(timeout=10)
   if code is None:
     return "timeout", None
@@ -215,7 +235,12 @@ def run_one_stage(stage: str, args, argv: Sequence[str], log: StageLog, soft: fl
                            deadline + grace - time.time())
     records = read_records(results)
     missing, fields = _unreached(records, stage)
-    if status in ("ok", "error") or not missing:
+    if status == "ok" or not missing:
+      break
+    if status == "error":  # the stage itself raised (recorded as "(stage)"): the rest not run
+      for e in missing:
+        append_record(results, {"stage": stage, **fields.get(e, {}), "kind": "entry",
+                                "entry": e, "status": "skipped", "reason": "stage error"})
       break
     # timeout or crash: the entry in progress is recorded as this process's error
     if status != "device lost":
