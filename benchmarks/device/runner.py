@@ -229,7 +229,7 @@ def run_one_stage(stage: str, args, argv: Sequence[str], log: StageLog, soft: fl
   results = Path(args.out) / RESULTS
   start = time.monotonic()
   deadline = time.time() + soft   # the child's clock starts now, not after its imports
-  events = []
+  crashes, restarts = [], 0   # what ended a process early, and how many replaced one
   while True:
     status, code = _launch(stage, args, argv, log, deadline,
                            deadline + grace - time.time())
@@ -248,10 +248,11 @@ def run_one_stage(stage: str, args, argv: Sequence[str], log: StageLog, soft: fl
              if status == "timeout" else f"stage process {status} during this entry")
       append_record(results, {"stage": stage, **fields.get(missing[0], {}), "kind": "entry",
                               "entry": missing[0], "status": "error", "error": why})
-      events.append(f"{status} in {missing[0]!r}")
+      if status != "timeout":
+        crashes.append(f"{status} in {missing[0]!r}")
       missing = missing[1:]
     else:
-      events.append("device lost")
+      crashes.append("device lost")
     left = deadline - time.time()
     if status == "timeout" or not missing or left < RESTART_MIN_SECONDS:
       reason = "time" if status == "timeout" or left < RESTART_MIN_SECONDS else status
@@ -262,21 +263,23 @@ def run_one_stage(stage: str, args, argv: Sequence[str], log: StageLog, soft: fl
                                 "status": "skipped",
                                 "reason": kernel_skip_reason(f, broken) or reason})
       break
-    log.runner(f"== {stage}: {events[-1]}; restarting for {len(missing)} entries "
+    restarts += 1
+    log.runner(f"== {stage}: {crashes[-1]}; restarting for {len(missing)} entries "
                f"({left:.0f} s left)")
   records = read_records(results)
-  note = None
+  notes = []
   if status == "error":
     errs = [r for r in records if r.get("stage") == stage and r.get("entry") == "(stage)"]
-    note = errs[-1].get("error") if errs else None
+    notes.append(errs[-1].get("error") if errs else None)
   elif status == "timeout":
-    note = f"killed after {time.monotonic() - start:.0f} s"
-  if events:
-    note = "; ".join(filter(None, [note, "restarted after: " + ", ".join(events)]))
+    notes.append(f"killed after {time.monotonic() - start:.0f} s")
+  if crashes:
+    notes.append(f"{', '.join(crashes)}; {restarts} restart(s)")
   if status.startswith("crashed") or status == "device lost":
     status = "crashed"   # the last process crashed too: entries left are recorded skipped
   return status, {"exit_code": code, "seconds": time.monotonic() - start, "budget_s": soft,
-                  "entries": _counts(records, stage), "restarts": len(events), "note": note}
+                  "entries": _counts(records, stage), "restarts": restarts,
+                  "note": "; ".join(filter(None, notes)) or None}
 
 
 def prepare_out(out: Path, overwrite: bool) -> None:
