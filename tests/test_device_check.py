@@ -149,7 +149,7 @@ def test_full_run_isolation_restarts_a_crashed_stage(tmp_path):
   prefill's ``full-xla T=256`` aborts (SIGABRT, as a Triton abort would); that entry is recorded
   with the signal, and a new process runs the entries after it."""
   proc, out, recs = device_check(tmp_path, "--smoke", "--isolation", "subprocess", "--stages",
-                                 "env,prefill", "--crash-entry", "full-xla T=256",
+                                 "prefill", "--crash-entry", "full-xla T=256",
                                  "--timeouts", "prefill=20", "--total-budget", "40")
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   stage = [r for r in recs if r["kind"] == "stage" and r["stage"] == "prefill"][0]
