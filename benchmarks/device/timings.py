@@ -15,26 +15,31 @@ import jax.numpy as jnp
 import kvm_jax as kj
 
 from benchmarks.device.geometry import baselines_first, longest_first
-from benchmarks.device.measure import Context, device_bytes_limit, inputs, is_pallas, \
-    kernels_of, kvm_config, median_ms, memory_fields, needs_gpu, on_gpu, prefill_arms, \
+from benchmarks.device.measure import FULL_ARMS, Context, device_bytes_limit, inputs, \
+    is_pallas, kernels_of, kvm_config, median_ms, memory_fields, needs_gpu, prefill_arms, \
     prefill_fn, with_batch_fallback
 from benchmarks.device.records import DECODE_KERNELS, Recorder, Task
 
 
 def _timing_fields(geo, impl: str, T: int, kernels) -> dict:
   return dict(impl=impl, T=T, H=geo.heads, D=geo.head_dim, dtype=geo.dtype,
-              rows=None if impl in ("cudnn", "full-xla") else geo.timing_rows,
+              rows=None if impl in FULL_ARMS else geo.timing_rows,
               kernels=kernels_of(impl, kernels))
+
+
+def _length_arms(lengths) -> list[tuple[int, str]]:
+  """``(T, arm)`` of a prefill or backward stage: the longest T first, every baseline and
+  KVM-XLA entry before any Pallas entry."""
+  return baselines_first([(T, impl) for T in longest_first(lengths) for impl in prefill_arms()],
+                         lambda e: is_pallas(e[1]))
 
 
 def stage_prefill(rec: Recorder, ctx: Context) -> None:
   """Forward time at T = 4K..32K (longest first), B=8 (halved on out-of-memory, recorded)."""
   geo = ctx.geo
   cfg = kvm_config(geo, kj.FixedBudget(geo.timing_rows))
-  entries = baselines_first([(T, impl) for T in longest_first(geo.prefill_lengths)
-                             for impl in prefill_arms()], lambda e: is_pallas(e[1]))
   tasks = []
-  for T, impl in entries:
+  for T, impl in _length_arms(geo.prefill_lengths):
     def run(T=T, impl=impl):
       skip = needs_gpu(impl)
       if skip:
@@ -198,20 +203,16 @@ def stage_backward(rec: Recorder, ctx: Context) -> None:
   geo = ctx.geo
   B, H, D, dt = geo.batch, geo.heads, geo.head_dim, jnp.dtype(geo.dtype)
   cfg = kvm_config(geo, kj.FixedBudget(geo.timing_rows))
-  arms = ("cudnn",) if on_gpu() else ("cudnn", "full-xla")
-  entries = baselines_first([(T, impl) for T in longest_first(geo.backward_lengths)
-                             for impl in (*arms, "kvm-xla", "kvm-pallas")],
-                            lambda e: is_pallas(e[1]))
   w = jnp.cos(jnp.arange(D, dtype=jnp.float32))
   limit = device_bytes_limit()
   tasks = []
-  for T, impl in entries:
+  for T, impl in _length_arms(geo.backward_lengths):
     def run(T=T, impl=impl):
       skip = needs_gpu(impl)
       if skip:
         return skip
       f = prefill_fn(impl, cfg)
-      argnums = (0, 1, 2) if impl in arms else (0, 1, 2, 3)
+      argnums = (0, 1, 2) if impl in FULL_ARMS else (0, 1, 2, 3)
       grad = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * w),
                               argnums=argnums))
       S = jax.ShapeDtypeStruct
