@@ -10,7 +10,6 @@ timing is asserted."""
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import subprocess
@@ -163,8 +162,10 @@ def test_full_run_isolation_restarts_a_crashed_stage(tmp_path):
   assert "planted crash" in log and "restarting for" in log
 
 
+# (kernel, G) of every pre-flight entry (both modes run G in {1, 4})
+assert geometry.SMOKE.kernel_groups == geometry.PAPER.kernel_groups
 PREFLIGHTS = [(k, G) for k in records.KERNELS
-              for G in (geometry.SMOKE.kernel_groups if k in preflight.GROUPED else (1,))]
+              for G in (geometry.PAPER.kernel_groups if k in preflight.GROUPED else (1,))]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -189,8 +190,7 @@ def test_kernel_preflights_lower_for_the_gpu():
   kc = KernelConfig.for_target(platform, interpret=False)
   marker = "xla.gpu.triton"
   for dtype in (jnp.bfloat16, jnp.float32):
-    for kernel, G in [(k, G) for k in records.KERNELS
-                      for G in (geometry.PAPER.kernel_groups if k in preflight.GROUPED else (1,))]:
+    for kernel, G in PREFLIGHTS:
       c = preflight.comparison(kernel, geometry.PAPER, G, dtype, kc)
       abstract = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.asarray(a).dtype) for a in c.args]
       with lowering_for(platform):

@@ -28,8 +28,8 @@ from kvm_jax.kernels.backend import default_interpret
 from kvm_jax.ops.kvm.cases import TOLERANCE, random_inputs, random_params, rel_rms, \
     state_rel_error
 
-from benchmarks.device.measure import Context, kvm_config, length_for_rows, memory_fields, \
-    prefill_fn, with_batch_fallback, inputs
+from benchmarks.device.measure import Context, inputs, kernels_of, kvm_config, length_for_rows, \
+    memory_fields, prefill_fn, with_batch_fallback
 from benchmarks.device.records import CHECK_LOG, DECODE_KERNELS, ENV_REPORT, KERNELS, \
     SCAN_KERNELS, TRACE, Recorder, Task
 
@@ -262,9 +262,9 @@ def stage_compile(rec: Recorder, ctx: Context) -> None:
       t2 = time.perf_counter()
       return {"T": T, "lower_s": t1 - t0, "compile_s": t2 - t1, **memory_fields(compiled)}
 
-    kernels = (DECODE_KERNELS if op == "decode" else SCAN_KERNELS) if impl == "pallas" else ()
+    kernels = kernels_of(impl, DECODE_KERNELS if op == "decode" else SCAN_KERNELS)
     tasks.append(Task(f"{impl} {op} Hkv={Hkv} R={R}", run, dict(
-        impl=impl, op=op, B=B, H=H, Hkv=Hkv, D=D, R=R, dtype=geo.dtype, kernels=list(kernels)),
+        impl=impl, op=op, B=B, H=H, Hkv=Hkv, D=D, R=R, dtype=geo.dtype, kernels=kernels),
         kind=(impl, op)))
   rec.run(tasks)
 
@@ -314,7 +314,7 @@ def stage_trace(rec: Recorder, ctx: Context) -> None:
       return with_batch_fallback(geo.batch, at)
 
     tasks.append(Task(f"prepare {impl}", prepare, dict(
-        impl=impl, T=T, kernels=list(SCAN_KERNELS) if impl == "kvm-pallas" else []), kind=impl))
+        impl=impl, T=T, kernels=kernels_of(impl)), kind=impl))
 
   def trace():
     if not ready:

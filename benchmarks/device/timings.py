@@ -21,10 +21,10 @@ from benchmarks.device.measure import FULL_ARMS, Context, device_bytes_limit, in
 from benchmarks.device.records import DECODE_KERNELS, Recorder, Task
 
 
-def _timing_fields(geo, impl: str, T: int, kernels) -> dict:
+def _timing_fields(geo, impl: str, T: int) -> dict:
   return dict(impl=impl, T=T, H=geo.heads, D=geo.head_dim, dtype=geo.dtype,
               rows=None if impl in FULL_ARMS else geo.timing_rows,
-              kernels=kernels_of(impl, kernels))
+              kernels=kernels_of(impl))
 
 
 def _length_arms(lengths) -> list[tuple[int, str]]:
@@ -55,7 +55,7 @@ def stage_prefill(rec: Recorder, ctx: Context) -> None:
 
       return with_batch_fallback(geo.batch, at)
 
-    fields = _timing_fields(geo, impl, T, kernels_of(impl))
+    fields = _timing_fields(geo, impl, T)
     tasks.append(Task(f"{impl} T={T}", run, fields, kind=impl))
   rec.run(tasks)
 
@@ -230,6 +230,6 @@ def stage_backward(rec: Recorder, ctx: Context) -> None:
       out["ms"], out["samples_ms"] = median_ms(compiled, args, ctx.repeats)
       return out
 
-    fields = {**_timing_fields(geo, impl, T, kernels_of(impl)), "B": B}
+    fields = {**_timing_fields(geo, impl, T), "B": B}
     tasks.append(Task(f"{impl} T={T}", run, fields, kind=impl))
   rec.run(tasks)
