@@ -53,7 +53,7 @@ SUITES = ("niah", "mqar", "position_loss")
 def reference_window(model_cfg: ModelConfig) -> int:
   """The exact-window length that splits MQAR recall into in-window / state-only (the KVM window;
   for the baselines of the default job it is the same length, so their rows line up)."""
-  return model_cfg.kvm.window_len
+  return model_cfg.options_of("kvm").window_len
 
 
 def find_runs(paths: Sequence[str]) -> list[Path]:

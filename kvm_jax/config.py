@@ -133,5 +133,16 @@ class KVMConfig:
           f"KVMConfig.rope_dims={self.rope_dims} exceeds the q/k head dim {head_dim}; use "
           f"rope_dims <= {head_dim}.")
 
+  # As the options of a mixer kind (kvm_jax.mixer_options): what ModelConfig asks of them.
+  def rotary_dims(self, model) -> int:
+    return self.rope_dims
+
+  def check(self, model) -> None:
+    """The state zeroes exactly the rotary channels, so they must be the model's."""
+    if self.rope_dims != model.rope_dims:
+      raise ValueError(f"KVMConfig.rope_dims={self.rope_dims} must equal the model's "
+                       f"rope_dims={model.rope_dims} (the state zeroes exactly the rotary "
+                       "channels).")
+
 
 __all__ = ["KVMConfig", "CallableBudget", "KVM_IMPLEMENTATIONS"]

@@ -4,7 +4,10 @@ Every config here is a (possibly nested, possibly frozen) dataclass of plain val
 tags each dataclass with its class name (``"__class__": "KVMConfig"``); decoding only builds
 classes from an explicit registry, so a config file can never instantiate arbitrary code, and runs
 the class's own validation. JSON has no tuples: every list is read back as a tuple (no config field
-is a list; tuples keep the frozen configs hashable, which jit's static arguments need).
+is a list; tuples keep the frozen configs hashable, which jit's static arguments need). The mixers'
+options classes (:mod:`kvm_jax.mixer_options`, any registered kind) are known without being named.
+A class may read files of earlier versions through a classmethod ``upgrade_fields(dict) -> dict``
+(``ModelConfig`` folds its old per-kind fields into ``options`` so).
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import json
 from pathlib import Path
 
 from etils import epath
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from kvm_jax import budget as budget_lib
+from kvm_jax import mixer_options
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 
@@ -37,7 +41,7 @@ def to_jsonable(obj: Any) -> Any:
     return out
   if isinstance(obj, (list, tuple)):
     return [to_jsonable(x) for x in obj]
-  if isinstance(obj, dict):
+  if isinstance(obj, Mapping):  # dicts and the mixers' KindOptions table
     return {str(k): to_jsonable(v) for k, v in obj.items()}
   if obj is None or isinstance(obj, (bool, int, float, str)):
     return obj
@@ -46,7 +50,8 @@ def to_jsonable(obj: Any) -> Any:
 
 def from_jsonable(obj: Any, classes: Iterable[type] = ()) -> Any:
   """Inverse of :func:`to_jsonable`; ``classes`` adds dataclasses beyond the core configs."""
-  registry = {c.__name__: c for c in (*CORE_CLASSES, *classes)}
+  registry = {c.__name__: c for c in (*CORE_CLASSES, *mixer_options.options_classes(),
+                                      *classes)}
 
   def build(x):
     if isinstance(x, dict) and CLASS_KEY in x:
@@ -54,12 +59,15 @@ def from_jsonable(obj: Any, classes: Iterable[type] = ()) -> Any:
       if name not in registry:
         raise ValueError(f"config names unknown class {name!r}; known: {sorted(registry)}.")
       cls = registry[name]
-      known = {f.name for f in dataclasses.fields(cls)}
-      unknown = set(x) - known - {CLASS_KEY}
+      fields = {k: build(v) for k, v in x.items() if k != CLASS_KEY}
+      upgrade = getattr(cls, "upgrade_fields", None)
+      if upgrade is not None:
+        fields = upgrade(fields)
+      unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
       if unknown:
         raise ValueError(f"config for {name} has unknown fields {sorted(unknown)} (written by a "
                          "newer version?).")
-      return cls(**{k: build(v) for k, v in x.items() if k != CLASS_KEY})
+      return cls(**fields)
     if isinstance(x, dict):
       return {k: build(v) for k, v in x.items()}
     if isinstance(x, list):

@@ -4,15 +4,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import jax.numpy as jnp
 
 from kvm_jax.config import KVM_IMPLEMENTATIONS, KVMConfig
+from kvm_jax.mixer_options import KindOptions, check_options, options_class, rotary_dims
 
 KV_SHARING = ("none", "fusedkv", "fusedkv_lite", "yoco", "cla")
 KVM_KV_SHARING = ("window", "shared_routing")
-MIXERS = ("full", "swa", "bswa", "kvm")
 # What ``ModelConfig.attention_implementation`` accepts; ``kvm_jax.ops.attention_api`` gives each
 # name its meaning.
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "chunked", "cudnn", "splash", "tokamax")
@@ -34,14 +34,15 @@ class ModelConfig:
     num_layers / hidden_size / num_heads: depth, width C_model, query heads H.
     num_kv_heads: Hkv for GQA (None = H).
     head_dim / value_head_dim: D / Dv (None = hidden_size // num_heads).
-    mixers: one mixer name per layer ("full", "swa", "bswa", "kvm"), or one name for all layers.
-    kvm: :class:`KVMConfig` of the ``kvm`` layers; its chunk geometry also defines ``bswa``.
+    mixers: one mixer kind per layer, or one kind for all layers: "full", "swa", "bswa", "kvm"
+      or any kind added with :func:`kvm_jax.nn.register_mixer`.
+    options: ``{kind: options}``, each kind's own frozen options (a :class:`KindOptions`; a dict
+      is converted): :class:`kvm_jax.KVMConfig` for ``kvm``, ``kvm_jax.nn.swa.SWAOptions``
+      (window, rotary width) for ``swa``, ``kvm_jax.nn.bswa.BSWAOptions`` (chunk geometry, sinks)
+      for ``bswa``. A kind without an entry uses its options' defaults (:meth:`options_of`).
     rope_dims / rope_theta: rotary channels (first ``rope_dims`` of D) and base (docs/kvm-spec.md
-      §5) for ``full``/``bswa``/``kvm`` layers; ``kvm.rope_dims`` must equal ``rope_dims``.
-    swa_window / swa_rope_dims: the token window and rotary width of ``swa`` layers (the paper's
-      hybrids: 256 tokens, full RoPE 128; ``swa_rope_dims=0`` is NoPE, D/2 HalfRoPE).
-    bswa_chunk_size / bswa_window_chunks / bswa_sink_rows: geometry of ``bswa`` layers (the
-      paper's BSWA baseline: 256-token chunks, 3 chunks, no sink).
+      §5) of every layer whose kind does not set its own (``swa`` may); the ``kvm`` options'
+      ``rope_dims`` must equal it.
     ffn_expansion: MLP width factor; width = int(ffn_expansion·C)//32·32.
     residual_scale: multiplies both branches of every block (CompleteP depth rule 12/L); None = 1.
     tokenshift_attention / tokenshift_mlp / value_residual: the front-end options of
@@ -81,14 +82,9 @@ class ModelConfig:
   head_dim: Optional[int] = None
   value_head_dim: Optional[int] = None
   mixers: Union[str, tuple[str, ...]] = "kvm"
-  kvm: KVMConfig = KVMConfig()
+  options: Union[KindOptions, Mapping[str, Any]] = KindOptions()
   rope_dims: int = 64
   rope_theta: float = 10000.0
-  swa_window: int = 256
-  swa_rope_dims: Optional[int] = None
-  bswa_chunk_size: int = 256
-  bswa_window_chunks: int = 3
-  bswa_sink_rows: int = 0
   ffn_expansion: float = 4.0
   residual_scale: Optional[float] = None
   tokenshift_attention: bool = True
@@ -110,16 +106,19 @@ class ModelConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}.")
-    for name in ("vocab_size", "num_layers", "hidden_size", "num_heads", "swa_window",
-                 "mup_base_dim", "bswa_chunk_size", "bswa_window_chunks"):
+    for name in ("vocab_size", "num_layers", "hidden_size", "num_heads", "mup_base_dim"):
       pos(name)
+    if not isinstance(self.options, KindOptions):
+      object.__setattr__(self, "options", KindOptions(self.options))
     mixers = (self.mixers,) * self.num_layers if isinstance(self.mixers, str) else tuple(self.mixers)
     if len(mixers) != self.num_layers:
       raise ValueError(f"ModelConfig.mixers has {len(mixers)} entries but num_layers="
                        f"{self.num_layers}; give one mixer per layer or a single name.")
     for m in mixers:
-      if m not in MIXERS:
-        raise ValueError(f"ModelConfig.mixers: unknown mixer {m!r}; choose from {MIXERS}.")
+      try:
+        options_class(m)
+      except ValueError as e:
+        raise ValueError(f"ModelConfig.mixers: {e}") from None
     if not isinstance(self.mixers, str):
       object.__setattr__(self, "mixers", mixers)  # lists become (hashable) tuples
     kv = self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
@@ -130,17 +129,22 @@ class ModelConfig:
       raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads="
                        f"{self.num_heads}; set head_dim explicitly.")
     D = self.qk_head_dim
-    for name, r in (("rope_dims", self.rope_dims), ("swa_rope_dims", self.swa_rope_dims_resolved)):
+    if self.rope_dims % 2 or not 0 <= self.rope_dims <= D:
+      raise ValueError(f"ModelConfig.rope_dims={self.rope_dims} must be even and in [0, head dim "
+                       f"{D}].")
+    for kind in dict.fromkeys(mixers):
+      options = self.options_of(kind)
+      r = rotary_dims(options, self)
       if r % 2 or not 0 <= r <= D:
-        raise ValueError(f"ModelConfig.{name}={r} must be even and in [0, head dim {D}].")
-    if "kvm" in mixers and self.kvm.rope_dims != self.rope_dims:
-      raise ValueError(f"kvm.rope_dims={self.kvm.rope_dims} must equal rope_dims={self.rope_dims} "
-                       "(the state zeroes exactly the rotary channels).")
+        raise ValueError(f"ModelConfig.options[{kind!r}]: rotary dims {r} must be even and in "
+                         f"[0, head dim {D}].")
+      try:
+        check_options(options, self)
+      except ValueError as e:
+        raise ValueError(f"ModelConfig.options[{kind!r}]: {e}") from None
     for name in ("param_dtype", "compute_dtype", "rope_table_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"ModelConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}.")
-    if self.bswa_sink_rows < 0:
-      raise ValueError(f"ModelConfig.bswa_sink_rows must be >= 0, got {self.bswa_sink_rows}.")
     if self.kvm_implementation not in KVM_IMPLEMENTATIONS:
       raise ValueError(f"ModelConfig.kvm_implementation={self.kvm_implementation!r}; choose "
                        f"from {KVM_IMPLEMENTATIONS}.")
@@ -158,7 +162,8 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.kvm_kv_sharing={self.kvm_kv_sharing!r}; choose from "
                        f"{KVM_KV_SHARING}.")
     if (self.kvm_kv_sharing == "shared_routing" and self.kv_sharing != "none"
-        and "kvm" in mixers and self.kvm.readout_value_dtype is not None):
+        and any(self.is_kvm(i) and self.options_of(m).readout_value_dtype is not None
+                for i, m in enumerate(mixers))):
       raise ValueError("kvm_kv_sharing='shared_routing' fuses float32 readout states; it does not "
                        "support kvm.readout_value_dtype (set it to None).")
     if self.kv_sharing == "none":
@@ -201,9 +206,19 @@ class ModelConfig:
   def v_head_dim(self) -> int:
     return self.value_head_dim or self.head_dim or self.hidden_size // self.num_heads
 
+  def options_of(self, kind: str) -> Any:
+    """The options of mixer ``kind``: its entry in ``options``, or its options' defaults."""
+    return self.options.resolve(kind)
+
   @property
-  def swa_rope_dims_resolved(self) -> int:
-    return self.rope_dims if self.swa_rope_dims is None else self.swa_rope_dims
+  def kvm(self) -> KVMConfig:
+    """Shorthand for ``options_of("kvm")``: the options of the ``kvm`` layers."""
+    return self.options_of("kvm")
+
+  def is_kvm(self, layer: int) -> bool:
+    """A layer whose options are a :class:`KVMConfig` (``kvm``, or a kind registered on it):
+    cross-layer KV sharing treats it as a KVM layer (states, routing)."""
+    return isinstance(self.options_of(self.layer_mixers[layer]), KVMConfig)
 
   @property
   def mlp_width(self) -> int:
@@ -218,7 +233,8 @@ class ModelConfig:
     return 1.0 if self.residual_scale is None else float(self.residual_scale)
 
   def rope_dims_of(self, layer: int) -> int:
-    return self.swa_rope_dims_resolved if self.layer_mixers[layer] == "swa" else self.rope_dims
+    """Rotary channels of ``layer`` (its kind's options may set their own)."""
+    return rotary_dims(self.options_of(self.layer_mixers[layer]), self)
 
   def kv_sources(self, layer: int) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
     """``(key source layers, value source layers)`` of a reconstruction layer; None for a layer
@@ -237,7 +253,7 @@ class ModelConfig:
 
   def shares_state(self, layer: int) -> bool:
     """A ``kvm`` reconstruction layer whose compressed state is fused from its sources' states."""
-    return (self.kvm_kv_sharing == "shared_routing" and self.layer_mixers[layer] == "kvm"
+    return (self.kvm_kv_sharing == "shared_routing" and self.is_kvm(layer)
             and self.kv_sources(layer) is not None)
 
   def routing_leader(self, layer: int) -> Optional[int]:
@@ -270,3 +286,33 @@ class ModelConfig:
   @property
   def jnp_compute_dtype(self):
     return jnp.dtype(self.compute_dtype)
+
+  # Config files written before the mixers' options moved into ``options``: their flat fields,
+  # and the model-level ``kvm``, become entries of the table.
+  LEGACY_FIELDS = {"kvm": None, "swa_window": ("swa", "window"),
+                   "swa_rope_dims": ("swa", "rope_dims"), "bswa_chunk_size": ("bswa", "chunk_size"),
+                   "bswa_window_chunks": ("bswa", "window_chunks"),
+                   "bswa_sink_rows": ("bswa", "sink_rows")}
+
+  @classmethod
+  def upgrade_fields(cls, fields: dict, defaults: Optional[Mapping[str, Any]] = None) -> dict:
+    """The constructor arguments of ``fields`` read from a config file of any version: the
+    legacy per-kind fields (:data:`LEGACY_FIELDS`) folded into ``options``, each replacing one
+    field of that kind's options in ``options``, else in ``defaults``, else of its class's
+    defaults."""
+    fields = dict(fields)
+    legacy = {name: fields.pop(name) for name in cls.LEGACY_FIELDS if name in fields}
+    if not legacy:
+      return fields
+    options = dict(fields.get("options") or {})
+    if "kvm" in legacy:
+      options.setdefault("kvm", legacy.pop("kvm"))
+    per_kind: dict[str, dict] = {}
+    for name, value in legacy.items():
+      kind, field = cls.LEGACY_FIELDS[name]
+      per_kind.setdefault(kind, {})[field] = value
+    for kind, values in per_kind.items():
+      base = options.get(kind, (defaults or {}).get(kind)) or options_class(kind)()
+      options[kind] = dataclasses.replace(base, **values)
+    fields["options"] = options
+    return fields

@@ -10,11 +10,14 @@ each paper preset's name to its function.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from kvm_jax.budget import FixedBudget, PowerLawBudget, SaturatingBudget
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.bswa import BSWAOptions
+from kvm_jax.nn.swa import SWAOptions
 
 _SIZES = {
     "120m": dict(num_layers=12, hidden_size=768, num_heads=6, residual_scale=1.0),
@@ -22,6 +25,7 @@ _SIZES = {
 }
 _PAPER_KVM = dict(chunk_size=256, window_chunks=2, sink_rows=1, rope_dims=64)
 _NO_CAP = 256 * 10000  # the authors' n_max_d_chunks = 10000: no cap in practice
+_PAPER_SWA = SWAOptions(window=256, rope_dims=128)  # the hybrids' SWA layers: full RoPE
 
 
 def _paper(size: str, **kw) -> ModelConfig:
@@ -41,32 +45,31 @@ def _gpta2(size: str) -> ModelConfig:
 
 
 def _kvm256(size: str) -> ModelConfig:
-  return _paper(size, mixers="kvm", kvm=KVMConfig(budget=FixedBudget(256), max_state_rows=256,
-                                                  **_PAPER_KVM))
+  return _paper(size, mixers="kvm", options={"kvm": KVMConfig(
+      budget=FixedBudget(256), max_state_rows=256, **_PAPER_KVM)})
 
 
 def _kvm_sqrt16(size: str) -> ModelConfig:
-  return _paper(size, mixers="kvm", kvm=KVMConfig(
-      budget=PowerLawBudget(16.0, 0.5, min_rows=256), max_state_rows=_NO_CAP, **_PAPER_KVM))
+  return _paper(size, mixers="kvm", options={"kvm": KVMConfig(
+      budget=PowerLawBudget(16.0, 0.5, min_rows=256), max_state_rows=_NO_CAP, **_PAPER_KVM)})
 
 
 def _kvm_swa_sat1024(size: str) -> ModelConfig:
-  return _paper(size, mixers=_hybrid("kvm", size), swa_window=256, swa_rope_dims=128,
-                kvm=KVMConfig(budget=SaturatingBudget(1024, min_rows=1), max_state_rows=_NO_CAP,
-                              **_PAPER_KVM))
+  kvm = KVMConfig(budget=SaturatingBudget(1024, min_rows=1), max_state_rows=_NO_CAP, **_PAPER_KVM)
+  return _paper(size, mixers=_hybrid("kvm", size), options={"swa": _PAPER_SWA, "kvm": kvm})
 
 
 def _bswa(size: str) -> ModelConfig:
-  return _paper(size, mixers="bswa", bswa_chunk_size=256, bswa_window_chunks=3, bswa_sink_rows=0)
+  return _paper(size, mixers="bswa",
+                options={"bswa": BSWAOptions(chunk_size=256, window_chunks=3, sink_rows=0)})
 
 
 def _swa_halfrope(size: str) -> ModelConfig:
-  return _paper(size, mixers=_hybrid("full", size), swa_window=256, swa_rope_dims=128)
+  return _paper(size, mixers=_hybrid("full", size), options={"swa": _PAPER_SWA})
 
 
 def _swa_nope(size: str) -> ModelConfig:
-  return _paper(size, mixers=_hybrid("full", size), rope_dims=0, swa_window=256,
-                swa_rope_dims=128)
+  return _paper(size, mixers=_hybrid("full", size), rope_dims=0, options={"swa": _PAPER_SWA})
 
 
 def gpta2_120m() -> ModelConfig:
@@ -147,15 +150,30 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {f.__name__: f for f in (
     swa_halfrope_350m, swa_nope_350m)}
 
 
-def tiny(mixers="kvm", **overrides) -> ModelConfig:
-  """A CPU-test-sized model (2 layers, width 64, 4 heads of 16, vocab 256, C=8, L=16)."""
-  kvm = overrides.pop("kvm", KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1, rope_dims=8,
-                                       budget=PowerLawBudget(4.0, 0.5, min_rows=8)))
-  base = dict(vocab_size=256, num_layers=2, hidden_size=64, num_heads=4, mixers=mixers, kvm=kvm,
-              rope_dims=8, swa_window=12, swa_rope_dims=16, bswa_chunk_size=8,
-              bswa_window_chunks=2, bswa_sink_rows=1, mup_base_dim=64)
+# The options of tiny(): KVM with C=8, L=16; SWA over 12 tokens with full RoPE; BSWA like KVM's
+# window with one sink.
+TINY_OPTIONS = {
+    "kvm": KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1, rope_dims=8,
+                     budget=PowerLawBudget(4.0, 0.5, min_rows=8)),
+    "swa": SWAOptions(window=12, rope_dims=16),
+    "bswa": BSWAOptions(chunk_size=8, window_chunks=2, sink_rows=1),
+}
+
+
+def tiny(mixers="kvm", options=None, **overrides) -> ModelConfig:
+  """A CPU-test-sized model (2 layers, width 64, 4 heads of 16, vocab 256, C=8, L=16).
+
+  ``options`` replaces entries of :data:`TINY_OPTIONS` (``{"kvm": KVMConfig(...)}``); the other
+  keywords are ``ModelConfig`` fields, or the per-kind names of config files written before the
+  options table (``kvm=``, ``swa_window=``, ``bswa_chunk_size=``, ...: ``ModelConfig.upgrade_fields``),
+  which replace single options fields."""
+  table = {**TINY_OPTIONS, **(options or {})}
+  overrides = ModelConfig.upgrade_fields(overrides, defaults=table)
+  table.update(overrides.pop("options", {}))
+  base = dict(vocab_size=256, num_layers=2, hidden_size=64, num_heads=4, mixers=mixers,
+              options=table, rope_dims=8, mup_base_dim=64)
   base.update(overrides)
   return ModelConfig(**base)
 
 
-__all__ = sorted(PRESETS) + ["PRESETS", "tiny"]
+__all__ = sorted(PRESETS) + ["PRESETS", "TINY_OPTIONS", "tiny"]

@@ -27,6 +27,7 @@ import pytest
 from flax import nnx
 
 import kvm_jax as kj
+from kvm_jax.nn import BSWAOptions, SWAOptions
 from kvm_jax import hf
 from kvm_jax.hf import safetensors as st
 from kvm_jax.runs import Checkpointer, TrainConfig, load_config, save_config
@@ -177,11 +178,13 @@ def _effective(cfg: kj.ModelConfig) -> kj.ModelConfig:
     kvm = dataclasses.replace(kvm, max_state_rows=None)
   if "kvm" in kinds and isinstance(kvm.budget, kj.FixedBudget):
     kvm = dataclasses.replace(kvm, max_state_rows=None)  # a cap >= the fixed rows never binds
-  bswa = {} if "bswa" in kinds else dict(bswa_chunk_size=256, bswa_window_chunks=3,
-                                          bswa_sink_rows=0)
-  return dataclasses.replace(
-      cfg, kvm=kvm, residual_scale=cfg.scale, mixers=cfg.layer_mixers,
-      swa_rope_dims=cfg.swa_rope_dims_resolved if "swa" in kinds else None, **bswa)
+  swa = cfg.options_of("swa")
+  swa = SWAOptions(window=swa.window,
+                   rope_dims=cfg.rope_dims_of(cfg.layer_mixers.index("swa")) if "swa" in kinds
+                   else None)
+  bswa = cfg.options_of("bswa") if "bswa" in kinds else BSWAOptions(256, 3, 0)
+  return dataclasses.replace(cfg, residual_scale=cfg.scale, mixers=cfg.layer_mixers,
+                             options={"kvm": kvm, "swa": swa, "bswa": bswa})
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ def test_presets_are_the_paper_models():
   assert hybrid.value_anchor(4) == 0 and hybrid.value_anchor(5) == 1
   assert kj.presets.swa_nope_350m().rope_dims_of(1) == 0
   assert kj.presets.kvm256_350m().scale == 0.5
-  assert kj.presets.bswa_120m().bswa_window_chunks == 3
+  assert kj.presets.bswa_120m().options_of("bswa").window_chunks == 3
 
 
 # The two hybrids hold all four mixer kinds; the single-mixer models run nightly.

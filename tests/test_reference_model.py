@@ -90,13 +90,14 @@ def _budget(budget) -> dict:
 
 def _reference_config(cfg: kj.ModelConfig) -> dict:
   """The plain config dict of :func:`tests.reference_model.lm_logits`."""
-  kvm = cfg.kvm
+  kvm, swa, bswa = cfg.options_of("kvm"), cfg.options_of("swa"), cfg.options_of("bswa")
   return dict(
       mixers=cfg.layer_mixers, num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads,
       head_dim=cfg.qk_head_dim, value_head_dim=cfg.v_head_dim, residual_scale=cfg.scale,
-      rope_dims=cfg.rope_dims, swa_rope_dims=cfg.swa_rope_dims_resolved, rope_theta=cfg.rope_theta,
-      swa_window=cfg.swa_window, bswa_chunk_size=cfg.bswa_chunk_size,
-      bswa_window_chunks=cfg.bswa_window_chunks, bswa_sink_rows=cfg.bswa_sink_rows,
+      rope_dims=cfg.rope_dims, swa_rope_dims=swa.rope_dims if swa.rope_dims is not None
+      else cfg.rope_dims, rope_theta=cfg.rope_theta, swa_window=swa.window,
+      bswa_chunk_size=bswa.chunk_size, bswa_window_chunks=bswa.window_chunks,
+      bswa_sink_rows=bswa.sink_rows,
       tokenshift_attention=cfg.tokenshift_attention, tokenshift_mlp=cfg.tokenshift_mlp,
       value_residual=cfg.value_residual, share_value_anchor=cfg.share_value_anchor,
       kvm=dict(chunk_size=kvm.chunk_size, window_chunks=kvm.window_chunks,

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import kvm_jax as kj
+from kvm_jax.nn.bswa import BSWAOptions
 from kvm_jax.runs.config import TrainConfig
 from kvm_jax.tasks.mqar import MQARSpec
 from kvm_jax.tasks.tokenizers import ByteTokenizer
@@ -36,16 +37,19 @@ def model_configs() -> dict[str, kj.ModelConfig]:
   # vocab 320 = the byte tokenizer's: MQAR uses ids < 64, and `kvm-eval` can still run the text
   # suites (NIAH, position-wise loss) on these models.
   base = dict(vocab_size=ByteTokenizer.vocab_size, num_layers=2, hidden_size=64, num_heads=2,
-              rope_dims=16, swa_rope_dims=32, mup_base_dim=64, bswa_chunk_size=CHUNK,
-              bswa_window_chunks=WINDOW_CHUNKS, bswa_sink_rows=0)
+              rope_dims=16, mup_base_dim=64)
   kvm = lambda budget: kj.KVMConfig(chunk_size=CHUNK, window_chunks=WINDOW_CHUNKS, sink_rows=1,
                                     rope_dims=16, budget=budget)
+  # Every model carries the same KVM options: its window is what splits recall into in-window
+  # and state-only for the baselines too.
+  options = lambda budget: {"kvm": kvm(budget),
+                            "bswa": BSWAOptions(CHUNK, WINDOW_CHUNKS, sink_rows=0)}
+  fixed, sqrt = kj.FixedBudget(CHUNK), kj.PowerLawBudget(4.0, 0.5, min_rows=CHUNK)
   return {
-      "full": kj.presets.tiny(mixers="full", **base),
-      "bswa": kj.presets.tiny(mixers="bswa", **base),
-      "kvm-fixed": kj.presets.tiny(mixers="kvm", kvm=kvm(kj.FixedBudget(CHUNK)), **base),
-      "kvm-sqrt": kj.presets.tiny(mixers="kvm", kvm=kvm(kj.PowerLawBudget(4.0, 0.5, min_rows=CHUNK)),
-                                  **base),
+      "full": kj.presets.tiny(mixers="full", options=options(sqrt), **base),
+      "bswa": kj.presets.tiny(mixers="bswa", options=options(sqrt), **base),
+      "kvm-fixed": kj.presets.tiny(mixers="kvm", options=options(fixed), **base),
+      "kvm-sqrt": kj.presets.tiny(mixers="kvm", options=options(sqrt), **base),
   }
 
 
@@ -123,7 +127,7 @@ def main(argv=None) -> int:
     metrics = evaluate(out["graphdef"], out["params"], cfg, cfg.eval_batches)
     lines = (workdir / name / "metrics.jsonl").read_text().splitlines()
     losses[name] = [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
-    rows = (kj.state_rows_after(cfg.model.kvm, cfg.mqar.seq_len)
+    rows = (kj.state_rows_after(cfg.model.options_of("kvm"), cfg.mqar.seq_len)
             if cfg.model.layer_mixers[0] == "kvm" else 0)
     results[name] = dict(metrics, state_rows=rows, seconds=time.perf_counter() - start,
                          final_train_loss=losses[name][-1][1] if losses[name] else float("nan"))

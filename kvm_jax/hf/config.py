@@ -22,6 +22,8 @@ from typing import Any, Optional
 from kvm_jax.budget import CallableBudget, FixedBudget, PowerLawBudget, SaturatingBudget
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.bswa import BSWAOptions
+from kvm_jax.nn.swa import SWAOptions
 
 MODEL_CLASS_PATH = "model.rwkv7_backbone.RWKV7BackboneForCausalLM"
 MODEL_TYPE = "rwkv7backbone"
@@ -97,23 +99,40 @@ HF_KEYS = {
     "generation_config", "transformers.js_config", "quantization_config",
 }
 
-# The authors' mixer names (``token_mixer``) and class paths, by kvm_jax mixer kind.
-# ("kvm_triton" selects their Triton KVM class through the "model.<name>_mixer" rule.)
-AUTHORS_MIXERS = {"kvm": "kvm", "kvm_triton": "kvm", "gptalpha": "full", "swa": "swa",
-                  "gptalpha_bswa": "bswa"}
-KVM_JAX_MIXERS = {"kvm": "kvm", "full": "gptalpha", "swa": "swa", "bswa": "gptalpha_bswa"}
-CLASS_PATHS = {
-    "model.kvm_mixer.SequenceMixer": "kvm",
-    # The Triton kernels and the fp32-routing variant hold the eager layer's parameters and compute
-    # the same function (their own numerics aside).
-    "model.kvm_triton_mixer.SequenceMixer": "kvm",
-    "model.kvm_fp32_routing_reference.SequenceMixer": "kvm",
-    "model.gptalpha_mixer.SequenceMixer": "full",
-    "model.swa_mixer.SequenceMixer": "swa",
-    "model.gptalpha_bswa_mixer.SequenceMixer": "bswa",
+@dataclasses.dataclass(frozen=True)
+class AuthorsMixer:
+  """How the authors' code names one kvm_jax mixer kind.
+
+  Attributes:
+    token_mixers: their ``token_mixer`` / ``alt_token_mixer`` names for it; the first is what an
+      export writes ("kvm_triton" selects their Triton KVM class through their
+      "model.<name>_mixer" rule).
+    class_paths: their ``*_class_path`` values for it (the Triton kernels and the fp32-routing
+      variant hold the eager layer's parameters and compute the same function, their own numerics
+      aside).
+    mode_prefix: which ``<prefix>_value_residual_mode`` / ``_token_shift_mode`` fields it reads.
+  """
+
+  token_mixers: tuple[str, ...]
+  class_paths: tuple[str, ...]
+  mode_prefix: str
+
+
+# One entry per kvm_jax mixer kind their code also has.
+AUTHORS_KINDS = {
+    "kvm": AuthorsMixer(("kvm", "kvm_triton"),
+                        ("model.kvm_mixer.SequenceMixer", "model.kvm_triton_mixer.SequenceMixer",
+                         "model.kvm_fp32_routing_reference.SequenceMixer"), "kvm"),
+    "full": AuthorsMixer(("gptalpha",), ("model.gptalpha_mixer.SequenceMixer",), "gptalpha"),
+    "swa": AuthorsMixer(("swa",), ("model.swa_mixer.SequenceMixer",), "swa"),
+    "bswa": AuthorsMixer(("gptalpha_bswa",), ("model.gptalpha_bswa_mixer.SequenceMixer",),
+                         "gptalpha"),
 }
-# Which prefix of the *_value_residual_mode / *_token_shift_mode fields each kind reads.
-MODE_PREFIX = {"kvm": "kvm", "full": "gptalpha", "bswa": "gptalpha", "swa": "swa"}
+# The same table read the other way.
+AUTHORS_MIXERS = {name: kind for kind, m in AUTHORS_KINDS.items() for name in m.token_mixers}
+KVM_JAX_MIXERS = {kind: m.token_mixers[0] for kind, m in AUTHORS_KINDS.items()}
+CLASS_PATHS = {path: kind for kind, m in AUTHORS_KINDS.items() for path in m.class_paths}
+MODE_PREFIX = {kind: m.mode_prefix for kind, m in AUTHORS_KINDS.items()}
 # A state cap that cannot bind: their cap is chunk_len x n_max_d_chunks rows, and no budget exceeds
 # the tokens seen, which int32 positions keep below 2^31. (Their own configs say "no cap" with
 # n_max_d_chunks = 10000, which does bind past 10000 chunks' worth of rows.)
@@ -136,8 +155,12 @@ def with_numerics(cfg: ModelConfig, dtype: str, numerics: Optional[str]) -> Mode
   if numerics not in NUMERICS:
     raise ConfigError(f"numerics={numerics!r}; choose from {NUMERICS}.")
   cast = "bfloat16" if numerics == "authors" else None
-  return dataclasses.replace(cfg, rope_table_dtype=cast or "float32",
-                             kvm=dataclasses.replace(cfg.kvm, readout_value_dtype=cast))
+  options = cfg.options
+  for kind in dict.fromkeys(cfg.layer_mixers):
+    if isinstance(cfg.options_of(kind), KVMConfig):
+      options = options.set(kind, dataclasses.replace(cfg.options_of(kind),
+                                                      readout_value_dtype=cast))
+  return dataclasses.replace(cfg, rope_table_dtype=cast or "float32", options=options)
 
 
 def _resolve_mixer(cfg: dict, role: str) -> str:
@@ -334,9 +357,10 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
         num_heads=heads, num_kv_heads=kv_heads,
         head_dim=None if d_qk * heads == hidden else d_qk,
         value_head_dim=None if d_v == d_qk else d_v,  # kvm_jax's value width defaults to D
-        mixers=kinds[0] if len(used) == 1 else kinds, kvm=kvm, rope_dims=rope_dims,
-        rope_theta=theta, swa_window=swa_window, swa_rope_dims=swa_rope,
-        bswa_chunk_size=chunk, bswa_window_chunks=window_chunks, bswa_sink_rows=sink,
+        mixers=kinds[0] if len(used) == 1 else kinds, rope_dims=rope_dims, rope_theta=theta,
+        options={"kvm": kvm, "swa": SWAOptions(window=swa_window, rope_dims=swa_rope),
+                 "bswa": BSWAOptions(chunk_size=chunk, window_chunks=window_chunks,
+                                     sink_rows=sink)},
         ffn_expansion=_float(cfg, "ffn_expansion"),
         # their Block: residual_scale or 1.0
         residual_scale=_float(cfg, "residual_scale", allow_none=True) or None,
@@ -406,9 +430,10 @@ def authors_config_from_model(model: ModelConfig) -> dict:
     out.update(alt_token_mixer=KVM_JAX_MIXERS[alt], alt_layer_every=every,
                alt_rope_partial_dim=model.rope_dims_of(0),
                alt_share_v0=int(model.share_value_anchor))
-  chunk, window_chunks, sink = model.bswa_chunk_size, model.bswa_window_chunks, model.bswa_sink_rows
+  bswa = model.options_of("bswa")
+  chunk, window_chunks, sink = bswa.chunk_size, bswa.window_chunks, bswa.sink_rows
   if "kvm" in used:
-    k = model.kvm
+    k = model.options_of("kvm")
     if "bswa" in used and (k.chunk_size, k.window_chunks, k.sink_rows) != (chunk, window_chunks,
                                                                            sink):
       raise ExportError("their KVM and block-SWA layers share chunk_len, n_bswa_chunks and "
@@ -434,7 +459,7 @@ def authors_config_from_model(model: ModelConfig) -> dict:
                kvm_apply_merge_gate_to_initial_state=int(k.gate_initial_state),
                kvm_use_head_temps=int(k.head_temperatures), kvm_use_vlens=1)
   out.update(chunk_len=chunk, n_bswa_chunks=window_chunks, sink_len=sink,
-             swa_window_size=model.swa_window)
+             swa_window_size=model.options_of("swa").window)
   D, Dv = model.qk_head_dim, model.v_head_dim
   default_head = model.hidden_size // model.num_heads
   softmax_kinds = sorted(set(used) - {"kvm"})

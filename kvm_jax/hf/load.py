@@ -215,7 +215,7 @@ def numerics_note(cfg: ModelConfig) -> Optional[str]:
   parts = []
   if cfg.rope_table_dtype != "bfloat16":
     parts.append("RoPE tables")
-  if "kvm" in cfg.layer_mixers and cfg.kvm.readout_value_dtype != "bfloat16":
+  if "kvm" in cfg.layer_mixers and cfg.options_of("kvm").readout_value_dtype != "bfloat16":
     parts.append("the KVM state-value readout")
   if not parts:
     return None

@@ -1,14 +1,20 @@
-"""The attention front end shared by every mixer, and the three softmax-attention mixers.
+"""The attention front end shared by every mixer kind, and the protocol a mixer kind implements.
 
 :class:`AttentionFrontEnd` (docs/kvm-spec.md §4) owns the projections, the value residual, the token
 shift of the projected q/k/v, QK-LayerNorm, RoPE and the output projection. Each mixer kind is one
-subclass that adds what only it has and owns its decode cache type and ``init_cache``
-(recurrentgemma's one-block-per-temporal-mixer layout):
+subclass in its own module that adds what only it has (recurrentgemma's one-block-per-temporal-mixer
+layout) and owns everything the library asks of a kind:
 
-* :class:`FullAttention` — causal over every token, a ``max_len`` ring (:class:`RingCache`);
-* :class:`SlidingWindowAttention` — the last ``swa_window`` tokens, a window-sized ring;
-* :class:`BlockSlidingWindowAttention` — block sliding window with sinks, a window-sized ring;
-* :class:`kvm_jax.nn.kvm.KVMAttention` — window + compressed state, a :class:`KVMCache`.
+* ``Options``: its frozen options dataclass (``ModelConfig.options[kind]``);
+* its parameters, its decode cache type and ``init_cache``;
+* ``keys_per_query(cfg, layer, seq_len)``: the average number of keys a query sees (MFU);
+* ``cache_bytes(cfg, layer, batch, max_len)``: its decode cache's size;
+* ``LOGICAL_AXES`` / ``PARAM_GROUPS``: the sharding axes and μP/CompleteP groups of parameters
+  that the defaults do not cover.
+
+The kinds: :mod:`kvm_jax.nn.full`, :mod:`kvm_jax.nn.swa`, :mod:`kvm_jax.nn.bswa` (softmax attention
+over a ring of raw keys/values, :class:`SoftmaxAttention`) and :mod:`kvm_jax.nn.kvm`; the list of
+kinds is :mod:`kvm_jax.nn.registry`.
 
 Parameters stay flat under the block's ``attn`` (``attn/c_q``, ``attn/ln_s``, ...), named like the
 authors' state dict. A *reconstruction* layer of cross-layer KV sharing has only the query side;
@@ -30,8 +36,8 @@ from kvm_jax.nn import kv_sharing
 from kvm_jax.nn.layers import (depth_ratio, float32_init, layer_norm, linear, token_shift,
                                 zeros_init)
 from kvm_jax.ops import attention as attn_ops
-from kvm_jax.ops.attention_api import causal_attention
 from kvm_jax.ops.attention import RingCache
+from kvm_jax.ops.common import tree_nbytes
 from kvm_jax.ops.rope import apply_rope, rope_tables
 
 Array = jax.Array
@@ -57,19 +63,45 @@ class AttentionFrontEnd(nnx.Module):
   """Projections, value residual, token shift, QK-LN and RoPE, then the kind's mixer, then the
   output projection.
 
-  Each subclass sets ``kind`` and provides ``mix_own(x, q, k, v, mixer_cache, decode, shared) ->
-  (y, mixer cache, exports)`` (a layer with its own K/V), ``mix_reconstructed(x, q, mixer_cache,
-  decode, shared) -> (y, mixer cache)`` (a reconstruction layer) and ``init_cache(batch,
-  max_len)`` (its decode cache).
+  A subclass (one mixer kind) sets ``Options`` and provides ``mix_own(x, q, k, v, mixer_cache,
+  decode, shared) -> (y, mixer cache, exports)`` (a layer with its own K/V),
+  ``mix_reconstructed(x, q, mixer_cache, decode, shared) -> (y, mixer cache)`` (a reconstruction
+  layer), ``init_cache(batch, max_len)`` (its decode cache) and ``keys_per_query``. ``self.kind``
+  is the name the layer was registered under (``ModelConfig.layer_mixers[layer]``), so a subclass
+  registered under a new name reads its own options.
 
   A *reconstruction* layer (``ModelConfig.kv_sources(layer)`` is not None) has only the query
   side: its keys and values come from source layers (:class:`kv_sharing.SharedKV`).
   """
 
-  kind: str = ""
+  Options: type = type(None)
+  # Logical axes of the 2-D parameters this class creates, by the name of the layer that owns
+  # them (kvm_jax.train.sharding maps logical axes to mesh axes).
+  LOGICAL_AXES: dict = {"c_q": ("embed", "heads"), "c_k": ("embed", "kv_heads"),
+                        "c_v": ("embed", "kv_heads"), "c_proj": ("heads", "embed"),
+                        "v_gate1": ("embed", "lora"), "v_gate2": ("lora", "kv_heads")}
+  # μP/CompleteP group of a parameter, by its owner's name, where the default rule (a ``kernel``
+  # is "matrix_params", everything else "scalars"; kvm_jax.train.completep) is not the authors'.
+  PARAM_GROUPS: dict = {}
+
+  @classmethod
+  def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
+    """Keys one query of layer ``layer`` attends to, averaged over the ``seq_len`` positions of a
+    training sequence (the attention FLOPs of a step scale with it)."""
+    raise NotImplementedError(f"{cls.__name__} does not say how many keys a query sees; define "
+                              "the classmethod keys_per_query(cfg, layer, seq_len).")
+
+  @classmethod
+  def cache_bytes(cls, cfg: ModelConfig, layer: int, batch: int, max_len: int) -> int:
+    """Bytes of this layer's decode cache for ``batch`` sequences of up to ``max_len`` tokens,
+    from the cache's shapes (nothing is allocated); 0 for a layer that stores nothing."""
+    module = nnx.eval_shape(lambda: cls(cfg, layer, rngs=nnx.Rngs(0)))
+    return tree_nbytes(jax.eval_shape(lambda: module.init_cache(batch, max_len)))
 
   def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
     self.cfg, self.layer = cfg, layer
+    self.kind = cfg.layer_mixers[layer]
+    self.options = cfg.options_of(self.kind)
     self.sources = cfg.kv_sources(layer)  # None: this layer computes and stores its own K/V
     self.fused = self.sources is not None and len(self.sources[0]) > 1
     C, H, Hkv, D, Dv = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.qk_head_dim, cfg.v_head_dim
@@ -175,18 +207,23 @@ class AttentionFrontEnd(nnx.Module):
                 value_dim=cfg.v_head_dim, max_len=max_len, dtype=cfg.jnp_compute_dtype)
 
 
-class _SoftmaxAttention(AttentionFrontEnd):
-  """The baselines: softmax attention over a window of raw keys/values, a :class:`RingCache`.
-  Subclasses give the whole-sequence ``attend(q, k, v, scale=None)`` and may override the ring's
+
+
+class SoftmaxAttention(AttentionFrontEnd):
+  """Softmax attention over a window of raw keys/values, a :class:`RingCache` (the baselines).
+  Subclasses give the whole-sequence ``attend(q, k, v, scale=None)``, the ring's visibility rule
+  ``RING`` ("full", "swa" or "bswa" of :func:`kvm_jax.ops.attention.init_ring_cache`) and its
   geometry."""
 
-  def _ring_geometry(self) -> dict:
+  RING: str = "full"
+
+  def ring_geometry(self) -> dict:
     return {}
 
   def init_cache(self, batch: int, max_len: int) -> Optional[RingCache]:
     if self.sources is not None:
       return None  # the source layers' caches hold everything this layer reads
-    return attn_ops.init_ring_cache(self.kind, **self._ring_geometry(),
+    return attn_ops.init_ring_cache(self.RING, **self.ring_geometry(),
                                     **self._cache_sizes(batch, max_len))
 
   def mix_own(self, x, q, k, v, mixer_cache, decode, shared):
@@ -200,43 +237,3 @@ class _SoftmaxAttention(AttentionFrontEnd):
 
   def mix_reconstructed(self, x, q, mixer_cache, decode, shared):
     return kv_sharing.mix_folded(self, q, shared, decode), None
-
-
-class FullAttention(_SoftmaxAttention):
-  """GPTAlpha-2's causal attention over every previous token."""
-
-  kind = "full"
-
-  def attend(self, q, k, v, scale=None):
-    return causal_attention(q, k, v, scale=scale,
-                            implementation=self.cfg.attention_implementation)
-
-
-class SlidingWindowAttention(_SoftmaxAttention):
-  """Causal attention over the last ``ModelConfig.swa_window`` tokens (the hybrids' SWA layers)."""
-
-  kind = "swa"
-
-  def attend(self, q, k, v, scale=None):
-    return causal_attention(q, k, v, window=self.cfg.swa_window, scale=scale,
-                            implementation=self.cfg.attention_implementation)
-
-  def _ring_geometry(self):
-    return dict(window=self.cfg.swa_window)
-
-
-class BlockSlidingWindowAttention(_SoftmaxAttention):
-  """Block sliding window with sinks (the paper's BSWA baseline)."""
-
-  kind = "bswa"
-
-  def attend(self, q, k, v, scale=None):
-    cfg = self.cfg
-    return attn_ops.block_sliding_window_attention(q, k, v, cfg.bswa_chunk_size,
-                                                   cfg.bswa_window_chunks, cfg.bswa_sink_rows,
-                                                   scale=scale)
-
-  def _ring_geometry(self):
-    cfg = self.cfg
-    return dict(chunk_size=cfg.bswa_chunk_size, window_chunks=cfg.bswa_window_chunks,
-                sink_rows=cfg.bswa_sink_rows)

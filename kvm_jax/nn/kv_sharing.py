@@ -132,12 +132,12 @@ def mix_kvm_shared_state(layer, q, shared: SharedKV, decode: bool):
   if decode:
     return kvm_decode_shared_state(q, [ex[j]["cache"] for j in tracks],
                                    [ex[j]["params"] for j in tracks], key_w, value_w,
-                                   key_tracks, value_tracks, params, layer.cfg.kvm)
+                                   key_tracks, value_tracks, params, layer.options)
   fuse = kv_fusion.materialize
   k, v = fuse([ex[j]["k"] for j in ks], key_w), fuse([ex[j]["v"] for j in vs], value_w)
   source_tracks = tuple(SourceTrack(ex[j]["k"], ex[j]["v"], ex[j]["g"], ex[j]["params"])
                         for j in tracks)
   return kvm_attention_shared_state(q, k, v, source_tracks, key_w, value_w, params,
                                     ex[tracks[0]]["routing"],  # = every track's (shared)
-                                    cfg=layer.cfg.kvm, key_tracks=key_tracks,
+                                    cfg=layer.options, key_tracks=key_tracks,
                                     value_tracks=value_tracks)

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kvm_jax.budget import average_visible_keys
+from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn import kv_sharing
 from kvm_jax.nn.attention import AttentionFrontEnd
@@ -29,7 +31,13 @@ class KVMAttention(AttentionFrontEnd):
   layer: window-only fusion (its own state) or a fused state (no LN_s, no W_g, nothing stored).
   """
 
-  kind = "kvm"
+  Options = KVMConfig
+  LOGICAL_AXES = {**AttentionFrontEnd.LOGICAL_AXES, "key_weighting": ("embed", "kv_heads")}
+
+  @classmethod
+  def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
+    """The exact window plus the state rows of the schedule at each chunk."""
+    return average_visible_keys(cfg.options_of(cfg.layer_mixers[layer]), seq_len)
 
   def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
     super().__init__(cfg, layer, rngs=rngs)
@@ -38,7 +46,7 @@ class KVMAttention(AttentionFrontEnd):
     # a source of a fused-state layer, which replays this layer's state with its routing
     self.exports_routing = any(cfg.shares_state(i) and layer in sum(cfg.kv_sources(i), ())
                                for i in range(cfg.num_layers))
-    kc = cfg.kvm
+    kc = self.options
     if not self.shares_state:  # a fused state is built by the sources' LN_s and gates
       self.ln_s = layer_norm(cfg, cfg.qk_head_dim, rngs)
       if kc.uses_gate:
@@ -50,7 +58,7 @@ class KVMAttention(AttentionFrontEnd):
   def kvm_params(self) -> KVMParams:
     """The layer's KVM parameters; temperatures are ones when the config disables them (a layer
     with a fused state has no LN_s of its own: identity placeholders)."""
-    if self.cfg.kvm.head_temperatures:
+    if self.options.head_temperatures:
       window_temp, state_temp = self.window_temperature[...], self.state_temperature[...]
     else:
       window_temp = state_temp = jnp.ones((self.cfg.num_heads,), jnp.float32)
@@ -64,14 +72,14 @@ class KVMAttention(AttentionFrontEnd):
 
   def merge_gate(self, x: Array) -> Array:
     """g = 1 + ELU(x W_g) ``[B, T, Hkv]`` float32 (ones when both gate flags are off)."""
-    if not self.cfg.kvm.uses_gate:
+    if not self.options.uses_gate:
       return jnp.ones((*x.shape[:2], self.cfg.kv_heads), jnp.float32)
     return 1.0 + jax.nn.elu(self.key_weighting(x).astype(jnp.float32))
 
   def init_cache(self, batch: int, max_len: int) -> Optional[KVMCache]:
     if self.shares_state:
       return None  # reads the sources' states and windows
-    cache = kvm_init_cache(self.cfg.kvm, **self._cache_sizes(batch, max_len))
+    cache = kvm_init_cache(self.options, **self._cache_sizes(batch, max_len))
     return cache if self.sources is None else kv_sharing.without_window_kv(cache)
 
   def kvm_core(self, q, k, v, g, params, mixer_cache, decode, routing=None,
@@ -83,11 +91,11 @@ class KVMAttention(AttentionFrontEnd):
     kw = dict(routing=routing, return_routing=return_routing,
               implementation=cfg.kvm_implementation)
     if decode:
-      out = kvm_decode_step(q, k, v, g, params, cfg.kvm, mixer_cache, **kw)
+      out = kvm_decode_step(q, k, v, g, params, self.options, mixer_cache, **kw)
     elif mixer_cache is not None:
-      out = kvm_prefill(q, k, v, g, params, cfg.kvm, mixer_cache, **kw)
+      out = kvm_prefill(q, k, v, g, params, self.options, mixer_cache, **kw)
     else:
-      y, _, *decisions = kvm_attention(q, k, v, g, params, cfg.kvm, **kw)
+      y, _, *decisions = kvm_attention(q, k, v, g, params, self.options, **kw)
       out = (y, None, *decisions)
     return out[0], out[1], (out[2] if return_routing else None)
 

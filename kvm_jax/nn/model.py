@@ -1,5 +1,5 @@
 """GPTAlpha-2 language model in Flax NNX (docs/kvm-spec.md §4): embedding, blocks of (mixer, MLP),
-head. Each block's mixer is the class of its kind (``MIXERS``); every computation on arrays goes
+head. Each block's mixer is the class registered for its kind (:mod:`kvm_jax.nn.registry`); every computation on arrays goes
 through the pure functions of :mod:`kvm_jax.ops`. Decode keeps, per layer, the mixer cache and the
 token-shift history (:class:`LayerCache`).
 """
@@ -15,10 +15,9 @@ import numpy as np
 from flax import nnx
 
 from kvm_jax.model_config import ModelConfig
-from kvm_jax.nn.attention import (BlockSlidingWindowAttention, FullAttention, LayerCache,
-                                  SlidingWindowAttention)
+from kvm_jax.nn.attention import LayerCache
 from kvm_jax.nn.kv_sharing import SharedKV
-from kvm_jax.nn.kvm import KVMAttention
+from kvm_jax.nn.registry import mixer_class
 from kvm_jax.nn.layers import (depth_ratio, float32_init, layer_norm, linear, token_shift,
                                 zeros_init)
 from kvm_jax.ops.common import tree_nbytes
@@ -33,10 +32,6 @@ Array = jax.Array
 # memory).
 REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
                   "block_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-
-# The mixer class of each kind (ModelConfig.mixers).
-MIXERS = {"full": FullAttention, "swa": SlidingWindowAttention,
-          "bswa": BlockSlidingWindowAttention, "kvm": KVMAttention}
 
 
 class MLP(nnx.Module):
@@ -66,7 +61,7 @@ class Block(nnx.Module):
   def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
     self.cfg = cfg
     self.ln_attn = layer_norm(cfg, cfg.hidden_size, rngs)
-    self.attn = MIXERS[cfg.layer_mixers[layer]](cfg, layer, rngs=rngs)
+    self.attn = mixer_class(cfg.layer_mixers[layer])(cfg, layer, rngs=rngs)
     self.ln_mlp = layer_norm(cfg, cfg.hidden_size, rngs)
     self.mlp = MLP(cfg, layer, rngs=rngs)
 

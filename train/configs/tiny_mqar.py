@@ -10,8 +10,8 @@ from kvm_jax.train import TrainConfig
 def get_config() -> TrainConfig:
   kvm = KVMConfig(chunk_size=16, window_chunks=2, sink_rows=1, rope_dims=16,
                   budget=PowerLawBudget(4.0, 0.5, min_rows=16))
-  model = presets.tiny(mixers="kvm", kvm=kvm, vocab_size=128, num_layers=2, hidden_size=64,
-                       num_heads=2, rope_dims=16, swa_rope_dims=32, mup_base_dim=64)
+  model = presets.tiny(mixers="kvm", options={"kvm": kvm}, vocab_size=128, num_layers=2,
+                       hidden_size=64, num_heads=2, rope_dims=16, mup_base_dim=64)
   return TrainConfig(model=model, task="mqar",
                      mqar=MQARSpec(seq_len=128, vocab_size=128, num_pairs=8),
                      batch_size=32, steps=400, warmup_steps=40, learning_rate=3e-3,

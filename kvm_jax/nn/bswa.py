@@ -1,0 +1,54 @@
+"""The ``bswa`` mixer: block sliding-window softmax attention with sinks (the paper's BSWA
+baseline: 256-token chunks, 3 chunks, no sink); its decode cache is a window-sized ring."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvm_jax.budget import average_window_keys
+from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.attention import SoftmaxAttention
+from kvm_jax.ops import attention as attn_ops
+
+
+@dataclasses.dataclass(frozen=True)
+class BSWAOptions:
+  """Options of ``bswa`` layers (their own; KVM layers have their own chunk geometry).
+
+  Attributes:
+    chunk_size: tokens per chunk; a query sees its own chunk (causally) and the previous
+      ``window_chunks - 1`` whole chunks.
+    window_chunks: chunks in the window.
+    sink_rows: the first tokens every query also sees.
+  """
+
+  chunk_size: int = 256
+  window_chunks: int = 3
+  sink_rows: int = 0
+
+  def __post_init__(self):
+    for name, low in (("chunk_size", 1), ("window_chunks", 1), ("sink_rows", 0)):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"BSWAOptions.{name} must be an int >= {low}, got {value!r}.")
+
+
+class BlockSlidingWindowAttention(SoftmaxAttention):
+  """Block sliding window with sinks."""
+
+  Options = BSWAOptions
+  RING = "bswa"
+
+  @classmethod
+  def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
+    options = cfg.options_of(cfg.layer_mixers[layer])
+    return average_window_keys(seq_len, options.chunk_size, options.window_chunks)
+
+  def attend(self, q, k, v, scale=None):
+    o = self.options
+    return attn_ops.block_sliding_window_attention(q, k, v, o.chunk_size, o.window_chunks,
+                                                   o.sink_rows, scale=scale)
+
+  def ring_geometry(self):
+    o = self.options
+    return dict(chunk_size=o.chunk_size, window_chunks=o.window_chunks, sink_rows=o.sink_rows)

@@ -1,0 +1,31 @@
+"""The ``full`` mixer: GPTAlpha-2's causal softmax attention over every previous token; its decode
+cache is a ``max_len`` ring (:class:`kvm_jax.ops.attention.RingCache`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.attention import SoftmaxAttention
+from kvm_jax.ops.attention_api import causal_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class FullOptions:
+  """``full`` layers have no options of their own: RoPE (``ModelConfig.rope_dims``) and the
+  kernel (``ModelConfig.attention_implementation``) are the model's."""
+
+
+class FullAttention(SoftmaxAttention):
+  """Causal attention over every previous token."""
+
+  Options = FullOptions
+  RING = "full"
+
+  @classmethod
+  def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
+    return (seq_len + 1) / 2  # token t sees t + 1 keys
+
+  def attend(self, q, k, v, scale=None):
+    return causal_attention(q, k, v, scale=scale,
+                            implementation=self.cfg.attention_implementation)

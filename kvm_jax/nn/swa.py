@@ -1,0 +1,53 @@
+"""The ``swa`` mixer: causal softmax attention over the last ``window`` tokens (the paper's
+GPTAlpha-2/SWA hybrids: 256 tokens, full RoPE); its decode cache is a window-sized ring."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.attention import SoftmaxAttention
+from kvm_jax.ops.attention_api import causal_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class SWAOptions:
+  """Options of ``swa`` layers.
+
+  Attributes:
+    window: tokens each query sees, itself included (the paper's hybrids: 256).
+    rope_dims: rotary channels of these layers; None = the model's ``rope_dims``. The paper's
+      hybrids use full RoPE (128 = the head dim); 0 is NoPE, D/2 HalfRoPE.
+  """
+
+  window: int = 256
+  rope_dims: Optional[int] = None
+
+  def __post_init__(self):
+    if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+      raise ValueError(f"SWAOptions.window must be a positive int, got {self.window!r}.")
+
+  def rotary_dims(self, model: ModelConfig) -> int:
+    return model.rope_dims if self.rope_dims is None else self.rope_dims
+
+
+class SlidingWindowAttention(SoftmaxAttention):
+  """Causal attention over the last ``SWAOptions.window`` tokens."""
+
+  Options = SWAOptions
+  RING = "swa"
+
+  @classmethod
+  def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
+    window = cfg.options_of(cfg.layer_mixers[layer]).window
+    return float(np.mean(np.minimum(np.arange(1, seq_len + 1, dtype=np.float64), window)))
+
+  def attend(self, q, k, v, scale=None):
+    return causal_attention(q, k, v, window=self.options.window, scale=scale,
+                            implementation=self.cfg.attention_implementation)
+
+  def ring_geometry(self):
+    return dict(window=self.options.window)
