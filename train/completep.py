@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from kvm_jax.model_config import ModelConfig, value_lora_width
+from kvm_jax.nn import registry
 from kvm_jax.nn.layers import path_names
 
 GROUPS = ("matrix_params", "lm_head", "wte_embed", "scalars")
@@ -60,12 +61,18 @@ def lr_schedule(peak: float, total_steps: int, warmup_steps: int = 200):
 
 
 def group_of(path) -> str:
-  """The authors' label of one parameter, from its NNX state path."""
+  """The authors' label of one parameter, from its NNX state path: a mixer's own label for it
+  (``PARAM_GROUPS`` of its class, kvm_jax.nn.registry) or the default rule."""
   names = path_names(path)
   if "lm_head" in names:
     return "lm_head"
   if "wte" in names:
     return "wte_embed"
+  if "attn" in names:
+    own = registry.param_groups()
+    owner = next((n for n in reversed(names) if n in own), None)
+    if owner is not None:
+      return own[owner]
   if names[-1] == "kernel":
     return "matrix_params"
   return "scalars"

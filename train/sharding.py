@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from kvm_jax.nn import registry
 from kvm_jax.nn.layers import path_names
 
 AXES = ("data", "fsdp", "tensor")
@@ -49,17 +50,16 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
   return jax.make_mesh(tuple(sizes), AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
-# Logical axis names of every 2-D parameter (by the name of the layer that owns it), and the rules
-# that map logical axes to mesh axes (maxtext-style). Vectors have no logical axes (replicated).
+# Logical axis names of the 2-D parameters outside the mixers (by the name of the layer that owns
+# them); each mixer kind declares its own (``LOGICAL_AXES`` of its class, kvm_jax.nn.registry).
+# The rules map logical axes to mesh axes (maxtext-style). Vectors have no logical axes
+# (replicated).
 LOGICAL_AXES = {
     "wte": ("vocab", "embed"),
     "lm_head": ("embed", "vocab"),
-    "c_q": ("embed", "heads"), "c_k": ("embed", "kv_heads"), "c_v": ("embed", "kv_heads"),
-    "c_proj": ("heads", "embed"),           # attention output, and the MLP's ("mlp", "embed")
     "c_fc": ("embed", "mlp"),
-    "v_gate1": ("embed", "lora"), "v_gate2": ("lora", "kv_heads"),
-    "key_weighting": ("embed", "kv_heads"),
 }
+MLP_AXES = {"c_fc": ("embed", "mlp"), "c_proj": ("mlp", "embed")}  # inside a block's ``mlp``
 LOGICAL_RULES = {"embed": "fsdp", "vocab": "tensor", "heads": "tensor", "kv_heads": "tensor",
                  "mlp": "tensor", "lora": None}
 
@@ -69,14 +69,13 @@ def logical_axes(path, ndim: int) -> tuple:
   if ndim != 2:
     return ()
   names = path_names(path)
-  owner = next((n for n in reversed(names) if n in LOGICAL_AXES), None)
+  table = MLP_AXES if "mlp" in names else {**registry.logical_axes(), **LOGICAL_AXES}
+  owner = next((n for n in reversed(names) if n in table), None)
   if owner is None:
-    raise ValueError(f"no logical axes for parameter {'/'.join(names)}; add its layer to "
-                     "kvm_jax.train.sharding.LOGICAL_AXES.")
-  axes = LOGICAL_AXES[owner]
-  if owner == "c_proj" and "mlp" in names:
-    axes = ("mlp", "embed")
-  return axes
+    raise ValueError(f"no logical axes for parameter {'/'.join(names)}; a mixer declares its "
+                     "parameters' axes in its class's LOGICAL_AXES (kvm_jax.nn.registry), the "
+                     "rest are in kvm_jax.train.sharding.LOGICAL_AXES.")
+  return table[owner]
 
 
 def param_spec(path, shape, mesh: Mesh) -> P:

@@ -1,0 +1,201 @@
+"""Mixers as plug-ins: a kind registered from outside the package builds, counts, trains and decodes;
+config files of the earlier layout (flat ``swa_*``/``bswa_*`` fields, a model-level ``kvm``) load to
+the same model; what the library asks of each kind (keys per query, cache bytes) agrees with an
+independent count."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zlib
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvm_jax as kj
+from kvm_jax import config_io
+from kvm_jax.nn import KVMAttention, SWAOptions, register_mixer, registry
+from kvm_jax.nn.layers import path_names
+from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.directory import load_config
+from kvm_jax.tasks.mqar import MQARSpec
+from kvm_jax.train import completep, sharding
+from kvm_jax.train.loop import train
+
+LEGACY = Path(__file__).parent / "data" / "legacy"
+
+
+class ScaledKVMAttention(KVMAttention):
+  """An outside kind: KVM whose output is multiplied per head by a learned gain (one parameter
+  more per query head, labelled a scalar, initialized to 2 so it changes the function)."""
+
+  PARAM_GROUPS = {"out_gain": "scalars"}
+
+  def __init__(self, cfg, layer, *, rngs):
+    super().__init__(cfg, layer, rngs=rngs)
+    self.out_gain = nnx.Param(jnp.full((cfg.num_heads,), 2.0, cfg.jnp_param_dtype))
+
+  def mix_own(self, x, q, k, v, mixer_cache, decode, shared):
+    y, mixer_cache, exports = super().mix_own(x, q, k, v, mixer_cache, decode, shared)
+    return y * self.out_gain[...][:, None].astype(y.dtype), mixer_cache, exports
+
+
+register_mixer("scaled_kvm", ScaledKVMAttention)
+
+
+# The outside kind's own options (not those of the model's "kvm" entry: a fixed 16-row state).
+SCALED_OPTIONS = kj.KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1, rope_dims=8,
+                              budget=kj.FixedBudget(16))
+
+
+def _outside_config(**kw) -> kj.ModelConfig:
+  return kj.presets.tiny(mixers=("swa", "scaled_kvm"), options={"scaled_kvm": SCALED_OPTIONS},
+                         **kw)
+
+
+def test_outside_kind_builds_counts_and_is_its_own_function():
+  cfg = _outside_config()
+  model = kj.LM(cfg, rngs=nnx.Rngs(0))
+  assert isinstance(model.blocks[1].attn, ScaledKVMAttention)
+  assert model.blocks[1].attn.options == SCALED_OPTIONS != cfg.options_of("kvm")
+  plain = kj.presets.tiny(mixers=("swa", "kvm"), options={"kvm": SCALED_OPTIONS})
+  assert kj.count_params(cfg)["total"] - kj.count_params(plain)["total"] == cfg.num_heads
+  # the new parameter's group and (vector) sharding come from the class
+  state = nnx.state(model, nnx.Param)
+  groups = {"/".join(path_names(p)): completep.group_of(p)
+            for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]}
+  assert groups["blocks/1/attn/out_gain"] == "scalars"
+  assert groups["blocks/1/attn/key_weighting/kernel"] == "matrix_params"
+  # Same parameters but the gain (it draws no random key): with gain 1 the model is plain KVM,
+  # with gain 2 it is not (both perturbed, so the zero-initialized output projections carry
+  # signal).
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 40)))
+  reference = _perturbed(kj.LM(plain, rngs=nnx.Rngs(0)))
+  model = _perturbed(model)
+  gain = model.blocks[1].attn.out_gain
+  gain[...] = jnp.ones_like(gain[...])
+  np.testing.assert_allclose(model(tokens), reference(tokens), rtol=1e-5, atol=1e-6)
+  gain[...] = 2 * jnp.ones_like(gain[...])
+  assert np.abs(np.asarray(model(tokens) - reference(tokens))).max() > 1e-3
+
+
+def test_outside_kind_trains_saves_and_decodes(tmp_path):
+  cfg = TrainConfig(model=_outside_config(vocab_size=64), task="mqar",
+                    mqar=MQARSpec(seq_len=32, vocab_size=64, num_pairs=4), batch_size=4,
+                    steps=2, warmup_steps=1, log_every=1, eval_every=0, checkpoint_every=2)
+  out = train(cfg, tmp_path / "run", verbose=False)
+  assert np.isfinite(out["loss"])
+  loaded = load_config(tmp_path / "run")
+  assert loaded.model == cfg.model  # the outside kind's options round-trip through config.json
+  model = nnx.merge(out["graphdef"], out["params"])
+  # decode == forward: prefill 13 tokens, then feed the next ones one at a time
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 29)))
+  want = model(tokens)
+  caches = model.init_cache(2, 32)
+  logits, caches = model.prefill(tokens[:, :13], caches)
+  got = [logits]
+  for t in range(13, 29):
+    step, caches = model.decode_step(tokens[:, t:t + 1], caches)
+    got.append(step)
+  np.testing.assert_allclose(np.concatenate(got, 1), want, rtol=2e-4, atol=2e-5)
+  sequence, _ = kj.generate(model, tokens[:, :5], max_new_tokens=3, key=jax.random.PRNGKey(0),
+                            sampling=kj.SamplingConfig(temperature=0.0))
+  assert sequence.shape == (2, 8)
+
+
+def test_registry_refuses_conflicts_and_unknown_kinds():
+  with pytest.raises(ValueError, match="already registered"):
+    register_mixer("kvm", ScaledKVMAttention)
+  register_mixer("scaled_kvm", ScaledKVMAttention)  # the same class again: a no-op
+
+  class BadAxes(KVMAttention):
+    LOGICAL_AXES = {**KVMAttention.LOGICAL_AXES, "c_q": ("heads", "embed")}
+  with pytest.raises(ValueError, match=r"LOGICAL_AXES\['c_q'\]"):
+    register_mixer("bad_axes", BadAxes)
+  with pytest.raises(TypeError, match="lacks"):
+    register_mixer("not_a_mixer", object)
+  with pytest.raises(ValueError, match="unknown mixer 'ovq'.*register_mixer"):
+    kj.presets.tiny(mixers="ovq")
+  with pytest.raises(TypeError, match="options of mixer 'swa' must be a SWAOptions"):
+    kj.presets.tiny(mixers="swa", options={"swa": kj.KVMConfig()})
+  with pytest.raises(ValueError, match=r"options\['kvm'\].*rope_dims=4 must equal"):
+    kj.presets.tiny(options={"kvm": kj.KVMConfig(chunk_size=8, rope_dims=4)})
+
+
+def _perturbed(model: kj.LM) -> kj.LM:
+  """Every parameter plus 0.05·N(0, 1) drawn from its own path name, so the zero-initialized
+  projections carry signal and the logits depend on every layer (what the legacy fixture's
+  logits were computed with)."""
+  graphdef, state = nnx.split(model)
+
+  def bump(path, x):
+    name = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+    key = jax.random.PRNGKey(zlib.crc32(name.encode()))
+    return x + 0.05 * jax.random.normal(key, x.shape, x.dtype)
+
+  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(bump, state))
+
+
+def test_config_of_the_earlier_layout_loads_to_the_same_model(tmp_path):
+  """``config_0.1.0.json`` and its logits were written by kvm_jax before the options table (the
+  flat swa_window/swa_rope_dims/bswa_* fields and a model-level kvm): it loads, the options land
+  where they belong, and the model computes the logits the earlier code computed."""
+  run = tmp_path / "legacy"
+  run.mkdir()
+  shutil.copy(LEGACY / "config_0.1.0.json", run / "config.json")
+  cfg = load_config(run).model
+  assert cfg.options_of("swa") == SWAOptions(window=10, rope_dims=12)
+  assert (cfg.options_of("bswa").chunk_size, cfg.options_of("bswa").window_chunks,
+          cfg.options_of("bswa").sink_rows) == (4, 3, 2)
+  assert cfg.kvm.budget == kj.SaturatingBudget(64, min_rows=4) and cfg.kvm.max_state_rows == 64
+  assert cfg.rope_dims_of(0) == 12 and cfg.rope_dims_of(1) == 8
+  fixture = np.load(LEGACY / "logits_0.1.0.npz")
+  logits = _perturbed(kj.LM(cfg, rngs=nnx.Rngs(0)))(jnp.asarray(fixture["tokens"]))
+  np.testing.assert_allclose(np.asarray(logits[..., :16]), fixture["logits"], rtol=1e-5,
+                             atol=1e-6)
+  # and the new layout writes and reads back the same config
+  assert config_io.from_jsonable(json.loads(json.dumps(config_io.to_jsonable(cfg)))) == cfg
+
+
+@pytest.mark.parametrize("mixers", [("full", "swa"), ("bswa", "kvm")])
+def test_keys_per_query_and_cache_bytes_match_independent_counts(mixers):
+  cfg = kj.presets.tiny(mixers=mixers)
+  T = 40
+  # keys per query: count the visible positions of every query by brute force
+  keys = registry.keys_per_query(cfg, T)
+  for layer, kind in enumerate(cfg.layer_mixers):
+    o = cfg.options_of(kind)
+    t = np.arange(T)
+    if kind == "full":
+      want = np.mean(t + 1)
+    elif kind == "swa":
+      want = np.mean(np.minimum(t + 1, o.window))
+    elif kind == "bswa":
+      begin = np.maximum(0, (t // o.chunk_size - o.window_chunks + 1) * o.chunk_size)
+      want = np.mean(t + 1 - begin)
+    else:  # the exact window of the query's chunk plus the state rows visible to that chunk
+      schedule = kj.kvm_schedule(o, T)
+      c = t // o.chunk_size
+      begin = np.maximum(0, (c - o.window_chunks + 1) * o.chunk_size)
+      state = np.where(np.asarray(schedule.state_visible)[c],
+                       np.asarray(schedule.rows_before)[c], 0)
+      want = np.mean(t + 1 - begin + state)
+    assert keys[layer] == pytest.approx(want), kind
+  # cache bytes from shapes == bytes of the allocated caches
+  model = kj.LM(cfg, rngs=nnx.Rngs(0))
+  assert registry.cache_bytes(cfg, 2, 48) == tuple(model.cache_bytes(model.init_cache(2, 48)))
+
+
+def test_sharding_axes_come_from_the_mixer_classes():
+  cfg = kj.presets.tiny(mixers=("swa", "kvm"))
+  state = nnx.state(kj.LM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+  axes = {"/".join(path_names(p)): sharding.logical_axes(p, x.ndim)
+          for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+  assert axes["blocks/1/attn/key_weighting/kernel"] == ("embed", "kv_heads")
+  assert axes["blocks/0/attn/c_proj/kernel"] == ("heads", "embed")
+  assert axes["blocks/0/mlp/c_proj/kernel"] == ("mlp", "embed")
+  assert axes["wte/embedding"] == ("vocab", "embed")
