@@ -199,3 +199,21 @@ def test_sharding_axes_come_from_the_mixer_classes():
   assert axes["blocks/0/attn/c_proj/kernel"] == ("heads", "embed")
   assert axes["blocks/0/mlp/c_proj/kernel"] == ("mlp", "embed")
   assert axes["wte/embedding"] == ("vocab", "embed")
+
+
+def test_command_line_overrides_reach_a_kinds_options():
+  from kvm_jax.train.main import apply_override
+  cfg = TrainConfig(model=kj.presets.tiny(mixers=("swa", "kvm")))
+  cfg = apply_override(cfg, "model.options.kvm.chunk_size", "16")
+  cfg = apply_override(cfg, "model.options.swa.window", "20")
+  assert cfg.model.options_of("kvm").chunk_size == 16
+  assert cfg.model.options_of("swa") == SWAOptions(window=20, rope_dims=16)
+  assert cfg.model.options_of("kvm").window_chunks == 2  # the rest of the options unchanged
+  # a kind with no entry yet starts from its defaults; unknown kinds and fields are named
+  bswa = apply_override(TrainConfig(model=kj.ModelConfig(mixers="bswa", num_layers=1)),
+                        "model.options.bswa.sink_rows", "2").model.options_of("bswa")
+  assert (bswa.chunk_size, bswa.sink_rows) == (256, 2)
+  with pytest.raises(SystemExit, match="unknown mixer 'nope'"):
+    apply_override(cfg, "model.options.nope.window", "3")
+  with pytest.raises(SystemExit, match="unknown config field 'windw'"):
+    apply_override(cfg, "model.options.swa.windw", "3")

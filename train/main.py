@@ -11,7 +11,9 @@ Flags:
   --workdir=DIR           where checkpoints/, metrics.jsonl and tb/ go; re-running the same
                           command on the same DIR resumes from its latest checkpoint.
   --config.FIELD=VALUE    override any config field, nested with dots
-                          (e.g. --config.model.num_layers=4, --config.mqar.num_pairs=16).
+                          (e.g. --config.model.num_layers=4, --config.mqar.num_pairs=16); a
+                          mixer kind's options are model.options.KIND.FIELD (e.g.
+                          --config.model.options.kvm.chunk_size=128, .swa.window=512).
   --config.init_from=DIR  fine-tune: start from the newest parameters of run directory DIR (a
                           kvm-train workdir, or kvm-import's conversion of the authors' released
                           checkpoints) with a fresh optimizer and data stream. DIR's model config
@@ -65,6 +67,7 @@ from pathlib import Path
 import jax
 from etils import epath
 
+from kvm_jax.mixer_options import KindOptions
 from kvm_jax.runs import launch
 from kvm_jax.train import memory
 from kvm_jax.train.loop import NonFiniteError, parse_profile_steps, train, with_init_model
@@ -123,8 +126,18 @@ def _coerce(old, text: str):
 
 
 def apply_override(cfg, dotted: str, text: str):
-  """Returns ``cfg`` with field ``dotted`` set from its string form (frozen dataclasses replaced)."""
+  """Returns ``cfg`` with field ``dotted`` set from its string form (frozen dataclasses replaced;
+  in the mixers' options table, ``options.KIND.FIELD`` replaces one kind's options)."""
   head, _, rest = dotted.partition(".")
+  if isinstance(cfg, KindOptions):
+    if not rest:
+      raise SystemExit(f"--config...options.{head}: give a field of its options, e.g. "
+                       f"options.{head}.FIELD=VALUE.")
+    try:
+      options = cfg.resolve(head)
+    except ValueError as e:
+      raise SystemExit(f"--config...options.{dotted}: {e}") from None
+    return cfg.set(head, apply_override(options, rest, text))
   if not dataclasses.is_dataclass(cfg) or head not in {f.name for f in dataclasses.fields(cfg)}:
     names = sorted(f.name for f in dataclasses.fields(cfg)) if dataclasses.is_dataclass(cfg) else []
     raise SystemExit(f"unknown config field {head!r}; known fields: {', '.join(names)}.")
