@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvm_jax.kernels.backend import default_interpret
+from kvm_jax.ops.common import current_platform
 from kvm_jax.ops.kvm.api import chunk_ops, kvm_decode_step, kvm_prefill
 from kvm_jax.ops.kvm.cases import Case, rel_rms, select, state_rel_error
 from kvm_jax.ops.kvm.decode import kvm_init_cache
@@ -180,7 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, IndexError):
       raise SystemExit(f"--cases: expected numbers in 1..{len(all_cases)}, got {args.cases!r}")
   mode = "interpret mode" if default_interpret() else "compiled"
-  print(f"kvm-check on {jax.devices()[0].device_kind} ({jax.default_backend()}), jax "
+  print(f"kvm-check on {jax.devices()[0].device_kind} ({current_platform()}), jax "
         f"{jax.__version__}; Pallas kernels {mode}; size {args.size}", flush=True)
   rows = []
   for case in chosen:

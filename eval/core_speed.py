@@ -92,7 +92,7 @@ def main(argv=None) -> int:
                      rope_dims=bench_rope_dims(args.head_dim),
                      budget=kj.FixedBudget(rows=args.state_rows))
   params = kj.KVMParams.init(args.head_dim, args.heads)
-  print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
+  print(f"device: {jax.devices()[0].device_kind} ({kj.current_platform()}), jax {jax.__version__}; "
         f"B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}; C={cfg.chunk_size} "
         f"L={cfg.window_len} fixed {args.state_rows} rows")
   results = {"prefill": [], "decode": None, "setup": vars(args)}

@@ -350,12 +350,12 @@ def main(argv=None) -> int:
   if not phases and not args.models and not args.readout_anchor:
     raise SystemExit("nothing to time: give --phases, --models and/or --readout-anchor.")
   if args.lengths is None:
-    top = 16384 if jax.default_backend() == "cpu" else 32768
+    top = 16384 if kj.current_platform() == "cpu" else 32768
     lengths = [512 * 2 ** i for i in range(12) if 512 * 2 ** i <= top]
   else:
     lengths = [int(x) for x in args.lengths.split(",") if x]
   dtype = jnp.dtype(args.dtype)
-  print(f"{jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
+  print(f"{jax.devices()[0].device_kind} ({kj.current_platform()}), jax {jax.__version__}; "
         f"B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}; C=256 L=512; KVM "
         f"implementation={args.implementation}; full "
         f"attention: dot_product_attention({full_attention_impl()})", flush=True)

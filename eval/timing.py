@@ -14,6 +14,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from kvm_jax.ops.common import current_platform
 from kvm_jax.ops.kvm.api import kvm_decode_step, kvm_prefill
 from kvm_jax.ops.kvm.decode import cached_readout, decode_attention, kvm_init_cache
 from kvm_jax.ops.kvm.state import temperatures
@@ -39,7 +40,7 @@ def median_ms(fn, *args, repeats: int, warmup: int = 1) -> float:
 
 def full_attention_impl() -> str:
   """The strongest stock baseline per backend: cuDNN flash attention on GPU, XLA elsewhere."""
-  return "cudnn" if jax.default_backend() == "gpu" else "xla"
+  return "cudnn" if current_platform() == "gpu" else "xla"
 
 
 @functools.partial(jax.jit, donate_argnums=(3, 4), static_argnames=("implementation",))

@@ -15,8 +15,10 @@ from kvm_jax.budget import (CallableBudget, FixedBudget, KVMSchedule, PowerLawBu
                             SaturatingBudget, kvm_schedule, state_rows_after)
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
-from kvm_jax.ops.kvm import (KVMCache, KVMParams, KVMState, kvm_attention, kvm_attention_reference,
-                             kvm_decode_step, kvm_init_cache, kvm_prefill)
+from kvm_jax.ops.common import current_platform
+from kvm_jax.ops.kvm import (KVMBackend, KVMCache, KVMParams, KVMState, kvm_attention,
+                             kvm_attention_reference, kvm_decode_step, kvm_init_cache, kvm_prefill,
+                             resolve_kvm_backend)
 
 from kvm_jax.nn.model import LM, count_params
 from kvm_jax import presets
@@ -35,6 +37,7 @@ __all__ = [
     "KVMConfig", "FixedBudget", "PowerLawBudget", "SaturatingBudget", "CallableBudget",
     "KVMSchedule", "kvm_schedule", "state_rows_after", "KVMParams", "KVMState", "KVMCache",
     "kvm_attention", "kvm_attention_reference", "kvm_init_cache", "kvm_prefill", "kvm_decode_step",
+    "KVMBackend", "resolve_kvm_backend", "current_platform",
     "ModelConfig", "LM", "count_params", "presets", "generate", "generate_text", "SamplingConfig",
     "sample_logits", "load_pretrained",
 ]

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
-  print(f"kvm_jax {kj.__version__} on {jax.default_backend()} (jax {jax.__version__})\n")
+  print(f"kvm_jax {kj.__version__} on {kj.current_platform()} (jax {jax.__version__})\n")
   print("1) State rows after N tokens (C=256, L=512; the paper's budgets, docs/kvm-spec.md §3):")
   print(_schedule_table([512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]))
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kvm_jax.kernels.sharding import ShardAxes
+from kvm_jax.ops.common import current_platform
 
 
 KiB, MiB = 1024, 1024 * 1024
@@ -76,7 +77,7 @@ def vmem_limit_bytes(ws: WorkingSet) -> int:
 
 def platform(target: Optional[str] = None) -> str:
   """"tpu", "gpu" or "cpu": ``target`` ("tpu", "cuda"/"gpu", "cpu"), default this machine's."""
-  p = target or jax.default_backend()
+  p = target or current_platform()
   if p not in ("tpu", "cuda", "gpu", "cpu"):
     raise ValueError(f"unknown Pallas target {p!r}; choose tpu, cuda or cpu.")
   return "gpu" if p == "cuda" else p

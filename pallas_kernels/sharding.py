@@ -8,14 +8,18 @@ mesh that divide it), the KV-head dimension over the named head axis when it div
 everything else (masks, LayerNorm weights, row counts) replicated. Without a mesh, without axis
 names, or when no axis divides, the kernel is called directly.
 
-The axis names always come from the caller (``kvm_jax.ops.kvm.kernel_sharding``): this module
-knows no mesh convention of its own.
+The axis names always come from the caller, through the :func:`kernel_sharding` context (also
+importable as ``kvm_jax.ops.kvm.kernel_sharding``): this module knows no mesh convention of its
+own. The context lives here, below both kernel registries (the KVM op's and softmax
+attention's), so that both read the same axes without one registry importing the other.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import jax
 import numpy as np
@@ -29,6 +33,32 @@ class ShardAxes:
 
   batch: tuple[str, ...] = ()
   heads: Optional[str] = None
+
+
+_SHARD_AXES: contextvars.ContextVar[ShardAxes] = contextvars.ContextVar(
+    "kvm_kernel_shard_axes", default=ShardAxes())
+
+
+@contextlib.contextmanager
+def kernel_sharding(batch_axes: Sequence[str] = (), head_axis: Optional[str] = None
+                    ) -> Iterator[ShardAxes]:
+  """Inside this context, Pallas kernels called under a mesh (``jax.set_mesh``) run per shard:
+  the batch split over ``batch_axes``, the KV heads over ``head_axis`` (each only where the axis
+  exists and divides the dimension). Outside it they see whole arrays, which XLA's partitioner
+  gathers for them. The names are the caller's: the trainer passes its own mesh axes.
+
+  It is read when an op is *called* (traced) and fixed into the compiled program."""
+  token = _SHARD_AXES.set(ShardAxes(batch=tuple(batch_axes), heads=head_axis))
+  try:
+    yield _SHARD_AXES.get()
+  finally:
+    _SHARD_AXES.reset(token)
+
+
+def current_shard_axes() -> ShardAxes:
+  """The axes of the enclosing :func:`kernel_sharding` (none outside it): what the backend
+  resolvers of the KVM op and of softmax attention put into their decisions."""
+  return _SHARD_AXES.get()
 
 
 def _mesh():

@@ -6,6 +6,8 @@
   ← CLIs/notebooks — including imports inside functions, with train and eval never importing each
   other and no import cycle between modules;
 * no private name (``_x``) of one module is used by another, in the library, tests or notebooks;
+* one module reads JAX's default backend (:data:`PLATFORM_READER`); every backend decision takes
+  the platform from it;
 * user-facing text stands on its own: no pointers to the internal design notes or issues, and every
   ``docs/…`` file and section cited exists.
 """
@@ -330,6 +332,37 @@ def test_user_facing_text_stands_on_its_own():
       elif m.group(2) and not has_section(doc.read_text(encoding="utf-8"), m.group(2)):
         problems.append(f"{rel}: cites docs/{m.group(1)} §{m.group(2)}, which does not exist")
   assert not problems, "\n".join(problems)
+
+
+# -- one reader of the platform -------------------------------------------------------------------
+
+# The one installed module that may ask JAX for its default backend (``current_platform``); the
+# backend resolvers of the KVM op and of softmax attention, and everything else, go through it.
+PLATFORM_READER = "kvm_jax.ops.common"
+
+
+def platform_reads(where: str, source: str) -> list[str]:
+  """Every ``….default_backend`` use (a call or a reference) and ``from jax import
+  default_backend`` in ``source``."""
+  bad = []
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Attribute) and node.attr == "default_backend":
+      bad.append(f"{where}:{node.lineno}: reads jax.default_backend()")
+    elif isinstance(node, ast.ImportFrom) and any(a.name == "default_backend" for a in node.names):
+      bad.append(f"{where}:{node.lineno}: imports default_backend")
+  return bad
+
+
+def test_one_module_reads_the_platform():
+  """Only :data:`PLATFORM_READER` calls ``jax.default_backend()``; the rest of the package asks
+  ``kvm_jax.ops.common.current_platform()`` or a backend resolver."""
+  problems = [p for module, path in MODULES.items() if module != PLATFORM_READER
+              for p in platform_reads(module, path.read_text())]
+  assert not problems, ("read the platform through kvm_jax.ops.common.current_platform():\n"
+                        + "\n".join(problems))
+  assert platform_reads(PLATFORM_READER, MODULES[PLATFORM_READER].read_text())  # not vacuous
+  assert len(platform_reads("x", "import jax\nfrom jax import default_backend\n"
+                                 "p = jax.default_backend()\n")) == 2
 
 
 def test_deferred_imports_are_allowed_only_inside_functions():

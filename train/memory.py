@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kvm_jax.nn.model import LM
+from kvm_jax.ops.common import current_platform
 from kvm_jax.runs.config import TrainConfig
 from kvm_jax.train import loop, sharding
 
@@ -119,5 +120,5 @@ def memory_report(cfg: TrainConfig, mesh=None) -> MemoryReport:
   return MemoryReport(arguments=m.argument_size_in_bytes, temporaries=m.temp_size_in_bytes,
                       outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
                       code=m.generated_code_size_in_bytes, devices=mesh.devices.size,
-                      platform=jax.default_backend(),
+                      platform=current_platform(),
                       memory_order=CPU_MEMORY_FLAG in os.environ.get("XLA_FLAGS", ""))

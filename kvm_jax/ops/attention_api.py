@@ -1,4 +1,4 @@
-"""Causal softmax attention (full or sliding window) with ``implementation=`` resolved in one place.
+"""Causal softmax attention (full or sliding window) with its backend decided in one place.
 
 The ``full`` and ``swa`` mixers call :func:`causal_attention`; which kernel computes it is a
 config choice (``ModelConfig.attention_implementation``), the way maxtext's one attention op picks
@@ -23,52 +23,102 @@ Every implementation takes ``[B, T, H, D]`` queries, ``[B, T, Hkv, D]`` keys and
 values (GQA when Hkv < H); query p sees keys ``[0, p]``, or ``(p - window, p]`` with a window.
 Pallas kernels (splash) run per shard under the enclosing
 :func:`kvm_jax.ops.kvm.kernel_sharding`, like the KVM kernels.
+
+As for the KVM op (``kvm_jax.ops.kvm.api.resolve_kvm_backend``), one resolver,
+:func:`resolve_attention_backend`, makes every choice for a call (the concrete implementation,
+interpret mode, the mesh axes) into a frozen :class:`AttentionBackend`, and is the only reader of
+the platform here; :func:`causal_attention` only runs what it decided.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from kvm_jax.kernels.sharding import per_shard
+from kvm_jax.kernels.sharding import ShardAxes, current_shard_axes, per_shard
 from kvm_jax.model_config import ATTENTION_IMPLEMENTATIONS
 from kvm_jax.ops import attention as dense
 from kvm_jax.ops.chunked_attention import DEFAULT_BLOCK, chunked_attention
-from kvm_jax.ops.common import import_tokamax
-from kvm_jax.ops.kvm.api import current_shard_axes
+from kvm_jax.ops.common import current_platform, import_tokamax
 
 Array = jax.Array
 
 _HALF_PRECISION = (jnp.bfloat16, jnp.float16)
 
 
-def resolve_attention(implementation: str, q: Array, platform: Optional[str] = None) -> str:
-  """The concrete implementation ``implementation`` means for queries ``q`` on ``platform``
-  (default: JAX's default backend)."""
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+  """What :func:`causal_attention` runs for one call, decided by :func:`resolve_attention_backend`.
+
+  Attributes:
+    platform: the platform it was decided for ("cpu", "gpu", "tpu", ...).
+    implementation: the concrete kernel: "xla", "chunked", "cudnn", "splash" or "tokamax" (never
+      "auto").
+    interpret: run the Pallas kernel (splash) in interpret mode (off on TPU only, by default).
+    shard_axes: the mesh axes a Pallas kernel splits over (the enclosing
+      :func:`kvm_jax.ops.kvm.kernel_sharding` when it was decided).
+  """
+
+  platform: str
+  implementation: str
+  interpret: bool
+  shard_axes: ShardAxes = ShardAxes()
+
+
+def resolve_attention_backend(implementation: str, q: Array, *, platform: Optional[str] = None,
+                              interpret: Optional[bool] = None,
+                              shard_axes: Optional[ShardAxes] = None) -> AttentionBackend:
+  """The one place softmax attention's backend is decided, for queries ``q`` (``[B, T, H, D]``;
+  only shape and dtype are read) on ``platform`` (default: this machine's,
+  :func:`kvm_jax.ops.common.current_platform`).
+
+  "auto" takes cudnn on GPU for bf16/fp16 heads of a size cuDNN supports, splash on TPU when T is
+  a multiple of 128, otherwise dense XLA up to one block and the chunked path beyond. Raises
+  ValueError naming the bad value for an unknown implementation and for requests the chosen
+  kernel cannot serve (cudnn with float32, splash with T not a multiple of 128)."""
   if implementation not in ATTENTION_IMPLEMENTATIONS:
     raise ValueError(f"attention implementation {implementation!r} is unknown; choose from "
                      f"{ATTENTION_IMPLEMENTATIONS}.")
-  if implementation != "auto":
-    return implementation
-  platform = platform or jax.default_backend()
+  platform = current_platform() if platform is None else platform
   T, D = q.shape[1], q.shape[3]
-  if platform in ("gpu", "cuda") and q.dtype in _HALF_PRECISION and D <= 256 and D % 8 == 0:
-    return "cudnn"
-  if platform == "tpu" and T % 128 == 0:
-    return "splash"
-  # Up to one block the chunked path computes exactly the dense scores, only slower (loops that
-  # XLA cannot fuse across): short sequences take the dense path.
-  return "xla" if T <= DEFAULT_BLOCK else "chunked"
+  impl = implementation
+  if impl == "auto":
+    if platform in ("gpu", "cuda") and q.dtype in _HALF_PRECISION and D <= 256 and D % 8 == 0:
+      impl = "cudnn"
+    elif platform == "tpu" and T % 128 == 0:
+      impl = "splash"
+    else:
+      # Up to one block the chunked path computes exactly the dense scores, only slower (loops
+      # that XLA cannot fuse across): short sequences take the dense path.
+      impl = "xla" if T <= DEFAULT_BLOCK else "chunked"
+  if impl == "cudnn" and q.dtype not in _HALF_PRECISION:
+    raise ValueError(f"attention implementation 'cudnn' needs bfloat16 or float16 inputs, got "
+                     f"{q.dtype}; use 'chunked' (or 'auto') for float32.")
+  if impl == "splash" and T % 128:
+    raise ValueError(f"attention implementation 'splash' needs a sequence length that is a "
+                     f"multiple of 128, got {T}; use 'chunked' (or 'auto').")
+  return AttentionBackend(
+      platform=platform, implementation=impl,
+      interpret=(platform != "tpu") if interpret is None else bool(interpret),
+      shard_axes=current_shard_axes() if shard_axes is None else shard_axes)
+
+
+def resolve_attention(implementation: str, q: Array, platform: Optional[str] = None) -> str:
+  """The concrete implementation ``implementation`` means for queries ``q`` on ``platform``
+  (default: this machine's): :func:`resolve_attention_backend`'s choice."""
+  return resolve_attention_backend(implementation, q, platform=platform).implementation
 
 
 def runs_pallas(implementation: str, platform: Optional[str] = None) -> bool:
   """Whether ``implementation`` may run a Pallas kernel (which must then run per shard under a
-  mesh: see :func:`kvm_jax.ops.kvm.kernel_sharding`). "auto" can only on TPU (splash)."""
+  mesh: see :func:`kvm_jax.ops.kvm.kernel_sharding`). "auto" can only on TPU (splash). Asked
+  before any queries exist (the trainer, when it sets up the mesh), so it takes no ``q``."""
   if implementation == "auto":
-    return (platform or jax.default_backend()) == "tpu"
+    return (current_platform() if platform is None else platform) == "tpu"
   return implementation in ("splash", "tokamax")
 
 
@@ -86,10 +136,8 @@ def causal_attention(q: Array, k: Array, v: Array, *, window: Optional[int] = No
   Returns:
     ``[B, T, H, Dv]`` in ``q.dtype``.
   """
-  impl = resolve_attention(implementation, q)
-  if impl == "cudnn" and q.dtype not in _HALF_PRECISION:
-    raise ValueError(f"attention implementation 'cudnn' needs bfloat16 or float16 inputs, got "
-                     f"{q.dtype}; use 'chunked' (or 'auto') for float32.")
+  be = resolve_attention_backend(implementation, q, interpret=interpret)
+  impl = be.implementation
   if impl in ("xla", "cudnn"):  # jax.nn.dot_product_attention's own two implementations
     if window is None:
       return dense.full_attention(q, k, v, scale=scale, implementation=impl)
@@ -98,9 +146,7 @@ def causal_attention(q: Array, k: Array, v: Array, *, window: Optional[int] = No
     return chunked_attention(q, k, v, window=window, scale=scale)
   if impl == "tokamax":
     return _tokamax(q, k, v, window, scale)
-  if interpret is None:
-    interpret = jax.default_backend() != "tpu"
-  return _splash(q, k, v, window, scale, interpret)
+  return _splash(q, k, v, window, scale, be)
 
 
 def _tokamax(q, k, v, window, scale):
@@ -110,16 +156,13 @@ def _tokamax(q, k, v, window, scale):
                                        scale=scale)
 
 
-def _splash(q, k, v, window, scale, interpret):
+def _splash(q, k, v, window, scale, be: AttentionBackend):
   """Splash attention: the MQA kernel per (batch row, KV head) over its group of query heads."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
   B, T, H, D = q.shape
   Hkv, Dv = k.shape[2], v.shape[-1]
   G = H // Hkv
-  if T % 128:
-    raise ValueError(f"attention implementation 'splash' needs a sequence length that is a "
-                     f"multiple of 128, got {T}; use 'chunked' (or 'auto').")
   one = (splash.CausalMask((T, T)) if window is None
          else splash.LocalMask((T, T), window_size=(window - 1, 0), offset=0))
   size = math.gcd(T, 512)
@@ -132,9 +175,8 @@ def _splash(q, k, v, window, scale, interpret):
 
   def run(qh, kh, vh):
     kernel = splash.make_splash_mqa(splash.MultiHeadMask([one] * G), block_sizes=blocks,
-                                    head_shards=1, q_seq_shards=1, interpret=interpret)
+                                    head_shards=1, q_seq_shards=1, interpret=be.interpret)
     return (jax.vmap(jax.vmap(kernel))(qh, kh, vh),)                              # [B,Hkv,G,T,Dv]
 
-  out, = per_shard(run, (qh, kh, vh), ("bh", "bh", "bh"), ("bh",), B, Hkv,
-                   current_shard_axes())
+  out, = per_shard(run, (qh, kh, vh), ("bh", "bh", "bh"), ("bh",), B, Hkv, be.shard_axes)
   return jnp.moveaxis(out, 3, 1).reshape(B, T, H, Dv).astype(q.dtype)

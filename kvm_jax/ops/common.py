@@ -1,5 +1,7 @@
 """Pure building blocks shared by every attention op (KVM and the baselines): no Flax, no kernels.
 
+* the platform the program runs on (:func:`current_platform`: the one reader of JAX's default
+  backend in the package);
 * byte counting of pytrees (:func:`tree_nbytes`);
 * ring buffers of recent tokens (slot = position mod slots), shared by every decode cache;
 * matmul helpers and a float32 LayerNorm;
@@ -20,6 +22,16 @@ Array = jax.Array
 # A finite "minus infinity" for masked scores: a fully masked row gives zeros, never NaN
 # gradients. The Pallas readout uses the same constant, so both paths mask identically.
 MASKED = -1e30
+
+
+def current_platform() -> str:
+  """The platform programs are compiled for here: "cpu", "gpu" or "tpu" (JAX's default backend).
+
+  The one place the package reads it, so every backend decision can be traced to it: the KVM and
+  softmax-attention registries (``kvm_jax.ops.kvm.api.resolve_kvm_backend``,
+  ``kvm_jax.ops.attention_api.resolve_attention_backend``) take their platform from here and hand
+  the decided values down; the layers below them take those values as arguments."""
+  return jax.default_backend()
 
 
 def import_tokamax(purpose: str):
@@ -82,7 +94,7 @@ def matmul_operand(x: Array) -> Array:
   """A bfloat16 matmul operand, widened to float32 on CPU only: XLA:CPU has no bfloat16 x
   bfloat16 -> float32 dot for larger operands, and the widening is exact (bfloat16 products are
   exact in float32, and the accumulation is float32 either way). Accelerators keep bfloat16."""
-  if x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+  if x.dtype == jnp.bfloat16 and current_platform() == "cpu":
     return x.astype(jnp.float32)
   return x
 

@@ -1,7 +1,7 @@
 """The KVM op, one folder in the manner of tokamax's per-op packages and fla's naive/chunk files.
 
 ======================  ==========================================================================
-``api.py``              the public functions; ``implementation=`` resolved in one place (registry)
+``api.py``              the public functions; every backend choice made by one resolver (registry)
 ``reference.py``        the oracle: plain, slow, obviously correct (``kvm_attention_reference``)
 ``scan.py``             the chunked ``lax.scan`` with pluggable per-chunk operations
 ``decode.py``           the decode cache, prefill and the one-token step
@@ -13,15 +13,15 @@
 The fused kernels live in :mod:`kvm_jax.kernels`; only ``api.py`` plugs them in.
 """
 
-from kvm_jax.ops.kvm.api import (AUTO_PALLAS_BACKENDS, KVM_READOUTS, chunk_ops, kernel_sharding,
-                                 kvm_attention, kvm_decode_step, kvm_prefill,
-                                 resolve_implementation)
+from kvm_jax.ops.kvm.api import (AUTO_PALLAS_BACKENDS, KVM_PLATFORMS, KVM_READOUTS, KVMBackend,
+                                 chunk_ops, kernel_sharding, kvm_attention, kvm_decode_step,
+                                 kvm_prefill, resolve_implementation, resolve_kvm_backend)
 from kvm_jax.ops.kvm.decode import KVMCache, kvm_init_cache
 from kvm_jax.ops.kvm.reference import kvm_attention_reference
 from kvm_jax.ops.kvm.scan import XLA_OPS, ChunkOps, kvm_attention_scan
 from kvm_jax.ops.kvm.state import KVMParams, KVMState
 
-__all__ = ["AUTO_PALLAS_BACKENDS", "KVM_READOUTS", "ChunkOps", "KVMCache", "KVMParams", "KVMState",
-           "XLA_OPS", "chunk_ops", "kernel_sharding", "kvm_attention", "kvm_attention_reference",
-           "kvm_attention_scan", "kvm_decode_step", "kvm_init_cache", "kvm_prefill",
-           "resolve_implementation"]
+__all__ = ["AUTO_PALLAS_BACKENDS", "KVM_PLATFORMS", "KVM_READOUTS", "ChunkOps", "KVMBackend",
+           "KVMCache", "KVMParams", "KVMState", "XLA_OPS", "chunk_ops", "kernel_sharding",
+           "kvm_attention", "kvm_attention_reference", "kvm_attention_scan", "kvm_decode_step",
+           "kvm_init_cache", "kvm_prefill", "resolve_implementation", "resolve_kvm_backend"]

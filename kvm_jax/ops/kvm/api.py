@@ -1,13 +1,23 @@
-"""The public KVM op: ``implementation=`` is resolved here, in one place, and nowhere else.
+"""The public KVM op: every backend choice is made here, by one resolver, and nowhere else.
+
+:func:`resolve_kvm_backend` turns a request (``implementation=``, ``readout=``, optionally a
+kernel configuration) and a platform into a :class:`KVMBackend`: a frozen record of everything
+the op will run. It is the only place the KVM op reads the platform
+(:func:`kvm_jax.ops.common.current_platform`); the scan, the state update and decode take its
+decisions as arguments. Call it to see what will run::
+
+    resolve_kvm_backend(cfg, platform="gpu")
+    # KVMBackend(platform='gpu', implementation='xla', readout='own', source_layout='heads',
+    #            row_update='onehot', kernel_config=None)
 
 Implementations (:data:`kvm_jax.config.KVM_IMPLEMENTATIONS`):
 
 * ``"xla"`` — the chunked ``lax.scan`` with XLA per-chunk operations (``scan.py``); the default
   and the reference every other path is tested against;
 * ``"pallas"`` — the same scan with the fused Pallas kernels of :mod:`kvm_jax.kernels` in its
-  body (readout and routing/update), compiled for this machine's backend (Mosaic on TPU, Triton
-  on GPU) and interpreted on CPU;
-* ``"auto"`` — Pallas on the backends listed in :data:`AUTO_PALLAS_BACKENDS`, where a benchmark
+  body (readout and routing/update), compiled for the platform (Mosaic on TPU, Triton on GPU) and
+  interpreted on CPU;
+* ``"auto"`` — Pallas on the platforms listed in :data:`AUTO_PALLAS_BACKENDS`, where a benchmark
   measured it faster, XLA elsewhere.
 
 The oracle, :func:`kvm_jax.kvm_attention_reference` (``reference.py``), is not an implementation
@@ -17,10 +27,8 @@ which mesh axes split the batch and the KV heads with :func:`kernel_sharding`.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from typing import Iterator, Optional, Sequence
+from typing import Optional
 
 import jax
 
@@ -29,13 +37,14 @@ from kvm_jax.kernels.anchor import INSTALL_HINT, joint_attention_tokamax, tokama
 from kvm_jax.kernels.backend import KernelConfig
 from kvm_jax.kernels.decode import decode_attention_pallas
 from kvm_jax.kernels.readout import joint_attention_heads_pallas, joint_attention_pallas
-from kvm_jax.kernels.sharding import ShardAxes
+# kernel_sharding is re-exported: callers name it as kvm_jax.ops.kvm(.api).kernel_sharding.
+from kvm_jax.kernels.sharding import ShardAxes, current_shard_axes, kernel_sharding  # noqa: F401
 from kvm_jax.kernels.update import update_state_pallas
-from kvm_jax.ops.common import is_concrete
+from kvm_jax.ops.common import current_platform, is_concrete
 from kvm_jax.ops.kvm import decode
 from kvm_jax.ops.kvm.decode import KVMCache, check_against_cache
-from kvm_jax.ops.kvm.scan import XLA_OPS, ChunkOps, kvm_attention_scan
-from kvm_jax.ops.kvm.state import KVMParams, validate_inputs
+from kvm_jax.ops.kvm.scan import XLA_OPS, ChunkOps, kvm_attention_scan, source_layout_for
+from kvm_jax.ops.kvm.state import KVMParams, row_update_for, validate_inputs
 
 Array = jax.Array
 
@@ -53,58 +62,136 @@ AUTO_PALLAS_BACKENDS: frozenset = frozenset()
 KVM_READOUTS = ("auto", "own", "tokamax")
 TOKAMAX_READOUT_BACKENDS: dict = {"xla": frozenset(), "pallas": frozenset()}
 
-_SHARD_AXES: contextvars.ContextVar[ShardAxes] = contextvars.ContextVar(
-    "kvm_kernel_shard_axes", default=ShardAxes())
+# The platforms a decision can be made for ("cuda" is accepted as another name for "gpu", the
+# way the kernels' targets are named).
+KVM_PLATFORMS = ("cpu", "gpu", "tpu")
 
 
-@contextlib.contextmanager
-def kernel_sharding(batch_axes: Sequence[str] = (), head_axis: Optional[str] = None
-                    ) -> Iterator[ShardAxes]:
-  """Inside this context, Pallas kernels called under a mesh (``jax.set_mesh``) run per shard:
-  the batch split over ``batch_axes``, the KV heads over ``head_axis`` (each only where the axis
-  exists and divides the dimension). Outside it they see whole arrays, which XLA's partitioner
-  gathers for them. The names are the caller's: the trainer passes its own mesh axes.
+@dataclasses.dataclass(frozen=True)
+class KVMBackend:
+  """Everything the KVM op runs for one request on one platform, decided by
+  :func:`resolve_kvm_backend` (print it to see what will run).
 
-  It is read when a KVM op is *called* (traced) and fixed into the compiled program."""
-  token = _SHARD_AXES.set(ShardAxes(batch=tuple(batch_axes), heads=head_axis))
-  try:
-    yield _SHARD_AXES.get()
-  finally:
-    _SHARD_AXES.reset(token)
+  Attributes:
+    platform: "cpu", "gpu" or "tpu" (:data:`KVM_PLATFORMS`), the platform it was decided for.
+    implementation: "xla" (the XLA scan) or "pallas" (the fused kernels in the scan's body).
+    readout: "own" (the implementation's readout) or "tokamax" (the anchor,
+      :func:`kvm_jax.kernels.anchor.joint_attention_tokamax`, in the scan and prefill; decode
+      runs it too with XLA, while the Pallas decode step keeps its own one-token kernel).
+    source_layout: "time" or "heads": how the scan reads its inputs
+      (:data:`kvm_jax.ops.kvm.scan.SOURCE_LAYOUTS`; the rule:
+      :func:`kvm_jax.ops.kvm.scan.source_layout_for`).
+    row_update: "scatter" or "onehot": how the XLA state update accumulates rows
+      (:data:`kvm_jax.ops.kvm.state.ROW_UPDATES`); the Pallas update accumulates in its own
+      kernel and does not read it.
+    kernel_config: the :class:`~kvm_jax.kernels.backend.KernelConfig` the kernels are built with
+      (target, interpret mode, mesh axes) for "pallas"; None for "xla".
+
+  Frozen and compared by value: equal decisions build equal :class:`ChunkOps` and share compiled
+  programs.
+  """
+
+  platform: str
+  implementation: str
+  readout: str
+  source_layout: str
+  row_update: str
+  kernel_config: Optional[KernelConfig] = None
+
+  def chunk_ops(self) -> ChunkOps:
+    """The per-chunk operations this decision runs in the scan and in decode."""
+    return chunk_ops(self.implementation, readout=self.readout, kernel_config=self.kernel_config)
 
 
-def current_shard_axes() -> ShardAxes:
-  """The axes of the enclosing :func:`kernel_sharding` (none outside it); other kernel callers
-  (the softmax-attention registry) split their kernels the same way."""
-  return _SHARD_AXES.get()
+def _platform(platform: Optional[str]) -> str:
+  p = current_platform() if platform is None else platform
+  p = "gpu" if p == "cuda" else p
+  if p not in KVM_PLATFORMS:
+    raise ValueError(f"platform={p!r} is not one the KVM op can decide for; choose one of "
+                     f"{KVM_PLATFORMS} (or 'cuda').")
+  return p
+
+
+def resolve_kvm_backend(cfg: KVMConfig, *, implementation: str = "auto", readout: str = "auto",
+                        kernel_config: Optional[KernelConfig] = None,
+                        platform: Optional[str] = None) -> KVMBackend:
+  """What a KVM request means on ``platform`` for ``cfg``: the one place its backend is decided.
+
+  Args:
+    cfg: the :class:`KVMConfig` (``readout_value_dtype`` rules Pallas out).
+    implementation: "xla", "pallas" or "auto" (:data:`kvm_jax.config.KVM_IMPLEMENTATIONS`).
+    readout: "own", "tokamax" or "auto" (:data:`KVM_READOUTS`).
+    kernel_config: the kernels' configuration for "pallas" (another target, interpret mode,
+      mesh axes); default: built for ``platform``, interpreted on CPU, split over the enclosing
+      :func:`kernel_sharding`. Not accepted with "xla", which runs no kernel.
+    platform: "cpu", "gpu" or "tpu" (:data:`KVM_PLATFORMS`); default: this machine's
+      (:func:`kvm_jax.ops.common.current_platform`). Giving it decides for another machine, e.g.
+      to inspect what a TPU run would do.
+  Raises:
+    ValueError: for a value none of the choices has (the message names it and the choices), and
+      for Pallas with ``cfg.readout_value_dtype``.
+    ImportError: ``readout="tokamax"`` without the optional tokamax package.
+  """
+  if implementation not in KVM_IMPLEMENTATIONS:
+    raise ValueError(f"implementation={implementation!r} is not available; choose one of "
+                     f"{KVM_IMPLEMENTATIONS}.")
+  if readout not in KVM_READOUTS:
+    raise ValueError(f"readout={readout!r} is not available; choose one of {KVM_READOUTS}.")
+  if kernel_config is not None and not isinstance(kernel_config, KernelConfig):
+    raise ValueError(f"kernel_config={kernel_config!r} is not a kvm_jax.kernels.backend."
+                     "KernelConfig; build one with KernelConfig.for_target(...) or pass None.")
+  platform = _platform(platform)
+  requested = implementation
+  if implementation == "auto":
+    implementation = "pallas" if platform in AUTO_PALLAS_BACKENDS else "xla"
+  if implementation == "pallas" and cfg.readout_value_dtype is not None:
+    raise ValueError("implementation='pallas' reads float32 state values; it does not reproduce "
+                     "readout_value_dtype (use implementation='xla' for that).")
+  if implementation == "xla" and kernel_config is not None:
+    raise ValueError(f"kernel_config={kernel_config!r} was given with implementation="
+                     f"{requested!r}, which runs XLA and no kernel on {platform!r}; use "
+                     "implementation='pallas' or drop kernel_config.")
+  if readout == "auto":
+    faster = platform in TOKAMAX_READOUT_BACKENDS[implementation]
+    readout = "tokamax" if faster and tokamax_available() else "own"
+  elif readout == "tokamax" and not tokamax_available():
+    raise ImportError(f"readout='tokamax' needs the optional tokamax package: {INSTALL_HINT}.")
+  if implementation == "pallas" and kernel_config is None:
+    kernel_config = KernelConfig.for_target(platform, shard_axes=current_shard_axes())
+  kernels = implementation == "pallas"
+  return KVMBackend(platform=platform, implementation=implementation, readout=readout,
+                    source_layout=source_layout_for(platform, kernels),
+                    row_update=row_update_for(platform), kernel_config=kernel_config)
 
 
 def chunk_ops(implementation: str, *, target: Optional[str] = None,
-              interpret: Optional[bool] = None,
-              shard_axes: Optional[ShardAxes] = None, readout: str = "own") -> ChunkOps:
+              interpret: Optional[bool] = None, shard_axes: Optional[ShardAxes] = None,
+              readout: str = "own", kernel_config: Optional[KernelConfig] = None) -> ChunkOps:
   """The per-chunk operations of ``implementation`` ("xla" or "pallas").
 
-  For "pallas": kernels built for ``target`` ("tpu", "cuda", "cpu"; default: this machine's
-  backend), interpreted where there is no compiler unless ``interpret`` says otherwise, split over
-  ``shard_axes`` (default: the enclosing :func:`kernel_sharding`, else none).
+  For "pallas": the kernels built with ``kernel_config``, or else for ``target`` ("tpu", "cuda",
+  "cpu"; default: this machine's platform), interpreted where there is no compiler unless
+  ``interpret`` says otherwise, split over ``shard_axes`` (default: the enclosing
+  :func:`kernel_sharding`, else none).
   ``readout``: "own" (the implementation's readout) or "tokamax" (the anchor,
-  :func:`kvm_jax.kernels.anchor.joint_attention_tokamax`; decode keeps its own step).
+  :func:`kvm_jax.kernels.anchor.joint_attention_tokamax`; the Pallas decode step keeps its own).
+  The public op builds them from its :class:`KVMBackend` (:meth:`KVMBackend.chunk_ops`).
   """
   if readout not in ("own", "tokamax"):
     raise ValueError(f"chunk_ops: readout={readout!r}; choose 'own' or 'tokamax' ('auto' is "
-                     "resolved by resolve_implementation).")
+                     "resolved by resolve_kvm_backend).")
   if implementation == "xla":
     ops = XLA_OPS
   elif implementation == "pallas":
-    kc = KernelConfig.for_target(
-        target, interpret, shard_axes=_SHARD_AXES.get() if shard_axes is None else shard_axes)
+    kc = kernel_config or KernelConfig.for_target(
+        target, interpret, shard_axes=current_shard_axes() if shard_axes is None else shard_axes)
     name = f"pallas[{kc.platform}{', interpret' if kc.interpret else ''}]"
     ops = ChunkOps(name, joint_attention_pallas, update_state_pallas, kernel=kc,
                    decode_attend_fn=decode_attention_pallas,
                    attend_heads_fn=joint_attention_heads_pallas)
   else:
     raise ValueError(f"chunk_ops: implementation={implementation!r}; choose 'xla' or 'pallas' "
-                     "('auto' is resolved by resolve_implementation).")
+                     "('auto' is resolved by resolve_kvm_backend).")
   if readout == "tokamax":  # a module-level function: equal ChunkOps share compiled programs
     ops = dataclasses.replace(ops, name=f"{ops.name}+tokamax-readout",
                               attend_fn=joint_attention_tokamax, attend_heads_fn=None)
@@ -113,29 +200,15 @@ def chunk_ops(implementation: str, *, target: Optional[str] = None,
 
 def resolve_implementation(implementation: str, cfg: KVMConfig, readout: str = "auto"
                            ) -> ChunkOps:
-  """What ``implementation`` and ``readout`` (:data:`KVM_READOUTS`) mean on this machine for
-  ``cfg``, with a clear error otherwise."""
-  if implementation not in KVM_IMPLEMENTATIONS:
-    raise ValueError(f"implementation={implementation!r} is not available; choose one of "
-                     f"{KVM_IMPLEMENTATIONS}.")
-  if readout not in KVM_READOUTS:
-    raise ValueError(f"readout={readout!r} is not available; choose one of {KVM_READOUTS}.")
-  if implementation == "auto":
-    implementation = "pallas" if jax.default_backend() in AUTO_PALLAS_BACKENDS else "xla"
-  if implementation == "pallas" and cfg.readout_value_dtype is not None:
-    raise ValueError("implementation='pallas' reads float32 state values; it does not reproduce "
-                     "readout_value_dtype (use implementation='xla' for that).")
-  if readout == "auto":
-    faster = jax.default_backend() in TOKAMAX_READOUT_BACKENDS[implementation]
-    readout = "tokamax" if faster and tokamax_available() else "own"
-  elif readout == "tokamax" and not tokamax_available():
-    raise ImportError(f"readout='tokamax' needs the optional tokamax package: {INSTALL_HINT}.")
-  return chunk_ops(implementation, readout=readout)
+  """The per-chunk operations ``implementation`` and ``readout`` mean on this machine for ``cfg``:
+  :meth:`KVMBackend.chunk_ops` of :func:`resolve_kvm_backend` (errors as there)."""
+  return resolve_kvm_backend(cfg, implementation=implementation, readout=readout).chunk_ops()
 
 
 def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
                   cfg: KVMConfig, *, implementation: str = "xla", remat: bool = True,
-                  routing=None, return_routing: bool = False, readout: str = "auto"):
+                  routing=None, return_routing: bool = False, readout: str = "auto",
+                  kernel_config: Optional[KernelConfig] = None):
   """KVM attention over a whole sequence (prefill / training forward), jit-compiled.
 
   Args:
@@ -153,39 +226,53 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
       ones (shared routing across layers; see :func:`kvm_jax.ops.kvm.scan.kvm_attention_scan`).
     readout: "auto", "own" or "tokamax" (:data:`KVM_READOUTS`): who computes each chunk's
       softmax over [state ; window]; "auto" uses tokamax only where it was measured faster.
+    kernel_config: the Pallas kernels' configuration (default: for this machine); see
+      :func:`resolve_kvm_backend`, which decides all of these (call it to see what runs).
   Returns:
     ``y [B, T, H, Dv]`` in q's dtype, and the final :class:`KVMState` (float32, capacity = the
     number of rows the schedule reaches at T).
   """
   validate_inputs(q, k, v, merge_gate, params, cfg)
-  ops = resolve_implementation(implementation, cfg, readout)
-  return kvm_attention_scan(q, k, v, merge_gate, params, cfg=cfg, ops=ops, remat=remat,
-                            routing=routing, return_routing=return_routing)
+  be = resolve_kvm_backend(cfg, implementation=implementation, readout=readout,
+                           kernel_config=kernel_config)
+  return kvm_attention_scan(q, k, v, merge_gate, params, cfg=cfg, ops=be.chunk_ops(),
+                            remat=remat, row_update=be.row_update, routing=routing,
+                            return_routing=return_routing, source_layout=be.source_layout)
 
 
 def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
                 cfg: KVMConfig, cache: KVMCache, *, routing=None, return_routing: bool = False,
-                implementation: str = "xla"):
+                implementation: str = "xla", readout: str = "auto",
+                kernel_config: Optional[KernelConfig] = None):
   """Runs a prompt of any length >= 1 and returns its outputs and the filled cache.
 
   The prompt starts a new sequence: ``cache`` provides sizes, ``max_len`` and dtype, and its
-  previous contents are discarded. Shapes as in :func:`kvm_attention`.
+  previous contents are discarded. Shapes and the backend arguments (``implementation``,
+  ``readout``, ``kernel_config``) as in :func:`kvm_attention`.
   """
   validate_inputs(q, k, v, merge_gate, params, cfg)
   check_against_cache(k, v, cache, "kvm_prefill")
   if q.shape[1] > cache.max_len:
     raise ValueError(f"kvm_prefill: prompt of {q.shape[1]} tokens exceeds the cache's max_len="
                      f"{cache.max_len}; create the cache with a larger max_len.")
-  ops = resolve_implementation(implementation, cfg)
-  return decode.prefill(q, k, v, merge_gate, params, cfg=cfg, cache=cache, ops=ops,
-                        routing=routing, return_routing=return_routing)
+  be = resolve_kvm_backend(cfg, implementation=implementation, readout=readout,
+                           kernel_config=kernel_config)
+  return decode.prefill(q, k, v, merge_gate, params, cfg=cfg, cache=cache, ops=be.chunk_ops(),
+                        routing=routing, return_routing=return_routing,
+                        row_update=be.row_update, source_layout=be.source_layout)
 
 
 def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParams,
                     cfg: KVMConfig, cache: KVMCache, *, routing=None, return_routing: bool = False,
-                    implementation: str = "xla"):
+                    implementation: str = "xla", readout: str = "auto",
+                    kernel_config: Optional[KernelConfig] = None):
   """Processes one token: ``q_t [B,1,H,D]``, ``k_t [B,1,Hkv,D]``, ``v_t [B,1,Hkv,Dv]``,
   ``g_t [B,1,Hkv]``; returns ``y_t [B,1,H,Dv]`` and the advanced cache.
+
+  ``implementation`` / ``readout`` / ``kernel_config``: as in :func:`kvm_attention`, so that one
+  request decodes what it prefilled. The readout applies to the one-token attention with XLA
+  (``"tokamax"`` runs the anchor on a one-query chunk); the Pallas step always runs its own
+  decode kernel, which has no tokamax form.
 
   ``routing`` / ``return_routing``: as in :func:`kvm_attention`, for this step's fold
   (``(dest, target)`` ``[B, Hkv, C]``; all ``capacity`` when no fold happens).
@@ -199,6 +286,8 @@ def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMP
     raise ValueError(
         f"kvm_decode_step: the cache already holds {int(cache.length)} tokens = max_len="
         f"{cache.max_len}; create the cache with a larger max_len to decode further.")
-  ops = resolve_implementation(implementation, cfg)
-  return decode.decode_step(q_t, k_t, v_t, g_t, params, cfg=cfg, cache=cache, ops=ops,
-                            routing=routing, return_routing=return_routing)
+  be = resolve_kvm_backend(cfg, implementation=implementation, readout=readout,
+                           kernel_config=kernel_config)
+  return decode.decode_step(q_t, k_t, v_t, g_t, params, cfg=cfg, cache=cache, ops=be.chunk_ops(),
+                            routing=routing, return_routing=return_routing,
+                            row_update=be.row_update)

@@ -117,15 +117,20 @@ def check_against_cache(k, v, cache: KVMCache, where: str) -> None:
         "create the cache with kvm_init_cache using the same sizes.")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ops", "return_routing"))
+@functools.partial(jax.jit, static_argnames=("cfg", "ops", "return_routing", "row_update",
+                                             "source_layout"))
 def prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, cfg: KVMConfig,
-            cache: KVMCache, ops: ChunkOps = XLA_OPS, routing=None, return_routing: bool = False):
+            cache: KVMCache, ops: ChunkOps = XLA_OPS, routing=None, return_routing: bool = False,
+            row_update: str = "auto", source_layout: str = "auto"):
   """A prompt through the scan and the cache filled for decoding from position T:
-  ``(y, cache)``, plus the routing decisions when ``return_routing``."""
+  ``(y, cache)``, plus the routing decisions when ``return_routing``. ``ops``, ``row_update``
+  and ``source_layout``: as in :func:`kvm_attention_scan` (the public ``kvm_prefill`` passes its
+  backend resolver's decisions)."""
   T = q.shape[1]
   y, state, *decisions = kvm_attention_scan(q, k, v, merge_gate, params, cfg=cfg, ops=ops,
                                             remat=False, routing=routing,
-                                            return_routing=return_routing)
+                                            return_routing=return_routing,
+                                            row_update=row_update, source_layout=source_layout)
   state = pad_rows(state, cache.state.capacity)
   readout_keys, readout_values = readout_cache(state, params, cfg, cache.readout_keys.dtype)
   new = KVMCache(
@@ -164,13 +169,15 @@ def decode_attention(q_t: Array, state_keys: Array, state_values: Array, num_row
                 window_keys, window_values, window_valid, state_temp, window_temp)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ops", "return_routing"))
+@functools.partial(jax.jit, static_argnames=("cfg", "ops", "return_routing", "row_update"))
 def decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParams,
                 cfg: KVMConfig, cache: KVMCache, ops: ChunkOps = XLA_OPS, routing=None,
-                return_routing: bool = False):
+                return_routing: bool = False, row_update: str = "auto"):
   """One token: ``(y_t [B, 1, H, Dv], cache)``, plus this step's routing decisions
   (``(dest, target)`` ``[B, Hkv, C]``; all ``capacity`` when no fold happens) when
-  ``return_routing``."""
+  ``return_routing``. ``row_update``: how the fold accumulates rows
+  (:func:`kvm_jax.ops.kvm.state.update_state`; the public ``kvm_decode_step`` passes its backend
+  resolver's decision)."""
   B, _, H, D = q_t.shape
   Hkv = k_t.shape[2]
   C, nb, L = cfg.chunk_size, cfg.window_chunks, cfg.window_len
@@ -207,8 +214,8 @@ def decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParam
     overflow_index = jnp.clip(t // C - nb, 0, rows_table.shape[0] - 1)
     n_append = jnp.asarray(rows_table)[overflow_index] - s.num_rows
     # routing reads the float32 LN_s keys of the state (update_state computes them), as prefill
-    s, decisions = ops.update(s, ov_k, ov_v, ov_g, n_append, params, cfg, routing=routing,
-                              return_routing=True)
+    s, decisions = ops.update(s, ov_k, ov_v, ov_g, n_append, params, cfg, row_update,
+                              routing=routing, return_routing=True)
     return s, readout_cache(s, params, cfg, cache_dtype), decisions
 
   none = jnp.full((B, Hkv, C), R, jnp.int32)  # "no row": the decisions of a step without a fold

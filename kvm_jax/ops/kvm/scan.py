@@ -25,8 +25,8 @@ import numpy as np
 
 from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig
-from kvm_jax.ops.common import (joint_attention, joint_attention_heads, to_chunks, window_mask,
-                                window_stack)
+from kvm_jax.ops.common import (current_platform, joint_attention, joint_attention_heads,
+                                to_chunks, window_mask, window_stack)
 from kvm_jax.ops.kvm.state import (KVMParams, KVMState, initial_state, state_readout,
                                    temperatures, update_state)
 
@@ -219,16 +219,25 @@ class _Plan:
 # as one block per call, and a block over 32 MiB comes fresh from the OS, so every page of it
 # faults on first touch every call (~2 us per 4 KiB page measured on the project's 2-core VM:
 # 60 ms of a 250 ms call at T = 16,384, where the head-major copies and the stacked outputs made a
-# 120 MB block). "auto": "time" for plain XLA ops on CPU, "heads" otherwise (accelerators pool
-# their memory, and the kernels want head-major blocks).
+# 120 MB block). On accelerators memory comes from a pool and the kernels want head-major blocks:
+# "heads" (source_layout_for). "auto": that rule applied to this machine's platform.
 SOURCE_LAYOUTS = ("auto", "time", "heads")
+
+
+def source_layout_for(platform: str, kernels: bool) -> str:
+  """The source layout ("time" or "heads") for ``platform`` when the per-chunk operations are
+  ``kernels`` (Pallas) or plain XLA functions: "time" for XLA on CPU, "heads" otherwise. The
+  rule the KVM op's backend resolver applies; a pure function: the caller says which platform."""
+  return "time" if platform == "cpu" and not kernels else "heads"
 
 
 def _time_major(source_layout: str, ops: ChunkOps) -> bool:
   if source_layout not in SOURCE_LAYOUTS:
     raise ValueError(f"source_layout must be one of {SOURCE_LAYOUTS}, got {source_layout!r}.")
   if source_layout == "auto":
-    return ops.kernel is None and jax.default_backend() == "cpu"
+    # Only direct callers of the scan get here (tests, introspection); the KVM op passes the
+    # layout its backend resolver decided.
+    source_layout = source_layout_for(current_platform(), ops.kernel is not None)
   return source_layout == "time"
 
 
@@ -646,14 +655,16 @@ def kvm_attention_scan(q: Array, k: Array, v: Array, merge_gate: Array, params: 
       routing decisions, and runs every block of chunks again in reverse applying the stored
       decisions: memory ``O(sqrt(T/C) · R)`` instead of ``O(T/C · R)`` for one more forward.
       False: plain autodiff through the scan (every chunk's intermediates stored).
-    row_update: how the XLA update accumulates rows: "scatter", "onehot" or "auto" (by backend).
+    row_update: how the XLA update accumulates rows (:data:`kvm_jax.ops.kvm.state.ROW_UPDATES`,
+      or "auto": the platform's rule, :func:`kvm_jax.ops.kvm.state.row_update_for`).
     routing: per-chunk decisions ``(dest, target)``, each ``[num_chunks, B, Hkv, C]`` int32, to
       apply instead of computing them (shared routing).
     return_routing: also return the decisions this call applied, in that form (chunks without an
       update hold ``capacity``: a no-op).
     source_layout: "time" (chunks sliced from the inputs as given), "heads" (head-major copies
-      made once per sequence) or "auto" ("time" for plain XLA ops on CPU); see
-      :data:`SOURCE_LAYOUTS`. The results are the same.
+      made once per sequence) or "auto" (the platform's rule, :func:`source_layout_for`); see
+      :data:`SOURCE_LAYOUTS`. The results are the same. The KVM op passes both choices as its
+      backend resolver decided them (:func:`kvm_jax.ops.kvm.api.resolve_kvm_backend`).
   Returns:
     ``(y [B, T, H, Dv], final state)``, plus the decisions when ``return_routing``.
   """

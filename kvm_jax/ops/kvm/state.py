@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from kvm_jax.config import KVMConfig
-from kvm_jax.ops.common import is_concrete, layer_norm, tree_nbytes
+from kvm_jax.ops.common import current_platform, is_concrete, layer_norm, tree_nbytes
 
 Array = jax.Array
 
@@ -311,16 +311,28 @@ def add_rows_scatter(rows: Array, index: Array, updates: Array) -> Array:
   return jax.vmap(jax.vmap(add))(rows, index, updates)
 
 
+# How the XLA update accumulates token rows into state rows. "scatter": a scatter-add, O(C·X);
+# CPU scatters are sequential (deterministic) and cheap. "onehot": a one-hot matmul, O(C·R·X),
+# deterministic on GPU/TPU (no atomics) and run on the matrix units.
+ROW_UPDATES = ("scatter", "onehot")
+
+
+def row_update_for(platform: str) -> str:
+  """The row accumulation :data:`ROW_UPDATES` picks for ``platform`` (the rule the KVM op's
+  backend resolver applies; a pure function: the caller says which platform)."""
+  return "scatter" if platform == "cpu" else "onehot"
+
+
 def _row_adder(row_update: str):
   if row_update == "auto":
-    # CPU scatters are sequential (deterministic) and cheap; on GPU/TPU the one-hot matmul is
-    # deterministic (no atomics) and runs on the matrix units.
-    row_update = "scatter" if jax.default_backend() == "cpu" else "onehot"
+    # Only direct callers below the KVM op get here (the shared-routing replay, introspection,
+    # tests); the op passes the value its backend resolver decided.
+    row_update = row_update_for(current_platform())
   if row_update == "scatter":
     return add_rows_scatter
   if row_update == "onehot":
     return add_rows_onehot
-  raise ValueError(f"row_update must be 'auto', 'scatter' or 'onehot', got {row_update!r}.")
+  raise ValueError(f"row_update must be 'auto' or one of {ROW_UPDATES}, got {row_update!r}.")
 
 
 def novelty_scores(k_bar: Array, read: Array, num_rows: Array) -> Array:
@@ -374,7 +386,8 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
     overflow_k / overflow_v / overflow_g: ``[B, C, Hkv, D]`` / ``[B, C, Hkv, Dv]`` /
       ``[B, C, Hkv]``, the chunk leaving the exact window (head-major with ``head_major``).
     n_append: int32 scalar from the static schedule (may be traced).
-    row_update: how rows are accumulated: "scatter", "onehot" or "auto" (by backend).
+    row_update: how rows are accumulated (:data:`ROW_UPDATES`): the KVM op passes the choice of
+      its backend resolver; "auto" applies :func:`row_update_for` to this machine's platform.
     read_keys: optional LN_s(state.keys) already computed for the readout; saves recomputing it
       for novelty, and for routing when nothing is appended.
     routing: optional decisions ``(dest, target)`` to apply instead of computing them (shared
