@@ -239,6 +239,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     raise SystemExit(f"--position-context {args.position_context} is not a multiple of "
                      f"--position-bucket {args.position_bucket}.")
   launch.check_flags(args)
+  launch.load_plugins(args)
   launch.start(args)
   primary = jax.process_index() == 0
   runs = find_runs(args.checkpoint)

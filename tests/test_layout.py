@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Layers, lowest first. A pattern "x" names one module; "x.*" names x and everything below it.
 # The most specific pattern wins. Modules of one layer may import each other (without cycles).
 LAYERS = (
-    ("config", ("kvm_jax.budget", "kvm_jax.config", "kvm_jax.model_config", "kvm_jax.config_io",
-                "kvm_jax.progress")),
+    ("config", ("kvm_jax.budget", "kvm_jax.config", "kvm_jax.mixer_options",
+                "kvm_jax.model_config", "kvm_jax.config_io", "kvm_jax.progress")),
     ("ops", ("kvm_jax.ops.common", "kvm_jax.ops.rope", "kvm_jax.ops.attention",
              "kvm_jax.ops.kv_fusion", "kvm_jax.ops.kvm.*", "kvm_jax.ops.chunked_attention",
              "kvm_jax.ops.loss")),
@@ -373,3 +373,43 @@ def test_deferred_imports_are_allowed_only_inside_functions():
   assert not layering_problems("kvm_jax", scan(inside), function_lines(inside))
   other = "def f():\n  from kvm_jax.runs.directory import load_trained\n"
   assert layering_problems("kvm_jax", scan(other), function_lines(other))
+
+
+# -- small functions in the trainer --------------------------------------------------------------
+
+MAX_TRAINER_FUNCTION_LINES = 80
+
+
+def long_functions(source: str, limit: int) -> list[tuple[str, int]]:
+  """(qualified name, length) of every function of ``source`` longer than ``limit`` lines, its
+  length counted from the ``def`` line to its last line (docstring included, decorators not)."""
+  found = []
+
+  def visit(node, prefix):
+    for child in ast.iter_child_nodes(node):
+      if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        length = child.end_lineno - child.lineno + 1
+        if length > limit:
+          found.append((prefix + child.name, length))
+        visit(child, f"{prefix}{child.name}.")
+      elif isinstance(child, ast.ClassDef):
+        visit(child, f"{prefix}{child.name}.")
+      else:
+        visit(child, prefix)
+
+  visit(ast.parse(source), "")
+  return found
+
+
+def test_trainer_functions_are_short():
+  """Every function in the source folder of ``kvm_jax.train`` fits in
+  :data:`MAX_TRAINER_FUNCTION_LINES` lines: the loop composes small parts instead of inlining
+  them."""
+  folder = package_dirs()["kvm_jax.train"]
+  problems = [f"{path.relative_to(ROOT)}: {name} is {length} lines"
+              for path in sorted(folder.rglob("*.py")) if "__pycache__" not in path.parts
+              for name, length in long_functions(path.read_text(), MAX_TRAINER_FUNCTION_LINES)]
+  assert not problems, (f"functions over {MAX_TRAINER_FUNCTION_LINES} lines; split them:\n"
+                        + "\n".join(problems))
+  nested = "class A:\n  def f(self):\n    def g():\n" + "      x = 1\n" * 3
+  assert long_functions(nested, 3) == [("A.f", 5), ("A.f.g", 4)]  # the checker sees them all

@@ -26,7 +26,8 @@ from kvm_jax.tasks.mqar import MQARSpec
 from kvm_jax.train import completep, sharding
 from kvm_jax.train.loop import train
 
-LEGACY = Path(__file__).parent / "data" / "legacy"
+ROOT = Path(__file__).resolve().parents[1]
+LEGACY = ROOT / "tests" / "data" / "legacy"
 
 
 class ScaledKVMAttention(KVMAttention):
@@ -105,6 +106,34 @@ def test_outside_kind_trains_saves_and_decodes(tmp_path):
   sequence, _ = kj.generate(model, tokens[:, :5], max_new_tokens=3, key=jax.random.PRNGKey(0),
                             sampling=kj.SamplingConfig(temperature=0.0))
   assert sequence.shape == (2, 8)
+  # kvm-eval reads the run (the kind is registered in this process; --plugin does it for a shell)
+  from kvm_jax.eval.cli import main as eval_main
+  assert eval_main(["--checkpoint", str(tmp_path / "run"), "--suite", "mqar", "--mqar-pairs", "4",
+                    "--mqar-batches", "1", "--mqar-batch-size", "2", "--out",
+                    str(tmp_path / "eval")]) == 0
+  results = json.loads((tmp_path / "eval" / "results.json").read_text())["results"]
+  assert results[0]["mqar"], results
+
+
+def test_plugin_flag_registers_a_kind_for_the_command_line(tmp_path, subprocess_environ):
+  """``kvm-train --plugin FILE`` imports a file that registers a kind before the config is read."""
+  import subprocess
+  import sys
+  plugin = tmp_path / "wide_swa.py"
+  plugin.write_text("from kvm_jax.nn import register_mixer\n"
+                    "from kvm_jax.nn.swa import SlidingWindowAttention\n"
+                    "class WideSWA(SlidingWindowAttention):\n"
+                    "  pass\n"
+                    "register_mixer('wide_swa', WideSWA)\n")
+  command = [sys.executable, "-m", "kvm_jax.train.main", "--config=train/configs/tiny_mqar.py",
+             f"--workdir={tmp_path / 'run'}", "--show-config", "--config.model.mixers=wide_swa"]
+  env = subprocess_environ()
+  refused = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+  assert refused.returncode != 0 and "unknown mixer 'wide_swa'" in refused.stderr
+  shown = subprocess.run(command[:3] + [f"--plugin={plugin}"] + command[3:], capture_output=True,
+                         text=True, env=env, cwd=ROOT)
+  assert shown.returncode == 0, shown.stderr
+  assert "mixers='wide_swa'" in shown.stdout
 
 
 def test_registry_refuses_conflicts_and_unknown_kinds():

@@ -168,6 +168,7 @@ def main(argv=None) -> int:
                       "device and exit (reads no data, allocates no weights).")
   args, rest = parser.parse_known_args(argv)
   launch.check_flags(args)
+  launch.load_plugins(args)
   profile_steps = None
   if args.profile_steps:
     try:

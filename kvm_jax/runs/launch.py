@@ -1,5 +1,5 @@
-"""Multi-process launch, shared by ``kvm-train`` and ``kvm-eval``: the ``--distributed`` flags and
-``jax.distributed.initialize`` with them.
+"""What ``kvm-train`` and ``kvm-eval`` share before they start: the ``--distributed`` flags and
+``jax.distributed.initialize`` with them, and ``--plugin`` (code that registers mixer kinds).
 
 Every process of a job runs the same command. On TPU pods, SLURM and Open MPI JAX finds the
 coordinator, process count and index itself; elsewhere (several local CPU processes, hand-started
@@ -17,6 +17,8 @@ bitwise the same numbers; ``in-process`` is about 3x faster per step and otherwi
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import os
 import re
 import socket
@@ -26,7 +28,12 @@ import jax
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-  """``--distributed``, ``--coordinator``, ``--num-processes`` and ``--process-id``."""
+  """``--plugin``, ``--distributed``, ``--coordinator``, ``--num-processes``, ``--process-id``
+  and ``--cpu-collectives``."""
+  parser.add_argument("--plugin", action="append", default=[], metavar="MODULE_OR_FILE",
+                      help="import this Python module (dotted name) or .py file first, e.g. one "
+                      "that registers a mixer kind with kvm_jax.nn.register_mixer, so that run "
+                      "directories and configs using that kind load (repeatable).")
   parser.add_argument("--distributed", action="store_true",
                       help="start multi-process JAX (jax.distributed.initialize) first.")
   parser.add_argument("--coordinator", metavar="HOST:PORT",
@@ -49,6 +56,24 @@ def check_flags(args: argparse.Namespace) -> None:
   if not args.distributed and any(v is not None for v in given.values()):
     flags = ", ".join(k for k, v in given.items() if v is not None)
     raise SystemExit(f"{flags} only apply with --distributed; add --distributed.")
+
+
+def load_plugins(args: argparse.Namespace) -> None:
+  """Imports every ``--plugin`` (a dotted module name or a ``.py`` file), in order."""
+  for spec in args.plugin:
+    if spec.endswith(".py"):
+      if not os.path.isfile(spec):
+        raise SystemExit(f"--plugin {spec}: no such file.")
+      name = "kvm_plugin_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(spec))[0])
+      module_spec = importlib.util.spec_from_file_location(name, spec)
+      module = importlib.util.module_from_spec(module_spec)
+      sys.modules[name] = module
+      module_spec.loader.exec_module(module)
+    else:
+      try:
+        importlib.import_module(spec)
+      except ImportError as e:
+        raise SystemExit(f"--plugin {spec}: {e}") from None
 
 
 def start(args: argparse.Namespace) -> None:
