@@ -86,7 +86,7 @@ def with_float32_master(inner: optax.GradientTransformation) -> optax.GradientTr
 
   The returned updates are ``cast(master) - param``; for float32 parameters ``apply_updates`` is
   then exact, for bf16 ones use :func:`params_from_master` (exactly ``cast(master)``), which is what
-  ``train.loop`` does, so no bit the master holds is ever lost to a low-precision add.
+  ``train.step`` does, so no bit the master holds is ever lost to a low-precision add.
   """
 
   def init(params):

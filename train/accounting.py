@@ -1,0 +1,86 @@
+"""What a step costs: FLOPs per token, the devices' peak, honest step time, and MFU from them."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import jax
+import numpy as np
+
+from kvm_jax.nn import registry
+from kvm_jax.runs.config import TrainConfig
+
+# Dense bf16 peak per device, for the MFU estimate (matched against device_kind).
+_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "TPU v5p": 459.0, "TPU v5 lite": 197.0,
+                "TPU v4": 275.0, "TPU v6": 918.0}
+
+
+def peak_flops(cfg: TrainConfig) -> float:
+  """Peak FLOP/s of all devices (0 when unknown, e.g. on CPU)."""
+  per = cfg.peak_tflops_per_device
+  if not per:
+    kind = jax.devices()[0].device_kind
+    per = next((v for k, v in _PEAK_TFLOPS.items() if k.lower() in kind.lower()), 0.0)
+  return per * 1e12 * jax.device_count()
+
+
+def visible_keys(cfg: TrainConfig) -> float:
+  """Keys per query, averaged over the positions of a training sequence and summed over layers:
+  each layer's kind says how many its queries see (``keys_per_query`` of its class; e.g. causal
+  full attention (T + 1) / 2, KVM its window plus the state rows of its schedule at each
+  chunk)."""
+  return float(sum(registry.keys_per_query(cfg.model, cfg.sequence_length)))
+
+
+def flops_per_token(cfg: TrainConfig, params) -> float:
+  """Training FLOPs per token: 6·N (matmul parameters, forward + backward) plus attention,
+  12·keys·D·H with ``keys`` the :func:`visible_keys` of every layer (QKᵀ and PV, 2 FLOPs per
+  multiply-add each, tripled for the backward pass). KVM's merge and compression are not
+  counted (a few percent at the paper's shapes), so its MFU is a slight underestimate."""
+  m = cfg.model
+  n = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params)) - \
+      m.vocab_size * m.hidden_size  # the embedding lookup is not a matmul
+  return 6.0 * n + 12.0 * visible_keys(cfg) * m.qk_head_dim * m.num_heads
+
+
+@dataclasses.dataclass
+class StepClock:
+  """Honest throughput: wall time per step between host syncs, after ``block_until_ready``.
+
+  The clock starts only once the first step of a (resumed) run has finished, so warm-up is never
+  counted, and it restarts after every evaluation and checkpoint, which are not training time.
+  ``data_wait`` is the host time spent producing batches (reading rows, placing them)."""
+
+  start: Optional[float] = None
+  steps: int = 0
+  data_wait: float = 0.0
+
+  def restart(self) -> None:
+    self.start, self.steps, self.data_wait = time.perf_counter(), 0, 0.0
+
+  def tick(self, data_wait: float) -> None:
+    if self.start is not None:
+      self.steps += 1
+      self.data_wait += data_wait
+
+  def report(self) -> dict[str, float]:
+    """``step_time_s`` and ``data_wait_s`` per step of the interval (empty before any step)."""
+    if self.start is None or self.steps == 0:
+      return {}
+    elapsed = time.perf_counter() - self.start
+    return {"step_time_s": elapsed / self.steps, "data_wait_s": self.data_wait / self.steps}
+
+
+def throughput(timing: dict[str, float], tokens_per_step: int, flops_per_token: float,
+               peak: float) -> dict[str, float]:
+  """``timing`` (:meth:`StepClock.report`) plus ``tokens_per_s`` and, when the devices' ``peak``
+  FLOP/s is known (non-zero), ``mfu``: achieved model FLOP/s over that peak. Empty before any
+  timed step."""
+  if not timing:
+    return {}
+  out = dict(timing, tokens_per_s=tokens_per_step / timing["step_time_s"])
+  if peak:
+    out["mfu"] = out["tokens_per_s"] * flops_per_token / peak
+  return out

@@ -1,0 +1,53 @@
+"""A run's data: the task's dataset for a split, and a host's rows placed as global arrays."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from kvm_jax.runs.config import TrainConfig
+from kvm_jax.tasks import mqar, niah, text
+from kvm_jax.tasks.shards import TokenShards, shard_dataset
+from kvm_jax.tasks.tokenizers import tokenizer
+from kvm_jax.train import sharding
+
+
+def task_dataset(cfg: TrainConfig, split: str):
+  """The ``grain.MapDataset`` of a run's task: ``split`` "train", or "eval" (a held-out stream:
+  another seed for the synthetic tasks, the first 5% of the packed windows for text)."""
+  seed = cfg.seed if split == "train" else cfg.seed + 10_000
+  if cfg.task == "mqar":
+    return mqar.mqar_dataset(seed, cfg.mqar)
+  if cfg.task == "niah":
+    return niah.niah_dataset(seed, cfg.niah)
+  if cfg.data_dir:  # token shards written by kvm-data, packed at read time
+    corpus = TokenShards(cfg.data_dir)
+    if corpus.vocab_size > cfg.model.vocab_size:
+      raise ValueError(f"data_dir={cfg.data_dir!r} was tokenized with a vocabulary of "
+                       f"{corpus.vocab_size} ids but model.vocab_size={cfg.model.vocab_size}; "
+                       "raise model.vocab_size or tokenize with the model's tokenizer.")
+    return shard_dataset(corpus, cfg.seq_len, seed, split)
+  tok = tokenizer(cfg.tokenizer_file)
+  if cfg.hf_dataset:
+    docs = text.read_hf_documents(cfg.hf_dataset, cfg.hf_split, cfg.hf_text_field)
+  elif cfg.text_files:
+    docs = text.read_documents(cfg.text_files)
+  else:
+    docs = text.embedded_corpus()
+  windows = text.cram_pack(docs, tok, cfg.seq_len)
+  n_eval = max(1, len(windows) // 20)
+  windows = windows[n_eval:] if split == "train" else windows[:n_eval]
+  return text.text_dataset(windows, tok.eos_id, seed)
+
+
+def put_batch(batch: dict, batch_sharding, rows: Optional[np.ndarray] = None,
+              batch_size: Optional[int] = None) -> dict:
+  """This host's rows of a batch -> global arrays placed by ``batch_sharding``.
+
+  ``rows`` are the global row indices the host holds (:func:`sharding.host_rows`) and
+  ``batch_size`` the global batch; by default the host holds the whole batch (one host)."""
+  if rows is None:
+    batch_size = len(next(iter(batch.values())))
+    rows = np.arange(batch_size)
+  return sharding.global_batch(batch, batch_sharding, batch_size, rows)

@@ -1,0 +1,108 @@
+"""Where a run starts: its model and optimizer, sharded; fine-tuning's model and parameters.
+
+Resuming from the run's own checkpoint is the checkpoint hook's (:mod:`kvm_jax.train.hooks`),
+which also writes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import optax
+from etils import epath
+from flax import nnx
+
+from kvm_jax.hf.load import checkpoint_kind
+from kvm_jax.nn.model import LM
+from kvm_jax.runs.checkpoint import Checkpointer, abstract_like
+from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.directory import CHECKPOINT_DIR, IMPORT_RECORD, is_run_directory, load_config
+from kvm_jax.train import adamc as adamc_lib
+from kvm_jax.train import completep, sharding
+
+# Model fields a fine-tuning run (TrainConfig.init_from) takes from its own config; every other
+# field comes from the run it starts from, whose parameters fix the architecture.
+FINE_TUNE_FIELDS = ("param_dtype", "compute_dtype", "kvm_implementation",
+                    "attention_implementation")
+
+
+def make_optimizer(cfg: TrainConfig, params) -> optax.GradientTransformation:
+  """AdamC with CompleteP's per-group learning-rate and weight-decay scales and ``cfg``'s
+  schedule; a float32 master copy of the parameters when they are stored in lower precision."""
+  lr_scale, wd_scale = completep.mup_scales(params, cfg.model)
+  schedule = completep.lr_schedule(cfg.learning_rate, cfg.steps, cfg.warmup_steps)
+  opt = adamc_lib.adamc(schedule, peak_learning_rate=cfg.learning_rate,
+                        weight_decay=cfg.weight_decay, lr_scale=lr_scale, wd_scale=wd_scale)
+  if cfg.model.param_dtype != "float32":
+    opt = adamc_lib.with_float32_master(opt)
+  return opt
+
+
+def with_init_model(cfg: TrainConfig, workdir=None) -> TrainConfig:
+  """``cfg`` with ``model`` taken from ``cfg.init_from``'s run directory (except
+  :data:`FINE_TUNE_FIELDS`), or from ``workdir``'s own config once the fine-tuning run has
+  started there (so resuming does not need ``init_from`` any more); ``cfg`` itself when it starts
+  from scratch."""
+  if not cfg.init_from:
+    return cfg
+  if workdir is not None and is_run_directory(workdir):
+    source = load_config(workdir).model
+  elif not is_run_directory(cfg.init_from):
+    raise ValueError(f"init_from={cfg.init_from!r} is not a run directory (no config.json); give "
+                     "a kvm-train workdir or a kvm-import output (kvm-import converts the "
+                     "authors' checkpoints).")
+  elif checkpoint_kind(cfg.init_from) != "run":
+    raise ValueError(f"init_from={cfg.init_from!r} is a checkpoint in the authors' format; "
+                     f"convert it first: kvm-import {cfg.init_from} RUN_DIR, then "
+                     "--config.init_from=RUN_DIR.")
+  else:
+    source = load_config(cfg.init_from).model
+  model = dataclasses.replace(source, **{f: getattr(cfg.model, f) for f in FINE_TUNE_FIELDS})
+  return dataclasses.replace(cfg, model=model)
+
+
+def check_workdir(cfg: TrainConfig, workdir: epath.Path) -> None:
+  """Refuses a ``workdir`` that cannot hold this run: a kvm-import output (parameters without
+  an optimizer state) or the directory a fine-tuning run starts from."""
+  if (workdir / IMPORT_RECORD).exists():
+    raise ValueError(f"{workdir} was written by kvm-import: it holds parameters without an "
+                     f"optimizer state. Fine-tune from it in a new directory: "
+                     f"--config.init_from={workdir} --workdir=NEW_DIR.")
+  if cfg.init_from and epath.Path(cfg.init_from).resolve() == workdir.resolve():
+    raise ValueError(f"init_from={cfg.init_from!r} is the workdir itself; write the fine-tuning "
+                     "run to another directory.")
+
+
+def setup(cfg: TrainConfig, mesh=None):
+  """Model, optimizer and sharded initial state: (graphdef, params, opt_state, optimizer,
+  shardings), with ``shardings = (params, opt_state, batch)``."""
+  mesh = mesh or sharding.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
+  if jax.process_count() > 1:
+    sharding.check_processes(mesh)
+  sharding.check_batch(cfg.batch_size, mesh, cfg.grad_accum_steps)
+  model = LM(cfg.model, rngs=nnx.Rngs(cfg.seed))
+  graphdef, params = nnx.split(model)
+  optimizer = make_optimizer(cfg, params)
+  p_sh = sharding.param_shardings(params, mesh)
+  params = jax.device_put(params, p_sh)
+  opt_state = optimizer.init(params)
+  o_sh = sharding.like_params_shardings(opt_state, p_sh, mesh)
+  opt_state = jax.device_put(opt_state, o_sh)
+  return graphdef, params, opt_state, optimizer, (p_sh, o_sh, sharding.batch_sharding(mesh))
+
+
+def fine_tuned_params(cfg: TrainConfig, params, verbose: bool):
+  """``params`` replaced by those of ``cfg.init_from``'s newest checkpoint, restored onto their
+  shardings and dtype (``params`` itself when the run starts from scratch)."""
+  if not cfg.init_from:
+    return params
+  source = Checkpointer(epath.Path(cfg.init_from) / CHECKPOINT_DIR)
+  try:
+    init_step, params = source.restore_params(abstract_like(params))
+  finally:
+    source.close()
+  if verbose:
+    print(f"fine-tuning from {cfg.init_from} (step {init_step}): its model and parameters, a "
+          "fresh optimizer and data stream")
+  return params
