@@ -33,11 +33,10 @@ from kvm_jax.runs.config import TrainConfig
 from kvm_jax.train.accounting import StepClock, throughput
 from kvm_jax.train.evaluation import evaluate, make_eval_step
 from kvm_jax.train.metrics import MetricsWriter
+from kvm_jax.train.step import STEP_STATS
 
 # Key of the skipped-update count stored next to the data iterator's state in a checkpoint.
 SKIPPED_STEPS_KEY = "kvm_skipped_steps"
-# Stats the guard handles itself; every other stat of the step is an objective's metric.
-_GUARD_STATS = ("loss", "grad_norm", "finite")
 
 
 @dataclasses.dataclass
@@ -224,7 +223,7 @@ class StepMetrics(Hook):
     stats = event.host[-1]
     event.record.update(step=event.done, loss=float(stats["loss"]),
                         grad_norm=float(stats["grad_norm"]))
-    event.record.update({k: float(v) for k, v in stats.items() if k not in _GUARD_STATS})
+    event.record.update({k: float(v) for k, v in stats.items() if k not in STEP_STATS})
     event.record.update(throughput(self.clock.report(), self.tokens_per_step,
                                    self.flops_per_token, self.peak))
     if self.compile_s is not None:  # once per process start: what this run paid to compile
@@ -239,8 +238,8 @@ class Evaluation(Hook):
   of every ``cfg.eval_every``-th step and of the last step, when those are log steps."""
 
   def __init__(self, graphdef, cfg: TrainConfig, dataset, batch_sharding):
-    self.graphdef, self.cfg, self.dataset, self.batch_sharding = graphdef, cfg, dataset, \
-        batch_sharding
+    self.graphdef, self.cfg, self.dataset = graphdef, cfg, dataset
+    self.batch_sharding = batch_sharding
     self.eval_step = make_eval_step(graphdef, cfg, batch_sharding)
 
   def after_step(self, event: StepEvent) -> None:
