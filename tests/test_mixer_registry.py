@@ -79,9 +79,11 @@ def test_outside_kind_builds_counts_and_is_its_own_function():
   model = _perturbed(model)
   gain = model.blocks[1].attn.out_gain
   gain[...] = jnp.ones_like(gain[...])
-  np.testing.assert_allclose(model(tokens), reference(tokens), rtol=1e-5, atol=1e-6)
+  forward = nnx.jit(lambda m, x: m(x))
+  np.testing.assert_allclose(forward(model, tokens), forward(reference, tokens), rtol=1e-5,
+                             atol=1e-6)
   gain[...] = 2 * jnp.ones_like(gain[...])
-  assert np.abs(np.asarray(model(tokens) - reference(tokens))).max() > 1e-3
+  assert np.abs(np.asarray(forward(model, tokens) - forward(reference, tokens))).max() > 1e-3
 
 
 def test_outside_kind_trains_saves_and_decodes(tmp_path):
@@ -93,15 +95,16 @@ def test_outside_kind_trains_saves_and_decodes(tmp_path):
   loaded = load_config(tmp_path / "run")
   assert loaded.model == cfg.model  # the outside kind's options round-trip through config.json
   model = nnx.merge(out["graphdef"], out["params"])
-  # decode == forward: prefill 13 tokens, then feed the next ones one at a time
-  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 29)))
-  want = model(tokens)
-  caches = model.init_cache(2, 32)
-  logits, caches = model.prefill(tokens[:, :13], caches)
+  # decode == forward: prefill 21 tokens (past the first state update at 16), then 4 steps
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 25)))
+  want = nnx.jit(lambda m, x: m(x))(model, tokens)
+  prefill = nnx.jit(lambda m, x, c: m.prefill(x, c))
+  step = nnx.jit(lambda m, x, c: m.decode_step(x, c))
+  logits, caches = prefill(model, tokens[:, :21], model.init_cache(2, 32))
   got = [logits]
-  for t in range(13, 29):
-    step, caches = model.decode_step(tokens[:, t:t + 1], caches)
-    got.append(step)
+  for t in range(21, 25):
+    logits, caches = step(model, tokens[:, t:t + 1], caches)
+    got.append(logits)
   np.testing.assert_allclose(np.concatenate(got, 1), want, rtol=2e-4, atol=2e-5)
   sequence, _ = kj.generate(model, tokens[:, :5], max_new_tokens=3, key=jax.random.PRNGKey(0),
                             sampling=kj.SamplingConfig(temperature=0.0))
@@ -183,7 +186,8 @@ def test_config_of_the_earlier_layout_loads_to_the_same_model(tmp_path):
   assert cfg.kvm.budget == kj.SaturatingBudget(64, min_rows=4) and cfg.kvm.max_state_rows == 64
   assert cfg.rope_dims_of(0) == 12 and cfg.rope_dims_of(1) == 8
   fixture = np.load(LEGACY / "logits_0.1.0.npz")
-  logits = _perturbed(kj.LM(cfg, rngs=nnx.Rngs(0)))(jnp.asarray(fixture["tokens"]))
+  logits = nnx.jit(lambda m, x: m(x))(_perturbed(kj.LM(cfg, rngs=nnx.Rngs(0))),
+                                       jnp.asarray(fixture["tokens"]))
   np.testing.assert_allclose(np.asarray(logits[..., :16]), fixture["logits"], rtol=1e-5,
                              atol=1e-6)
   # and the new layout writes and reads back the same config
