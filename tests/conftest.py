@@ -123,6 +123,25 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip)
 
 
+# A model's forward, prefill and decode step as compiled programs. Eager calls dispatch hundreds
+# of small operations, each compiled on first use, and cost several times a jitted call; these
+# jit objects are shared by every test, so one model's programs compile once.
+forward = nnx.jit(lambda model, tokens: model(tokens))
+prefill = nnx.jit(lambda model, tokens, caches: model.prefill(tokens, caches))
+decode_step = nnx.jit(lambda model, token, caches: model.decode_step(token, caches))
+
+
+def decode_all(model: kj.LM, tokens, prompt: int):
+  """Logits ``[B, T, V]`` of ``tokens`` by prefilling the first ``prompt`` tokens and decoding
+  the rest one at a time (jitted), and the final caches."""
+  logits, caches = prefill(model, tokens[:, :prompt], model.init_cache(*tokens.shape))
+  outs = [logits]
+  for t in range(prompt, tokens.shape[1]):
+    logits, caches = decode_step(model, tokens[:, t:t + 1], caches)
+    outs.append(logits)
+  return jnp.concatenate(outs, axis=1), caches
+
+
 def make_model(mixers="kvm", seed: int = 0, **overrides) -> kj.LM:
   """A tiny LM whose zero-initialized projections are perturbed, so every path matters."""
   model = kj.LM(kj.presets.tiny(mixers=mixers, **overrides), rngs=nnx.Rngs(seed))

@@ -20,7 +20,7 @@ from kvm_jax.ops.kvm.cases import random_inputs, random_params
 from kvm_jax.ops.kvm.scan import kvm_attention_scan
 from kvm_jax.ops.kvm.shared_routing import SourceTrack, kvm_attention_shared_state
 from kvm_jax.ops.rope import apply_rope, rope_tables
-from tests.conftest import in_ci, make_model
+from tests.conftest import decode_all, forward, in_ci, make_model
 
 MODES = ("fusedkv", "fusedkv_lite", "yoco", "cla")
 
@@ -87,11 +87,11 @@ def test_fusedkv_at_init_equals_lite(mixer):
   _copy_common_params(lite, fused)
   tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 30), 0, 256)
   # Identical in exact arithmetic (weights 0 and 1); float32 sums over the stacked head dim.
-  np.testing.assert_allclose(fused(tokens), lite(tokens), rtol=0, atol=2e-6)
+  np.testing.assert_allclose(forward(fused, tokens), forward(lite, tokens), rtol=0, atol=2e-6)
   mean = kj.LM(kj.presets.tiny(mixers=mixer, num_layers=4, kv_sharing="fusedkv",
                                fusedkv_init="mean"), rngs=nnx.Rngs(0))
   _copy_common_params(lite, mean)
-  assert float(jnp.max(jnp.abs(mean(tokens) - lite(tokens)))) > 1e-3
+  assert float(jnp.max(jnp.abs(forward(mean, tokens) - forward(lite, tokens)))) > 1e-3
 
 
 class _SharedModels(dict):
@@ -114,16 +114,6 @@ def shared_models():
   return _SharedModels()
 
 
-def _decode_all(model, tokens, prompt):
-  caches = model.init_cache(tokens.shape[0], tokens.shape[1])
-  logits, caches = model.prefill(tokens[:, :prompt], caches)
-  outs = [logits]
-  for t in range(prompt, tokens.shape[1]):
-    step, caches = model.decode_step(tokens[:, t:t + 1], caches)
-    outs.append(step)
-  return jnp.concatenate(outs, axis=1), caches
-
-
 # In CI: full attention's folded FusedKV, KVM's window fusion (Lite), KVM's shared routing and a
 # CLA pair of BSWA layers; the whole matrix (YOCO, SWA, every mode per kind) nightly.
 DECODE_IN_CI = {"full-fusedkv", "kvm-fusedkv_lite", "kvm-shared-fusedkv", "bswa-cla"}
@@ -137,8 +127,8 @@ def test_decode_matches_forward_and_cache_bytes(shared_models, mixer, mode):
   model, vanilla = shared_models[mixer, mode], shared_models[mixer, "none"]
   # 45 tokens with C=8, L=16: the decode crosses several state updates (folds at 32 and 40).
   tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 45), 0, 256)
-  decoded, caches = _decode_all(model, tokens, prompt=19)
-  np.testing.assert_allclose(decoded, model(tokens), rtol=1e-5, atol=2e-5)
+  decoded, caches = decode_all(model, tokens, prompt=19)
+  np.testing.assert_allclose(decoded, forward(model, tokens), rtol=1e-5, atol=2e-5)
   vanilla_caches = vanilla.init_cache(2, tokens.shape[1])  # bytes do not depend on contents
   per_layer, vanilla_per_layer = LM.cache_bytes(caches), LM.cache_bytes(vanilla_caches)
   storage = [i for i in range(4) if model.cfg.kv_sources(i) is None]

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import kvm_jax as kj
-from tests.conftest import in_ci, make_model
+from tests.conftest import decode_step, forward, in_ci, make_model, prefill
 
 PATTERNS = {
     "kvm": "kvm", "full": "full", "swa": "swa", "bswa": "bswa",
@@ -58,10 +58,9 @@ def test_decode_matches_forward(models, name):
   model = models[name]
   T = 37
   tokens = jax.random.randint(jax.random.PRNGKey(3), (2, T), 0, model.cfg.vocab_size)
-  full = model(tokens)
+  full = forward(model, tokens)
   assert full.dtype == jnp.float32 and full.shape == (2, T, model.cfg.vocab_size)
-  step = nnx.jit(lambda m, tok, c: m.decode_step(tok, c))
-  prefill = nnx.jit(lambda m, tok, c: m.prefill(tok, c))
+  step = decode_step
   for prefix in (1, 5, 13, 21):  # < chunk, ragged, > window, past the first KVM update
     logits, caches = prefill(model, tokens[:, :prefix], model.init_cache(2, T))
     outs = [logits]
@@ -77,11 +76,11 @@ def test_causality(models, name):
   model = models[name]
   T = 40
   tokens = jax.random.randint(jax.random.PRNGKey(4), (1, T), 0, model.cfg.vocab_size)
-  base = np.asarray(model(tokens))
+  base = np.asarray(forward(model, tokens))
   rng = np.random.default_rng(0)
   for t in rng.choice(T, size=3, replace=False):
     changed = tokens.at[0, t].set((tokens[0, t] + 1) % model.cfg.vocab_size)
-    out = np.asarray(model(changed))
+    out = np.asarray(forward(model, changed))
     np.testing.assert_array_equal(out[:, :t], base[:, :t])
     assert np.abs(out[:, t] - base[:, t]).max() > 0
 
@@ -92,7 +91,7 @@ def test_generation_greedy_is_argmax_of_forward(models):
   out, lengths = kj.generate(model, prompt, max_new_tokens=20, key=jax.random.PRNGKey(0),
                              sampling=kj.SamplingConfig(temperature=0.0))
   assert out.shape == (2, 27) and np.all(np.asarray(lengths) == 20)
-  logits = model(out)
+  logits = forward(model, out)
   np.testing.assert_array_equal(np.asarray(out[:, 7:]), np.asarray(jnp.argmax(logits[:, 6:-1], -1)))
   # Sampled generation (temperature, top-k, top-p, keys): tests/test_sampling.py.
 
@@ -211,7 +210,7 @@ def test_bf16_compute_keeps_float32_logits_and_state():
   nnx.update(m16, nnx.state(_model(("swa", "kvm"), seed=4), nnx.Param))
   nnx.update(m32, nnx.state(_model(("swa", "kvm"), seed=4), nnx.Param))
   tokens = jax.random.randint(jax.random.PRNGKey(11), (1, 30), 0, 256)
-  l32, l16 = m32(tokens), m16(tokens)
+  l32, l16 = forward(m32, tokens), forward(m16, tokens)
   assert l16.dtype == jnp.float32
   # bf16 activations: ~3 significant digits through 2 layers; a loose relative bound.
   rel = float(jnp.sqrt(jnp.mean((l16 - l32) ** 2) / jnp.mean(l32 ** 2)))
