@@ -156,7 +156,7 @@ def test_gradients_reach_the_fusion_weights(mixer):
     logits = nnx.merge(graphdef, p)(tokens)
     return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
 
-  grads = jax.grad(loss)(params)
+  grads = jax.jit(jax.grad(loss))(params)
   for layer in (2, 3):
     attn = grads["blocks"][layer]["attn"]
     for name in ("fuse_k_rotary", "fuse_k_free", "fuse_v"):

@@ -40,8 +40,9 @@ CONFIGS = {
 }
 
 
-def _setup(name, H=4, Hkv=2, D=16, B=2, dtype=jnp.float32):
-  nb, T, budget = CONFIGS[name]
+def _setup(name, H=4, Hkv=2, D=16, B=2, dtype=jnp.float32, T=None):
+  nb, config_T, budget = CONFIGS[name]
+  T = T or config_T
   cfg = kj.KVMConfig(chunk_size=8, window_chunks=nb, sink_rows=1, rope_dims=4, budget=budget)
   q, k, v, g = random_inputs(T, B, T, H, Hkv, D, D, dtype)
   # parameters away from their init, so every parameter gradient is exercised
@@ -76,7 +77,10 @@ def test_checkpointed_backward_equals_plain_autodiff(name):
     assert any(r.update for r in schedule_runs(sched))  # the case folds: the test is not vacuous
 
 
-@pytest.mark.parametrize("name", in_ci(sorted(CONFIGS), {"sqrt_nb3", "short", "saturating"}))
+# In CI: a state that grows in more than 8 runs and a sequence inside the window (the layouts'
+# three-chunk windows run nightly; the forward of three-chunk windows is checked against the
+# oracle in CI, tests/test_kvm_equivalence.py).
+@pytest.mark.parametrize("name", in_ci(sorted(CONFIGS), {"short", "saturating"}))
 def test_source_layouts_agree(name):
   """The scan reads its inputs in place ("time": XLA on CPU) or from head-major copies made once
   ("heads": accelerators, kernels): the same chunks in two layouts. Outputs, final state and
@@ -101,7 +105,7 @@ def test_checkpointed_backward_bf16_inputs():
   inputs at bf16 resolution, both with and without the checkpointed backward. (The scan slices
   16-bit inputs as their bits; a bare bitcast has no derivative, which once made every q
   gradient and most k/v gradients exactly 0 on both paths alike.)"""
-  cfg, args = _setup("fixed_nb2", dtype=jnp.bfloat16)
+  cfg, args = _setup("fixed_nb2", dtype=jnp.bfloat16, T=100)  # 13 chunks, 10 state updates
   exact = [x.astype(jnp.float32) for x in args[:4]] + [args[4]]
   g_ref = jax.grad(_loss(cfg, True), argnums=(0, 1, 2))(*exact)
   for remat in (True, False):

@@ -66,7 +66,7 @@ def test_the_default_objective_is_the_language_model_loss(tiny):
   for a, b in zip(leaves(got), leaves(grads)):
     np.testing.assert_array_equal(a, b)
   # ... and that loss is the mean cross-entropy over every labelled token of the batch.
-  logits = nnx.merge(graphdef, params)(batch["inputs"])
+  logits = jax.jit(lambda p: nnx.merge(graphdef, p)(batch["inputs"]))(params)
   assert float(loss) == pytest.approx(float(loop.masked_loss(logits, batch["labels"])), rel=1e-5)
 
 

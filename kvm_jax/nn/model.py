@@ -6,6 +6,7 @@ token-shift history (:class:`LayerCache`).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -252,9 +253,16 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
   ``total`` counts everything; ``non_embedding`` excludes the token embedding and the LM head (the
   convention of the paper's "120M"/"350M" names); ``without_lm_head`` = total - LM head.
   """
-  model = nnx.eval_shape(lambda: LM(cfg, rngs=nnx.Rngs(0)))
-  leaves = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
-  total = sum(int(np.prod(p.shape)) for p in leaves)
+  total = _total_params(cfg)
   embed = cfg.vocab_size * cfg.hidden_size
   return {"total": total, "non_embedding": total - 2 * embed, "without_lm_head": total - embed,
           "embedding": embed, "lm_head": embed}
+
+
+@functools.lru_cache(maxsize=64)
+def _total_params(cfg: ModelConfig) -> int:
+  # Tracing a paper-sized model's initializers takes seconds; a config is hashable and its count
+  # never changes.
+  model = nnx.eval_shape(lambda: LM(cfg, rngs=nnx.Rngs(0)))
+  leaves = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
+  return sum(int(np.prod(p.shape)) for p in leaves)
