@@ -204,7 +204,7 @@ def test_gpu_target_rejects_non_power_of_two_chunks():
     jax.jit(f).trace(q, k, v, g, random_params(0, 16, 2))
 
 
-def test_kernels_run_per_shard_under_a_mesh():
+def test_kernels_run_per_shard_under_a_mesh(subprocess_environ):
   """On 8 simulated devices, batch over (data, fsdp) and KV heads over tensor (the axis names
   given by the caller): the kernels run inside shard_map, keep the input sharding, and match the
   unsharded XLA path (values and grads). Without axis names they are not split."""
@@ -246,8 +246,8 @@ def test_kernels_run_per_shard_under_a_mesh():
       assert rel_rms(y, ref) < 2e-5 and rel_rms(grad, ref_grad) < 1e-4
       print("OK")
   """)
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(root),
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True,
+  # The suite's fast compilation and shared compilation cache, 8 host devices.
+  proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=subprocess_environ(8),
+                        capture_output=True,
                         text=True, timeout=600)
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
