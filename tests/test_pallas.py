@@ -208,7 +208,6 @@ def test_kernels_run_per_shard_under_a_mesh(subprocess_environ):
   """On 8 simulated devices, batch over (data, fsdp) and KV heads over tensor (the axis names
   given by the caller): the kernels run inside shard_map, keep the input sharding, and match the
   unsharded XLA path (values and grads). Without axis names they are not split."""
-  import os
   import subprocess
   import sys
   import textwrap
@@ -248,6 +247,5 @@ def test_kernels_run_per_shard_under_a_mesh(subprocess_environ):
   """)
   # The suite's fast compilation and shared compilation cache, 8 host devices.
   proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=subprocess_environ(8),
-                        capture_output=True,
-                        text=True, timeout=600)
+                        capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
