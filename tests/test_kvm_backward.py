@@ -32,7 +32,7 @@ from tests.conftest import in_ci
 # n_append > 0), a sequence shorter than the window.
 CONFIGS = {
     "fixed_nb2": (2, 200, kj.FixedBudget(16)),
-    "sqrt_nb3": (3, 333, kj.PowerLawBudget(4.0, 0.5, min_rows=8)),
+    "sqrt_nb3": (3, 221, kj.PowerLawBudget(4.0, 0.5, min_rows=8)),  # 28 chunks: 5 blocks + 3
     "sqrt_nb1": (1, 150, kj.PowerLawBudget(4.0, 0.5, min_rows=8)),
     "saturating": (2, 260, kj.SaturatingBudget(48, min_rows=8, round_down=8)),   # > 8 runs
     "saturating_runs": (2, 100, kj.SaturatingBudget(48, min_rows=8, round_down=8)),  # 7 runs
