@@ -56,8 +56,8 @@ def test_kernel_vjps_match_xla(name):
     return lambda *a: jnp.sum(kvm_attention_scan(*a, cfg=cfg, ops=ops)[0].astype(jnp.float32)
                               * w)
 
-  g0 = jax.grad(loss(XLA_OPS), argnums=(0, 1, 2, 3, 4))(*args)
-  g1 = jax.grad(loss(PALLAS), argnums=(0, 1, 2, 3, 4))(*args)
+  g0 = jax.jit(jax.grad(loss(XLA_OPS), argnums=(0, 1, 2, 3, 4)))(*args)
+  g1 = jax.jit(jax.grad(loss(PALLAS), argnums=(0, 1, 2, 3, 4)))(*args)
   names = ["q", "k", "v", "gate", "ln_scale", "ln_bias", "window_temperature",
            "state_temperature"]
   for n, a, b in zip(names, jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
