@@ -66,8 +66,8 @@ def _loss(cfg, remat, ops=XLA_OPS, source_layout="auto"):
 def test_checkpointed_backward_equals_plain_autodiff(name):
   cfg, args = _setup(name)
   sched = kj.kvm_schedule(cfg, args[0].shape[1])
-  g_ckpt = jax.grad(_loss(cfg, True), argnums=(0, 1, 2, 3, 4))(*args)
-  g_plain = jax.grad(_loss(cfg, False), argnums=(0, 1, 2, 3, 4))(*args)
+  g_ckpt = jax.jit(jax.grad(_loss(cfg, True), argnums=(0, 1, 2, 3, 4)))(*args)
+  g_plain = jax.jit(jax.grad(_loss(cfg, False), argnums=(0, 1, 2, 3, 4)))(*args)
   # float32 both ways; the only difference is summation order (window rows summed across block
   # boundaries, parameter gradients summed per block): observed <= 6e-7 relative.
   for a, b in zip(jax.tree_util.tree_leaves(g_ckpt), jax.tree_util.tree_leaves(g_plain)):
@@ -90,8 +90,9 @@ def test_source_layouts_agree(name):
   for a, b in zip(jax.tree_util.tree_leaves(run("time")), jax.tree_util.tree_leaves(run("heads"))):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0,
                                atol=1e-6 * max(float(np.max(np.abs(b))), 1e-30))
-  grads = {layout: jax.grad(_loss(cfg, True, source_layout=layout), argnums=(0, 1, 2, 3, 4))(
-      *args) for layout in ("time", "heads")}
+  grads = {layout: jax.jit(jax.grad(_loss(cfg, True, source_layout=layout),
+                                    argnums=(0, 1, 2, 3, 4)))(*args)
+           for layout in ("time", "heads")}
   for a, b in zip(jax.tree_util.tree_leaves(grads["time"]),
                   jax.tree_util.tree_leaves(grads["heads"])):
     scale = float(jnp.max(jnp.abs(b)))
@@ -107,9 +108,9 @@ def test_checkpointed_backward_bf16_inputs():
   gradient and most k/v gradients exactly 0 on both paths alike.)"""
   cfg, args = _setup("fixed_nb2", dtype=jnp.bfloat16, T=100)  # 13 chunks, 10 state updates
   exact = [x.astype(jnp.float32) for x in args[:4]] + [args[4]]
-  g_ref = jax.grad(_loss(cfg, True), argnums=(0, 1, 2))(*exact)
+  g_ref = jax.jit(jax.grad(_loss(cfg, True), argnums=(0, 1, 2)))(*exact)
   for remat in (True, False):
-    grads = jax.grad(_loss(cfg, remat), argnums=(0, 1, 2))(*args)
+    grads = jax.jit(jax.grad(_loss(cfg, remat), argnums=(0, 1, 2)))(*args)
     for a, b in zip(grads, g_ref):
       assert a.dtype == jnp.bfloat16
       a, b = np.asarray(a, np.float32), np.asarray(b)

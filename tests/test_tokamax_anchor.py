@@ -136,7 +136,8 @@ def test_readout_choice_through_the_op(tokamax):
     return lambda q, k: jnp.sum(jnp.sin(kj.kvm_attention(q, k, v, g, params, cfg,
                                                          readout=readout)[0]))
 
-  own, tok = (jax.value_and_grad(loss(r), argnums=(0, 1))(q, k) for r in ("own", "tokamax"))
+  own, tok = (jax.jit(jax.value_and_grad(loss(r), argnums=(0, 1)))(q, k)
+              for r in ("own", "tokamax"))
   np.testing.assert_allclose(tok[0], own[0], rtol=1e-5)
   for a, b in zip(tok[1], own[1]):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(b))))
