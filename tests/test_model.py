@@ -216,5 +216,5 @@ def test_bf16_compute_keeps_float32_logits_and_state():
   rel = float(jnp.sqrt(jnp.mean((l16 - l32) ** 2) / jnp.mean(l32 ** 2)))
   assert rel < 5e-2, rel
   caches = m16.init_cache(1, 30)
-  _, caches = m16.prefill(tokens, caches)
+  _, caches = prefill(m16, tokens, caches)
   assert caches[1].mixer.state.keys.dtype == jnp.float32
