@@ -66,7 +66,10 @@ class AttentionFrontEnd(nnx.Module):
   A subclass (one mixer kind) sets ``Options`` and provides ``mix_own(x, q, k, v, mixer_cache,
   decode, shared) -> (y, mixer cache, exports)`` (a layer with its own K/V),
   ``mix_reconstructed(x, q, mixer_cache, decode, shared) -> (y, mixer cache)`` (a reconstruction
-  layer), ``init_cache(batch, max_len)`` (its decode cache) and ``keys_per_query``. ``self.kind``
+  layer), ``init_cache(batch, max_len)`` (its decode cache) and the classmethod
+  ``keys_per_query(cfg, layer, seq_len)``: the keys one query of that layer attends to, averaged
+  over the positions of a training sequence (the attention FLOPs of a step scale with it; a class
+  without it cannot be registered). ``self.kind``
   is the name the layer was registered under (``ModelConfig.layer_mixers[layer]``), so a subclass
   registered under a new name reads its own options.
 
@@ -83,13 +86,6 @@ class AttentionFrontEnd(nnx.Module):
   # μP/CompleteP group of a parameter, by its owner's name, where the default rule (a ``kernel``
   # is "matrix_params", everything else "scalars"; kvm_jax.train.completep) is not the authors'.
   PARAM_GROUPS: dict = {}
-
-  @classmethod
-  def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
-    """Keys one query of layer ``layer`` attends to, averaged over the ``seq_len`` positions of a
-    training sequence (the attention FLOPs of a step scale with it)."""
-    raise NotImplementedError(f"{cls.__name__} does not say how many keys a query sees; define "
-                              "the classmethod keys_per_query(cfg, layer, seq_len).")
 
   @classmethod
   def cache_bytes(cls, cfg: ModelConfig, layer: int, batch: int, max_len: int) -> int:
