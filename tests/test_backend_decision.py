@@ -95,20 +95,28 @@ def test_entry_points_take_the_same_backend_arguments():
   assert backend_args | {"platform"} <= set(resolver)
 
 
-def test_prefill_and_decode_with_an_explicit_readout_equal_the_default():
-  B, T, H, Hkv, D = 1, 32, 4, 2, 16  # the decode step at t = 32 folds a chunk (t >= L + C)
-  q, k, v, g = random_inputs(3, B, T + 1, H, Hkv, D, D)
+# The decode step at t = T = 32 folds a chunk (t >= L + C).
+B, T, H, HKV, D = 1, 32, 4, 2, 16
+
+
+def _prefill_then_decode(seed: int, **backend):
+  """Prefill T tokens, then decode token T, with the given backend arguments: (prefill output,
+  decoded output, state keys), and the inputs and empty cache for further calls."""
+  q, k, v, g = random_inputs(seed, B, T + 1, H, HKV, D, D)
   params = kj.KVMParams.init(D, H)
-  cache0 = kj.kvm_init_cache(CFG, batch=B, kv_heads=Hkv, head_dim=D, value_dim=D,
+  cache0 = kj.kvm_init_cache(CFG, batch=B, kv_heads=HKV, head_dim=D, value_dim=D,
                              max_len=T + 1)
-  outs = {}
-  for readout in ("auto", "own"):
-    kw = {} if readout == "auto" else {"readout": readout}
-    y, cache = kj.kvm_prefill(q[:, :T], k[:, :T], v[:, :T], g[:, :T], params, CFG, cache0, **kw)
-    y_t, cache = kj.kvm_decode_step(q[:, T:], k[:, T:], v[:, T:], g[:, T:], params, CFG, cache,
-                                    **kw)
-    outs[readout] = (y, y_t, cache.state.keys)
-  for a, b in zip(outs["auto"], outs["own"]):
+  y, cache = kj.kvm_prefill(q[:, :T], k[:, :T], v[:, :T], g[:, :T], params, CFG, cache0,
+                            **backend)
+  y_t, cache = kj.kvm_decode_step(q[:, T:], k[:, T:], v[:, T:], g[:, T:], params, CFG, cache,
+                                  **backend)
+  return (y, y_t, cache.state.keys), ((q, k, v, g), params, cache0)
+
+
+def test_prefill_and_decode_with_an_explicit_readout_equal_the_default():
+  default, ((q, k, v, g), params, cache0) = _prefill_then_decode(3)
+  own, _ = _prefill_then_decode(3, readout="own")
+  for a, b in zip(default, own):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   for entry, args in ((kj.kvm_prefill, (q[:, :T], k[:, :T], v[:, :T], g[:, :T])),
                       (kj.kvm_decode_step, (q[:, :1], k[:, :1], v[:, :1], g[:, :1]))):
@@ -149,15 +157,6 @@ def test_bad_attention_requests_name_the_value(implementation, q, match):
 def test_decode_runs_the_tokamax_readout():
   """With XLA, decode's one-token attention runs on the requested readout: tokamax's result
   equals the own readout's to float32 rounding (as the anchor's one-query case does)."""
-  B, T, H, Hkv, D = 1, 32, 4, 2, 16
-  q, k, v, g = random_inputs(4, B, T + 1, H, Hkv, D, D)
-  params = kj.KVMParams.init(D, H)
-  cache0 = kj.kvm_init_cache(CFG, batch=B, kv_heads=Hkv, head_dim=D, value_dim=D,
-                             max_len=T + 1)
-  outs = {}
-  for readout in ("own", "tokamax"):
-    _, cache = kj.kvm_prefill(q[:, :T], k[:, :T], v[:, :T], g[:, :T], params, CFG, cache0,
-                              readout=readout)
-    outs[readout], _ = kj.kvm_decode_step(q[:, T:], k[:, T:], v[:, T:], g[:, T:], params, CFG,
-                                          cache, readout=readout)
-  np.testing.assert_allclose(outs["tokamax"], outs["own"], rtol=1e-5, atol=1e-5)
+  (_, own, _), _ = _prefill_then_decode(4, readout="own")
+  (_, tokamax, _), _ = _prefill_then_decode(4, readout="tokamax")
+  np.testing.assert_allclose(tokamax, own, rtol=1e-5, atol=1e-5)

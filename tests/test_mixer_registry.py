@@ -25,6 +25,7 @@ from kvm_jax.runs.directory import load_config
 from kvm_jax.tasks.mqar import MQARSpec
 from kvm_jax.train import completep, sharding
 from kvm_jax.train.loop import train
+from tests.conftest import decode_all, forward
 
 ROOT = Path(__file__).resolve().parents[1]
 LEGACY = ROOT / "tests" / "data" / "legacy"
@@ -79,7 +80,6 @@ def test_outside_kind_builds_counts_and_is_its_own_function():
   model = _perturbed(model)
   gain = model.blocks[1].attn.out_gain
   gain[...] = jnp.ones_like(gain[...])
-  forward = nnx.jit(lambda m, x: m(x))
   np.testing.assert_allclose(forward(model, tokens), forward(reference, tokens), rtol=1e-5,
                              atol=1e-6)
   gain[...] = 2 * jnp.ones_like(gain[...])
@@ -97,15 +97,8 @@ def test_outside_kind_trains_saves_and_decodes(tmp_path):
   model = nnx.merge(out["graphdef"], out["params"])
   # decode == forward: prefill 21 tokens (past the first state update at 16), then 4 steps
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 25)))
-  want = nnx.jit(lambda m, x: m(x))(model, tokens)
-  prefill = nnx.jit(lambda m, x, c: m.prefill(x, c))
-  step = nnx.jit(lambda m, x, c: m.decode_step(x, c))
-  logits, caches = prefill(model, tokens[:, :21], model.init_cache(2, 32))
-  got = [logits]
-  for t in range(21, 25):
-    logits, caches = step(model, tokens[:, t:t + 1], caches)
-    got.append(logits)
-  np.testing.assert_allclose(np.concatenate(got, 1), want, rtol=2e-4, atol=2e-5)
+  decoded, _ = decode_all(model, tokens, 21)
+  np.testing.assert_allclose(decoded, forward(model, tokens), rtol=2e-4, atol=2e-5)
   sequence, _ = kj.generate(model, tokens[:, :5], max_new_tokens=3, key=jax.random.PRNGKey(0),
                             sampling=kj.SamplingConfig(temperature=0.0))
   assert sequence.shape == (2, 8)
@@ -186,8 +179,7 @@ def test_config_of_the_earlier_layout_loads_to_the_same_model(tmp_path):
   assert cfg.kvm.budget == kj.SaturatingBudget(64, min_rows=4) and cfg.kvm.max_state_rows == 64
   assert cfg.rope_dims_of(0) == 12 and cfg.rope_dims_of(1) == 8
   fixture = np.load(LEGACY / "logits_0.1.0.npz")
-  logits = nnx.jit(lambda m, x: m(x))(_perturbed(kj.LM(cfg, rngs=nnx.Rngs(0))),
-                                       jnp.asarray(fixture["tokens"]))
+  logits = forward(_perturbed(kj.LM(cfg, rngs=nnx.Rngs(0))), jnp.asarray(fixture["tokens"]))
   np.testing.assert_allclose(np.asarray(logits[..., :16]), fixture["logits"], rtol=1e-5,
                              atol=1e-6)
   # and the new layout writes and reads back the same config

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import kvm_jax as kj
-from tests.conftest import decode_step, forward, in_ci, make_model, prefill
+from tests.conftest import decode_all, forward, in_ci, make_model, prefill
 
 PATTERNS = {
     "kvm": "kvm", "full": "full", "swa": "swa", "bswa": "bswa",
@@ -60,14 +60,9 @@ def test_decode_matches_forward(models, name):
   tokens = jax.random.randint(jax.random.PRNGKey(3), (2, T), 0, model.cfg.vocab_size)
   full = forward(model, tokens)
   assert full.dtype == jnp.float32 and full.shape == (2, T, model.cfg.vocab_size)
-  step = decode_step
   for prefix in (1, 5, 13, 21):  # < chunk, ragged, > window, past the first KVM update
-    logits, caches = prefill(model, tokens[:, :prefix], model.init_cache(2, T))
-    outs = [logits]
-    for t in range(prefix, T):
-      logits, caches = step(model, tokens[:, t:t + 1], caches)
-      outs.append(logits)
-    err = float(jnp.max(jnp.abs(jnp.concatenate(outs, axis=1) - full)))
+    decoded, _ = decode_all(model, tokens, prefix)
+    err = float(jnp.max(jnp.abs(decoded - full)))
     assert err < 2e-5 * float(jnp.max(jnp.abs(full))), (prefix, err)
 
 
@@ -152,14 +147,8 @@ def test_bad_model_input():
 def test_gqa_model_decode_matches_forward():
   model = _model("kvm", seed=3, num_kv_heads=2)
   tokens = jax.random.randint(jax.random.PRNGKey(8), (1, 29), 0, 256)
-  full = model(tokens)
-  logits, caches = model.prefill(tokens[:, :11], model.init_cache(1, 29))
-  outs = [logits]
-  step = nnx.jit(lambda m, tok, c: m.decode_step(tok, c))
-  for t in range(11, 29):
-    logits, caches = step(model, tokens[:, t:t + 1], caches)
-    outs.append(logits)
-  assert float(jnp.max(jnp.abs(jnp.concatenate(outs, 1) - full))) < 1e-4
+  decoded, _ = decode_all(model, tokens, 11)
+  assert float(jnp.max(jnp.abs(decoded - forward(model, tokens)))) < 1e-4
 
 
 @pytest.mark.slow  # trains; the model's semantics are pinned by tests/test_reference_model.py

@@ -57,7 +57,6 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
 LOGICAL_AXES = {
     "wte": ("vocab", "embed"),
     "lm_head": ("embed", "vocab"),
-    "c_fc": ("embed", "mlp"),
 }
 MLP_AXES = {"c_fc": ("embed", "mlp"), "c_proj": ("mlp", "embed")}  # inside a block's ``mlp``
 LOGICAL_RULES = {"embed": "fsdp", "vocab": "tensor", "heads": "tensor", "kv_heads": "tensor",
