@@ -8,7 +8,9 @@ Curated public surface (docs/design.md)::
 
 Everything installed lives under this name: the op and model here, and the sub-packages
 ``kvm_jax.kernels`` (Pallas), ``kvm_jax.tasks`` (MQAR, NIAH, text), ``kvm_jax.runs`` (run
-directories), ``kvm_jax.train`` and ``kvm_jax.eval``.
+directories), ``kvm_jax.train`` and ``kvm_jax.eval``. The paper's OVQ and RWKV-7 baselines are the
+mixer kinds ``ovq`` (options ``kj.OVQConfig``) and ``rwkv7`` (docs/ovq-rwkv7.md), their ops
+``kvm_jax.ops.ovq`` and ``kvm_jax.ops.rwkv7``.
 """
 
 from kvm_jax.budget import (CallableBudget, FixedBudget, KVMSchedule, PowerLawBudget,
@@ -19,6 +21,7 @@ from kvm_jax.ops.common import current_platform
 from kvm_jax.ops.kvm import (KVMBackend, KVMCache, KVMParams, KVMState, kvm_attention,
                              kvm_attention_reference, kvm_decode_step, kvm_init_cache, kvm_prefill,
                              resolve_kvm_backend)
+from kvm_jax.ops.ovq import OVQConfig
 
 from kvm_jax.nn.model import LM, count_params
 from kvm_jax import presets
@@ -39,5 +42,5 @@ __all__ = [
     "kvm_attention", "kvm_attention_reference", "kvm_init_cache", "kvm_prefill", "kvm_decode_step",
     "KVMBackend", "resolve_kvm_backend", "current_platform",
     "ModelConfig", "LM", "count_params", "presets", "generate", "generate_text", "SamplingConfig",
-    "sample_logits", "load_pretrained",
+    "sample_logits", "load_pretrained", "OVQConfig",
 ]

@@ -4,8 +4,9 @@
 Every function returns a :class:`kvm_jax.ModelConfig`. ``*_120m``: 12 layers, width 768, 6 heads of
 128, residual scale 1.0; ``*_350m``: 24 layers, width 1024, 8 heads of 128, residual scale 0.5.
 All use vocabulary 50304, MLP ×4, token shift on attention and MLP, value residual, RoPE on the first
-64 of 128 channels. :func:`tiny` is the same architecture at CPU-test size. :data:`PRESETS` maps
-each paper preset's name to its function.
+64 of 128 channels (the SWA layers of the hybrids rotate all 128; OVQ and RWKV-7 layers none).
+:func:`tiny` is the same architecture at CPU-test size. :data:`PRESETS` maps each paper preset's
+name to its function.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from kvm_jax.budget import FixedBudget, PowerLawBudget, SaturatingBudget
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.bswa import BSWAOptions
+from kvm_jax.nn.rwkv7 import RWKV7Options
 from kvm_jax.nn.swa import SWAOptions
+from kvm_jax.ops.ovq.config import OVQConfig
 
 _SIZES = {
     "120m": dict(num_layers=12, hidden_size=768, num_heads=6, residual_scale=1.0),
@@ -70,6 +73,18 @@ def _swa_halfrope(size: str) -> ModelConfig:
 
 def _swa_nope(size: str) -> ModelConfig:
   return _paper(size, mixers=_hybrid("full", size), rope_dims=0, options={"swa": _PAPER_SWA})
+
+
+def _ovq_swa(size: str) -> ModelConfig:
+  # configs/prolong/*/ovq_swa_ts_c256_s1024_wd.yaml: rope_partial_dim 0 (the OVQ layers use none)
+  return _paper(size, mixers=_hybrid("ovq", size), rope_dims=0,
+                options={"swa": _PAPER_SWA,
+                         "ovq": OVQConfig(chunk_size=256, max_centroids=1024)})
+
+
+def _rwkv7(size: str) -> ModelConfig:
+  # rwkv_wd.yaml leaves rope_partial_dim at its default, which no RWKV-7 layer reads
+  return _paper(size, mixers="rwkv7", rope_dims=0, options={"rwkv7": RWKV7Options()})
 
 
 def gpta2_120m() -> ModelConfig:
@@ -144,10 +159,33 @@ def swa_nope_350m() -> ModelConfig:
   return _swa_nope("350m")
 
 
+def ovq_swa_120m() -> ModelConfig:
+  """Hybrid: full-RoPE SWA-256 on even layers, OVQ (chunks of 256, at most 1024 centroids, no
+  RoPE) on odd layers (``ovq_swa_ts_c256_s1024_wd``), at 120M."""
+  return _ovq_swa("120m")
+
+
+def ovq_swa_350m() -> ModelConfig:
+  """Hybrid: full-RoPE SWA-256 on even layers, OVQ (chunks of 256, at most 1024 centroids, no
+  RoPE) on odd layers (``ovq_swa_ts_c256_s1024_wd``), at 350M."""
+  return _ovq_swa("350m")
+
+
+def rwkv7_120m() -> ModelConfig:
+  """RWKV-7's time mix in every layer of the same backbone (``rwkv_wd``), at 120M."""
+  return _rwkv7("120m")
+
+
+def rwkv7_350m() -> ModelConfig:
+  """RWKV-7's time mix in every layer of the same backbone (``rwkv_wd``), at 350M."""
+  return _rwkv7("350m")
+
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {f.__name__: f for f in (
     gpta2_120m, kvm256_120m, kvm_sqrt16_120m, kvm_swa_sat1024_120m, bswa_120m, swa_halfrope_120m,
-    swa_nope_120m, gpta2_350m, kvm256_350m, kvm_sqrt16_350m, kvm_swa_sat1024_350m, bswa_350m,
-    swa_halfrope_350m, swa_nope_350m)}
+    swa_nope_120m, ovq_swa_120m, rwkv7_120m, gpta2_350m, kvm256_350m, kvm_sqrt16_350m,
+    kvm_swa_sat1024_350m, bswa_350m, swa_halfrope_350m, swa_nope_350m, ovq_swa_350m,
+    rwkv7_350m)}
 
 
 # The options of tiny(): KVM with C=8, L=16; SWA over 12 tokens with full RoPE; BSWA like KVM's

@@ -432,8 +432,8 @@ def _edit_config(path, **fields):
 
 
 @pytest.mark.parametrize("fields, match", [
-    (dict(token_mixer="ovq"), "token_mixer='ovq'"),
-    (dict(token_mixer="rwkv7"), "token_mixer='rwkv7'"),
+    (dict(token_mixer="kda"), "token_mixer='kda'"),
+    (dict(token_mixer="gated_deltanet"), "token_mixer='gated_deltanet'"),
     (dict(token_mixer_class_path="model.lact_mixer.SequenceMixer"), "token_mixer_class_path"),
     (dict(use_skip_connections=1), "use_skip_connections=1"),
     (dict(use_block_lambdas=1), "use_block_lambdas=1"),

@@ -31,7 +31,7 @@ LAYERS = (
                 "kvm_jax.model_config", "kvm_jax.config_io", "kvm_jax.progress")),
     ("ops", ("kvm_jax.ops.common", "kvm_jax.ops.rope", "kvm_jax.ops.attention",
              "kvm_jax.ops.kv_fusion", "kvm_jax.ops.kvm.*", "kvm_jax.ops.chunked_attention",
-             "kvm_jax.ops.loss")),
+             "kvm_jax.ops.loss", "kvm_jax.ops.ovq.*", "kvm_jax.ops.rwkv7.*")),
     ("kernels", ("kvm_jax.kernels.*",)),
     ("op registry", ("kvm_jax.ops.kvm.api", "kvm_jax.ops.kvm", "kvm_jax.ops",
                      "kvm_jax.ops.attention_api")),

@@ -143,8 +143,8 @@ def test_registry_refuses_conflicts_and_unknown_kinds():
     register_mixer("bad_axes", BadAxes)
   with pytest.raises(TypeError, match="lacks"):
     register_mixer("not_a_mixer", object)
-  with pytest.raises(ValueError, match="unknown mixer 'ovq'.*register_mixer"):
-    kj.presets.tiny(mixers="ovq")
+  with pytest.raises(ValueError, match="unknown mixer 'kda'.*register_mixer"):
+    kj.presets.tiny(mixers="kda")
   with pytest.raises(TypeError, match="options of mixer 'swa' must be a SWAOptions"):
     kj.presets.tiny(mixers="swa", options={"swa": kj.KVMConfig()})
   with pytest.raises(ValueError, match=r"options\['kvm'\].*rope_dims=4 must equal"):

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvm_jax.model_config import ModelConfig, value_lora_width
+from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn import registry
 from kvm_jax.nn.layers import path_names
 
@@ -83,14 +83,25 @@ def group_tree(params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(lambda path, _: group_of(path), params)
 
 
+def mup_ratio(path, cfg: ModelConfig) -> float:
+  """The μP width ratio of one parameter: hidden_size / mup_base_dim, unless its mixer gives the
+  parameter its own (``mup_d_in_ratios`` of the layer's class: a LoRA's output projection reads
+  ``lora`` channels, not the model width)."""
+  names = path_names(path)
+  if len(names) > 3 and names[0] == "blocks" and names[2] == "attn":
+    own = registry.mixer_class(cfg.layer_mixers[int(names[1])]).mup_d_in_ratios(cfg)
+    owner = next((n for n in reversed(names) if n in own), None)
+    if owner is not None:
+      return float(own[owner])
+  return cfg.hidden_size / cfg.mup_base_dim
+
+
 def mup_scales(params: Any, cfg: ModelConfig) -> tuple[Any, Any]:
   """Per-parameter (lr_scale, wd_scale) pytrees implementing the groups above."""
-  ratio = cfg.hidden_size / cfg.mup_base_dim
-  lora_ratio = cfg.value_lora_width / value_lora_width(cfg.mup_base_dim)
 
   def scales(path, _):
     group = group_of(path)
-    r = lora_ratio if "v_gate2" in path_names(path) else ratio
+    r = mup_ratio(path, cfg)
     if group in ("matrix_params", "lm_head"):
       return (1.0 / r, r)
     if group == "wte_embed":

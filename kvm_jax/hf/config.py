@@ -23,7 +23,9 @@ from kvm_jax.budget import CallableBudget, FixedBudget, PowerLawBudget, Saturati
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.bswa import BSWAOptions
+from kvm_jax.nn.rwkv7 import RWKV7Options
 from kvm_jax.nn.swa import SWAOptions
+from kvm_jax.ops.ovq.config import OVQConfig
 
 MODEL_CLASS_PATH = "model.rwkv7_backbone.RWKV7BackboneForCausalLM"
 MODEL_TYPE = "rwkv7backbone"
@@ -76,11 +78,13 @@ AUTHORS_DEFAULTS: dict[str, Any] = {
 # Fields that never change what a loaded model computes: options of the mixers kvm_jax does not
 # implement (a model using those mixers is refused on ``token_mixer`` already), switches between
 # the authors' eager and Triton kernels, the dtype their trainer builds in (the tensors' own
-# dtypes are what is loaded), and fields their eager path never reads (docs/kvm-spec.md §2).
-INERT_PREFIXES = ("ovq_", "kda_", "gated_deltanet_", "lact_")
+# dtypes are what is loaded), and fields their eager path never reads (docs/kvm-spec.md §2;
+# ``ovq_window_size`` is stored by their OVQ layer and never used). The ``ovq_*`` fields are read
+# when a model has OVQ layers and inert otherwise.
+INERT_PREFIXES = ("kda_", "gated_deltanet_", "lact_")
 INERT_FIELDS = {"kvm_aotriton_forward_attention", "kvm_aotriton_precompiled_forward",
                 "param_dtype", "use_overflow_v_key_weighting", "use_state_deltarule",
-                "use_state_decay", "model_class_path"}
+                "use_state_decay", "model_class_path", "ovq_window_size"}
 
 # Keys Hugging Face's PretrainedConfig writes into every config.json; none describes the network.
 HF_KEYS = {
@@ -110,12 +114,14 @@ class AuthorsMixer:
     class_paths: their ``*_class_path`` values for it (the Triton kernels and the fp32-routing
       variant hold the eager layer's parameters and compute the same function, their own numerics
       aside).
-    mode_prefix: which ``<prefix>_value_residual_mode`` / ``_token_shift_mode`` fields it reads.
+    mode_prefix: which ``<prefix>_value_residual_mode`` / ``_token_shift_mode`` fields it reads;
+      None for a mixer without the shared attention front end (RWKV-7's time mix: its token shift
+      follows ``use_tokenshift_att`` alone and its value residual is always on).
   """
 
   token_mixers: tuple[str, ...]
   class_paths: tuple[str, ...]
-  mode_prefix: str
+  mode_prefix: Optional[str]
 
 
 # One entry per kvm_jax mixer kind their code also has.
@@ -127,7 +133,12 @@ AUTHORS_KINDS = {
     "swa": AuthorsMixer(("swa",), ("model.swa_mixer.SequenceMixer",), "swa"),
     "bswa": AuthorsMixer(("gptalpha_bswa",), ("model.gptalpha_bswa_mixer.SequenceMixer",),
                          "gptalpha"),
+    "ovq": AuthorsMixer(("ovq",), ("model.ovq_mixer.SequenceMixer",), "ovq"),
+    "rwkv7": AuthorsMixer(("rwkv7",), ("model.rwkv7_mixer.SequenceMixer",), None),
 }
+# Kinds whose layers use no RoPE whatever rope_partial_dim says (their OVQ layer never applies
+# the rotary embedding; RWKV-7 has none).
+NO_ROPE_KINDS = ("ovq", "rwkv7")
 # The same table read the other way.
 AUTHORS_MIXERS = {name: kind for kind, m in AUTHORS_KINDS.items() for name in m.token_mixers}
 KVM_JAX_MIXERS = {kind: m.token_mixers[0] for kind, m in AUTHORS_KINDS.items()}
@@ -176,8 +187,8 @@ def _resolve_mixer(cfg: dict, role: str) -> str:
   name = cfg[name_field]
   if not isinstance(name, str) or name not in AUTHORS_MIXERS:
     raise ConfigError(f"{name_field}={name!r}: kvm_jax implements the mixers "
-                      f"{sorted(AUTHORS_MIXERS)} (KVM, full attention, SWA, block SWA), not "
-                      f"{name!r}.")
+                      f"{sorted(AUTHORS_MIXERS)} (KVM, full attention, SWA, block SWA, OVQ, "
+                      f"RWKV-7), not {name!r}.")
   return AUTHORS_MIXERS[name]
 
 
@@ -273,17 +284,22 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
   every = _int(cfg, "alt_layer_every")
   alternates = every > 1
 
-  # Heads and widths, exactly as their ValueResidualMixin resolves them.
+  # Heads and widths, exactly as their ValueResidualMixin resolves them (their RWKV-7 layer
+  # reads d_head only).
   hidden, heads = _int(cfg, "hidden_size", 1), _int(cfg, "num_attention_heads", 1)
   d_head = _opt_int(cfg, "d_head")
   d_qk = _opt_int(cfg, "d_qk_head") or d_head or hidden // heads
   d_v = _opt_int(cfg, "d_v_head") or d_head or hidden // heads
+  if "rwkv7" in used:
+    d_qk = d_v = d_head or hidden // heads
   kv_heads = None if cfg["num_key_value_heads"] is None else _int(cfg, "num_key_value_heads", 1)
 
   # RoPE: the main role's layers use (rope_partial_dim, rope_theta), the alt role's
   # (alt_rope_partial_dim, alt_rope_theta). kvm_jax has one width for swa layers and one for the
   # others, and one theta.
   def role_rope(kind):
+    if kind in NO_ROPE_KINDS:
+      return 0, _float(cfg, "rope_theta")
     if alternates and kind == kinds[0]:
       return _int(cfg, "alt_rope_partial_dim", 0), _float(cfg, "alt_rope_theta")
     return _int(cfg, "rope_partial_dim", 0), _float(cfg, "rope_theta")
@@ -294,27 +310,37 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
                       f"{cfg['alt_rope_theta']!r} differ; kvm_jax uses one RoPE base for every "
                       "layer.")
   theta = thetas.pop() if thetas else _float(cfg, "rope_theta")
-  non_swa = {ropes[k][0] for k in used if k != "swa"}
+  non_swa = {ropes[k][0] for k in used if k not in ("swa",) + NO_ROPE_KINDS}
   if len(non_swa) > 1:
     raise ConfigError(f"rope_partial_dim={cfg['rope_partial_dim']!r} and alt_rope_partial_dim="
                       f"{cfg['alt_rope_partial_dim']!r} differ between two non-SWA mixers; "
                       "kvm_jax gives all non-SWA layers one RoPE width.")
-  rope_dims = non_swa.pop() if non_swa else _int(cfg, "rope_partial_dim", 0)
+  if non_swa:
+    rope_dims = non_swa.pop()
+  else:  # no layer reads the model's RoPE width; 0 when none of them rotates at all
+    rope_dims = 0 if set(used) & set(NO_ROPE_KINDS) else _int(cfg, "rope_partial_dim", 0)
   swa_rope = ropes["swa"][0] if "swa" in used else None
 
   # Front end: token shift and value residual, per mixer kind's own mode fields.
   def shifts(kind):
+    if MODE_PREFIX[kind] is None:
+      return _flag(cfg, "use_tokenshift_att")
     mode = cfg[f"{MODE_PREFIX[kind]}_token_shift_mode"]
     return _flag(cfg, "use_tokenshift_att") and mode == "rwkv"
   shift = {kind: shifts(kind) for kind in used}
   if len(set(shift.values())) > 1:
     raise ConfigError("the token shift of attention is on for some mixers and off for others ("
                       + ", ".join(f"{MODE_PREFIX[k]}_token_shift_mode="
-                                  f"{cfg[MODE_PREFIX[k] + '_token_shift_mode']!r}" for k in used)
+                                  f"{cfg[MODE_PREFIX[k] + '_token_shift_mode']!r}" for k in used
+                                  if MODE_PREFIX[k] is not None)
                       + "); kvm_jax applies one setting to every layer.")
   value_residual = _flag(cfg, "use_value_residual")
+  if used == ["rwkv7"]:
+    value_residual = True  # their RWKV-7 time mix always mixes v_first in; it ignores the field
   if value_residual:
     for kind in used:
+      if MODE_PREFIX[kind] is None:
+        continue
       field = f"{MODE_PREFIX[kind]}_value_residual_mode"
       if cfg[field] != "rwkv":
         raise ConfigError(f"{field}={cfg[field]!r}: kvm_jax implements the 'rwkv' value residual "
@@ -349,6 +375,18 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
     except ValueError as e:  # KVMConfig's own validation
       raise ConfigError(f"the KVM fields (chunk_len, n_bswa_chunks, sink_len, state_*) give no "
                         f"valid KVM layer: {e}") from None
+  ovq = OVQConfig()
+  if "ovq" in used:
+    try:
+      ovq = OVQConfig(chunk_size=_int(cfg, "ovq_chunk_size", 1),
+                      max_centroids=_int(cfg, "ovq_max_centroids", 1),
+                      min_state_size=_flag(cfg, "ovq_use_min_state_size"),
+                      count_bias=not _flag(cfg, "ovq_use_counts_for_lr_only"),
+                      normalize_centroids=_flag(cfg, "ovq_normalize_centroids"),
+                      delta_rule=_flag(cfg, "ovq_use_delta_rule"))
+    except ValueError as e:  # OVQConfig's own validation
+      raise ConfigError(f"ovq_chunk_size={cfg['ovq_chunk_size']!r}, ovq_max_centroids="
+                        f"{cfg['ovq_max_centroids']!r}: {e}") from None
   swa_window = _int(cfg, "swa_window_size")
   swa_window = swa_window if swa_window > 0 else chunk  # their swa_mixer rule
   try:
@@ -360,7 +398,8 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
         mixers=kinds[0] if len(used) == 1 else kinds, rope_dims=rope_dims, rope_theta=theta,
         options={"kvm": kvm, "swa": SWAOptions(window=swa_window, rope_dims=swa_rope),
                  "bswa": BSWAOptions(chunk_size=chunk, window_chunks=window_chunks,
-                                     sink_rows=sink)},
+                                     sink_rows=sink),
+                 "ovq": ovq, "rwkv7": RWKV7Options()},
         ffn_expansion=_float(cfg, "ffn_expansion"),
         # their Block: residual_scale or 1.0
         residual_scale=_float(cfg, "residual_scale", allow_none=True) or None,
@@ -420,6 +459,10 @@ def authors_config_from_model(model: ModelConfig) -> dict:
                         "the alt mixer on layers i % alt_layer_every == 0; this layout is "
                         "neither.")
     alt, main = kinds[0], kinds[1]
+  for kind in used:
+    if kind not in KVM_JAX_MIXERS:
+      raise ExportError(f"mixer {kind!r}: their code has no such mixer (it has "
+                        f"{sorted(KVM_JAX_MIXERS)}).")
   out = dict(AUTHORS_DEFAULTS)
   out["token_mixer"] = KVM_JAX_MIXERS[main]
   first_main = kinds.index(main)
@@ -458,6 +501,14 @@ def authors_config_from_model(model: ModelConfig) -> dict:
                kvm_apply_merge_gate_to_appends=int(k.gate_appends),
                kvm_apply_merge_gate_to_initial_state=int(k.gate_initial_state),
                kvm_use_head_temps=int(k.head_temperatures), kvm_use_vlens=1)
+  if "ovq" in used:
+    o = model.options_of("ovq")
+    # ovq_window_size is never read by their layer; the paper's configs set it to the chunk.
+    out.update(ovq_chunk_size=o.chunk_size, ovq_window_size=o.chunk_size,
+               ovq_max_centroids=o.max_centroids, ovq_use_min_state_size=int(o.min_state_size),
+               ovq_use_counts_for_lr_only=int(not o.count_bias),
+               ovq_normalize_centroids=int(o.normalize_centroids),
+               ovq_use_delta_rule=int(o.delta_rule))
   out.update(chunk_len=chunk, n_bswa_chunks=window_chunks, sink_len=sink,
              swa_window_size=model.options_of("swa").window)
   D, Dv = model.qk_head_dim, model.v_head_dim

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvm_jax.model_config import ModelConfig
+from kvm_jax.model_config import ModelConfig, value_lora_width
 from kvm_jax.nn import kv_sharing
 from kvm_jax.nn.layers import (depth_ratio, float32_init, layer_norm, linear, token_shift,
                                 zeros_init)
@@ -86,6 +86,15 @@ class AttentionFrontEnd(nnx.Module):
   # μP/CompleteP group of a parameter, by its owner's name, where the default rule (a ``kernel``
   # is "matrix_params", everything else "scalars"; kvm_jax.train.completep) is not the authors'.
   PARAM_GROUPS: dict = {}
+  # Per-head LayerNorms of q and k (the authors' ``qk_norm``; OVQ layers have none).
+  QK_NORM: bool = True
+
+  @classmethod
+  def mup_d_in_ratios(cls, cfg: ModelConfig) -> dict:
+    """The μP width ratio of parameters whose input is not the model width, by owner name (the
+    authors' ``mup_d_in_ratio``): the value-residual LoRA's output reads ``lora`` channels, so its
+    ratio is lora / lora at the base width."""
+    return {"v_gate2": value_lora_width(cfg.hidden_size) / value_lora_width(cfg.mup_base_dim)}
 
   @classmethod
   def cache_bytes(cls, cfg: ModelConfig, layer: int, batch: int, max_len: int) -> int:
@@ -106,11 +115,13 @@ class AttentionFrontEnd(nnx.Module):
     stores_kv = self.sources is None
     # Creation order fixes which random key each parameter gets: keep it.
     self.c_q = linear(cfg, C, dq, rngs)
-    self.ln_q = layer_norm(cfg, D, rngs)
+    if self.QK_NORM:
+      self.ln_q = layer_norm(cfg, D, rngs)
     if stores_kv:
       self.c_k = linear(cfg, C, dk, rngs)
       self.c_v = linear(cfg, C, dv, rngs)
-      self.ln_k = layer_norm(cfg, D, rngs)
+      if self.QK_NORM:
+        self.ln_k = layer_norm(cfg, D, rngs)
     self.c_proj = linear(cfg, H * Dv, C, rngs, init=zeros_init)
     rho = depth_ratio(cfg, layer)
     if cfg.tokenshift_attention:
@@ -130,14 +141,35 @@ class AttentionFrontEnd(nnx.Module):
                             init=float32_init(jax.nn.initializers.orthogonal(scale=0.1)))
 
   # -- the front end -----------------------------------------------------------------------------
-  def anchor_value(self, x_normed: Array) -> Array:
-    """``v_first`` = c_v(ln_attn(x0)) when this is an anchor layer."""
+  def anchor_value(self, x_normed: Array, cache: Optional[LayerCache] = None) -> Array:
+    """``v_first`` = c_v(ln_attn(x0)) when this is an anchor layer (``cache``: the layer's cache
+    in a decode step, unused here)."""
     return self.c_v(x_normed)
+
+  def init_tails(self, batch: int) -> tuple:
+    """The token-shift history a decode cache starts with: the last projected q, k, v (zeros;
+    None for what a reconstruction layer does not compute)."""
+    cfg = self.cfg
+    dt = cfg.jnp_compute_dtype
+    stores = self.sources is None
+    zeros = lambda width: jnp.zeros((batch, 1, width), dt)
+    return (zeros(cfg.num_heads * cfg.qk_head_dim),
+            zeros(cfg.kv_heads * cfg.qk_head_dim) if stores else None,
+            zeros(cfg.kv_heads * cfg.v_head_dim) if stores else None)
 
   def _rope(self, positions: Array):
     cfg = self.cfg
     return rope_tables(positions, cfg.qk_head_dim, cfg.rope_dims_of(self.layer), cfg.rope_theta,
                        jnp.dtype(cfg.rope_table_dtype))
+
+  def _rotate(self, x: Array, positions: Array) -> Array:
+    """RoPE on ``x [B, T, heads, D]``; nothing to do for a layer without rotary channels."""
+    if self.cfg.rope_dims_of(self.layer) == 0:
+      return x
+    return apply_rope(x, *self._rope(positions))
+
+  def _head_norm(self, name: str, x: Array) -> Array:
+    return getattr(self, name)(x) if self.QK_NORM else x
 
   def _query_heads(self, q: Array, prev: Optional[LayerCache], dtype) -> Array:
     """Projected queries ``[B, T, H·D]`` -> token shift, heads, LN_q: ``[B, T, H, D]``."""
@@ -145,13 +177,13 @@ class AttentionFrontEnd(nnx.Module):
     B, T, _ = q.shape
     if cfg.tokenshift_attention:
       q = token_shift(q, self.x_q[...], None if prev is None else prev.last_q, "first")
-    return self.ln_q(q.reshape(B, T, cfg.num_heads, cfg.qk_head_dim)).astype(dtype)
+    return self._head_norm("ln_q", q.reshape(B, T, cfg.num_heads, cfg.qk_head_dim)).astype(dtype)
 
   def queries(self, x: Array, positions: Array, prev: Optional[LayerCache]):
     """Queries ``[B, T, H, D]`` and the token-shift tails of a reconstruction layer."""
     q = self.c_q(x)
     tails = (q[:, -1:], None, None)
-    return apply_rope(self._query_heads(q, prev, x.dtype), *self._rope(positions)), tails
+    return self._rotate(self._query_heads(q, prev, x.dtype), positions), tails
 
   def qkv(self, x: Array, v_first: Optional[Array], positions: Array,
           prev: Optional[LayerCache]):
@@ -171,10 +203,9 @@ class AttentionFrontEnd(nnx.Module):
       k = token_shift(k, self.x_k[...], None if prev is None else prev.last_k, "first")
       v = token_shift(v, self.x_v[...], None if prev is None else prev.last_v, "first")
     D, Dv = cfg.qk_head_dim, cfg.v_head_dim
-    k = self.ln_k(k.reshape(B, T, cfg.kv_heads, D)).astype(x.dtype)
+    k = self._head_norm("ln_k", k.reshape(B, T, cfg.kv_heads, D)).astype(x.dtype)
     v = v.reshape(B, T, cfg.kv_heads, Dv)
-    cos, sin = self._rope(positions)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, tails
+    return self._rotate(q, positions), self._rotate(k, positions), v, tails
 
   def __call__(self, x: Array, v_first: Optional[Array], positions: Array,
                cache: Optional[LayerCache] = None, decode: bool = False,

@@ -46,12 +46,17 @@ def layer_norm(cfg: ModelConfig, n: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
                        rngs=rngs)
 
 
-def token_shift(z: Array, mix: Array, prev: Optional[Array], fallback: str) -> Array:
-  """``z + mix * (z_{t-1} - z_t)``; z_{-1} is ``prev`` (decode), else z_0 ("first") or 0 ("zero")."""
+def shift_delta(z: Array, prev: Optional[Array], fallback: str) -> Array:
+  """``z_{t-1} - z_t`` along axis 1; z_{-1} is ``prev`` (decode), else z_0 ("first") or 0
+  ("zero")."""
   if prev is None:
     prev = z[:, :1] if fallback == "first" else jnp.zeros_like(z[:, :1])
-  shifted = jnp.concatenate([prev.astype(z.dtype), z[:, :-1]], axis=1)
-  return z + mix.astype(z.dtype) * (shifted - z)
+  return jnp.concatenate([prev.astype(z.dtype), z[:, :-1]], axis=1) - z
+
+
+def token_shift(z: Array, mix: Array, prev: Optional[Array], fallback: str) -> Array:
+  """``z + mix * (z_{t-1} - z_t)`` (:func:`shift_delta`)."""
+  return z + mix.astype(z.dtype) * shift_delta(z, prev, fallback)
 
 
 def depth_ratio(cfg: ModelConfig, layer: int) -> float:
@@ -65,3 +70,24 @@ def path_names(path) -> list[str]:
   ``value`` of an NNX variable's state: what optimizer groups and sharding rules match on."""
   names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
   return names[:-1] if names and names[-1] == "value" else names
+
+
+class GroupNorm(nnx.Module):
+  """torch's ``nn.GroupNorm(groups, n)`` over the last axis of ``[..., n]`` (each token's
+  channels split into ``groups`` contiguous groups, each normalized on its own), with a weight and
+  bias per channel, computed in float32; returns float32."""
+
+  def __init__(self, n: int, groups: int, epsilon: float, param_dtype, *, scale_init=1.0):
+    if n % groups:
+      raise ValueError(f"GroupNorm: {n} channels do not split into {groups} groups.")
+    self.groups, self.epsilon = groups, epsilon
+    self.scale = nnx.Param(jnp.full((n,), scale_init, param_dtype))
+    self.bias = nnx.Param(jnp.zeros((n,), param_dtype))
+
+  def __call__(self, x: Array) -> Array:
+    shape = x.shape
+    x = x.astype(jnp.float32).reshape(*shape[:-1], self.groups, shape[-1] // self.groups)
+    mean = jnp.mean(x, -1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+    x = ((x - mean) * jax.lax.rsqrt(var + self.epsilon)).reshape(shape)
+    return x * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)

@@ -119,7 +119,8 @@ class LM(nnx.Module):
     anchors = {}
     for layer in sorted({cfg.value_anchor(i) for i in range(cfg.num_layers)}):
       block = self.blocks[layer]
-      anchors[layer] = block.attn.anchor_value(block.ln_attn(x0).astype(x0.dtype))
+      anchors[layer] = block.attn.anchor_value(block.ln_attn(x0).astype(x0.dtype),
+                                               caches[layer] if decode else None)
     sharing = cfg.kv_sharing != "none"
     period = layer_period(cfg)
     if remat != "none" and caches is None and period is not None:
@@ -185,15 +186,14 @@ class LM(nnx.Module):
 
   def init_cache(self, batch: int, max_len: int) -> list[LayerCache]:
     cfg = self.cfg
-    dt = cfg.jnp_compute_dtype
-    H, Hkv, D, Dv = cfg.num_heads, cfg.kv_heads, cfg.qk_head_dim, cfg.v_head_dim
-    stores = lambda block, x: x if block.attn.sources is None else None
-    return [LayerCache(mixer=block.attn.init_cache(batch, max_len),
-                       last_q=jnp.zeros((batch, 1, H * D), dt),
-                       last_k=stores(block, jnp.zeros((batch, 1, Hkv * D), dt)),
-                       last_v=stores(block, jnp.zeros((batch, 1, Hkv * Dv), dt)),
-                       last_mlp=jnp.zeros((batch, 1, cfg.hidden_size), dt))
-            for block in self.blocks]
+    caches = []
+    for block in self.blocks:
+      last_q, last_k, last_v = block.attn.init_tails(batch)
+      caches.append(LayerCache(mixer=block.attn.init_cache(batch, max_len), last_q=last_q,
+                               last_k=last_k, last_v=last_v,
+                               last_mlp=jnp.zeros((batch, 1, cfg.hidden_size),
+                                                  cfg.jnp_compute_dtype)))
+    return caches
 
   @staticmethod
   def cache_bytes(caches: list[LayerCache]) -> list[int]:

@@ -17,7 +17,8 @@ trainer (parameter groups, sharding, MFU) and ``kvm-eval`` accept it::
 
 The built-in kinds are registered when :mod:`kvm_jax.nn` is imported: ``full``
 (:mod:`kvm_jax.nn.full`), ``swa`` (:mod:`kvm_jax.nn.swa`), ``bswa`` (:mod:`kvm_jax.nn.bswa`),
-``kvm`` (:mod:`kvm_jax.nn.kvm`).
+``kvm`` (:mod:`kvm_jax.nn.kvm`), ``ovq`` (:mod:`kvm_jax.nn.ovq`) and ``rwkv7``
+(:mod:`kvm_jax.nn.rwkv7`), the paper's two recurrent baselines.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.bswa import BlockSlidingWindowAttention
 from kvm_jax.nn.full import FullAttention
 from kvm_jax.nn.kvm import KVMAttention
+from kvm_jax.nn.ovq import OVQAttention
+from kvm_jax.nn.rwkv7 import RWKV7TimeMix
 from kvm_jax.nn.swa import SlidingWindowAttention
 
 # What every mixer class must have (the block calls these; the library asks the rest).
-REQUIRED = ("Options", "LOGICAL_AXES", "PARAM_GROUPS", "keys_per_query", "cache_bytes",
-            "init_cache", "anchor_value", "__call__")
+REQUIRED = ("Options", "LOGICAL_AXES", "PARAM_GROUPS", "mup_d_in_ratios", "keys_per_query",
+            "cache_bytes", "init_cache", "init_tails", "anchor_value", "__call__")
 
 _CLASSES: dict[str, type] = {}
 
@@ -105,5 +108,6 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int) -> tuple[int, ...]:
 
 
 for _kind, _cls in (("full", FullAttention), ("swa", SlidingWindowAttention),
-                    ("bswa", BlockSlidingWindowAttention), ("kvm", KVMAttention)):
+                    ("bswa", BlockSlidingWindowAttention), ("kvm", KVMAttention),
+                    ("ovq", OVQAttention), ("rwkv7", RWKV7TimeMix)):
   register_mixer(_kind, _cls)

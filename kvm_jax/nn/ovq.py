@@ -1,0 +1,77 @@
+"""The ``ovq`` mixer: the paper's OVQ baseline (the authors' ``model/ovq_mixer.py``), online vector
+quantization of keys and values behind the shared attention front end.
+
+The front end is the softmax kinds' (projections, value residual, token shift of the projected
+q/k/v) without QK-LayerNorm and without RoPE; queries and keys are L2-normalized
+(``x / (‖x‖ + 1e-5)``) and scored ``beta·√D · q·k`` with a learned per-head ``beta`` (init 1).
+Each chunk attends to the dictionary built from the chunks before it, with ``log(count)`` added to
+each centroid's score, and to its own tokens causally (:mod:`kvm_jax.ops.ovq`). In the paper it
+alternates with full-RoPE SWA-256 (``kvm_jax.presets.ovq_swa_120m``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.attention import AttentionFrontEnd
+from kvm_jax.ops.common import current_platform
+from kvm_jax.ops.ovq.config import OVQConfig
+from kvm_jax.ops.ovq.decode import OVQCache, ovq_decode_step, ovq_init_cache, ovq_prefill
+from kvm_jax.ops.ovq.scan import ovq_attention, row_update_for
+
+Array = jax.Array
+
+
+def l2_normalize(x: Array, eps: float = 1e-5) -> Array:
+  """``x / (‖x‖ + eps)`` over the last axis, computed in float32, in ``x``'s dtype (the authors'
+  ``_l2_norm``: the epsilon is added to the norm, not clamped)."""
+  x32 = x.astype(jnp.float32)
+  return (x32 / (jnp.sqrt(jnp.sum(x32 * x32, -1, keepdims=True)) + eps)).astype(x.dtype)
+
+
+class OVQAttention(AttentionFrontEnd):
+  """Online vector quantization over the attention front end (no QK-LN, no RoPE)."""
+
+  Options = OVQConfig
+  QK_NORM = False
+
+  @classmethod
+  def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
+    """The dictionary rows at the start of a query's chunk plus its chunk's earlier tokens and
+    itself, averaged over the positions."""
+    options = cfg.options_of(cfg.layer_mixers[layer])
+    C = options.chunk_size
+    sizes = np.asarray(options.dictionary_sizes(seq_len), np.float64)
+    position = np.arange(seq_len)
+    return float(np.mean(sizes[position // C] + position % C + 1))
+
+  def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    super().__init__(cfg, layer, rngs=rngs)
+    self.beta = nnx.Param(jnp.ones((cfg.num_heads,), cfg.jnp_param_dtype))
+
+  def init_cache(self, batch: int, max_len: int) -> OVQCache:
+    cfg = self.cfg
+    return ovq_init_cache(self.options, batch=batch, heads=cfg.num_heads,
+                          head_dim=cfg.qk_head_dim, value_dim=cfg.v_head_dim, max_len=max_len)
+
+  def mix_own(self, x, q, k, v, mixer_cache, decode, shared):
+    q, k = l2_normalize(q), l2_normalize(k)
+    beta = self.beta[...]
+    row_update = row_update_for(current_platform())
+    if decode:
+      y, mixer_cache = ovq_decode_step(q, k, v, beta, self.options, mixer_cache, row_update)
+    elif mixer_cache is not None:
+      y, mixer_cache = ovq_prefill(q, k, v, beta, self.options, mixer_cache, row_update)
+    else:
+      y, _ = ovq_attention(q, k, v, beta, self.options, row_update=row_update)
+    return y, mixer_cache, {"k": k, "v": v}
+
+  def mix_reconstructed(self, x, q, mixer_cache, decode, shared):
+    raise NotImplementedError("ovq layers keep their own dictionary; OVQConfig.check refuses "
+                              "cross-layer KV sharing.")

@@ -1,0 +1,238 @@
+"""The ``rwkv7`` mixer: the RWKV-7 time mix of the paper's RWKV-7 baseline (the authors'
+``model/rwkv7_mixer.py``), with its recurrence from :mod:`kvm_jax.ops.rwkv7`.
+
+For a layer input ``x [B, T, C]`` (the block's ``ln_attn`` output), with ``xx`` the token-shift
+difference ``x_{t-1} - x_t`` (``x_{-1} = 0``) and ``x_• = x + xx ⊙ mix_•`` for • in r, w, k, v, a, g::
+
+    r = W_r x_r                       k = W_k x_k                 v = W_v x_v
+    w = -exp(-softplus(-(w0 + W_w2 tanh(W_w1 x_w))) - ½)          (log decay, in (-e^-½, 0))
+    v ← v + (v_first - v) ⊙ σ(v0 + W_v2 W_v1 x_v)                (value residual, always on)
+    a = σ(a0 + W_a2 W_a1 x_a)         g = W_g2 σ(W_g1 x_g)
+    kk = normalize_per_head(k ⊙ k_k)  k ← k ⊙ (1 + (a - 1) ⊙ k_a)
+    o = recurrence(r, w, k, v, -kk, kk ⊙ a)                       (state Dv × Dk per head, O(1))
+    o = GroupNorm_H(o) + (Σ_head r ⊙ k ⊙ r_k) v
+    out = W_o (o ⊙ g)
+
+``v_first`` is layer 0's ``W_v x_v`` (its own value, so layer 0's residual is the identity). The
+output projection starts at zero. Decoding keeps the state and the last input (:class:`RWKV7Cache`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.layers import GroupNorm, float32_init, linear, shift_delta, zeros_init
+from kvm_jax.ops.common import tree_nbytes
+from kvm_jax.ops.rwkv7.chunked import rwkv7_recurrence, rwkv7_step
+
+Array = jax.Array
+
+
+def lora_width(width: int, multiplier: float, power: float) -> int:
+  """The authors' LoRA widths: max(32, round(multiplier·width^power / 32)·32)."""
+  return max(32, int(round(multiplier * width ** power / 32) * 32))
+
+
+# (multiplier, power) of each LoRA, by the name of its input projection.
+LORAS = {"w": (1.8, 0.5), "a": (1.8, 0.5), "v": (1.3, 0.5), "g": (0.6, 0.8)}
+SHIFTS = ("r", "w", "k", "v", "a", "g")
+# Exponents of the token-shift mixes' init 1 - (i/C)^(p·ρ), ρ falling from 1 with depth.
+SHIFT_POWERS = {"r": 0.2, "w": 0.9, "k": 0.7, "v": 0.7, "a": 0.9, "g": 0.2}
+
+
+@dataclasses.dataclass(frozen=True)
+class RWKV7Options:
+  """Options of ``rwkv7`` layers.
+
+  Attributes:
+    chunk_size: tokens per chunk of the chunk-parallel recurrence in whole-sequence calls (even;
+      64 by default). A compute setting: any value gives the same function.
+  """
+
+  chunk_size: int = 64
+
+  def __post_init__(self):
+    if (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
+        or self.chunk_size < 2 or self.chunk_size % 2):
+      raise ValueError(f"RWKV7Options.chunk_size must be an even int >= 2, got "
+                       f"{self.chunk_size!r}.")
+
+  def rotary_dims(self, model) -> int:
+    return 0
+
+  def check(self, model) -> None:
+    """The time mix's shapes: C → C projections split into heads of the model's head dim."""
+    if model.kv_heads != model.num_heads:
+      raise ValueError(f"rwkv7 layers have one key/value head per head; num_kv_heads="
+                       f"{model.num_kv_heads} must be None.")
+    if model.num_heads * model.qk_head_dim != model.hidden_size:
+      raise ValueError(f"rwkv7 layers split the width into heads: num_heads x head_dim = "
+                       f"{model.num_heads} x {model.qk_head_dim} must equal hidden_size="
+                       f"{model.hidden_size}.")
+    if model.v_head_dim != model.qk_head_dim:
+      raise ValueError(f"rwkv7 layers have value heads of the key width; value_head_dim="
+                       f"{model.value_head_dim} must be None.")
+    if not model.value_residual:
+      raise ValueError("rwkv7 layers always mix the first layer's value in (the authors' time "
+                       "mix has no switch for it); set value_residual=True.")
+    if model.kv_sharing != "none":
+      raise ValueError(f"rwkv7 layers cannot take part in kv_sharing={model.kv_sharing!r}; set "
+                       "kv_sharing='none'.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RWKV7Cache:
+  """Decode state of one RWKV-7 layer: the recurrence's state ``[B, H, Dk, Dv]`` float32, the
+  last layer input ``[B, 1, C]`` (the next token's shift), the tokens seen (int32) and the
+  longest sequence it was made for (static; the state itself does not grow)."""
+
+  state: Array
+  last_input: Array
+  length: Array
+  max_len: int
+
+
+jax.tree_util.register_dataclass(RWKV7Cache, data_fields=["state", "last_input", "length"],
+                                 meta_fields=["max_len"])
+
+
+def _ramp(n: int, power: float, dtype) -> Array:
+  return jnp.asarray(1.0 - np.power(np.arange(n) / n, power), dtype)
+
+
+class RWKV7TimeMix(nnx.Module):
+  """RWKV-7's time mix; a mixer kind with the protocol of :class:`kvm_jax.nn.attention
+  .AttentionFrontEnd` (it shares none of that front end)."""
+
+  Options = RWKV7Options
+  LOGICAL_AXES = {"receptance": ("embed", "heads"), "key": ("embed", "heads"),
+                  "value": ("embed", "heads"), "output": ("heads", "embed"),
+                  "w1": ("embed", "lora"), "w2": ("lora", "heads"),
+                  "a1": ("embed", "lora"), "a2": ("lora", "heads"),
+                  "v1": ("embed", "lora"), "v2": ("lora", "heads"),
+                  "g1": ("embed", "lora"), "g2": ("lora", "heads"),
+                  "r_k": (None, None)}
+  PARAM_GROUPS: dict = {}
+
+  @classmethod
+  def mup_d_in_ratios(cls, cfg: ModelConfig) -> dict:
+    """Each LoRA's output projection reads its LoRA's channels: ratio lora / lora at the base."""
+    return {f"{name}2": lora_width(cfg.hidden_size, m, p) / lora_width(cfg.mup_base_dim, m, p)
+            for name, (m, p) in LORAS.items()}
+
+  @classmethod
+  def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
+    """The recurrence costs about 9·Dk·Dv FLOPs per token and head (state update and readout),
+    what attention spends on 9·Dv/4 keys (4·D FLOPs each): independent of the position."""
+    return 9.0 * cfg.v_head_dim / 4.0
+
+  @classmethod
+  def cache_bytes(cls, cfg: ModelConfig, layer: int, batch: int, max_len: int) -> int:
+    module = nnx.eval_shape(lambda: cls(cfg, layer, rngs=nnx.Rngs(0)))
+    return tree_nbytes(jax.eval_shape(lambda: module.init_cache(batch, max_len)))
+
+  def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    self.cfg, self.layer = cfg, layer
+    self.kind = cfg.layer_mixers[layer]
+    self.options = cfg.options_of(self.kind)
+    self.sources = None
+    C, H, N, L = cfg.hidden_size, cfg.num_heads, cfg.qk_head_dim, cfg.num_layers
+    pd = cfg.jnp_param_dtype
+    depth = layer / (L - 1) if L > 1 else 0.0                 # 0 at the first layer, 1 at the last
+    rho = 1.0 - layer / L
+    i = np.arange(C)
+    linear_ramp = i / (C - 1) - 0.5
+    zigzag = ((i % N) - (N - 1) / 2) / ((N - 1) / 2)
+    zigzag = zigzag * np.abs(zigzag)
+    decay_speed = -6 + 6 * (i / (C - 1)) ** (1 + depth ** 0.3)
+    vector = lambda values: nnx.Param(jnp.asarray(values, pd))
+    if cfg.tokenshift_attention:
+      for name in SHIFTS:
+        setattr(self, f"x_{name}", nnx.Param(_ramp(C, SHIFT_POWERS[name] * rho, pd)))
+    lora_out = float32_init(jax.nn.initializers.orthogonal(scale=0.1))
+    for name, (m, p) in LORAS.items():
+      width = lora_width(C, m, p)
+      setattr(self, f"{name}1", linear(cfg, C, width, rngs, init=zeros_init))
+      setattr(self, f"{name}2", linear(cfg, width, C, rngs, init=lora_out))
+    self.w0 = vector(decay_speed + 0.5 + zigzag * 2.5)
+    self.a0 = vector(-0.19 + zigzag * 0.3 + linear_ramp * 0.4)
+    self.v0 = vector(0.73 - linear_ramp * 0.4)
+    self.k_k = vector(0.71 - linear_ramp * 0.1)
+    self.k_a = vector(np.full(C, 1.02))
+    self.r_k = nnx.Param(jnp.full((H, N), -0.04, pd))
+    orthogonal = lambda gain: float32_init(jax.nn.initializers.orthogonal(scale=gain))
+    self.receptance = linear(cfg, C, C, rngs, init=orthogonal(1.0))
+    self.key = linear(cfg, C, C, rngs, init=orthogonal(0.1))
+    self.value = linear(cfg, C, C, rngs, init=orthogonal(1.0))
+    self.output = linear(cfg, C, C, rngs, init=zeros_init)
+    self.ln_x = GroupNorm(C, H, 64e-5, pd, scale_init=((1 + layer) / L) ** 0.7)
+
+  # -- the protocol of a mixer kind ---------------------------------------------------------
+  def init_cache(self, batch: int, max_len: int) -> RWKV7Cache:
+    cfg = self.cfg
+    N = cfg.qk_head_dim
+    return RWKV7Cache(state=jnp.zeros((batch, cfg.num_heads, N, N), jnp.float32),
+                      last_input=jnp.zeros((batch, 1, cfg.hidden_size), cfg.jnp_compute_dtype),
+                      length=jnp.zeros((), jnp.int32), max_len=max_len)
+
+  def init_tails(self, batch: int) -> tuple:
+    return (None, None, None)  # the shift history lives in the mixer cache
+
+  def _shifted(self, x: Array, prev: Optional[Array]) -> dict[str, Array]:
+    """``x_•`` of each projection ``[B, T, C]``."""
+    if not self.cfg.tokenshift_attention:
+      return {name: x for name in SHIFTS}
+    delta = shift_delta(x, prev, "zero")
+    return {name: x + delta * getattr(self, f"x_{name}")[...].astype(x.dtype) for name in SHIFTS}
+
+  def anchor_value(self, x_normed: Array, cache=None) -> Array:
+    """``v_first`` = W_v x_v of this (the first) layer."""
+    prev = None if cache is None else cache.mixer.last_input
+    return self.value(self._shifted(x_normed, prev)["v"])
+
+  def __call__(self, x: Array, v_first: Array, positions: Array, cache=None, decode=False,
+               shared=None):
+    """Whole sequence (``decode=False``; fills the cache when one is given) or one token.
+    Returns ``(output, new mixer cache, token-shift tails (none), exports (none))``."""
+    del positions, shared
+    cfg = self.cfg
+    B, T, C = x.shape
+    H, N = cfg.num_heads, cfg.qk_head_dim
+    mixer_cache = None if cache is None else cache.mixer
+    xs = self._shifted(x, mixer_cache.last_input if decode else None)
+    f32 = lambda y: y.astype(jnp.float32)
+    heads = lambda y: y.reshape(B, T, H, N)
+    r = self.receptance(xs["r"])
+    decay = f32(self.w0[...]) + f32(self.w2(jnp.tanh(self.w1(xs["w"]))))
+    log_w = -jnp.exp(-jax.nn.softplus(-decay) - 0.5)
+    k = self.key(xs["k"])
+    v = self.value(xs["v"])
+    gate_v = jax.nn.sigmoid(f32(self.v0[...]) + f32(self.v2(self.v1(xs["v"]))))
+    v = v + (v_first.astype(v.dtype) - v) * gate_v.astype(v.dtype)
+    a = jax.nn.sigmoid(f32(self.a0[...]) + f32(self.a2(self.a1(xs["a"]))))
+    g = self.g2(jax.nn.sigmoid(self.g1(xs["g"])))
+    kk = heads(f32(k) * f32(self.k_k[...]))
+    kk = kk / jnp.maximum(jnp.sqrt(jnp.sum(kk * kk, -1, keepdims=True)), 1e-12)
+    k = f32(k) * (1.0 + (a - 1.0) * f32(self.k_a[...]))
+    rh, kh, vh, ah = heads(f32(r)), heads(k), heads(f32(v)), heads(a)
+    inputs = (rh, heads(log_w), kh, vh, -kk, kk * ah)
+    if decode:
+      y, state = rwkv7_step(*(z[:, 0] for z in inputs), mixer_cache.state)
+      y, length = y[:, None], mixer_cache.length + 1
+    else:
+      y, state = rwkv7_recurrence(*inputs, chunk_size=self.options.chunk_size)
+      length = jnp.asarray(T, jnp.int32)
+    if mixer_cache is not None:
+      mixer_cache = RWKV7Cache(state=state, last_input=x[:, -1:].astype(mixer_cache.last_input.dtype),
+                               length=length, max_len=mixer_cache.max_len)
+    y = self.ln_x(y.reshape(B, T, C))
+    bonus = jnp.sum(rh * kh * f32(self.r_k[...]), -1, keepdims=True) * vh
+    y = (y + bonus.reshape(B, T, C)).astype(x.dtype)
+    return self.output(y * g.astype(x.dtype)), mixer_cache, (None, None, None), {}

@@ -1,0 +1,117 @@
+"""OVQ decoding: a cache holding the dictionary and the current chunk's tokens, the prefill that
+fills it, and the one-token step.
+
+A token attends to the dictionary as it stood at the start of its chunk, to the earlier tokens of
+its chunk and to itself; when it completes a chunk, the chunk is folded into the dictionary (the
+step's one conditional, every ``chunk_size`` tokens). The position is traced, so one compiled step
+serves every position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvm_jax.ops.ovq.config import OVQConfig
+from kvm_jax.ops.ovq.scan import heads_first, query_scale, run_chunks
+from kvm_jax.ops.ovq.state import OVQState, empty_state, fold, readout, validate_inputs
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class OVQCache:
+  """Decode state of one OVQ layer.
+
+  Attributes:
+    state: the dictionary (:class:`OVQState`, ``cfg.capacity(max_len)`` rows).
+    pending_keys / pending_values: ``[B, H, C, D]`` / ``[B, H, C, Dv]`` float32, the tokens of the
+      chunk being filled (slots ``[0, length % C)`` hold them).
+    length: int32 scalar, tokens seen.
+    max_len: the longest sequence the cache was sized for (static).
+  """
+
+  state: OVQState
+  pending_keys: Array
+  pending_values: Array
+  length: Array
+  max_len: int
+
+
+jax.tree_util.register_dataclass(
+    OVQCache, data_fields=["state", "pending_keys", "pending_values", "length"],
+    meta_fields=["max_len"])
+
+
+def ovq_init_cache(cfg: OVQConfig, *, batch: int, heads: int, head_dim: int, value_dim: int,
+                   max_len: int) -> OVQCache:
+  """An empty cache for sequences of up to ``max_len`` tokens."""
+  if max_len < 1:
+    raise ValueError(f"max_len must be >= 1, got {max_len}.")
+  C = cfg.chunk_size
+  return OVQCache(state=empty_state(batch, heads, cfg.capacity(max_len), head_dim, value_dim),
+                  pending_keys=jnp.zeros((batch, heads, C, head_dim), jnp.float32),
+                  pending_values=jnp.zeros((batch, heads, C, value_dim), jnp.float32),
+                  length=jnp.zeros((), jnp.int32), max_len=max_len)
+
+
+def _sizes_table(cfg: OVQConfig, max_len: int) -> np.ndarray:
+  """Dictionary rows before chunk c, c = 0 … max_len // C + 1 (full chunks only)."""
+  C = cfg.chunk_size
+  return np.asarray([cfg.dictionary_size(c * C) for c in range(max_len // C + 2)], np.int32)
+
+
+def ovq_prefill(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig, cache: OVQCache,
+                row_update: str = "scatter") -> tuple[Array, OVQCache]:
+  """Outputs of a prompt ``[B, T, H, Dv]`` and the cache filled for decoding from position T
+  (the cache must be empty)."""
+  validate_inputs(q, k, v, beta)
+  T = q.shape[1]
+  if T > cache.max_len:
+    raise ValueError(f"prompt of {T} tokens exceeds the cache's max_len={cache.max_len}.")
+  rows = cache.state.keys.shape[2]
+  kh, vh = heads_first(k), heads_first(v)
+  y, state = run_chunks(heads_first(q), kh, vh, beta, cfg, rows, fold_partial=False,
+                        row_update=row_update)
+  C = cfg.chunk_size
+  tail = T % C
+  pending_k, pending_v = cache.pending_keys, cache.pending_values
+  if tail:
+    pending_k = pending_k.at[:, :, :tail].set(kh[:, :, T - tail:])
+    pending_v = pending_v.at[:, :, :tail].set(vh[:, :, T - tail:])
+  cache = OVQCache(state=state, pending_keys=pending_k, pending_values=pending_v,
+                   length=jnp.asarray(T, jnp.int32), max_len=cache.max_len)
+  return jnp.swapaxes(y, 1, 2).astype(v.dtype), cache
+
+
+def ovq_decode_step(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig, cache: OVQCache,
+                    row_update: str = "scatter") -> tuple[Array, OVQCache]:
+  """One token ``[B, 1, H, ·]`` at position ``cache.length``: its output ``[B, 1, H, Dv]`` and the
+  cache after it."""
+  validate_inputs(q, k, v, beta)
+  if q.shape[1] != 1:
+    raise ValueError(f"ovq_decode_step takes one token, got {q.shape[1]}.")
+  C = cfg.chunk_size
+  table = jnp.asarray(_sizes_table(cfg, cache.max_len))
+  n = cache.length
+  slot, chunk = n % C, n // C
+  size = table[chunk]
+  scale = query_scale(beta, q.shape[-1])
+  kh, vh = heads_first(k), heads_first(v)
+  pending_k = jax.lax.dynamic_update_slice_in_dim(cache.pending_keys, kh, slot, axis=2)
+  pending_v = jax.lax.dynamic_update_slice_in_dim(cache.pending_values, vh, slot, axis=2)
+  visible = (jnp.arange(C) <= slot)[None, :]
+  y = readout(heads_first(q) * scale, pending_k, pending_v, cache.state, size, cfg.count_bias,
+              visible=visible)
+
+  def commit(state):
+    return fold(state, pending_k, pending_v, pending_k * scale, size, table[chunk + 1] - size,
+                cfg, row_update)
+
+  state = jax.lax.cond(slot == C - 1, commit, lambda s: s, cache.state)
+  cache = OVQCache(state=state, pending_keys=pending_k, pending_values=pending_v,
+                   length=n + 1, max_len=cache.max_len)
+  return jnp.swapaxes(y, 1, 2).astype(v.dtype), cache

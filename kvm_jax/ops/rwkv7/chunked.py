@@ -1,0 +1,131 @@
+"""The RWKV-7 recurrence chunk-parallel: matrices within a chunk, one ``lax.scan`` step per chunk.
+
+Within a chunk of L tokens (positions t = 1…L, state ``h_0 = Sᵀ`` at its start, ``g_t`` the
+cumulative log decay up to and including t, ``Γ_t = diag(exp g_t)``) the recurrence
+``h_t = diag(exp w_t) h_{t-1} + b_t (a_tᵀ h_{t-1}) + k_t v_tᵀ`` unrolls to
+
+    h_t = Γ_t h_0 + Σ_{s≤t} Γ_t Γ_s⁻¹ (b_s u_sᵀ + k_s v_sᵀ),      u_t = h_{t-1}ᵀ a_t,
+
+so the "pseudo-values" u solve one unit lower-triangular system (the WY form of the product of
+the chunk's transitions)::
+
+    (I - A_ab) U = Ã h_0 + A_ak V,   A_ab[t, s] = ã_t·b̂_s,  A_ak[t, s] = ã_t·k̂_s   (s < t)
+
+with ``ã_t = Γ_{t-1} a_t``, ``b̂_s = Γ_s⁻¹ b_s``, ``k̂_s = Γ_s⁻¹ k_s``; then
+
+    O   = R̃ h_0 + M_rb U + M_rk V,       M_rb[t, s] = r̃_t·b̂_s,  M_rk[t, s] = r̃_t·k̂_s  (s ≤ t)
+    h_L = Γ_L h_0 + (Γ_L B̂)ᵀ U + (Γ_L K̂)ᵀ V,   r̃_t = Γ_t r_t.
+
+Everything that does not involve ``h_0`` (the four matrices, the solve, ``M_rk V``) is computed
+for all chunks at once; the scan carries only ``h`` (float32) through three products per chunk.
+The factors ``Γ_{t-1}`` and ``Γ_s⁻¹`` of the pairwise products are taken relative to the middle of
+the chunk, so their exponents stay within ``L/2 · max|w|`` (RWKV-7's decay keeps ``|w| < e^-½``:
+at most 19 for L = 64, far inside float32's range).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _chunked(x: Array, L: int) -> Array:
+  """``[B, T, H, d]`` (T a multiple of L) -> ``[N, B, H, L, d]`` float32."""
+  B, T, H, d = x.shape
+  x = x.astype(jnp.float32).reshape(B, T // L, L, H, d)
+  return jnp.transpose(x, (1, 0, 3, 2, 4))
+
+
+def _intra_chunk(r, w, k, v, a, b):
+  """The parts of every chunk that do not depend on the state entering it (all ``[..., L, ·]``,
+  float32; leading axes are chunks, batch, heads)."""
+  L = w.shape[-2]
+  g = jnp.cumsum(w, axis=-2)                     # log decay from the chunk's start through t
+  g_before = g - w                               # ... through t - 1
+  g_last = g[..., -1:, :]
+  mid = g[..., L // 2 - 1:L // 2, :]
+  a_rel = a * jnp.exp(g_before - mid)            # ã relative to the middle
+  r_rel = r * jnp.exp(g - mid)
+  b_rel, k_rel = b * jnp.exp(mid - g), k * jnp.exp(mid - g)
+  dot = lambda x, y: jnp.einsum("...td,...sd->...ts", x, y, precision=_HI)
+  strict = jnp.tril(jnp.ones((L, L), bool), -1)
+  causal = jnp.tril(jnp.ones((L, L), bool))
+  A_ab = jnp.where(strict, dot(a_rel, b_rel), 0.0)
+  A_ak = jnp.where(strict, dot(a_rel, k_rel), 0.0)
+  M_rb = jnp.where(causal, dot(r_rel, b_rel), 0.0)
+  M_rk = jnp.where(causal, dot(r_rel, k_rel), 0.0)
+  system = jnp.eye(L, dtype=jnp.float32) - A_ab
+  rhs = jnp.concatenate([a * jnp.exp(g_before),
+                         jnp.einsum("...ts,...sv->...tv", A_ak, v, precision=_HI)], axis=-1)
+  solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+  K = w.shape[-1]
+  to_end = jnp.exp(g_last - g)                   # decay from t to the chunk's end (<= 1)
+  return dict(
+      u_from_state=solved[..., :K],              # U = u_from_state @ h_0 + u_own
+      u_own=solved[..., K:],
+      r_decayed=r * jnp.exp(g),
+      M_rb=M_rb,
+      o_own=jnp.einsum("...ts,...sv->...tv", M_rk, v, precision=_HI),
+      decay=jnp.exp(g_last)[..., 0, :],          # [..., K]
+      b_to_end=b * to_end,
+      kv_to_end=jnp.einsum("...sk,...sv->...kv", k * to_end, v, precision=_HI))
+
+
+def _chunk_step(h, chunk):
+  U = jnp.einsum("bhtk,bhkv->bhtv", chunk["u_from_state"], h, precision=_HI) + chunk["u_own"]
+  o = (jnp.einsum("bhtk,bhkv->bhtv", chunk["r_decayed"], h, precision=_HI)
+       + jnp.einsum("bhts,bhsv->bhtv", chunk["M_rb"], U, precision=_HI) + chunk["o_own"])
+  h = (chunk["decay"][..., None] * h
+       + jnp.einsum("bhtk,bhtv->bhkv", chunk["b_to_end"], U, precision=_HI)
+       + chunk["kv_to_end"])
+  return h, o
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size",))
+def rwkv7_recurrence(r: Array, w: Array, k: Array, v: Array, a: Array, b: Array,
+                     initial_state: Optional[Array] = None, chunk_size: int = 64
+                     ) -> tuple[Array, Array]:
+  """The RWKV-7 recurrence of :func:`rwkv7_recurrence_reference`, chunk-parallel.
+
+  Args:
+    r, w, k, a, b: ``[B, T, H, Dk]`` (``w`` the log decay, ≤ 0); v: ``[B, T, H, Dv]``.
+    initial_state: ``h = Sᵀ`` ``[B, H, Dk, Dv]`` before the first token (zeros when None).
+    chunk_size: L, tokens per chunk (an even number; 64 by default). Memory and the sequential
+      depth fall with larger chunks, the work within a chunk grows as L².
+
+  Returns:
+    ``o [B, T, H, Dv]`` in ``v``'s dtype and the final state ``[B, H, Dk, Dv]`` float32.
+  """
+  if chunk_size < 2 or chunk_size % 2:
+    raise ValueError(f"chunk_size must be an even int >= 2, got {chunk_size}.")
+  B, T, H, K = r.shape
+  V = v.shape[-1]
+  L = chunk_size
+  pad = -T % L
+  if pad:  # w = 0 (no decay) and a = b = k = 0 leave the state unchanged through the padding
+    widen = lambda x: jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)])
+    r, w, k, v, a, b = map(widen, (r, w, k, v, a, b))
+  parts = _intra_chunk(*map(lambda x: _chunked(x, L), (r, w, k, v, a, b)))
+  h = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None
+       else initial_state.astype(jnp.float32))
+  h, o = jax.lax.scan(_chunk_step, h, parts)                               # o: [N, B, H, L, V]
+  o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(B, T + pad, H, V)[:, :T]
+  return o.astype(v.dtype), h
+
+
+def rwkv7_step(r: Array, w: Array, k: Array, v: Array, a: Array, b: Array, state: Array
+               ) -> tuple[Array, Array]:
+  """One token: inputs ``[B, H, Dk]`` (``v`` ``[B, H, Dv]``) and ``h [B, H, Dk, Dv]`` -> the
+  output ``[B, H, Dv]`` (``v``'s dtype) and the next state (float32)."""
+  f32 = lambda x: x.astype(jnp.float32)
+  r, w, k, v32, a, b = map(f32, (r, w, k, v, a, b))
+  h = state.astype(jnp.float32)
+  h_a = jnp.einsum("bhkv,bhk->bhv", h, a, precision=_HI)
+  h = jnp.exp(w)[..., None] * h + b[..., None] * h_a[:, :, None, :] + k[..., None] * v32[:, :, None, :]
+  return jnp.einsum("bhkv,bhk->bhv", h, r, precision=_HI).astype(v.dtype), h
