@@ -1,7 +1,9 @@
-"""``kvm-check``: verify the KVM implementations against each other on this machine's backend.
+"""``kvm-check``: verify the KVM implementations against each other on this machine's backend,
+and the OVQ and RWKV-7 baselines' fast paths against their oracles.
 
     kvm-check                 # small shapes, a few seconds on CPU (kernels interpreted)
     kvm-check --size paper    # C=256, D=128, T=2048: run this on a GPU/TPU to verify the kernels
+    kvm-check --ops ovq,rwkv7 # only the baselines
 
 For each configuration (budgets, sinks, GQA, float32 and bfloat16) it runs, jitted, on the same
 inputs:
@@ -17,6 +19,12 @@ and prints, per pair, the relative RMS error of the outputs and final state, whe
 decisions (appended tokens, merge targets) agree exactly, and the relative error of the Pallas
 gradients against the XLA path's, with the tolerance used and PASS/FAIL, and why each FAIL failed.
 A NaN or inf error is a FAIL. The exit status is 1 if anything fails.
+
+For OVQ (``kvm_jax.ops.ovq``) it compares the oracle with the chunked scan (outputs, the final
+dictionary, counts exactly), the scan with prefill + one-token decode, and the gradients of the
+scan with the oracle's; for RWKV-7's recurrence (``kvm_jax.ops.rwkv7``) the per-token oracle with
+the chunk-parallel form, the chunk-parallel prefill plus one-token steps with the whole sequence,
+and the gradients (of every input and the initial state).
 """
 
 from __future__ import annotations
@@ -34,12 +42,22 @@ import numpy as np
 from kvm_jax.kernels.backend import default_interpret
 from kvm_jax.ops.common import current_platform
 from kvm_jax.ops.kvm.api import chunk_ops, kvm_decode_step, kvm_prefill
-from kvm_jax.ops.kvm.cases import Case, rel_rms, select, state_rel_error
+from kvm_jax.ops.kvm.cases import TOLERANCE, Case, rel_rms, select, state_rel_error
 from kvm_jax.ops.kvm.decode import kvm_init_cache
 from kvm_jax.ops.kvm.reference import kvm_attention_reference
 from kvm_jax.ops.kvm.scan import XLA_OPS, kvm_attention_scan
+from kvm_jax.ops.ovq import cases as ovq_cases
+from kvm_jax.ops.ovq.decode import ovq_decode_step, ovq_init_cache, ovq_prefill
+from kvm_jax.ops.ovq.reference import ovq_attention_reference
+from kvm_jax.ops.ovq.scan import ovq_attention
+from kvm_jax.ops.rwkv7 import cases as rwkv7_cases
+from kvm_jax.ops.rwkv7.chunked import rwkv7_recurrence, rwkv7_step
+from kvm_jax.ops.rwkv7.reference import rwkv7_recurrence_reference
 
 SIZES = ("small", "paper")
+OPS = ("kvm", "ovq", "rwkv7")
+# The baselines' checks run in float32 with the KVM checks' relative-RMS tolerances.
+TOLERANCES_F32 = TOLERANCE["float32"]
 
 
 def cases(size: str) -> list[Case]:
@@ -151,6 +169,99 @@ def check_case(case: Case, grads: bool = True) -> list[dict]:
   return rows
 
 
+def _timed(timings: dict, name: str, fn):
+  jax.block_until_ready(fn())  # compile
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(fn())
+  timings[name] = time.perf_counter() - t0
+  return out
+
+
+def _gradient_error(loss_a, loss_b, args, argnums) -> float:
+  ga = jax.jit(jax.grad(loss_a, argnums=argnums))(*args)
+  gb = jax.jit(jax.grad(loss_b, argnums=argnums))(*args)
+  return worst(rel_rms(a, b) for a, b in zip(jax.tree_util.tree_leaves(ga),
+                                             jax.tree_util.tree_leaves(gb)))
+
+
+def _dictionary_error(state, ref) -> float:
+  """Relative error of a final OVQ dictionary (keys and values); inf if any count differs."""
+  if not np.array_equal(np.asarray(state.counts), np.asarray(ref.counts)):
+    return math.inf
+  return worst([rel_rms(state.keys, ref.keys), rel_rms(state.values, ref.values)])
+
+
+def check_ovq_case(case: "ovq_cases.Case", grads: bool = True) -> list[dict]:
+  """The OVQ rows of one case (see :func:`make_row`); the first also holds the ``timings``."""
+  q, k, v, beta = case.inputs()
+  cfg, tol = case.cfg, TOLERANCES_F32
+  timings = {}
+  name = f"ovq {case.name}"
+  oracle = jax.jit(ovq_attention_reference, static_argnums=4)
+  ref_y, ref_state = _timed(timings, "oracle", lambda: oracle(q, k, v, beta, cfg))
+  y, state = _timed(timings, "scan", lambda: ovq_attention(q, k, v, beta, cfg))
+  rows = [make_row(name, "oracle vs scan", rel_rms(y, ref_y), _dictionary_error(state, ref_state),
+                   tol["output"])]
+  half = case.seq_len // 2
+  cache = ovq_init_cache(cfg, batch=case.batch, heads=case.heads, head_dim=case.head_dim,
+                         value_dim=case.value_dim, max_len=case.seq_len)
+  y0, cache = jax.jit(ovq_prefill, static_argnums=4)(q[:, :half], k[:, :half], v[:, :half],
+                                                      beta, cfg, cache)
+  step = jax.jit(ovq_decode_step, static_argnums=4)
+  outs = [y0]
+  for t in range(half, case.seq_len):
+    s = slice(t, t + 1)
+    y_t, cache = step(q[:, s], k[:, s], v[:, s], beta, cfg, cache)
+    outs.append(y_t)
+  rows.append(make_row(name, "scan vs prefill+decode", rel_rms(jnp.concatenate(outs, 1), y), None,
+                       tol["output"]))
+  if grads:
+    w = jnp.cos(jnp.arange(case.value_dim, dtype=jnp.float32))
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a, cfg)[0] * w)
+    err = _gradient_error(loss(ovq_attention), loss(ovq_attention_reference), (q, k, v, beta),
+                          (0, 1, 2, 3))
+    rows.append(make_row(name, "grads scan vs oracle", err, None, tol["grad"]))
+  rows[0]["timings"] = timings
+  return rows
+
+
+def check_rwkv7_case(case: "rwkv7_cases.Case", grads: bool = True) -> list[dict]:
+  """The RWKV-7 rows of one case (see :func:`make_row`); the first also holds the ``timings``."""
+  inputs, h0 = case.inputs()
+  tol = TOLERANCES_F32
+  timings = {}
+  name = f"rwkv7 {case.name}"
+  chunked = jax.jit(rwkv7_recurrence, static_argnames="chunk_size")
+  ref_o, ref_h = _timed(timings, "oracle", lambda: jax.jit(rwkv7_recurrence_reference)(
+      *inputs, initial_state=h0))
+  o, h = _timed(timings, "chunked", lambda: chunked(*inputs, initial_state=h0,
+                                                    chunk_size=case.chunk_size))
+  rows = [make_row(name, "oracle vs chunked", rel_rms(o, ref_o), rel_rms(h, ref_h), tol["output"])]
+  half = case.seq_len // 2
+  o0, state = chunked(*(x[:, :half] for x in inputs), initial_state=h0,
+                      chunk_size=case.chunk_size)
+  step = jax.jit(rwkv7_step)
+  outs = [o0]
+  for t in range(half, case.seq_len):
+    o_t, state = step(*(x[:, t] for x in inputs), state)
+    outs.append(o_t[:, None])
+  rows.append(make_row(name, "chunked vs prefill+steps", rel_rms(jnp.concatenate(outs, 1), o),
+                       rel_rms(state, h), tol["output"]))
+  if grads:
+    w = jnp.cos(jnp.arange(case.value_dim, dtype=jnp.float32))
+    start = h0 if h0 is not None else jnp.zeros(ref_h.shape, jnp.float32)
+
+    def loss(fn):
+      return lambda *a: jnp.sum(fn(*a[:6], initial_state=a[6])[0] * w)
+    err = _gradient_error(
+        loss(lambda *a, initial_state: rwkv7_recurrence(*a, initial_state=initial_state,
+                                                        chunk_size=case.chunk_size)),
+        loss(rwkv7_recurrence_reference), (*inputs, start), tuple(range(7)))
+    rows.append(make_row(name, "grads chunked vs oracle", err, None, tol["grad"]))
+  rows[0]["timings"] = timings
+  return rows
+
+
 def format_table(rows: Sequence[dict]) -> str:
   width = max([24] + [len(r["case"]) for r in rows])
   head = (f"{'case':<{width}} {'comparison':<26} {'output rel':>11} {'state rel':>10} "
@@ -169,10 +280,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--size", choices=SIZES, default="small",
                  help="small: C=8, D=16, T=75 (seconds, any machine); paper: C=256, D=128, "
                       "T=2048 (for GPU/TPU)")
-  p.add_argument("--no-grads", action="store_true", help="skip the gradient comparison")
+  p.add_argument("--no-grads", action="store_true", help="skip the gradient comparisons")
   p.add_argument("--cases", default="",
-                 help="comma-separated case numbers to run (1-based; default: all)")
+                 help="comma-separated numbers of the KVM cases to run (1-based; default: all)")
+  p.add_argument("--ops", default=",".join(OPS),
+                 help="comma-separated ops to check: kvm (the KVM op: oracle, XLA scan, Pallas, "
+                      "decode), ovq and rwkv7 (the paper's baselines: oracle, fast path, decode); "
+                      "default: all three")
   args = p.parse_args(argv)
+  ops = [op for op in args.ops.split(",") if op]
+  unknown = sorted(set(ops) - set(OPS))
+  if unknown or not ops:
+    raise SystemExit(f"--ops: expected some of {list(OPS)}, got {args.ops!r}")
   all_cases = cases(args.size)
   chosen = all_cases
   if args.cases:
@@ -184,12 +303,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   print(f"kvm-check on {jax.devices()[0].device_kind} ({current_platform()}), jax "
         f"{jax.__version__}; Pallas kernels {mode}; size {args.size}", flush=True)
   rows = []
-  for case in chosen:
+  report = lambda case_rows, what: print(
+      f"  checked: {what}; jitted run after compile: "
+      + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in case_rows[0]["timings"].items()),
+      flush=True)
+  for case in chosen if "kvm" in ops else ():
     case_rows = check_case(case, grads=not args.no_grads)
     rows.extend(case_rows)
-    times = ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in case_rows[0]["timings"].items())
-    print(f"  checked: {case.name} (T={case.seq_len}, C={case.cfg.chunk_size}, "
-          f"D={case.head_dim}, {case.dtype}); jitted run after compile: {times}", flush=True)
+    report(case_rows, f"{case.name} (T={case.seq_len}, C={case.cfg.chunk_size}, "
+                      f"D={case.head_dim}, {case.dtype})")
+  for case in ovq_cases.select(f"check-{args.size}") if "ovq" in ops else ():
+    case_rows = check_ovq_case(case, grads=not args.no_grads)
+    rows.extend(case_rows)
+    report(case_rows, f"ovq {case.name} (T={case.seq_len}, C={case.cfg.chunk_size}, "
+                      f"M={case.cfg.max_centroids}, D={case.head_dim})")
+  for case in rwkv7_cases.select(f"check-{args.size}") if "rwkv7" in ops else ():
+    case_rows = check_rwkv7_case(case, grads=not args.no_grads)
+    rows.extend(case_rows)
+    report(case_rows, f"rwkv7 {case.name} (T={case.seq_len}, L={case.chunk_size}, "
+                      f"Dk={case.key_dim}, Dv={case.value_dim})")
   print(format_table(rows))
   failed = [r for r in rows if not r["ok"]]
   print(f"\n{len(rows) - len(failed)}/{len(rows)} checks passed")

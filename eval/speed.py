@@ -18,6 +18,12 @@ crossover length where KVM prefill first beats full attention, and the decode-ca
 from the arrays (state + window) against the full KV cache, and the bytes one decode step moves:
 XLA's count for the compiled step (``cost_analysis()["bytes accessed"]``) next to the minimum the
 step must read and write (:func:`kvm_decode_min_bytes`, :func:`full_decode_min_bytes`).
+
+``--baselines ovq,rwkv7`` adds the paper's two other recurrent arms at the same shapes: OVQ
+(``kvm_jax.ops.ovq``: chunks of 256, at most 1024 centroids; its cache is the dictionary plus the
+current chunk) and RWKV-7's recurrence (``kvm_jax.ops.rwkv7``: a ``H·D·D`` float32 state whatever
+T, so its decode step moves the same bytes at every length; :func:`ovq_decode_min_bytes`,
+:func:`rwkv7_decode_min_bytes`).
 ``--paper`` uses the paper's B=8, H=32, D=128, bf16 (an accelerator is needed for that); CPU
 defaults finish in minutes.
 
@@ -46,18 +52,25 @@ from flax import nnx
 import kvm_jax as kj
 from kvm_jax.config import KVM_IMPLEMENTATIONS
 from kvm_jax.eval.timing import (full_attention_impl, median_ms, time_full_decode,
-                                 time_kvm_decode)
+                                 time_kvm_decode, time_ovq_decode, time_rwkv7_decode)
 from kvm_jax.generate import prefill_logits, sample_step
 from kvm_jax.kernels import anchor
 from kvm_jax.kernels.backend import KernelConfig
 from kvm_jax.kernels.readout import joint_attention_pallas
 from kvm_jax.ops.common import joint_attention, tree_nbytes, window_mask
 from kvm_jax.ops.kvm.cases import random_inputs
+from kvm_jax.ops.ovq.config import OVQConfig
+from kvm_jax.ops.ovq.scan import ovq_attention
+from kvm_jax.ops.rwkv7.cases import time_mix_inputs
+from kvm_jax.ops.rwkv7.chunked import rwkv7_recurrence
 
 BUDGETS = {
     "fixed256": lambda: kj.FixedBudget(256),
     "sqrt16": lambda: kj.PowerLawBudget(16.0, 0.5, min_rows=256),
 }
+BASELINES = ("ovq", "rwkv7")
+OVQ = OVQConfig()  # the paper's layer: chunks of 256, at most 1024 centroids
+RWKV7_CHUNK = 64
 
 
 def bench_rope_dims(head_dim: int) -> int:
@@ -96,6 +109,59 @@ def time_prefill_backward(T, args, dtype, phases):
       row["backward_ms"] = median_ms(grad, q, k, v, repeats=args.repeats)
     out[name] = row
   return out
+
+
+def baseline_inputs(T, args, dtype):
+  """Inputs of the baselines at the benchmark's shapes: OVQ's L2-normalized q, k, its v and
+  beta = 1; RWKV-7's r, w, k, v, a, b as its time mix makes them."""
+  q, k, v, _ = random_inputs(T, args.batch, T, args.heads, args.heads, args.head_dim,
+                             args.head_dim, dtype)
+  unit = lambda x: (x / jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
+                    ).astype(dtype)
+  beta = jnp.ones((args.heads,), jnp.float32)
+  rwkv = tuple(x.astype(dtype) for x in time_mix_inputs(
+      args.batch, T, args.heads, args.head_dim, args.head_dim, seed=T))
+  return (unit(q), unit(k), v, beta), rwkv
+
+
+def time_baselines_prefill_backward(T, args, dtype, phases):
+  """Prefill and backward ms of each ``--baselines`` arm."""
+  ovq_in, rwkv_in = baseline_inputs(T, args, dtype)
+  arms = {"ovq": (lambda q, k, v, b: ovq_attention(q, k, v, b, OVQ)[0], ovq_in),
+          "rwkv7": (lambda *x: rwkv7_recurrence(*x, chunk_size=RWKV7_CHUNK)[0], rwkv_in)}
+  out = {}
+  for arm in args.baselines:
+    fn, inputs = arms[arm]
+    out[arm] = {}
+    if "prefill" in phases:
+      out[arm]["prefill_ms"] = median_ms(jax.jit(fn), *inputs, repeats=args.repeats)
+    if "backward" in phases:
+      w = jax.random.normal(jax.random.PRNGKey(2), inputs[2].shape, dtype)
+      grad = jax.jit(jax.grad(lambda *x: jnp.sum(fn(*x).astype(jnp.float32) * w),
+                              argnums=tuple(range(len(inputs) if arm == "rwkv7" else 3))))
+      out[arm]["backward_ms"] = median_ms(grad, *inputs, repeats=args.repeats)
+  return out
+
+
+def ovq_decode_min_bytes(cfg: OVQConfig, T: int, n: int, B: int, H: int, D: int, Dv: int,
+                         itemsize: int) -> float:
+  """Bytes one OVQ decode step must read and write, averaged over positions T..T+n-1 (no fold):
+  the dictionary rows that exist at the start of the token's chunk (keys, values, counts; float32)
+  and the chunk's earlier tokens (float32 keys and values) read once, the token's q, k, v in and
+  y out, its k and v written into the chunk buffer."""
+  C = cfg.chunk_size
+  token = B * H * (2 * D + Dv + Dv) * itemsize + B * H * (D + Dv) * 4
+  total = 0.0
+  for t in range(T, T + n):
+    rows = cfg.dictionary_size(t // C * C)
+    total += B * H * (rows * (D + Dv + 1) + (t % C) * (D + Dv)) * 4 + token
+  return total / n
+
+
+def rwkv7_decode_min_bytes(B: int, H: int, K: int, V: int, itemsize: int) -> float:
+  """Bytes one RWKV-7 step must read and write whatever the position: the float32 state
+  ``[H, K, V]`` read and written, the token's r, w, k, a, b ``[H, K]`` and v ``[H, V]`` in, o out."""
+  return B * H * (2 * K * V * 4 + (5 * K + 2 * V) * itemsize)
 
 
 def kvm_prefill_work(cfg: kj.KVMConfig, T: int, B: int, H: int, Hkv: int, D: int, Dv: int,
@@ -170,6 +236,21 @@ def time_decode(T, args, dtype):
   out["full"] = {"decode_ms": statistics.fmean(times), "cache_bytes": full_bytes,
                  "decode_bytes_accessed": accessed,
                  "decode_min_bytes": full_decode_min_bytes(T, n, **sizes)}
+  if args.baselines:
+    ovq_in, rwkv_in = baseline_inputs(T + n, args, dtype)
+    B, H, D = args.batch, args.heads, args.head_dim
+    item = jnp.dtype(dtype).itemsize
+  if "ovq" in args.baselines:
+    times, cache, accessed = time_ovq_decode(OVQ, *ovq_in, T, n)
+    out["ovq"] = {"decode_ms": statistics.fmean(times),
+                  "cache_bytes": tree_nbytes(cache), "state_rows": OVQ.dictionary_size(T),
+                  "decode_bytes_accessed": accessed,
+                  "decode_min_bytes": ovq_decode_min_bytes(OVQ, T, n, B, H, D, D, item)}
+  if "rwkv7" in args.baselines:
+    times, state, accessed = time_rwkv7_decode(rwkv_in, T, n, RWKV7_CHUNK)
+    out["rwkv7"] = {"decode_ms": statistics.fmean(times), "cache_bytes": tree_nbytes(state),
+                    "state_rows": D, "decode_bytes_accessed": accessed,
+                    "decode_min_bytes": rwkv7_decode_min_bytes(B, H, D, D, item)}
   return out
 
 
@@ -310,6 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="subset of prefill,decode,backward (default: %(default)s)")
   p.add_argument("--budgets", default="fixed256,sqrt16",
                  help="KVM budgets to time: fixed256, sqrt16 (default: %(default)s)")
+  p.add_argument("--baselines", default="",
+                 help="also time the paper's other recurrent arms at the same shapes: ovq "
+                      "(chunks of 256, <= 1024 centroids) and/or rwkv7 (RWKV-7's recurrence, an "
+                      "O(1) state), comma-separated (default: none)")
   p.add_argument("--implementation", default="xla", choices=KVM_IMPLEMENTATIONS,
                  help="KVM core: the XLA scan or the fused Pallas kernels (compiled on GPU/TPU, "
                       "interpreted — slow, for checking only — on CPU) (default: %(default)s)")
@@ -344,6 +429,11 @@ def main(argv=None) -> int:
   for b in args.budgets:
     if b not in BUDGETS:
       raise SystemExit(f"--budgets: unknown {b!r}; choose from {list(BUDGETS)}.")
+  args.baselines = [b for b in args.baselines.split(",") if b]
+  for b in args.baselines:
+    if b not in BASELINES:
+      raise SystemExit(f"--baselines: unknown {b!r}; choose from {list(BASELINES)}.")
+  arms = args.budgets + args.baselines
   phases = set(p for p in args.phases.split(",") if p)
   if not phases <= {"prefill", "decode", "backward"}:
     raise SystemExit(f"--phases: unknown {sorted(phases - {'prefill', 'decode', 'backward'})}.")
@@ -369,6 +459,8 @@ def main(argv=None) -> int:
     if phases & {"prefill", "backward"}:
       for arm, r in time_prefill_backward(T, args, dtype, phases).items():
         row.update({f"{arm}_{k}": v for k, v in r.items()})
+      for arm, r in time_baselines_prefill_backward(T, args, dtype, phases).items():
+        row.update({f"{arm}_{k}": v for k, v in r.items()})
     if "decode" in phases:
       for arm, r in time_decode(T, args, dtype).items():
         row.update({f"{arm}_{k}": v for k, v in r.items()})
@@ -380,7 +472,7 @@ def main(argv=None) -> int:
     for phase in ("prefill", "backward", "decode"):
       if f"full_{phase}_ms" in row:
         ratios = " ".join(f"{b} {row[f'full_{phase}_ms'] / row[f'{b}_{phase}_ms']:.2f}x"
-                          for b in args.budgets)
+                          for b in arms)
         cells.append(f"{phase}: full {row[f'full_{phase}_ms']:.2f} ms, {ratios}")
     if "prefill" in phases:
       for b in args.budgets:
@@ -406,14 +498,14 @@ def main(argv=None) -> int:
     print("decode cache bytes at T (measured from the arrays):")
     for r in rows:
       print(f"  T={r['T']:>6}  full {r['full_cache_bytes']:>13,}  " + "  ".join(
-          f"{b} {r[f'{b}_cache_bytes']:>11,} ({r[f'{b}_state_rows']} rows)" for b in args.budgets))
+          f"{b} {r[f'{b}_cache_bytes']:>11,} ({r[f'{b}_state_rows']} rows)" for b in arms))
     print("decode bytes per step: XLA's count for the compiled step (KVM: both branches of the "
           "chunk-boundary fold included) [the token's attention over the cache alone: what a step "
           "between folds moves, and its ratio to the minimum] / the minimum the step must move "
           "(ratio):")
     for r in rows:
       print(f"  T={r['T']:>6}  " + "  ".join(
-          f"{arm} {decode_bytes_cell(r, arm)}" for arm in ["full"] + args.budgets))
+          f"{arm} {decode_bytes_cell(r, arm)}" for arm in ["full"] + arms))
   model_rows = []
   for name in (m for m in args.models.split(",") if m):
     r = time_model_decode(name, args.model_context, args.decode_steps, args.batch, args.dtype)
@@ -434,7 +526,7 @@ def main(argv=None) -> int:
     shown = [p for p in ("prefill", "backward", "decode") if p in phases]
     fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
     for ax, phase in zip(axes[0], shown):
-      for arm in ["full"] + args.budgets:
+      for arm in ["full"] + arms:
         ax.plot([r["T"] for r in rows], [r[f"{arm}_{phase}_ms"] for r in rows], "o-", label=arm)
       ax.set_xscale("log", base=2)
       ax.set_yscale("log")

@@ -1,7 +1,7 @@
 """Measurement primitives of the speed benchmarks (``kvm-bench``, ``kvm-bench-core``): wall-time
-medians after warm-up, per-step decode timings of KVM and of full attention over a preallocated KV
-cache (with XLA's count of the bytes the compiled step accesses), and the strongest stock attention
-per backend. No timing is ever asserted in a test; the benchmarks print ratios against a baseline
+medians after warm-up, per-step decode timings of KVM, of full attention over a preallocated KV
+cache and of the OVQ and RWKV-7 baselines (with XLA's count of the bytes the compiled step
+accesses), and the strongest stock attention per backend. No timing is ever asserted in a test; the benchmarks print ratios against a baseline
 measured in the same run."""
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from kvm_jax.ops.common import current_platform
 from kvm_jax.ops.kvm.api import kvm_decode_step, kvm_prefill
 from kvm_jax.ops.kvm.decode import cached_readout, decode_attention, kvm_init_cache
 from kvm_jax.ops.kvm.state import temperatures
+from kvm_jax.ops.ovq.decode import ovq_decode_step, ovq_init_cache, ovq_prefill
+from kvm_jax.ops.rwkv7.chunked import rwkv7_recurrence, rwkv7_step
 
 
 def sample_ms(fn, *args, repeats: int, warmup: int = 1) -> list[float]:
@@ -150,3 +152,30 @@ def time_full_decode(q, k, v, T: int, n: int, return_bytes_accessed: bool = Fals
   if return_bytes_accessed:
     return times, cache_bytes, bytes_accessed(compiled)
   return times, cache_bytes
+
+
+def time_ovq_decode(cfg, q, k, v, beta, T: int, n: int):
+  """(per-step ms, final cache, :func:`bytes_accessed` of the compiled step) of n OVQ decode steps
+  after prefilling T tokens (``q``, ``k`` L2-normalized ``[B, T + n, H, D]``)."""
+  B, _, H, D = q.shape
+  cache = ovq_init_cache(cfg, batch=B, heads=H, head_dim=D, value_dim=v.shape[3], max_len=T + n)
+  _, cache = jax.jit(ovq_prefill, static_argnums=4)(q[:, :T], k[:, :T], v[:, :T], beta, cfg,
+                                                    cache)
+  step = jax.jit(lambda q, k, v, c: ovq_decode_step(q, k, v, beta, cfg, c), donate_argnums=(3,))
+  token = lambda t: (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1])
+  compiled = step.lower(*token(T), cache).compile()
+  times, cache = timed_steps(compiled, token, cache, T, n)
+  return times, cache, bytes_accessed(compiled)
+
+
+def time_rwkv7_decode(inputs, T: int, n: int, chunk_size: int = 64):
+  """(per-step ms, final state, :func:`bytes_accessed` of the compiled step) of n RWKV-7
+  recurrence steps after a chunk-parallel prefill of T tokens (``inputs``: r, w, k, v, a, b
+  ``[B, T + n, H, ·]``)."""
+  _, state = jax.jit(rwkv7_recurrence, static_argnames="chunk_size")(
+      *(x[:, :T] for x in inputs), chunk_size=chunk_size)
+  step = jax.jit(rwkv7_step, donate_argnums=(6,))
+  token = lambda t: tuple(x[:, t] for x in inputs)
+  compiled = step.lower(*token(T), state).compile()
+  times, state = timed_steps(compiled, token, state, T, n)
+  return times, state, bytes_accessed(compiled)

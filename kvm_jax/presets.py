@@ -189,12 +189,14 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {f.__name__: f for f in (
 
 
 # The options of tiny(): KVM with C=8, L=16; SWA over 12 tokens with full RoPE; BSWA like KVM's
-# window with one sink.
+# window with one sink; OVQ chunks of 8 with at most 12 centroids; RWKV-7 chunks of 16.
 TINY_OPTIONS = {
     "kvm": KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1, rope_dims=8,
                      budget=PowerLawBudget(4.0, 0.5, min_rows=8)),
     "swa": SWAOptions(window=12, rope_dims=16),
     "bswa": BSWAOptions(chunk_size=8, window_chunks=2, sink_rows=1),
+    "ovq": OVQConfig(chunk_size=8, max_centroids=12),
+    "rwkv7": RWKV7Options(chunk_size=16),
 }
 
 

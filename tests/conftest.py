@@ -157,8 +157,9 @@ def random_parameter(names: list[str], shape: tuple, rng: np.random.Generator) -
   """A value for the parameter at path ``names``: every one random and far from its
   initialization (zero-initialized projections included, like conftest's ``make_model``), at
   scales that keep activations O(1): kernels N(0, 1/fan_in), LayerNorms 1 + 0.1·N / 0.1·N, token
-  shift mixes U(0, 1), v_gate0 0.5·N (sigmoid gates spread around 1/2), KVM temperatures
-  U(0.5, 1.5) so that a missing or misplaced temperature shows."""
+  shift mixes U(0, 1), v_gate0 0.5·N (sigmoid gates spread around 1/2), KVM temperatures and OVQ's
+  beta U(0.5, 1.5) so that a missing or misplaced temperature shows; RWKV-7's biases w0, a0, v0
+  0.5·N, k_k U(0, 1), k_a U(0.5, 1.5), r_k 0.3·N."""
   leaf, owner = names[-1], names[-2]
   if leaf == "kernel":
     return rng.normal(size=shape) / np.sqrt(shape[0])
@@ -166,12 +167,14 @@ def random_parameter(names: list[str], shape: tuple, rng: np.random.Generator) -
     return 1.0 + 0.1 * rng.normal(size=shape)
   if leaf == "bias":
     return 0.1 * rng.normal(size=shape)
-  if leaf in ("x_q", "x_k", "x_v"):
+  if leaf in ("x_q", "x_k", "x_v", "x_r", "x_w", "x_a", "x_g", "k_k"):
     return rng.uniform(0.0, 1.0, shape)
-  if leaf == "v_gate0":
+  if leaf in ("v_gate0", "w0", "a0", "v0"):
     return 0.5 * rng.normal(size=shape)
-  if leaf in ("window_temperature", "state_temperature"):
+  if leaf in ("window_temperature", "state_temperature", "beta", "k_a"):
     return rng.uniform(0.5, 1.5, shape)
+  if leaf == "r_k":
+    return 0.3 * rng.normal(size=shape)
   if owner == "wte":
     return rng.normal(size=shape)
   raise AssertionError(f"no test value for parameter {'/'.join(names)}")

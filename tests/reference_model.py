@@ -1,4 +1,5 @@
-"""An independent float64 oracle of the GPTAlpha-2 language model, written from docs/kvm-spec.md.
+"""An independent float64 oracle of the GPTAlpha-2 language model, written from docs/kvm-spec.md
+(and docs/ovq-rwkv7.md for the OVQ and RWKV-7 baselines).
 
 Everything here follows the written specification (§4 backbone, §5 RoPE, §6.1-§6.7 and §6.10 KVM
 layer, §11 traps), not the project's modules: this file imports nothing from ``kvm_jax``, only
@@ -306,6 +307,150 @@ def kvm_mixer(p: dict, x: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarra
   return y
 
 
+# -- OVQ (docs/ovq-rwkv7.md, "OVQ") ------------------------------------------------------------------
+
+def ovq_dictionary_size(ovq: dict, tokens: int) -> int:
+  """Rows after ``tokens`` tokens: floor(t·M / (t + M)), or min(t, M) with ``min_state_size``."""
+  M = ovq["max_centroids"]
+  if tokens <= 0:
+    return 0
+  return min(tokens, M) if ovq["min_state_size"] else min(math.floor(tokens * M / (tokens + M)), M)
+
+
+def ovq_head(q: np.ndarray, k: np.ndarray, v: np.ndarray, beta: float, ovq: dict) -> np.ndarray:
+  """OVQ over one (batch element, head): q, k [T, D] (L2-normalized), v [T, Dv]. Returns
+  [T, Dv]. The dictionary grows by concatenation; each centroid is recomputed as the running mean
+  of everything assigned to it."""
+  T, D = q.shape
+  C = ovq["chunk_size"]
+  scale = beta * math.sqrt(D)
+  keys, values, counts = np.zeros((0, D)), np.zeros((0, v.shape[1])), np.zeros(0)
+  y = np.zeros((T, v.shape[1]))
+  size = 0
+  for s in range(0, T, C):
+    e = min(T, s + C)
+    n = e - s
+    own = (q[s:e] * scale) @ k[s:e].T
+    dictionary = (q[s:e] * scale) @ keys.T
+    if ovq["count_bias"]:
+      dictionary = dictionary + np.log(counts)[None, :]
+    scores = np.concatenate([dictionary, own], axis=1)
+    visible = np.concatenate([np.ones((n, len(counts)), bool), causal_mask(n)], axis=1)
+    w = softmax_rows(scores, visible)
+    y[s:e] = w @ np.concatenate([values, v[s:e]])
+    # fold the chunk in
+    size = max(size, ovq_dictionary_size(ovq, e))
+    n_new = size - len(counts)
+    if len(counts) == 0:
+      nearest = np.zeros(n, int)
+      likeness = k[s:e] @ k[s]
+      likeness[0] = np.inf
+      first, opened = 0 + 1, n_new - 1
+    else:
+      sims = k[s:e] @ keys.T
+      nearest, likeness = sims.argmax(1), sims.max(1)
+      first, opened = len(counts), n_new
+    target = nearest.copy()
+    for rank, token in enumerate(np.argsort(likeness, kind="stable")[:max(opened, 0)]):
+      target[token] = first + rank
+    if ovq["delta_rule"]:
+      if len(counts):
+        bias = np.log(counts)[None, :] if ovq["count_bias"] else 0.0
+        weights = softmax_rows((k[s:e] * scale) @ keys.T + bias, np.ones((n, len(counts)), bool))
+        predicted = weights @ values
+      else:
+        predicted = np.zeros((n, v.shape[1]))
+    keys = np.concatenate([keys, np.zeros((n_new, D))])
+    values = np.concatenate([values, np.zeros((n_new, v.shape[1]))])
+    counts = np.concatenate([counts, np.zeros(n_new)])
+    for row in range(size):
+      members = np.flatnonzero(target == row)
+      if members.size == 0:
+        continue
+      total = counts[row] + members.size
+      keys[row] = (counts[row] * keys[row] + k[s:e][members].sum(0)) / total
+      if ovq["delta_rule"]:
+        values[row] = values[row] + (v[s:e][members] - predicted[members]).sum(0) / total
+      else:
+        values[row] = (counts[row] * values[row] + v[s:e][members].sum(0)) / total
+      counts[row] = total
+    if ovq["normalize_centroids"]:
+      keys = normalize(keys)
+      if not ovq["delta_rule"]:
+        values = normalize(values)
+  return y
+
+
+def ovq_mixer(p: dict, q: np.ndarray, k: np.ndarray, v: np.ndarray, ovq: dict) -> np.ndarray:
+  """OVQ attention of a layer on the front end's q [B, T, H, D], k, v (no QK-LN, no RoPE):
+  queries and keys L2-normalized as x / (‖x‖ + 1e-5). Returns [B, T, H, Dv]."""
+  unit = lambda x: x / (np.linalg.norm(x, axis=-1, keepdims=True) + 1e-5)
+  q, k = unit(q), unit(k)
+  B, T, H, _ = q.shape
+  y = np.zeros((B, T, H, v.shape[-1]))
+  for b in range(B):
+    for h in range(H):
+      y[b, :, h] = ovq_head(q[b, :, h], k[b, :, h], v[b, :, h], p["beta"][h], ovq)
+  return y
+
+
+# -- RWKV-7 (docs/ovq-rwkv7.md, "RWKV-7") ---------------------------------------------------------
+
+def group_norm(x: np.ndarray, p: dict, groups: int, eps: float) -> np.ndarray:
+  """torch GroupNorm over the channels of x [B, T, C]: each of ``groups`` contiguous groups
+  normalized on its own, then a weight and bias per channel."""
+  B, T, C = x.shape
+  g = x.reshape(B, T, groups, C // groups)
+  mu = g.mean(-1, keepdims=True)
+  var = ((g - mu) ** 2).mean(-1, keepdims=True)
+  return ((g - mu) / np.sqrt(var + eps)).reshape(B, T, C) * p["scale"] + p["bias"]
+
+
+def rwkv7_shifted(p: dict, x: np.ndarray, name: str, cfg: dict) -> np.ndarray:
+  """x + (x_{t-1} - x_t) ⊙ x_name, with x_{-1} = 0 (the input itself without token shift)."""
+  if not cfg["tokenshift_attention"]:
+    return x
+  previous = np.concatenate([np.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+  return x + (previous - x) * p[f"x_{name}"]
+
+
+def rwkv7_anchor(p: dict, x: np.ndarray, cfg: dict) -> np.ndarray:
+  """v_first of an RWKV-7 model: the first layer's value projection of its shifted input."""
+  return linear(rwkv7_shifted(p, x, "v", cfg), p["value"])
+
+
+def rwkv7_layer(p: dict, x: np.ndarray, v_first: np.ndarray, cfg: dict) -> np.ndarray:
+  """RWKV-7's time mix on x [B, T, C] (the LN_attn output), output projection included."""
+  B, T, C = x.shape
+  H = cfg["num_heads"]
+  N = C // H
+  shifted = {name: rwkv7_shifted(p, x, name, cfg) for name in "rwkvag"}
+  lora = lambda name, z, inner=lambda u: u: linear(inner(linear(z, p[f"{name}1"])), p[f"{name}2"])
+  softplus = lambda z: np.logaddexp(0.0, z)
+  r = linear(shifted["r"], p["receptance"])
+  w = -np.exp(-softplus(-(p["w0"] + lora("w", shifted["w"], np.tanh))) - 0.5)
+  k = linear(shifted["k"], p["key"])
+  v = linear(shifted["v"], p["value"])
+  v = v + (v_first - v) * sigmoid(p["v0"] + lora("v", shifted["v"]))
+  a = sigmoid(p["a0"] + lora("a", shifted["a"]))
+  g = linear(sigmoid(linear(shifted["g"], p["g1"])), p["g2"])
+  heads = lambda z: z.reshape(B, T, H, N)
+  kk = normalize(heads(k * p["k_k"]))
+  k = k * (1 + (a - 1) * p["k_a"])
+  r, w, k, v, a = map(heads, (r, w, k, v, a))
+  out = np.zeros((B, T, H, N))
+  for b in range(B):
+    for h in range(H):
+      S = np.zeros((N, N))                                      # [Dv, Dk]
+      for t in range(T):
+        transition = np.diag(np.exp(w[b, t, h])) + np.outer(-kk[b, t, h], kk[b, t, h] * a[b, t, h])
+        S = S @ transition + np.outer(v[b, t, h], k[b, t, h])
+        out[b, t, h] = S @ r[b, t, h]
+  out = group_norm(out.reshape(B, T, C), p["ln_x"], H, 64e-5)
+  bonus = (r * k * p["r_k"]).sum(-1, keepdims=True) * v
+  return linear((out + bonus.reshape(B, T, C)) * g, p["output"])
+
+
 # -- attention front end, MLP, blocks, LM (§4) -----------------------------------------------------
 
 def front_end(p: dict, x: np.ndarray, v_first: np.ndarray, cfg: dict, rotary: int):
@@ -320,8 +465,9 @@ def front_end(p: dict, x: np.ndarray, v_first: np.ndarray, cfg: dict, rotary: in
     q = token_shift(q, p["x_q"], "first")
     k = token_shift(k, p["x_k"], "first")
     v = token_shift(v, p["x_v"], "first")
-  q = layer_norm(q.reshape(B, T, H, D), p["ln_q"])      # QK-LN over the head dim, shared by heads
-  k = layer_norm(k.reshape(B, T, Hkv, D), p["ln_k"])
+  q, k = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D)
+  if "ln_q" in p:  # QK-LN over the head dim, shared by heads (OVQ layers have none)
+    q, k = layer_norm(q, p["ln_q"]), layer_norm(k, p["ln_k"])
   v = v.reshape(B, T, Hkv, Dv)
   return rope(q, rotary, cfg["rope_theta"]), rope(k, rotary, cfg["rope_theta"]), v
 
@@ -330,7 +476,9 @@ def attention_layer(p: dict, x: np.ndarray, v_first: np.ndarray, kind: str, cfg:
                     log: Optional[list]) -> np.ndarray:
   """One mixer on x [B, T, C_model] (the LN_attn output), through c_proj: [B, T, C_model]."""
   T = x.shape[1]
-  rotary = cfg["swa_rope_dims"] if kind == "swa" else cfg["rope_dims"]
+  if kind == "rwkv7":
+    return rwkv7_layer(p, x, v_first, cfg)
+  rotary = {"swa": cfg["swa_rope_dims"], "ovq": 0}.get(kind, cfg["rope_dims"])
   q, k, v = front_end(p, x, v_first, cfg, rotary)
   if kind == "full":
     y = masked_attention(q, k, v, causal_mask(T))
@@ -342,8 +490,10 @@ def attention_layer(p: dict, x: np.ndarray, v_first: np.ndarray, kind: str, cfg:
                                                     cfg["bswa_sink_rows"]))
   elif kind == "kvm":
     y = kvm_mixer(p, x, q, k, v, cfg["kvm"], log)
+  elif kind == "ovq":
+    y = ovq_mixer(p, q, k, v, cfg["ovq"])
   else:
-    raise ValueError(f"mixer {kind!r}: choose 'full', 'swa', 'bswa' or 'kvm'.")
+    raise ValueError(f"mixer {kind!r}: choose 'full', 'swa', 'bswa', 'kvm', 'ovq' or 'rwkv7'.")
   return linear(y.reshape(*x.shape[:2], -1), p["c_proj"])
 
 
@@ -371,7 +521,9 @@ def lm_logits(params: dict, cfg: dict, tokens: np.ndarray, log: Optional[list] =
   ``swa_window``, ``bswa_chunk_size``, ``bswa_window_chunks``, ``bswa_sink_rows``,
   ``tokenshift_attention``, ``tokenshift_mlp``, ``value_residual``, ``share_value_anchor``, and
   ``kvm``: ``chunk_size``, ``window_chunks``, ``sink_rows``, ``rope_dims``, ``budget`` (see
-  :func:`budget_target`), ``max_state_rows`` and the flags of :func:`check_kvm_flags`.
+  :func:`budget_target`), ``max_state_rows`` and the flags of :func:`check_kvm_flags`; ``ovq``:
+  ``chunk_size``, ``max_centroids``, ``min_state_size``, ``count_bias``, ``normalize_centroids``,
+  ``delta_rule``.
   ``log`` receives one dict per KVM state update (layer order, then batch, KV head, chunk).
   """
   blocks, s = params["blocks"], cfg["residual_scale"]
@@ -380,7 +532,9 @@ def lm_logits(params: dict, cfg: dict, tokens: np.ndarray, log: Optional[list] =
   for i in range(len(cfg["mixers"])):
     a = anchor_layer(cfg, i)
     if a not in anchors:
-      anchors[a] = linear(layer_norm(x0, blocks[a]["ln_attn"]), blocks[a]["attn"]["c_v"])
+      x_a = layer_norm(x0, blocks[a]["ln_attn"])
+      anchors[a] = (rwkv7_anchor(blocks[a]["attn"], x_a, cfg) if cfg["mixers"][a] == "rwkv7"
+                    else linear(x_a, blocks[a]["attn"]["c_v"]))
   x = x0
   for i, kind in enumerate(cfg["mixers"]):
     blk = blocks[i]

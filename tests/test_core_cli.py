@@ -68,19 +68,43 @@ def _nan_values(real):
 
 def test_kvm_check_exit_status_end_to_end(monkeypatch, capsys):
   # Both runs use case 1 so that the second reuses the first's compiled programs.
-  assert check.main(["--cases", "1", "--no-grads"]) == 0
+  assert check.main(["--cases", "1", "--no-grads", "--ops", "kvm"]) == 0
   out = capsys.readouterr().out
   assert "3/3 checks passed" in out and "FAIL" not in out
   assert re.search(r"xla vs pallas .* same .*PASS", out)
 
   monkeypatch.setattr(check, "kvm_attention_reference", _nan_values(check.kvm_attention_reference))
-  assert check.main(["--cases", "1", "--no-grads"]) == 1
+  assert check.main(["--cases", "1", "--no-grads", "--ops", "kvm"]) == 1
   out = capsys.readouterr().out
   assert re.search(r"oracle vs xla +\S+ +nan .*FAIL", out), out
   assert "2/3 checks passed" in out
   assert "FAIL fixed, sink 1 / oracle vs xla: state error is NaN (NaN in a result)" in out
   # The other comparisons do not involve the oracle and still pass.
   assert re.search(r"xla vs pallas .*PASS", out) and re.search(r"prefill\+decode .*PASS", out)
+
+
+def test_kvm_check_runs_the_baselines(monkeypatch, capsys):
+  """``--ops ovq,rwkv7``: every comparison row of both small cases passes (gradients included);
+  a scan whose dictionary drifts by one centroid count fails its row, and only that row, with
+  exit status 1."""
+  assert check.main(["--ops", "ovq,rwkv7"]) == 0
+  out = capsys.readouterr().out
+  for row in ("oracle vs scan", "scan vs prefill+decode", "grads scan vs oracle",
+              "oracle vs chunked", "chunked vs prefill+steps", "grads chunked vs oracle"):
+    assert re.search(rf"{re.escape(row)} .*PASS", out), row
+  assert "9/9 checks passed" in out
+
+  def drifted(*args, **kwargs):
+    y, state = real(*args, **kwargs)
+    return y, dataclasses.replace(state, counts=state.counts.at[0, 0, 0].add(1.0))
+  real = check.ovq_attention
+  monkeypatch.setattr(check, "ovq_attention", drifted)
+  assert check.main(["--ops", "ovq", "--no-grads"]) == 1
+  out = capsys.readouterr().out
+  assert "state error is inf (the state row counts differ)" in out
+  assert re.search(r"ovq paper_flags +oracle vs scan .*FAIL", out)
+  with pytest.raises(SystemExit, match="--ops: expected some of"):
+    check.main(["--ops", "kvm,lstm"])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -37,10 +37,46 @@ def test_kvm_bench_smoke(tmp_path, capsys):
   assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_kvm_bench_baselines(tmp_path, capsys):
+  """``--baselines ovq,rwkv7``: every phase timed for both arms; RWKV-7's decode cache (its state)
+  and the bytes its step must move do not depend on T, OVQ's dictionary grows with T (the plateau
+  schedule, 204 rows after one chunk of 256) but stays far below the full KV cache."""
+  out = tmp_path / "bench.json"
+  assert speed.main(["--lengths", "512,1024", "--decode-steps", "2", "--repeats", "1",
+                     "--budgets", "fixed256", "--baselines", "ovq,rwkv7", "--heads", "2",
+                     "--head-dim", "16", "--json", str(out)]) == 0
+  text = capsys.readouterr().out
+  rows = json.loads(out.read_text())["rows"]
+  for r in rows:
+    for arm in ("ovq", "rwkv7"):
+      for phase in ("prefill", "backward", "decode"):
+        assert r[f"{arm}_{phase}_ms"] > 0, (arm, phase)
+      assert r[f"{arm}_decode_bytes_accessed"] > 0
+    assert r["rwkv7_cache_bytes"] == 2 * 16 * 16 * 4        # H x Dk x Dv float32, B = 1
+    assert r["ovq_state_rows"] == speed.OVQ.dictionary_size(r["T"])
+  assert [r["ovq_state_rows"] for r in rows] == [341, 512]
+  assert rows[0]["rwkv7_decode_min_bytes"] == rows[1]["rwkv7_decode_min_bytes"]
+  assert rows[1]["ovq_decode_min_bytes"] > rows[0]["ovq_decode_min_bytes"]
+  assert "rwkv7" in text and "ovq" in text
+  with pytest.raises(SystemExit, match="--baselines: unknown 'mamba'"):
+    speed.main(["--baselines", "mamba"])
+
+
+def test_baseline_decode_min_bytes_by_hand():
+  """B = 1, H = 2, D = Dv = 16, float32. RWKV-7: the 16 x 16 state read and written per head, the
+  token's r, w, k, a, b, v in and o out. OVQ at t = 300 (chunk [256, 512)): the 204 rows of the
+  dictionary after one chunk (keys, values, count) and the chunk's 44 earlier tokens (keys and
+  values) read, the token's q, k, v in, y out, k and v written into the chunk buffer."""
+  assert speed.rwkv7_decode_min_bytes(1, 2, 16, 16, 4) == 2 * (2 * 256 * 4 + 7 * 16 * 4)
+  token = 2 * 64 * 4 + 2 * 32 * 4
+  assert speed.ovq_decode_min_bytes(speed.OVQ, 300, 1, 1, 2, 16, 16, 4) == (
+      2 * (204 * 33 + 44 * 32) * 4 + token)
+
+
 def test_whole_model_decode_rate(tmp_path, capsys):
   out = tmp_path / "models.json"
-  assert speed.main(["--phases", "", "--models", "tiny-kvm,tiny-full", "--model-context", "40",
-                     "--decode-steps", "3", "--json", str(out)]) == 0
+  assert speed.main(["--phases", "", "--models", "tiny-kvm,tiny-full,tiny-rwkv7",
+                     "--model-context", "40", "--decode-steps", "3", "--json", str(out)]) == 0
   text = capsys.readouterr().out
   assert "model tiny-kvm" in text and "tok/s" in text
   models = {m["model"]: m for m in json.loads(out.read_text())["models"]}
@@ -49,6 +85,8 @@ def test_whole_model_decode_rate(tmp_path, capsys):
   # tiny-full preallocates K and V for context + steps + 2 positions per layer (4 heads of 16,
   # float32); the KVM cache is state + window and does not store every position.
   assert models["tiny-full"]["cache_bytes_per_layer"][0] >= 2 * 45 * 4 * 16 * 4
+  # RWKV-7: a 16 x 16 float32 state per head, the last layer input (width 64) and the position
+  assert models["tiny-rwkv7"]["cache_bytes_per_layer"][0] == 4 * 16 * 16 * 4 + 64 * 4 + 4
 
 
 def test_kvm_bench_needs_something_to_time():

@@ -35,7 +35,7 @@ from tests.conftest import ROOT, in_ci, model_logits, random_model
 
 DATA = ROOT / "tests" / "data" / "authors"
 FIXTURES = ("kvm_swa_saturating", "full_bswa", "kvm_power_gqa", "swa_kvm_fixed_shared_anchor_bf16",
-            "full_nope_swa")
+            "full_nope_swa", "ovq_swa", "ovq_swa_switches", "rwkv7")
 
 # Agreement with the authors' logits, relative to max |their logit|. In float32 numerics both
 # sides round only float32 operations (observed <= 9e-7 over 14 model families); 1e-5 is the
@@ -56,8 +56,28 @@ _TREE_DEFAULTS = dict(
     num_key_value_heads=None, d_qk_head=None, d_v_head=None, d_head=None, ffn_expansion=4.0,
     alt_layer_every=-1, use_tokenshift_att=0, use_tokenshift_ffn=0, use_value_residual=1,
     gptalpha_token_shift_mode="rwkv", kvm_token_shift_mode="rwkv", swa_token_shift_mode="rwkv",
-    kvm_use_merge_gate_keys=1, kvm_use_merge_gate_values=1, kvm_use_head_temps=1)
-_MODE_PREFIX = {"kvm": "kvm", "gptalpha": "gptalpha", "gptalpha_bswa": "gptalpha", "swa": "swa"}
+    kvm_use_merge_gate_keys=1, kvm_use_merge_gate_values=1, kvm_use_head_temps=1,
+    ovq_token_shift_mode="rwkv")
+_MODE_PREFIX = {"kvm": "kvm", "gptalpha": "gptalpha", "gptalpha_bswa": "gptalpha", "swa": "swa",
+                "ovq": "ovq"}
+
+
+def _rwkv7_state_dict(c: dict, a: str) -> dict[str, tuple[int, ...]]:
+  """Their ``model/rwkv7_mixer.py`` layer: ``receptance``, ``key``, ``value``, ``output`` [C, C];
+  LoRAs ``w1``/``w2``, ``a1``/``a2``, ``v1``/``v2``, ``g1``/``g2`` of widths max(32, round(m·C^p/32)·32)
+  with (m, p) = (1.8, ½), (1.8, ½), (1.3, ½), (0.6, 0.8); ``w0``, ``a0``, ``v0``, ``k_k``, ``k_a`` and,
+  with token shift, ``x_r`` … ``x_g``, all [1, 1, C]; ``r_k`` [H, C/H]; GroupNorm ``ln_x`` [C]."""
+  C, H = c["hidden_size"], c["num_attention_heads"]
+  width = lambda m, p: max(32, int(round(m * C ** p / 32) * 32))
+  out = {a + f"{n}.weight": (C, C) for n in ("receptance", "key", "value", "output")}
+  for name, (m, p) in {"w": (1.8, 0.5), "a": (1.8, 0.5), "v": (1.3, 0.5), "g": (0.6, 0.8)}.items():
+    out.update({a + f"{name}1.weight": (width(m, p), C), a + f"{name}2.weight": (C, width(m, p))})
+  names = ["w0", "a0", "v0", "k_k", "k_a"]
+  if c["use_tokenshift_att"]:
+    names += ["x_r", "x_w", "x_k", "x_v", "x_a", "x_g"]
+  out.update({a + n: (1, 1, C) for n in names})
+  out.update({a + "r_k": (H, C // H), a + "ln_x.weight": (C,), a + "ln_x.bias": (C,)})
+  return out
 
 
 def authors_state_dict(config: dict) -> dict[str, tuple[int, ...]]:
@@ -70,7 +90,8 @@ def authors_state_dict(config: dict) -> dict[str, tuple[int, ...]]:
   value residual ``v_gate1`` [lora, C], ``v_gate2`` [Dv·H_kv, lora], ``v_gate0`` [1, 1, H_kv·Dv]
   and, when token shift did not already create it, ``x_v`` (zeros); KVM adds ``ln_s_k`` over D,
   ``key_weighting`` [H_kv, C] when either merge gate is on, ``front_head_temp``/
-  ``state_head_temp`` [H] with head temperatures; the MLP ``c_fc`` [int(4C)//32·32, C],
+  ``state_head_temp`` [H] with head temperatures; OVQ has no ``ln_q``/``ln_k`` and adds ``beta``
+  [H]; RWKV-7's layer is :func:`_rwkv7_state_dict`; the MLP ``c_fc`` [int(4C)//32·32, C],
   ``c_proj`` and, with its token shift, ``x_k`` [1, 1, C].
   """
   c = dict(_TREE_DEFAULTS, **config)
@@ -90,10 +111,19 @@ def authors_state_dict(config: dict) -> dict[str, tuple[int, ...]]:
     for ln in ("ln_attn", "ln_mlp"):
       out.update({p + f"{ln}.weight": (C,), p + f"{ln}.bias": (C,)})
     a = p + "attn."
+    out.update({p + "mlp.c_fc.weight": (width, C), p + "mlp.c_proj.weight": (C, width)})
+    if c["use_tokenshift_ffn"]:
+      out[p + "mlp.x_k"] = (1, 1, C)
+    if mixer == "rwkv7":
+      out.update(_rwkv7_state_dict(c, a))
+      continue
     out.update({a + "c_q.weight": (H * D, C), a + "c_k.weight": (Hkv * D, C),
-                a + "c_v.weight": (Hkv * Dv, C), a + "c_proj.weight": (C, H * Dv),
-                a + "ln_q.weight": (D,), a + "ln_q.bias": (D,), a + "ln_k.weight": (D,),
-                a + "ln_k.bias": (D,)})
+                a + "c_v.weight": (Hkv * Dv, C), a + "c_proj.weight": (C, H * Dv)})
+    if mixer == "ovq":
+      out[a + "beta"] = (H,)
+    else:
+      out.update({a + "ln_q.weight": (D,), a + "ln_q.bias": (D,), a + "ln_k.weight": (D,),
+                  a + "ln_k.bias": (D,)})
     if c["use_tokenshift_att"] and c[f"{_MODE_PREFIX[mixer]}_token_shift_mode"] == "rwkv":
       out.update({a + "x_q": (H * D,), a + "x_k": (Hkv * D,), a + "x_v": (Hkv * Dv,)})
     if c["use_value_residual"]:
@@ -105,9 +135,6 @@ def authors_state_dict(config: dict) -> dict[str, tuple[int, ...]]:
         out[a + "key_weighting.weight"] = (Hkv, C)
       if c["kvm_use_head_temps"]:
         out.update({a + "front_head_temp": (H,), a + "state_head_temp": (H,)})
-    out.update({p + "mlp.c_fc.weight": (width, C), p + "mlp.c_proj.weight": (C, width)})
-    if c["use_tokenshift_ffn"]:
-      out[p + "mlp.x_k"] = (1, 1, C)
   return out
 
 
@@ -139,8 +166,21 @@ FAMILIES = {
                                                  gate_initial_state=True)),
     "hybrid_4_layers_shared_anchor": dict(mixers=("swa", "kvm", "swa", "kvm"), num_layers=4,
                                           share_value_anchor=True, residual_scale=0.5),
+    "swa_ovq": dict(mixers=("swa", "ovq"), rope_dims=0, kvm=_kvm(rope_dims=0)),
+    "ovq_switches_no_token_shift": dict(
+        mixers="ovq", tokenshift_attention=False, rope_dims=0, kvm=_kvm(rope_dims=0),
+        options={"ovq": kj.OVQConfig(chunk_size=8, max_centroids=12, min_state_size=True,
+                                     count_bias=False, normalize_centroids=True,
+                                     delta_rule=True)}),
+    # the chunk size of RWKV-7's recurrence is a compute setting their format does not record: the
+    # default, so that export then import computes bitwise the same
+    "rwkv7": dict(mixers="rwkv7", rope_dims=0, kvm=_kvm(rope_dims=0),
+                  options={"rwkv7": kj.nn.RWKV7Options()}),
+    "rwkv7_no_token_shift": dict(mixers="rwkv7", tokenshift_attention=False, rope_dims=0,
+                                 kvm=_kvm(rope_dims=0), options={"rwkv7": kj.nn.RWKV7Options()}),
 }
-CI_FAMILIES = ("kvm_gqa", "hybrid_4_layers_shared_anchor", "kvm_no_token_shift")
+CI_FAMILIES = ("kvm_gqa", "hybrid_4_layers_shared_anchor", "kvm_no_token_shift", "swa_ovq",
+               "rwkv7_no_token_shift")
 
 
 def _family_config(name: str) -> kj.ModelConfig:
@@ -174,6 +214,7 @@ def _effective(cfg: kj.ModelConfig) -> kj.ModelConfig:
   None = 1, "no cap" on the state)."""
   kinds = set(cfg.layer_mixers)
   kvm = cfg.kvm if "kvm" in kinds else kj.KVMConfig()
+  ovq = cfg.options_of("ovq") if "ovq" in kinds else kj.OVQConfig()
   if "kvm" in kinds and kvm.max_state_rows is not None and kvm.max_state_rows >= 80000:
     kvm = dataclasses.replace(kvm, max_state_rows=None)
   if "kvm" in kinds and isinstance(kvm.budget, kj.FixedBudget):
@@ -184,7 +225,8 @@ def _effective(cfg: kj.ModelConfig) -> kj.ModelConfig:
                    else None)
   bswa = cfg.options_of("bswa") if "bswa" in kinds else BSWAOptions(256, 3, 0)
   return dataclasses.replace(cfg, residual_scale=cfg.scale, mixers=cfg.layer_mixers,
-                             options={"kvm": kvm, "swa": swa, "bswa": bswa})
+                             options={"kvm": kvm, "swa": swa, "bswa": bswa, "ovq": ovq,
+                                      "rwkv7": kj.nn.RWKV7Options()})
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +258,8 @@ def test_export_writes_exactly_the_authors_tensors(exported, name):
   assert {n: shape for n, (_, shape) in written.items()} == want
   assert {code for code, _ in written.values()} == {"F32"}
   cfg = model.cfg
-  names = {"kvm": "kvm", "full": "gptalpha", "swa": "swa", "bswa": "gptalpha_bswa"}
+  names = {"kvm": "kvm", "full": "gptalpha", "swa": "swa", "bswa": "gptalpha_bswa", "ovq": "ovq",
+           "rwkv7": "rwkv7"}
   every = config["alt_layer_every"]
   layers = [config["alt_token_mixer"] if every > 1 and i % every == 0 else config["token_mixer"]
             for i in range(config["num_hidden_layers"])]
@@ -225,7 +268,7 @@ def test_export_writes_exactly_the_authors_tensors(exported, name):
       cfg.hidden_size, cfg.num_heads, cfg.vocab_size)
   assert (config["num_key_value_heads"] or config["num_attention_heads"]) == cfg.kv_heads
   # the unused zeros their value-residual layers keep without token shift
-  if cfg.value_residual and not cfg.tokenshift_attention:
+  if cfg.value_residual and not cfg.tokenshift_attention and cfg.layer_mixers[0] != "rwkv7":
     x_v = st.read_file(out / "model.safetensors", ["transformer.h.0.attn.x_v"])
     assert not np.any(x_v["transformer.h.0.attn.x_v"])
 
@@ -269,6 +312,13 @@ PAPER_CONFIGS = {
                          alt_rope_partial_dim=128, swa_window_size=256),
     "swa_nope": dict(token_mixer="gptalpha", rope_partial_dim=0, alt_layer_every=2,
                      alt_rope_partial_dim=128, swa_window_size=256),
+    # ovq_swa_ts_c256_s1024_wd.yaml (the SWA window: their default chunk_len, 256) and rwkv_wd.yaml
+    "ovq_swa": dict(token_mixer="ovq", use_value_residual=1, rope_theta=10000,
+                    rope_partial_dim=0, alt_layer_every=2, alt_rope_partial_dim=128,
+                    ovq_window_size=256, ovq_chunk_size=256, ovq_max_centroids=1024,
+                    ovq_normalize_centroids=0, ovq_use_min_state_size=0,
+                    ovq_use_counts_for_lr_only=0, ovq_use_delta_rule=0, param_dtype="bfloat16"),
+    "rwkv7": dict(token_mixer="rwkv7"),
 }
 _PAPER_SIZES = {"120m": dict(num_hidden_layers=12, num_attention_heads=6, hidden_size=768,
                              residual_scale=1.0),
@@ -328,7 +378,8 @@ def test_export_refuses_what_their_code_cannot_express(overrides, match):
 # bf16 file; nightly adds block SWA and GQA (both also checked in CI against the float64
 # reference, which tests/test_reference_model.py checks against these files).
 @pytest.mark.parametrize("name", in_ci(FIXTURES, ("kvm_swa_saturating", "full_nope_swa",
-                                                  "swa_kvm_fixed_shared_anchor_bf16")))
+                                                  "swa_kvm_fixed_shared_anchor_bf16", "ovq_swa",
+                                                  "ovq_swa_switches", "rwkv7")))
 def test_load_pretrained_matches_the_authors_logits(name):
   """``kj.load_pretrained(DIR)(tokens)`` against the logits their model computed (ragged T = 45,
   chunks of 8: the KVM states grow and merge), with their numerics (the default) and in float32
@@ -380,7 +431,8 @@ def _head_dims(c: dict) -> tuple[int, int]:
           c.get("d_v_head") or c.get("d_head") or default)
 
 
-@pytest.mark.parametrize("name", in_ci(FIXTURES, ("swa_kvm_fixed_shared_anchor_bf16",)))
+@pytest.mark.parametrize("name", in_ci(FIXTURES, ("swa_kvm_fixed_shared_anchor_bf16", "rwkv7",
+                                                  "ovq_swa")))
 def test_import_then_export_gives_back_their_checkpoint(tmp_path, name):
   """kvm-import then kvm-export of their checkpoint: the imported run holds load_pretrained's
   config and parameters, the export the same tensors bitwise (in the file's own dtype) and every
@@ -407,8 +459,10 @@ def test_import_then_export_gives_back_their_checkpoint(tmp_path, name):
   assert _head_dims(written) == _head_dims(original)
   uses_swa = "swa" in (original["token_mixer"], original["alt_token_mixer"]
                        if original["alt_layer_every"] > 1 else None)
+  rotates = set(cfg.model.layer_mixers) - {"ovq", "rwkv7"}  # OVQ and RWKV-7 layers read no RoPE
   skip = _NOT_THE_NETWORK | {"d_qk_head", "d_v_head", "d_head"} | (
-      set() if uses_swa else {"swa_window_size"})
+      set() if uses_swa else {"swa_window_size"}) | (
+      set() if rotates else {"rope_partial_dim", "rope_theta"})
   differing = {k: (original[k], written.get(k)) for k in original
                if k not in skip and written.get(k) != original[k]}
   assert differing == {}
@@ -460,6 +514,23 @@ def test_unsupported_config_fields_are_named(tmp_path, fields, match):
 ])
 def test_unsupported_kvm_fields_are_named(tmp_path, fields, match):
   path = _copy(tmp_path, "kvm_power_gqa")
+  _edit_config(path, **fields)
+  with pytest.raises(hf.ConfigError, match=match):
+    kj.load_pretrained(path, progress=False)
+
+
+@pytest.mark.parametrize("name, fields, match", [
+    ("ovq_swa", dict(ovq_value_residual_mode="linear"), "ovq_value_residual_mode='linear'"),
+    ("ovq_swa", dict(ovq_chunk_size=1), "ovq_chunk_size=1"),
+    ("ovq_swa", dict(ovq_max_centroids=0), "ovq_max_centroids=0"),
+    ("ovq_swa", dict(ovq_use_delta_rule=2), "ovq_use_delta_rule=2 must be 0 or 1"),
+    ("ovq_swa", dict(ovq_token_shift_mode="none"), "ovq_token_shift_mode='none'"),
+    ("ovq_swa", dict(num_key_value_heads=1), "num_kv_heads=1"),
+    ("rwkv7", dict(num_key_value_heads=1), "num_kv_heads=1 must be None"),
+    ("rwkv7", dict(d_head=8), "num_heads x head_dim = 2 x 8 must equal hidden_size=32"),
+])
+def test_unsupported_baseline_fields_are_named(tmp_path, name, fields, match):
+  path = _copy(tmp_path, name)
   _edit_config(path, **fields)
   with pytest.raises(hf.ConfigError, match=match):
     kj.load_pretrained(path, progress=False)

@@ -16,6 +16,7 @@ from tests.conftest import decode_all, forward, in_ci, make_model, prefill
 PATTERNS = {
     "kvm": "kvm", "full": "full", "swa": "swa", "bswa": "bswa",
     "kvm_swa_hybrid": ("swa", "kvm"), "full_bswa_hybrid": ("full", "bswa"),
+    "ovq_swa_hybrid": ("swa", "ovq"), "rwkv7": "rwkv7",
 }
 
 
@@ -42,6 +43,16 @@ def test_paper_parameter_counts():
       kj.presets.gpta2_120m())["total"] == 58512
 
 
+def test_baseline_parameter_counts_are_the_authors():
+  """OVQ/SWA and RWKV-7 at the paper's sizes, as the authors' code counts them (their
+  ``configs/prolong/{120M,350M}/{ovq_swa_ts_c256_s1024_wd,rwkv_wd}.yaml``)."""
+  counts = {name: kj.count_params(getattr(kj.presets, name)()) for name in
+            ("ovq_swa_120m", "ovq_swa_350m", "rwkv7_120m", "rwkv7_350m")}
+  assert {name: (c["total"], c["non_embedding"]) for name, c in counts.items()} == {
+      "ovq_swa_120m": (162_880_548, 85_613_604), "ovq_swa_350m": (406_816_864, 303_794_272),
+      "rwkv7_120m": (167_688_192, 90_421_248), "rwkv7_350m": (421_212_160, 318_189_568)}
+
+
 def test_presets_are_the_paper_models():
   hybrid = kj.presets.kvm_swa_sat1024_120m()
   assert hybrid.layer_mixers[:4] == ("swa", "kvm", "swa", "kvm")
@@ -50,10 +61,17 @@ def test_presets_are_the_paper_models():
   assert kj.presets.swa_nope_350m().rope_dims_of(1) == 0
   assert kj.presets.kvm256_350m().scale == 0.5
   assert kj.presets.bswa_120m().options_of("bswa").window_chunks == 3
+  ovq = kj.presets.ovq_swa_350m()
+  assert ovq.layer_mixers[:4] == ("swa", "ovq", "swa", "ovq") and ovq.num_layers == 24
+  assert ovq.rope_dims_of(0) == 128 and ovq.rope_dims_of(1) == 0
+  assert (ovq.options_of("ovq").chunk_size, ovq.options_of("ovq").max_centroids) == (256, 1024)
+  assert ovq.value_anchor(5) == 1 and ovq.options_of("swa").window == 256
+  assert kj.presets.rwkv7_350m().layer_mixers == ("rwkv7",) * 24
 
 
-# The two hybrids hold all four mixer kinds; the single-mixer models run nightly.
-@pytest.mark.parametrize("name", in_ci(sorted(PATTERNS), {"kvm_swa_hybrid", "full_bswa_hybrid"}))
+# The three hybrids and RWKV-7 hold all six mixer kinds; the other single-mixer models run nightly.
+@pytest.mark.parametrize("name", in_ci(sorted(PATTERNS), {"kvm_swa_hybrid", "full_bswa_hybrid",
+                                                          "ovq_swa_hybrid", "rwkv7"}))
 def test_decode_matches_forward(models, name):
   model = models[name]
   T = 37

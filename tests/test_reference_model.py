@@ -49,6 +49,13 @@ CASES = {
                                     kvm=kj.KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1,
                                                      rope_dims=4,
                                                      budget=kj.PowerLawBudget(4.0, 0.5, 8)))),
+    # the paper's OVQ/SWA hybrid (the dictionary grows 0, 4, 6, 8, 8, 9 over 45 tokens)
+    "swa_ovq_hybrid": (("swa", "ovq"), {}),
+    "ovq_switches": ("ovq", dict(num_layers=1, options={"ovq": kj.OVQConfig(
+        chunk_size=8, max_centroids=12, min_state_size=True, count_bias=False,
+        normalize_centroids=True, delta_rule=True)})),
+    "rwkv7": ("rwkv7", {}),
+    "rwkv7_no_token_shift": ("rwkv7", dict(num_layers=1, tokenshift_attention=False)),
 }
 
 
@@ -91,6 +98,7 @@ def _budget(budget) -> dict:
 def _reference_config(cfg: kj.ModelConfig) -> dict:
   """The plain config dict of :func:`tests.reference_model.lm_logits`."""
   kvm, swa, bswa = cfg.options_of("kvm"), cfg.options_of("swa"), cfg.options_of("bswa")
+  ovq = cfg.options_of("ovq")
   return dict(
       mixers=cfg.layer_mixers, num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads,
       head_dim=cfg.qk_head_dim, value_head_dim=cfg.v_head_dim, residual_scale=cfg.scale,
@@ -106,7 +114,10 @@ def _reference_config(cfg: kj.ModelConfig) -> dict:
                gate_values=kvm.gate_values, gate_appends=kvm.gate_appends,
                gate_initial_state=kvm.gate_initial_state,
                head_temperatures=kvm.head_temperatures, value_norm=kvm.value_norm,
-               readout_value_dtype=kvm.readout_value_dtype))
+               readout_value_dtype=kvm.readout_value_dtype),
+      ovq=dict(chunk_size=ovq.chunk_size, max_centroids=ovq.max_centroids,
+               min_state_size=ovq.min_state_size, count_bias=ovq.count_bias,
+               normalize_centroids=ovq.normalize_centroids, delta_rule=ovq.delta_rule))
 
 
 def _check_kvm_coverage(log: list, chunk: int) -> None:
