@@ -3,22 +3,25 @@ round trips, restored parameters), the NIAH training stream, and the CLI end to 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import kvm_jax as kj
 from kvm_jax import config_io
 from kvm_jax.eval import cli
 from kvm_jax.eval import niah as niah_eval
-from kvm_jax.runs import TRAIN_CLASSES, TrainConfig, load_trained
+from kvm_jax.runs import TRAIN_CLASSES, Checkpointer, TrainConfig, load_trained, save_config
 from kvm_jax.tasks import mqar, niah
 from kvm_jax.tasks.labels import IGNORE
 from kvm_jax.tasks.tokenizers import ByteTokenizer
 from kvm_jax.train import train
+from tests.conftest import random_model
 
 TOK = ByteTokenizer()
 COUNT = lambda text: len(TOK.encode(text))
@@ -134,7 +137,28 @@ def test_load_trained_restores_the_run(run_dir):
     load_trained(workdir / "checkpoints")
 
 
-def test_kvm_eval_end_to_end(run_dir, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def baseline_runs(run_dir):
+  """Run directories of an OVQ/SWA and an RWKV-7 model beside the trained KVM run (random
+  parameters, what kvm-train leaves behind; the same KVM window in their configs, so MQAR splits
+  recall at the same distance)."""
+  workdir, cfg, _ = run_dir
+  names = {"ovq-swa-tiny": ("swa", "ovq"), "rwkv7-tiny": "rwkv7"}
+  for i, (name, mixers) in enumerate(names.items()):
+    model_cfg = kj.presets.tiny(mixers, kvm=cfg.model.kvm, vocab_size=320)
+    model = random_model(model_cfg, seed=i)
+    save_config(dataclasses.replace(cfg, model=model_cfg), workdir.parent / name)
+    ckpt = Checkpointer(workdir.parent / name / "checkpoints")
+    try:
+      ckpt.save(3, {"params": nnx.state(model, nnx.Param)}, {}, force=True)
+    finally:
+      ckpt.close()
+  return names
+
+
+def test_kvm_eval_end_to_end(run_dir, baseline_runs, tmp_path, capsys):
+  """Every suite on three run directories (KVM trained, OVQ/SWA and RWKV-7): results, the report's
+  rows, the plot."""
   workdir, _, _ = run_dir
   out = tmp_path / "eval"
   rc = cli.main(["--checkpoint", str(workdir.parent), "--out", str(out), "--niah-lengths", "512",
@@ -143,7 +167,23 @@ def test_kvm_eval_end_to_end(run_dir, tmp_path, capsys):
                  "--position-context", "256", "--position-bucket", "128", "--position-docs", "2"])
   assert rc == 0
   results = json.loads((out / "results.json").read_text())["results"]
-  (res,) = results
+  by_name = {r["model"]: r for r in results}
+  assert sorted(by_name) == ["kvm-tiny", "ovq-swa-tiny", "rwkv7-tiny"]
+  for name, mixers in baseline_runs.items():
+    other = by_name[name]
+    assert sorted(set(other["mixers"])) == sorted({mixers} if isinstance(mixers, str)
+                                                  else set(mixers))
+    assert other["niah"][0]["examples"] == 2 and 0 <= other["niah"][0]["score"] <= 100
+    assert [r["pairs"] for r in other["mqar"]["rows"]] == [2, 4]
+    assert all(0 <= r["recall"] <= 1 for r in other["mqar"]["rows"])
+    assert len(other["position_loss"]["nll"]) == 2 and np.all(np.isfinite(
+        other["position_loss"]["nll"]))
+  report_rows = (out / "report.md").read_text().splitlines()
+  assert [line.split(" | ")[0] for line in report_rows[2:5]] == [
+      "| kvm-tiny", "| ovq-swa-tiny", "| rwkv7-tiny"]
+  assert report_rows[3].startswith("| ovq-swa-tiny | ovq/swa |")
+  assert report_rows[4].startswith("| rwkv7-tiny | rwkv7 |")
+  res = by_name["kvm-tiny"]
   assert res["model"] == "kvm-tiny" and res["step"] == 3
   assert [r["length"] for r in res["niah"]] == [512] and res["niah"][0]["examples"] == 2
   assert [r["pairs"] for r in res["mqar"]["rows"]] == [2, 4]
@@ -154,14 +194,14 @@ def test_kvm_eval_end_to_end(run_dir, tmp_path, capsys):
   # the formatting rules on hand-made numbers).
   mq = {r["pairs"]: r for r in res["mqar"]["rows"]}
   nll = res["position_loss"]["nll"]
-  assert (out / "report.md").read_text() == (
+  assert "\n".join(report_rows[:3]) == (
       "| model | mixers | params | NIAH-S1 512 | MQAR 2 pairs (all / state-only) "
       "| MQAR 4 pairs (all / state-only) | NLL first bucket | NLL last bucket |\n"
       "|---|---|---|---|---|---|---|---|\n"
       f"| kvm-tiny | kvm | {res['parameters'] / 1e6:.2f}M | {res['niah'][0]['score']:.1f} "
       f"| {mq[2]['recall']:.3f} / {mq[2]['recall_state_only']:.3f} "
       f"| {mq[4]['recall']:.3f} / {mq[4]['recall_state_only']:.3f} "
-      f"| {nll[0]:.3f} | {nll[-1]:.3f} |\n")
+      f"| {nll[0]:.3f} | {nll[-1]:.3f} |")
   assert (out / "report.md").read_text() in capsys.readouterr().out
 
 

@@ -91,6 +91,19 @@ def test_loglikelihood_matches_the_decode_path(model):
   assert lm.truncated == 0
 
 
+@pytest.mark.parametrize("mixers", [("swa", "ovq"), "rwkv7"], ids=["ovq_swa", "rwkv7"])
+def test_loglikelihood_of_the_baselines_matches_their_decode_path(mixers):
+  """The adapter's batched, padded forward against one-token decoding (the OVQ dictionary folded
+  at chunk ends, the RWKV-7 state carried), for the paper's two recurrent baselines."""
+  other = make_model(mixers, seed=4, vocab_size=TOK.vocab_size)
+  lm = KVMEvalLM(other, TOK, batch_size=2, pad_multiple=16, max_length=256)
+  pairs = [("A list is a mutable sequence of", " items, in order."), ("x" * 40, " y")]
+  got = lm.loglikelihood([_request("loglikelihood", c, x) for c, x in pairs])
+  for (context, continuation), (logprob, _) in zip(pairs, got):
+    want = _decode_path_logprob(other, TOK.encode(context), TOK.encode(continuation))
+    np.testing.assert_allclose(logprob, want, rtol=1e-4, atol=1e-4)
+
+
 def test_is_greedy_and_left_truncation(model):
   lm = KVMEvalLM(model, TOK, batch_size=4, pad_multiple=8, max_length=32)
   context = "Here we go. "

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import kvm_jax as kj
 from kvm_jax.runs.checkpoint import Checkpointer
 from kvm_jax.tasks import mqar, text
 from kvm_jax.tasks.labels import IGNORE
@@ -364,6 +365,23 @@ def test_cli_help_explains_flags(subprocess_environ):
   for flag in ("--config", "--workdir", "--config.FIELD=VALUE", "resumes", "--resume",
                "--distributed"):
     assert flag in out.stdout
+
+
+def test_demo_models_and_what_they_remember():
+  """The demo's six models (the default four and the two baselines ``--models`` adds) and the
+  memory each has beyond its exact window after the task's 64 tokens: KVM's schedule (fixed 8;
+  4·√N with at least 8), OVQ's plateau floor(64·16 / 80) = 12 centroids, RWKV-7's 32 x 32 state
+  per head (2 heads of width 64)."""
+  configs = default_job.model_configs()
+  assert set(default_job.DEFAULT_MODELS) < set(configs)
+  assert {name: default_job.memory_of(cfg, 64) for name, cfg in configs.items()} == {
+      "full": "all tokens", "bswa": "window only", "kvm-fixed": "8 state rows",
+      "kvm-sqrt": f"{kj.state_rows_after(configs['kvm-sqrt'].kvm, 64)} state rows",
+      "ovq-swa": "12 centroids", "rwkv7": "32x32 state/head"}
+  assert configs["ovq-swa"].layer_mixers == ("swa", "ovq")
+  assert configs["ovq-swa"].options_of("swa").window == 16  # the KVM models' exact window
+  assert {cfg.num_layers for cfg in configs.values()} == {2}
+  assert {cfg.hidden_size for cfg in configs.values()} == {64}
 
 
 def test_default_job_end_to_end_small(tmp_path):

@@ -11,7 +11,7 @@ from flax import nnx
 
 import kvm_jax as kj
 from kvm_jax.train import adamc as adamc_lib
-from kvm_jax.train import completep
+from kvm_jax.train import completep, sharding
 
 
 def _reference_adamw(params, grads_per_step, lr_fn, lr_peak, wd_peak, lr_scale, wd_scale,
@@ -102,6 +102,49 @@ def test_groups_and_mup_scales_on_the_model():
   ]:
     key = find(*parts)
     assert (flat[key], lr_flat[key], wd_flat[key]) == (group, pytest.approx(lr), pytest.approx(wd)), key
+
+
+def _flat(tree):
+  return {jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+@pytest.mark.parametrize("preset", ["rwkv7_350m", "ovq_swa_350m"])
+def test_baselines_groups_mup_ratios_and_sharding_axes(preset):
+  """The authors' labels for the baselines' parameters (their ``set_label`` calls): RWKV-7's
+  projections and LoRAs are matrix_params, its LoRA outputs with their own ratio lora / lora at
+  width 768 (``mup_d_in_ratio``: 64/64 for w and a, 32/32 for v, 160/128 for g at width 1024), the
+  mixes, w0/a0/v0, k_k/k_a, r_k and ln_x scalars; OVQ's beta a scalar. Every 2-D parameter has
+  logical sharding axes."""
+  cfg = getattr(kj.presets, preset)()
+  model = nnx.eval_shape(lambda: kj.LM(cfg, rngs=nnx.Rngs(0)))
+  params = nnx.state(model, nnx.Param)
+  groups = _flat(completep.group_tree(params))
+  lr_s, wd_s = map(_flat, completep.mup_scales(params, cfg))
+  ratio = 1024 / 768
+  attn = "['blocks'][1]['attn']"
+  want = {
+      "rwkv7_350m": [("['receptance']['kernel']", "matrix_params", ratio),
+                     ("['output']['kernel']", "matrix_params", ratio),
+                     ("['w2']['kernel']", "matrix_params", 1.0),
+                     ("['w1']['kernel']", "matrix_params", ratio),
+                     ("['g2']['kernel']", "matrix_params", 160 / 128),
+                     ("['v2']['kernel']", "matrix_params", 1.0),
+                     ("['x_g']", "scalars", None), ("['w0']", "scalars", None),
+                     ("['k_a']", "scalars", None), ("['r_k']", "scalars", None),
+                     ("['ln_x']['scale']", "scalars", None)],
+      "ovq_swa_350m": [("['beta']", "scalars", None), ("['c_q']['kernel']", "matrix_params", ratio),
+                       ("['v_gate2']['kernel']", "matrix_params", 1.0)],
+  }[preset]
+  for suffix, group, r in want:
+    key = f"{attn}{suffix}.value"
+    assert groups[key] == group, key
+    if r is None:
+      assert (lr_s[key], wd_s[key]) == (1.0, 0.0), key
+    else:
+      assert (lr_s[key], wd_s[key]) == (pytest.approx(1 / r), pytest.approx(r)), key
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    if leaf.ndim == 2:
+      assert len(sharding.logical_axes(path, 2)) == 2, jax.tree_util.keystr(path)
 
 
 def test_float32_master_keeps_small_updates_for_bf16_params():

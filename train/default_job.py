@@ -10,7 +10,9 @@ stream (no download) and compares what they remember:
 
 Recall is split by where the queried key sits: *in window* (the key is among the last L tokens, so
 every model can see it exactly) or *state only* (it left the window: only full attention and the
-KVM state can still answer). Writes ``summary.json``, ``recall.png`` and each model's
+KVM state can still answer). ``--models`` can add the paper's two other recurrent baselines at
+the same width and depth: **ovq-swa** (an SWA layer over L = 16 tokens, then an OVQ layer:
+chunks of 8, at most 16 centroids) and **rwkv7** (two RWKV-7 layers: a 32 x 32 state per head). Writes ``summary.json``, ``recall.png`` and each model's
 ``metrics.jsonl`` + checkpoints under ``--workdir``; re-running resumes finished models.
 """
 
@@ -24,6 +26,9 @@ from pathlib import Path
 
 import kvm_jax as kj
 from kvm_jax.nn.bswa import BSWAOptions
+from kvm_jax.nn.rwkv7 import RWKV7Options
+from kvm_jax.nn.swa import SWAOptions
+from kvm_jax.ops.ovq.config import OVQConfig
 from kvm_jax.runs.config import TrainConfig
 from kvm_jax.tasks.mqar import MQARSpec
 from kvm_jax.tasks.tokenizers import ByteTokenizer
@@ -31,6 +36,7 @@ from kvm_jax.train.loop import evaluate, train
 
 CHUNK, WINDOW_CHUNKS = 8, 2
 VALUES = 32  # value vocabulary of the MQAR task: chance recall is 1/32
+DEFAULT_MODELS = ("full", "bswa", "kvm-fixed", "kvm-sqrt")
 
 
 def model_configs() -> dict[str, kj.ModelConfig]:
@@ -45,12 +51,29 @@ def model_configs() -> dict[str, kj.ModelConfig]:
   options = lambda budget: {"kvm": kvm(budget),
                             "bswa": BSWAOptions(CHUNK, WINDOW_CHUNKS, sink_rows=0)}
   fixed, sqrt = kj.FixedBudget(CHUNK), kj.PowerLawBudget(4.0, 0.5, min_rows=CHUNK)
+  baselines = {**options(sqrt), "swa": SWAOptions(window=CHUNK * WINDOW_CHUNKS, rope_dims=16),
+               "ovq": OVQConfig(chunk_size=CHUNK, max_centroids=2 * CHUNK),
+               "rwkv7": RWKV7Options(chunk_size=16)}
   return {
       "full": kj.presets.tiny(mixers="full", options=options(sqrt), **base),
       "bswa": kj.presets.tiny(mixers="bswa", options=options(sqrt), **base),
       "kvm-fixed": kj.presets.tiny(mixers="kvm", options=options(fixed), **base),
       "kvm-sqrt": kj.presets.tiny(mixers="kvm", options=options(sqrt), **base),
+      "ovq-swa": kj.presets.tiny(mixers=("swa", "ovq"), options=baselines, **base),
+      "rwkv7": kj.presets.tiny(mixers="rwkv7", options=baselines, **base),
   }
+
+
+def memory_of(model: kj.ModelConfig, seq_len: int) -> str:
+  """What a model remembers beyond its exact window after ``seq_len`` tokens, in words."""
+  kinds = set(model.layer_mixers)
+  if "kvm" in kinds:
+    return f"{kj.state_rows_after(model.options_of('kvm'), seq_len)} state rows"
+  if "ovq" in kinds:
+    return f"{model.options_of('ovq').dictionary_size(seq_len)} centroids"
+  if "rwkv7" in kinds:
+    return f"{model.qk_head_dim}x{model.v_head_dim} state/head"
+  return "all tokens" if "full" in kinds else "window only"
 
 
 def train_config(model: kj.ModelConfig, steps: int, seed: int) -> TrainConfig:
@@ -77,9 +100,7 @@ def plot(results: dict, losses: dict, path: Path) -> None:
   ax1.bar([i + 0.2 for i in x], [results[n]["recall_state_only"] for n in names], 0.4,
           label="key only in compressed state")
   ax1.axhline(1 / VALUES, color="gray", ls="--", lw=1, label="chance")
-  memory = {"full": "all tokens", "bswa": "window only"}
-  ax1.set_xticks(list(x), [f"{n}\n({memory.get(n, str(results[n]['state_rows']) + ' state rows')})"
-                           for n in names])
+  ax1.set_xticks(list(x), [f"{n}\n({results[n]['memory']})" for n in names])
   ax1.set_ylabel("MQAR recall")
   ax1.set_ylim(0, 1.05)
   ax1.legend(fontsize=8)
@@ -104,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--steps", type=int, default=600,
                  help="training steps per model (default: %(default)s)")
   p.add_argument("--seed", type=int, default=0, help="initialization and data seed")
-  p.add_argument("--models", default="full,bswa,kvm-fixed,kvm-sqrt",
-                 help="comma-separated subset of the four models (default: all)")
+  p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                 help="comma-separated models: full, bswa, kvm-fixed, kvm-sqrt (the default "
+                      "four), and the paper's other baselines ovq-swa and rwkv7")
   return p
 
 
@@ -132,15 +154,15 @@ def main(argv=None) -> int:
     losses[name] = [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
     rows = (kj.state_rows_after(cfg.model.options_of("kvm"), cfg.mqar.seq_len)
             if cfg.model.layer_mixers[0] == "kvm" else 0)
-    results[name] = dict(metrics, state_rows=rows, seconds=time.perf_counter() - start,
+    results[name] = dict(metrics, state_rows=rows, memory=memory_of(cfg.model, cfg.mqar.seq_len),
+                         seconds=time.perf_counter() - start,
                          final_train_loss=losses[name][-1][1] if losses[name] else float("nan"))
   print(f"\nMQAR, seq 64, 8 pairs, exact window L = {CHUNK * WINDOW_CHUNKS} tokens, chance "
         f"{1 / VALUES:.3f}")
-  print(f"{'model':<10} {'state rows':>10} {'recall':>7} {'in window':>10} {'state only':>11} "
-        f"{'eval loss':>10} {'time s':>7}")
+  print(f"{'model':<10} {'memory beyond the window':>24} {'recall':>7} {'in window':>10} "
+        f"{'state only':>11} {'eval loss':>10} {'time s':>7}")
   for name, r in results.items():
-    rows = r["state_rows"] if name.startswith("kvm") else "-"
-    print(f"{name:<10} {rows:>10} {r['recall']:>7.3f} {r['recall_in_window']:>10.3f} "
+    print(f"{name:<10} {r['memory']:>24} {r['recall']:>7.3f} {r['recall_in_window']:>10.3f} "
           f"{r['recall_state_only']:>11.3f} {r['eval_loss']:>10.4f} {r['seconds']:>7.0f}")
   (workdir / "summary.json").write_text(json.dumps(results, indent=2))
   plot(results, losses, workdir / "recall.png")
