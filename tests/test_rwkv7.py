@@ -59,7 +59,8 @@ def _loss(fn, weights):
   return loss
 
 
-@pytest.mark.parametrize("case", in_ci(select("grad"), {"whole_chunks"}, ids=_id), ids=_id)
+@pytest.mark.parametrize("case", in_ci(select("grad"), {"whole_chunks", "batch_of_32"}, ids=_id),
+                         ids=_id)
 def test_gradients_match_oracle(case):
   """Gradients of r, w, k, v, a, b and of the initial state through the outputs and the final
   state."""

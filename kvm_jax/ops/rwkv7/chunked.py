@@ -7,7 +7,7 @@ cumulative log decay up to and including t, ``Γ_t = diag(exp g_t)``) the recurr
     h_t = Γ_t h_0 + Σ_{s≤t} Γ_t Γ_s⁻¹ (b_s u_sᵀ + k_s v_sᵀ),      u_t = h_{t-1}ᵀ a_t,
 
 so the "pseudo-values" u solve one unit lower-triangular system (the WY form of the product of
-the chunk's transitions)::
+the chunk's transitions; its inverse is a product of log2(L) factors, :func:`unit_lower_inverse`)::
 
     (I - A_ab) U = Ã h_0 + A_ak V,   A_ab[t, s] = ã_t·b̂_s,  A_ak[t, s] = ã_t·k̂_s   (s < t)
 
@@ -42,6 +42,21 @@ def _chunked(x: Array, L: int) -> Array:
   return jnp.transpose(x, (1, 0, 3, 2, 4))
 
 
+def unit_lower_inverse(A: Array) -> Array:
+  """``(I - A)⁻¹`` for strictly lower triangular ``A [..., L, L]``: A is nilpotent (``A^L = 0``),
+  so the inverse is ``I + A + … + A^{L-1} = (I + A)(I + A²)(I + A⁴)…``, about 2·log2(L) batched
+  matmuls. (A triangular solve does the same work in L dependent steps; XLA:CPU's LAPACK call for
+  it also hung the backward pass of large batches.)"""
+  L = A.shape[-1]
+  mm = lambda x, y: jnp.einsum("...ij,...jk->...ik", x, y, precision=_HI)
+  inverse = jnp.eye(L, dtype=A.dtype) + A
+  power = A
+  for _ in range(max(0, (L - 1).bit_length() - 1)):
+    power = mm(power, power)                     # A^(2^i)
+    inverse = inverse + mm(power, inverse)
+  return inverse
+
+
 def _intra_chunk(r, w, k, v, a, b):
   """The parts of every chunk that do not depend on the state entering it (all ``[..., L, ·]``,
   float32; leading axes are chunks, batch, heads)."""
@@ -60,10 +75,9 @@ def _intra_chunk(r, w, k, v, a, b):
   A_ak = jnp.where(strict, dot(a_rel, k_rel), 0.0)
   M_rb = jnp.where(causal, dot(r_rel, b_rel), 0.0)
   M_rk = jnp.where(causal, dot(r_rel, k_rel), 0.0)
-  system = jnp.eye(L, dtype=jnp.float32) - A_ab
   rhs = jnp.concatenate([a * jnp.exp(g_before),
                          jnp.einsum("...ts,...sv->...tv", A_ak, v, precision=_HI)], axis=-1)
-  solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+  solved = jnp.einsum("...ts,...sd->...td", unit_lower_inverse(A_ab), rhs, precision=_HI)
   K = w.shape[-1]
   to_end = jnp.exp(g_last - g)                   # decay from t to the chunk's end (<= 1)
   return dict(
