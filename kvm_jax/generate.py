@@ -1,7 +1,8 @@
 """Batched generation: one jitted prefill, then a jitted one-token decode step per new token.
 
 Works for every mixer and hybrid pattern (each layer carries its own cache: the KVM cache from the
-core, ring buffers for SWA/BSWA, a preallocated KV buffer for full attention). Sampling is greedy,
+core, ring buffers for SWA/BSWA, a preallocated KV buffer for full attention, the dictionary and
+current chunk for OVQ, the fixed-size state for RWKV-7). Sampling is greedy,
 temperature, top-k and/or top-p with explicit PRNG keys.
 
 On a pod (parameters that span processes, e.g. from ``load_trained``), every process calls

@@ -31,7 +31,8 @@ _id = lambda case: case.name
 
 
 @pytest.mark.parametrize("case", in_ci(select("oracle"), {"ragged_tail", "carried_state",
-                                                          "chunks_of_two"}, ids=_id), ids=_id)
+                                                          "chunks_of_two", "repeated_keys"},
+                                       ids=_id), ids=_id)
 def test_chunked_matches_oracle(case):
   inputs, h0 = case.inputs()
   o_ref, h_ref = _reference(*inputs, initial_state=h0)
@@ -59,8 +60,8 @@ def _loss(fn, weights):
   return loss
 
 
-@pytest.mark.parametrize("case", in_ci(select("grad"), {"whole_chunks", "batch_of_32"}, ids=_id),
-                         ids=_id)
+@pytest.mark.parametrize("case", in_ci(select("grad"), {"whole_chunks", "batch_of_32",
+                                                        "repeated_keys"}, ids=_id), ids=_id)
 def test_gradients_match_oracle(case):
   """Gradients of r, w, k, v, a, b and of the initial state through the outputs and the final
   state."""

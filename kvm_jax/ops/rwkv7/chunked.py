@@ -7,7 +7,7 @@ cumulative log decay up to and including t, ``Γ_t = diag(exp g_t)``) the recurr
     h_t = Γ_t h_0 + Σ_{s≤t} Γ_t Γ_s⁻¹ (b_s u_sᵀ + k_s v_sᵀ),      u_t = h_{t-1}ᵀ a_t,
 
 so the "pseudo-values" u solve one unit lower-triangular system (the WY form of the product of
-the chunk's transitions; its inverse is a product of log2(L) factors, :func:`unit_lower_inverse`)::
+the chunk's transitions; :func:`solve_unit_lower`, by substitution)::
 
     (I - A_ab) U = Ã h_0 + A_ak V,   A_ab[t, s] = ã_t·b̂_s,  A_ak[t, s] = ã_t·k̂_s   (s < t)
 
@@ -42,19 +42,53 @@ def _chunked(x: Array, L: int) -> Array:
   return jnp.transpose(x, (1, 0, 3, 2, 4))
 
 
-def unit_lower_inverse(A: Array) -> Array:
-  """``(I - A)⁻¹`` for strictly lower triangular ``A [..., L, L]``: A is nilpotent (``A^L = 0``),
-  so the inverse is ``I + A + … + A^{L-1} = (I + A)(I + A²)(I + A⁴)…``, about 2·log2(L) batched
-  matmuls. (A triangular solve does the same work in L dependent steps; XLA:CPU's LAPACK call for
-  it also hung the backward pass of large batches.)"""
+def _forward_substitution(A: Array, rhs: Array) -> Array:
+  """``U`` with ``(I - A) U = rhs``, row by row: ``U_t = rhs_t + Σ_{s<t} A[t, s] U_s``
+  (``A [..., L, L]`` strictly lower, ``rhs [..., L, d]``)."""
+  def row(t, U):
+    u_t = rhs[..., t, :] + jnp.einsum("...s,...sd->...d", A[..., t, :], U, precision=_HI)
+    return U.at[..., t, :].set(u_t)
+  return jax.lax.fori_loop(0, A.shape[-1], row, jnp.zeros_like(rhs))
+
+
+def _backward_substitution(A: Array, G: Array) -> Array:
+  """``X`` with ``(I - A)ᵀ X = G``, from the last row up: ``X_t = G_t + Σ_{s>t} A[s, t] X_s``."""
   L = A.shape[-1]
-  mm = lambda x, y: jnp.einsum("...ij,...jk->...ik", x, y, precision=_HI)
-  inverse = jnp.eye(L, dtype=A.dtype) + A
-  power = A
-  for _ in range(max(0, (L - 1).bit_length() - 1)):
-    power = mm(power, power)                     # A^(2^i)
-    inverse = inverse + mm(power, inverse)
-  return inverse
+
+  def row(i, X):
+    t = L - 1 - i
+    x_t = G[..., t, :] + jnp.einsum("...s,...sd->...d", A[..., :, t], X, precision=_HI)
+    return X.at[..., t, :].set(x_t)
+  return jax.lax.fori_loop(0, L, row, jnp.zeros_like(G))
+
+
+@jax.custom_vjp
+def solve_unit_lower(A: Array, rhs: Array) -> Array:
+  """``(I - A)⁻¹ rhs`` for strictly lower triangular ``A [..., L, L]``, by forward substitution.
+
+  Substitution is the stable way: the inverse's power series ``I + A + A² + …`` (or its product
+  form) cancels terms as large as binomial coefficients when A's entries approach ±1, which the
+  time mix produces for runs of similar keys. XLA's own triangular solve is avoided: on CPU its
+  LAPACK call hung the backward pass of a 32-sequence batch. The VJP is one more substitution,
+  transposed: ``d rhs = (I - A)⁻ᵀ dU``, ``dA = tril(d rhs · Uᵀ, -1)``; nothing per row is kept."""
+  return _forward_substitution(A, rhs)
+
+
+def _solve_fwd(A, rhs):
+  U = _forward_substitution(A, rhs)
+  return U, (A, U)
+
+
+def _solve_bwd(residuals, dU):
+  A, U = residuals
+  d_rhs = _backward_substitution(A, dU)
+  L = A.shape[-1]
+  d_A = jnp.where(jnp.tril(jnp.ones((L, L), bool), -1),
+                  jnp.einsum("...td,...sd->...ts", d_rhs, U, precision=_HI), 0.0)
+  return d_A, d_rhs
+
+
+solve_unit_lower.defvjp(_solve_fwd, _solve_bwd)
 
 
 def _intra_chunk(r, w, k, v, a, b):
@@ -77,7 +111,7 @@ def _intra_chunk(r, w, k, v, a, b):
   M_rk = jnp.where(causal, dot(r_rel, k_rel), 0.0)
   rhs = jnp.concatenate([a * jnp.exp(g_before),
                          jnp.einsum("...ts,...sv->...tv", A_ak, v, precision=_HI)], axis=-1)
-  solved = jnp.einsum("...ts,...sd->...td", unit_lower_inverse(A_ab), rhs, precision=_HI)
+  solved = solve_unit_lower(A_ab, rhs)
   K = w.shape[-1]
   to_end = jnp.exp(g_last - g)                   # decay from t to the chunk's end (<= 1)
   return dict(
