@@ -17,7 +17,7 @@ with ``ã_t = Γ_{t-1} a_t``, ``b̂_s = Γ_s⁻¹ b_s``, ``k̂_s = Γ_s⁻¹ k_s
     h_L = Γ_L h_0 + (Γ_L B̂)ᵀ U + (Γ_L K̂)ᵀ V,   r̃_t = Γ_t r_t.
 
 Everything that does not involve ``h_0`` (the four matrices, the solve, ``M_rk V``) is computed
-for all chunks at once; the scan carries only ``h`` (float32) through three products per chunk.
+for all chunks at once; the scan carries only ``h`` (float32) through four products per chunk.
 The factors ``Γ_{t-1}`` and ``Γ_s⁻¹`` of the pairwise products are taken relative to the middle of
 the chunk, so their exponents stay within ``L/2 · max|w|`` (RWKV-7's decay keeps ``|w| < e^-½``:
 at most 19 for L = 64, far inside float32's range).
@@ -122,7 +122,7 @@ def _intra_chunk(r, w, k, v, a, b):
       o_own=jnp.einsum("...ts,...sv->...tv", M_rk, v, precision=_HI),
       decay=jnp.exp(g_last)[..., 0, :],          # [..., K]
       b_to_end=b * to_end,
-      kv_to_end=jnp.einsum("...sk,...sv->...kv", k * to_end, v, precision=_HI))
+      k_to_end=k * to_end, v=v)
 
 
 def _chunk_step(h, chunk):
@@ -131,7 +131,7 @@ def _chunk_step(h, chunk):
        + jnp.einsum("bhts,bhsv->bhtv", chunk["M_rb"], U, precision=_HI) + chunk["o_own"])
   h = (chunk["decay"][..., None] * h
        + jnp.einsum("bhtk,bhtv->bhkv", chunk["b_to_end"], U, precision=_HI)
-       + chunk["kv_to_end"])
+       + jnp.einsum("bhsk,bhsv->bhkv", chunk["k_to_end"], chunk["v"], precision=_HI))
   return h, o
 
 
@@ -162,7 +162,8 @@ def rwkv7_recurrence(r: Array, w: Array, k: Array, v: Array, a: Array, b: Array,
   parts = _intra_chunk(*map(lambda x: _chunked(x, L), (r, w, k, v, a, b)))
   h = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None
        else initial_state.astype(jnp.float32))
-  h, o = jax.lax.scan(_chunk_step, h, parts)                               # o: [N, B, H, L, V]
+  # The step is rematerialized in the backward pass: only the state entering each chunk is kept.
+  h, o = jax.lax.scan(jax.checkpoint(_chunk_step), h, parts)               # o: [N, B, H, L, V]
   o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(B, T + pad, H, V)[:, :T]
   return o.astype(v.dtype), h
 
