@@ -71,6 +71,12 @@ def dictionary_scores(queries: Array, state: OVQState, size, count_bias: bool):
   return scores, exists
 
 
+def _known_empty(size) -> bool:
+  """Whether ``size`` is the Python int 0: a dictionary known empty when the call is traced (the
+  scan's first chunk), whose scores need not be computed at all."""
+  return isinstance(size, int) and size == 0
+
+
 def readout(queries: Array, keys: Array, values: Array, state: OVQState, size,
             count_bias: bool, visible=None) -> Array:
   """One softmax over ``[dictionary rows < size ; the block's keys]``: ``[B, H, n, Dv]``.
@@ -80,8 +86,11 @@ def readout(queries: Array, keys: Array, values: Array, state: OVQState, size,
   n, m = queries.shape[2], keys.shape[2]
   if visible is None:
     visible = jnp.arange(m)[None, :] <= jnp.arange(n)[:, None]
-  dict_scores, exists = dictionary_scores(queries, state, size, count_bias)
   own = jnp.einsum("bhnd,bhmd->bhnm", queries, keys, precision=_HI)
+  if _known_empty(size):  # the first chunk: nothing to score against (and nothing to fold away)
+    p = _masked_softmax_weights(own, jnp.broadcast_to(visible[None, None], own.shape))
+    return jnp.einsum("bhnm,bhmd->bhnd", p, values, precision=_HI)
+  dict_scores, exists = dictionary_scores(queries, state, size, count_bias)
   scores = jnp.concatenate([dict_scores, own], axis=-1)
   mask = jnp.concatenate([jnp.broadcast_to(exists, dict_scores.shape),
                           jnp.broadcast_to(visible[None, None], own.shape)], axis=-1)
@@ -102,8 +111,11 @@ def assignments(keys: Array, state: OVQState, size, num_new) -> Array:
   keys = jax.lax.stop_gradient(keys)
   dict_keys = jax.lax.stop_gradient(state.keys)
   n, R = keys.shape[2], dict_keys.shape[2]
-  sim = jnp.einsum("bhnd,bhrd->bhnr", keys, dict_keys, precision=_HI)
-  sim = jnp.where(jnp.arange(R) < size, sim, -jnp.inf)
+  if _known_empty(size):
+    sim = jnp.full(keys.shape[:3] + (1,), -jnp.inf)
+  else:
+    sim = jnp.einsum("bhnd,bhrd->bhnr", keys, dict_keys, precision=_HI)
+    sim = jnp.where(jnp.arange(R) < size, sim, -jnp.inf)
   nearest = jnp.argmax(sim, axis=-1).astype(jnp.int32)
   best = jnp.max(sim, axis=-1)
   like_first = jnp.einsum("bhnd,bhd->bhn", keys, keys[:, :, 0], precision=_HI)
@@ -153,9 +165,12 @@ def fold(state: OVQState, keys: Array, values: Array, scaled_keys: Array, size, 
   dict_keys = _add_rows(state.keys, index, -rate * (_gather_rows(state.keys, index) - keys),
                         row_update)
   if cfg.delta_rule:
-    scores, exists = dictionary_scores(scaled_keys, state, size, cfg.count_bias)
-    p = _masked_softmax_weights(scores, exists)
-    predicted = jnp.einsum("bhnr,bhrd->bhnd", p, state.values, precision=_HI)
+    if _known_empty(size):
+      predicted = jnp.zeros_like(values)
+    else:
+      scores, exists = dictionary_scores(scaled_keys, state, size, cfg.count_bias)
+      p = _masked_softmax_weights(scores, exists)
+      predicted = jnp.einsum("bhnr,bhrd->bhnd", p, state.values, precision=_HI)
     dict_values = _add_rows(state.values, index, rate * (values - predicted), row_update)
   else:
     dict_values = _add_rows(state.values, index,
