@@ -92,7 +92,7 @@ def test_kvm_check_runs_the_baselines(monkeypatch, capsys):
   for row in ("oracle vs scan", "scan vs prefill+decode", "grads scan vs oracle",
               "oracle vs chunked", "chunked vs prefill+steps", "grads chunked vs oracle"):
     assert re.search(rf"{re.escape(row)} .*PASS", out), row
-  assert "9/9 checks passed" in out
+  assert "6/6 checks passed" in out
 
   def drifted(*args, **kwargs):
     y, state = real(*args, **kwargs)

@@ -12,18 +12,36 @@ from kvm_jax.eval import speed
 
 
 def test_kvm_bench_smoke(tmp_path, capsys):
+  """Every phase of every arm, the paper's two other baselines included (``--baselines``):
+  RWKV-7's decode cache (its state) and the bytes its step must move do not depend on T; OVQ's
+  dictionary follows its plateau schedule (341 rows after 512 tokens, 438 after 768)."""
   out = tmp_path / "bench.json"
   assert speed.main(["--lengths", "512,768", "--decode-steps", "2", "--repeats", "1",
-                     "--budgets", "fixed256,sqrt16", "--heads", "2", "--head-dim", "16",
-                     "--json", str(out), "--plot", str(tmp_path / "bench.png")]) == 0
+                     "--budgets", "fixed256,sqrt16", "--baselines", "ovq,rwkv7", "--heads", "2",
+                     "--head-dim", "16", "--json", str(out),
+                     "--plot", str(tmp_path / "bench.png")]) == 0
   text = capsys.readouterr().out
   assert "T=   512" in text and "T=   768" in text and "crossover" in text
+  assert "rwkv7" in text and "ovq" in text
   rows = json.loads(out.read_text())["rows"]
   assert [r["T"] for r in rows] == [512, 768]
   for r in rows:
-    for arm in ("full", "fixed256", "sqrt16"):
+    for arm in ("full", "fixed256", "sqrt16", "ovq", "rwkv7"):
       for phase in ("prefill", "backward", "decode"):
-        assert r[f"{arm}_{phase}_ms"] > 0
+        assert r[f"{arm}_{phase}_ms"] > 0, (arm, phase)
+    for arm in ("ovq", "rwkv7"):
+      assert r[f"{arm}_decode_bytes_accessed"] > 0
+    assert r["rwkv7_cache_bytes"] == 2 * 16 * 16 * 4        # H x Dk x Dv float32, B = 1
+    assert r["ovq_state_rows"] == speed.OVQ.dictionary_size(r["T"])
+    # the dictionary sized for T + 2 tokens (keys, values, counts) and one chunk of keys and
+    # values, float32, plus the position
+    capacity = speed.OVQ.capacity(r["T"] + 2)
+    assert r["ovq_cache_bytes"] == 2 * (capacity * 33 + 256 * 32) * 4 + 4
+  assert [r["ovq_state_rows"] for r in rows] == [341, 438]
+  assert rows[0]["rwkv7_decode_min_bytes"] == rows[1]["rwkv7_decode_min_bytes"]
+  assert rows[1]["ovq_decode_min_bytes"] > rows[0]["ovq_decode_min_bytes"]
+  with pytest.raises(SystemExit, match="--baselines: unknown 'mamba'"):
+    speed.main(["--baselines", "mamba"])
     # memory is measured from arrays: the full KV cache grows with T, KVM's is bounded
     assert r["full_cache_bytes"] == 2 * 1 * r["T"] * 2 * 16 * 4
     # bytes per decode step: XLA's count for the compiled step and the minimum, both positive
@@ -35,31 +53,6 @@ def test_kvm_bench_smoke(tmp_path, capsys):
   assert rows[1]["fixed256_cache_bytes"] == rows[0]["fixed256_cache_bytes"]
   assert "decode bytes per step" in text
   assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_kvm_bench_baselines(tmp_path, capsys):
-  """``--baselines ovq,rwkv7``: every phase timed for both arms; RWKV-7's decode cache (its state)
-  and the bytes its step must move do not depend on T, OVQ's dictionary grows with T (the plateau
-  schedule, 204 rows after one chunk of 256) but stays far below the full KV cache."""
-  out = tmp_path / "bench.json"
-  assert speed.main(["--lengths", "512,1024", "--decode-steps", "2", "--repeats", "1",
-                     "--budgets", "fixed256", "--baselines", "ovq,rwkv7", "--heads", "2",
-                     "--head-dim", "16", "--json", str(out)]) == 0
-  text = capsys.readouterr().out
-  rows = json.loads(out.read_text())["rows"]
-  for r in rows:
-    for arm in ("ovq", "rwkv7"):
-      for phase in ("prefill", "backward", "decode"):
-        assert r[f"{arm}_{phase}_ms"] > 0, (arm, phase)
-      assert r[f"{arm}_decode_bytes_accessed"] > 0
-    assert r["rwkv7_cache_bytes"] == 2 * 16 * 16 * 4        # H x Dk x Dv float32, B = 1
-    assert r["ovq_state_rows"] == speed.OVQ.dictionary_size(r["T"])
-  assert [r["ovq_state_rows"] for r in rows] == [341, 512]
-  assert rows[0]["rwkv7_decode_min_bytes"] == rows[1]["rwkv7_decode_min_bytes"]
-  assert rows[1]["ovq_decode_min_bytes"] > rows[0]["ovq_decode_min_bytes"]
-  assert "rwkv7" in text and "ovq" in text
-  with pytest.raises(SystemExit, match="--baselines: unknown 'mamba'"):
-    speed.main(["--baselines", "mamba"])
 
 
 def test_baseline_decode_min_bytes_by_hand():

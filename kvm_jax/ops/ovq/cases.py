@@ -58,7 +58,7 @@ CASES = (
     # every switch of the authors' config at once
     Case("all_switches", OVQConfig(chunk_size=8, max_centroids=12, min_state_size=True,
                                    count_bias=False, normalize_centroids=True, delta_rule=True),
-         tags=_tags("oracle", "grad", "check-small")),
+         tags=_tags("oracle", "grad")),
     Case("delta_rule_with_counts", dataclasses.replace(_PAPER_FLAGS, delta_rule=True),
          tags=_tags("oracle", "grad")),
     Case("normalized", dataclasses.replace(_PAPER_FLAGS, normalize_centroids=True),
