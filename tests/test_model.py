@@ -43,6 +43,20 @@ def test_paper_parameter_counts():
       kj.presets.gpta2_120m())["total"] == 58512
 
 
+@pytest.mark.parametrize("overrides", [
+    dict(mixers=("swa", "kvm", "swa", "kvm"), num_layers=4), dict(mixers="rwkv7"),
+    dict(mixers="full", kv_sharing="fusedkv"),
+    dict(mixers="kvm", kv_sharing="fusedkv", kvm_kv_sharing="shared_routing"),
+    dict(mixers=("swa", "ovq"), num_kv_heads=None)], ids=lambda o: str(o["mixers"]))
+def test_count_params_adds_up_the_whole_model(overrides):
+  """count_params traces block by block (one whole-model trace is quadratic in the parameter
+  count): it must equal the whole model's abstract parameters, reconstruction layers and fusion
+  weights of cross-layer sharing included."""
+  from kvm_jax.nn.model import abstract_param_count
+  cfg = kj.presets.tiny(**overrides)
+  assert kj.count_params(cfg)["total"] == abstract_param_count(lambda: kj.LM(cfg, rngs=nnx.Rngs(0)))
+
+
 def test_baseline_parameter_counts_are_the_authors():
   """OVQ/SWA and RWKV-7 at the paper's sizes, as the authors' code counts them (their
   ``configs/prolong/{120M,350M}/{ovq_swa_ts_c256_s1024_wd,rwkv_wd}.yaml``)."""
