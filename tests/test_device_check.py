@@ -10,6 +10,8 @@ timing is asserted."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 import subprocess
@@ -211,9 +213,32 @@ def test_check_output_is_written_through_before_a_failure(tmp_path, monkeypatch)
   ctx = measure.Context(out=tmp_path, geo=geometry.SMOKE, repeats=1)
   stages.stage_check(rec, ctx)
   text = (tmp_path / records.CHECK_LOG).read_text()
-  assert "$ kvm-check --size small --no-grads --cases 1" in text and "first line" in text
+  assert "$ kvm-check --size small --no-grads --cases 1 --ops kvm" in text and "first line" in text
   entry = records.read_records(tmp_path / records.RESULTS)[-1]
   assert entry["status"] == "error" and "killed mid-case" in entry["error"]
+
+
+def test_full_check_stage_runs_the_kvm_cases_then_the_baselines(tmp_path, monkeypatch):
+  """At the paper's geometry every KVM case is an entry of its own (``--ops kvm``: the baselines
+  must not run again with each case), and the OVQ and RWKV-7 checks are one last entry that uses
+  no Pallas kernel (a broken kernel does not skip it)."""
+  calls = []
+
+  def fake_main(argv):
+    calls.append(argv)
+    print("1/1 checks passed")
+    return 0
+
+  monkeypatch.setattr(stages.check, "main", fake_main)
+  rec = records.Recorder(tmp_path / records.RESULTS, "check", deadline=1e18)
+  geo = dataclasses.replace(geometry.PAPER, check_cases=2)
+  stages.stage_check(rec, measure.Context(out=tmp_path, geo=geo, repeats=1))
+  assert calls == [["--size", "paper", "--cases", "1", "--ops", "kvm"],
+                   ["--size", "paper", "--cases", "2", "--ops", "kvm"],
+                   ["--size", "paper", "--ops", "ovq,rwkv7"]]
+  entries = records.read_records(tmp_path / records.RESULTS)
+  assert entries[-1]["entry"] == "baselines: ovq, rwkv7" and entries[-1]["kernels"] == []
+  assert all(e["status"] == "ok" for e in entries[-3:])
 
 
 def test_recorder_skips_entries_of_broken_kernels_and_recorded_entries(tmp_path):

@@ -12,7 +12,8 @@ entry it was running; a crashed stage is restarted for the entries it had not re
             uses it is skipped, with the reason;
   numerics  Pallas vs XLA outputs, final state and every routing decision (B=2, H=8, D=128,
             T=4096, bf16 and f32, GQA and MHA interleaved), again under float32 matmuls;
-  check     kvm-check --size paper, one case per entry, written through to check.txt;
+  check     kvm-check --size paper, one KVM case per entry (then OVQ and RWKV-7 in one more),
+            written through to check.txt;
   prefill   forward time at T = 4K..32K, B=8, H=32, D=128, bf16, FixedBudget(256);
   decode    64 decode steps at a 32K context in one jitted fori_loop;
   backward  gradient memory (compiled memory_analysis) and time at T = 8K..32K;

@@ -55,6 +55,7 @@ class Geometry:
   check_size: str
   check_args: tuple[str, ...]
   check_cases: Optional[int]     # None: every case of the size
+  check_baselines: bool          # one more entry: kvm-check --ops ovq,rwkv7
   # timings (KVM: FixedBudget(timing_rows), MHA)
   timing_rows: int
   prefill_lengths: tuple[int, ...]
@@ -72,7 +73,7 @@ PAPER = Geometry(batch=8, heads=32, kv_heads=(32, 8), head_dim=128, dtype="bfloa
                  kernel_head_dim=128,
                  num_batch=2, num_heads=8, num_kv_heads=(8, 2), num_length=4096,
                  num_budget=(16.0, 0.5, 256), check_size="paper", check_args=(),
-                 check_cases=None, timing_rows=256,
+                 check_cases=None, check_baselines=True, timing_rows=256,
                  prefill_lengths=(4096, 8192, 16384, 32768), decode_context=32768,
                  decode_steps=64, backward_lengths=(8192, 16384, 32768), trace_length=16384,
                  trace_steps=2, repeats=3)
@@ -82,7 +83,7 @@ SMOKE = Geometry(batch=1, heads=2, kv_heads=(2, 1), head_dim=16, dtype="bfloat16
                  kernel_head_dim=16,
                  num_batch=1, num_heads=2, num_kv_heads=(2, 1), num_length=256,
                  num_budget=(2.0, 0.5, 16), check_size="small", check_args=("--no-grads",),
-                 check_cases=1, timing_rows=32, prefill_lengths=(128, 256), decode_context=256,
+                 check_cases=1, check_baselines=False, timing_rows=32, prefill_lengths=(128, 256), decode_context=256,
                  decode_steps=8, backward_lengths=(128, 256), trace_length=256, trace_steps=2,
                  repeats=2)
 

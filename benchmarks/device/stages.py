@@ -192,14 +192,20 @@ class _WriteThrough:
 
 
 def stage_check(rec: Recorder, ctx: Context) -> None:
-  """``kvm-check --size paper`` (smoke: small), one case per entry, its output written through to
-  check.txt (and the stage log) as it prints."""
+  """``kvm-check --size paper`` (smoke: small), one KVM case per entry, then (full runs) the
+  OVQ and RWKV-7 baselines as one last entry; the output written through to check.txt (and the
+  stage log) as it prints."""
   geo = ctx.geo
   cases = check.cases(geo.check_size)
   n = len(cases) if geo.check_cases is None else min(geo.check_cases, len(cases))
+  entries = [(f"case {i}: {cases[i - 1].name}",
+              ["--size", geo.check_size, *geo.check_args, "--cases", str(i), "--ops", "kvm"],
+              list(KERNELS)) for i in range(1, n + 1)]
+  if geo.check_baselines:
+    entries.append(("baselines: ovq, rwkv7",
+                    ["--size", geo.check_size, *geo.check_args, "--ops", "ovq,rwkv7"], []))
   tasks = []
-  for i in range(1, n + 1):
-    argv = ["--size", geo.check_size, *geo.check_args, "--cases", str(i)]
+  for name, argv, kernels in entries:
 
     def run(argv=argv):
       with open(ctx.out / CHECK_LOG, "a", encoding="utf-8") as log:
@@ -214,8 +220,7 @@ def stage_check(rec: Recorder, ctx: Context) -> None:
       return {"status": "ok" if rc == 0 else "failed", "rc": rc,
               "passed": passed.group(0) if passed else None, "fails": fails, "file": CHECK_LOG}
 
-    tasks.append(Task(f"case {i}: {cases[i - 1].name}", run,
-                      dict(argv=argv, kernels=list(KERNELS)), kind="check"))
+    tasks.append(Task(name, run, dict(argv=argv, kernels=kernels), kind="check"))
   rec.run(tasks)
 
 
