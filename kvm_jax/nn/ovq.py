@@ -11,8 +11,6 @@ alternates with full-RoPE SWA-256 (``kvm_jax.presets.ovq_swa_120m``).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 import numpy as np
