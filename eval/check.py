@@ -197,32 +197,33 @@ def check_ovq_case(case: "ovq_cases.Case", grads: bool = True) -> list[dict]:
   cfg, tol = case.cfg, TOLERANCES_F32
   timings = {}
   name = f"ovq {case.name}"
+  rows = case.row_update
   oracle = jax.jit(ovq_attention_reference, static_argnums=4)
   ref_y, ref_state = _timed(timings, "oracle", lambda: oracle(q, k, v, beta, cfg))
-  y, state = _timed(timings, "scan", lambda: ovq_attention(q, k, v, beta, cfg))
-  rows = [make_row(name, "oracle vs scan", rel_rms(y, ref_y), _dictionary_error(state, ref_state),
-                   tol["output"])]
+  y, state = _timed(timings, "scan", lambda: ovq_attention(q, k, v, beta, cfg, row_update=rows))
+  checks = [make_row(name, "oracle vs scan", rel_rms(y, ref_y), _dictionary_error(state, ref_state),
+                     tol["output"])]
   half = case.seq_len // 2
   cache = ovq_init_cache(cfg, batch=case.batch, heads=case.heads, head_dim=case.head_dim,
                          value_dim=case.value_dim, max_len=case.seq_len)
-  y0, cache = jax.jit(ovq_prefill, static_argnums=4)(q[:, :half], k[:, :half], v[:, :half],
-                                                      beta, cfg, cache)
-  step = jax.jit(ovq_decode_step, static_argnums=4)
+  prefill = jax.jit(ovq_prefill, static_argnums=4, static_argnames="row_update")
+  y0, cache = prefill(q[:, :half], k[:, :half], v[:, :half], beta, cfg, cache, row_update=rows)
+  step = jax.jit(ovq_decode_step, static_argnums=4, static_argnames="row_update")
   outs = [y0]
   for t in range(half, case.seq_len):
     s = slice(t, t + 1)
-    y_t, cache = step(q[:, s], k[:, s], v[:, s], beta, cfg, cache)
+    y_t, cache = step(q[:, s], k[:, s], v[:, s], beta, cfg, cache, row_update=rows)
     outs.append(y_t)
-  rows.append(make_row(name, "scan vs prefill+decode", rel_rms(jnp.concatenate(outs, 1), y), None,
-                       tol["output"]))
+  checks.append(make_row(name, "scan vs prefill+decode", rel_rms(jnp.concatenate(outs, 1), y),
+                         None, tol["output"]))
   if grads:
     w = jnp.cos(jnp.arange(case.value_dim, dtype=jnp.float32))
-    loss = lambda fn: lambda *a: jnp.sum(fn(*a, cfg)[0] * w)
-    err = _gradient_error(loss(ovq_attention), loss(ovq_attention_reference), (q, k, v, beta),
-                          (0, 1, 2, 3))
-    rows.append(make_row(name, "grads scan vs oracle", err, None, tol["grad"]))
-  rows[0]["timings"] = timings
-  return rows
+    scan = lambda *a: jnp.sum(ovq_attention(*a, cfg, row_update=rows)[0] * w)
+    oracle_loss = lambda *a: jnp.sum(ovq_attention_reference(*a, cfg)[0] * w)
+    err = _gradient_error(scan, oracle_loss, (q, k, v, beta), (0, 1, 2, 3))
+    checks.append(make_row(name, "grads scan vs oracle", err, None, tol["grad"]))
+  checks[0]["timings"] = timings
+  return checks
 
 
 def check_rwkv7_case(case: "rwkv7_cases.Case", grads: bool = True) -> list[dict]:
@@ -278,8 +279,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p = argparse.ArgumentParser(prog="kvm-check", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--size", choices=SIZES, default="small",
-                 help="small: C=8, D=16, T=75 (seconds, any machine); paper: C=256, D=128, "
-                      "T=2048 (for GPU/TPU)")
+                 help="small: KVM C=8, D=16, T=75; OVQ C=8, T=45; RWKV-7 T=150 (seconds, any "
+                      "machine); paper: KVM C=256, D=128, T=2048; OVQ C=256, 1024 centroids, "
+                      "D=128, T=2048; RWKV-7 D=128, T=2048 (for GPU/TPU)")
   p.add_argument("--no-grads", action="store_true", help="skip the gradient comparisons")
   p.add_argument("--cases", default="",
                  help="comma-separated numbers of the KVM cases to run (1-based; default: all)")

@@ -111,27 +111,26 @@ def time_prefill_backward(T, args, dtype, phases):
   return out
 
 
-def baseline_inputs(T, args, dtype):
-  """Inputs of the baselines at the benchmark's shapes: OVQ's L2-normalized q, k, its v and
+def baseline_inputs(arm: str, T, args, dtype):
+  """Inputs of one baseline at the benchmark's shapes: OVQ's L2-normalized q, k, its v and
   beta = 1; RWKV-7's r, w, k, v, a, b as its time mix makes them."""
-  q, k, v, _ = random_inputs(T, args.batch, T, args.heads, args.heads, args.head_dim,
-                             args.head_dim, dtype)
-  unit = lambda x: (x / jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
-                    ).astype(dtype)
-  beta = jnp.ones((args.heads,), jnp.float32)
-  rwkv = tuple(x.astype(dtype) for x in time_mix_inputs(
+  if arm == "ovq":
+    q, k, v, _ = random_inputs(T, args.batch, T, args.heads, args.heads, args.head_dim,
+                               args.head_dim, dtype)
+    unit = lambda x: (x / jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
+                      ).astype(dtype)
+    return unit(q), unit(k), v, jnp.ones((args.heads,), jnp.float32)
+  return tuple(x.astype(dtype) for x in time_mix_inputs(
       args.batch, T, args.heads, args.head_dim, args.head_dim, seed=T))
-  return (unit(q), unit(k), v, beta), rwkv
 
 
 def time_baselines_prefill_backward(T, args, dtype, phases):
   """Prefill and backward ms of each ``--baselines`` arm."""
-  ovq_in, rwkv_in = baseline_inputs(T, args, dtype)
-  arms = {"ovq": (lambda q, k, v, b: ovq_attention(q, k, v, b, OVQ)[0], ovq_in),
-          "rwkv7": (lambda *x: rwkv7_recurrence(*x, chunk_size=RWKV7_CHUNK)[0], rwkv_in)}
+  arms = {"ovq": lambda q, k, v, b: ovq_attention(q, k, v, b, OVQ)[0],
+          "rwkv7": lambda *x: rwkv7_recurrence(*x, chunk_size=RWKV7_CHUNK)[0]}
   out = {}
   for arm in args.baselines:
-    fn, inputs = arms[arm]
+    fn, inputs = arms[arm], baseline_inputs(arm, T, args, dtype)
     out[arm] = {}
     if "prefill" in phases:
       out[arm]["prefill_ms"] = median_ms(jax.jit(fn), *inputs, repeats=args.repeats)
@@ -160,7 +159,8 @@ def ovq_decode_min_bytes(cfg: OVQConfig, T: int, n: int, B: int, H: int, D: int,
 
 def rwkv7_decode_min_bytes(B: int, H: int, K: int, V: int, itemsize: int) -> float:
   """Bytes one RWKV-7 step must read and write whatever the position: the float32 state
-  ``[H, K, V]`` read and written, the token's r, w, k, a, b ``[H, K]`` and v ``[H, V]`` in, o out."""
+  ``[H, K, V]`` read and written, the token's r, w, k, a, b ``[H, K]`` and v ``[H, V]`` in, o
+  out."""
   return B * H * (2 * K * V * 4 + (5 * K + 2 * V) * itemsize)
 
 
@@ -236,20 +236,19 @@ def time_decode(T, args, dtype):
   out["full"] = {"decode_ms": statistics.fmean(times), "cache_bytes": full_bytes,
                  "decode_bytes_accessed": accessed,
                  "decode_min_bytes": full_decode_min_bytes(T, n, **sizes)}
-  if args.baselines:
-    ovq_in, rwkv_in = baseline_inputs(T + n, args, dtype)
-    B, H, D = args.batch, args.heads, args.head_dim
-    item = jnp.dtype(dtype).itemsize
+  B, H, D, item = args.batch, args.heads, args.head_dim, jnp.dtype(dtype).itemsize
   if "ovq" in args.baselines:
-    times, cache, accessed = time_ovq_decode(OVQ, *ovq_in, T, n)
+    times, cache, accessed = time_ovq_decode(OVQ, *baseline_inputs("ovq", T + n, args, dtype),
+                                             T, n)
     out["ovq"] = {"decode_ms": statistics.fmean(times),
                   "cache_bytes": tree_nbytes(cache), "state_rows": OVQ.dictionary_size(T),
                   "decode_bytes_accessed": accessed,
                   "decode_min_bytes": ovq_decode_min_bytes(OVQ, T, n, B, H, D, D, item)}
   if "rwkv7" in args.baselines:
-    times, state, accessed = time_rwkv7_decode(rwkv_in, T, n, RWKV7_CHUNK)
+    times, state, accessed = time_rwkv7_decode(baseline_inputs("rwkv7", T + n, args, dtype), T,
+                                               n, RWKV7_CHUNK)
     out["rwkv7"] = {"decode_ms": statistics.fmean(times), "cache_bytes": tree_nbytes(state),
-                    "state_rows": D, "decode_bytes_accessed": accessed,
+                    "decode_bytes_accessed": accessed,
                     "decode_min_bytes": rwkv7_decode_min_bytes(B, H, D, D, item)}
   return out
 
@@ -368,6 +367,14 @@ def time_model_decode(name: str, context: int, steps: int, batch: int, dtype: st
           "tokens_per_s": batch * steps / elapsed, "ms_per_step": 1e3 * elapsed / steps,
           "prefill_s_incl_compile": prefill_s, "cache_bytes_per_layer": per_layer,
           "cache_bytes": sum(per_layer), "parameters": kj.count_params(cfg)["total"]}
+
+
+def memory_cell(row: dict, arm: str) -> str:
+  """What an arm's decode cache holds at T: KVM state rows, OVQ centroids, RWKV-7's fixed
+  state."""
+  if arm == "rwkv7":
+    return "fixed-size state"
+  return f"{row[f'{arm}_state_rows']} {'centroids' if arm == 'ovq' else 'rows'}"
 
 
 def decode_bytes_cell(row: dict, arm: str) -> str:
@@ -498,7 +505,7 @@ def main(argv=None) -> int:
     print("decode cache bytes at T (measured from the arrays):")
     for r in rows:
       print(f"  T={r['T']:>6}  full {r['full_cache_bytes']:>13,}  " + "  ".join(
-          f"{b} {r[f'{b}_cache_bytes']:>11,} ({r[f'{b}_state_rows']} rows)" for b in arms))
+          f"{b} {r[f'{b}_cache_bytes']:>11,} ({memory_cell(r, b)})" for b in arms))
     print("decode bytes per step: XLA's count for the compiled step (KVM: both branches of the "
           "chunk-boundary fold included) [the token's attention over the cache alone: what a step "
           "between folds moves, and its ratio to the minimum] / the minimum the step must move "

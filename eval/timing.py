@@ -1,8 +1,8 @@
 """Measurement primitives of the speed benchmarks (``kvm-bench``, ``kvm-bench-core``): wall-time
 medians after warm-up, per-step decode timings of KVM, of full attention over a preallocated KV
 cache and of the OVQ and RWKV-7 baselines (with XLA's count of the bytes the compiled step
-accesses), and the strongest stock attention per backend. No timing is ever asserted in a test; the benchmarks print ratios against a baseline
-measured in the same run."""
+accesses), and the strongest stock attention per backend. No timing is ever asserted in a test;
+the benchmarks print ratios against a baseline measured in the same run."""
 
 from __future__ import annotations
 

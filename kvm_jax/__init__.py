@@ -9,7 +9,8 @@ Curated public surface (docs/design.md)::
 Everything installed lives under this name: the op and model here, and the sub-packages
 ``kvm_jax.kernels`` (Pallas), ``kvm_jax.tasks`` (MQAR, NIAH, text), ``kvm_jax.runs`` (run
 directories), ``kvm_jax.train`` and ``kvm_jax.eval``. The paper's OVQ and RWKV-7 baselines are the
-mixer kinds ``ovq`` (options ``kj.OVQConfig``) and ``rwkv7`` (docs/ovq-rwkv7.md), their ops
+mixer kinds ``ovq`` (options ``kj.OVQConfig``) and ``rwkv7`` (``kj.RWKV7Options``;
+docs/ovq-rwkv7.md), their ops
 ``kvm_jax.ops.ovq`` and ``kvm_jax.ops.rwkv7``.
 """
 
@@ -24,6 +25,7 @@ from kvm_jax.ops.kvm import (KVMBackend, KVMCache, KVMParams, KVMState, kvm_atte
 from kvm_jax.ops.ovq import OVQConfig
 
 from kvm_jax.nn.model import LM, count_params
+from kvm_jax.nn.rwkv7 import RWKV7Options
 from kvm_jax import presets
 from kvm_jax.generate import SamplingConfig, generate, generate_text, sample_logits
 
@@ -42,5 +44,5 @@ __all__ = [
     "kvm_attention", "kvm_attention_reference", "kvm_init_cache", "kvm_prefill", "kvm_decode_step",
     "KVMBackend", "resolve_kvm_backend", "current_platform",
     "ModelConfig", "LM", "count_params", "presets", "generate", "generate_text", "SamplingConfig",
-    "sample_logits", "load_pretrained", "OVQConfig",
+    "sample_logits", "load_pretrained", "OVQConfig", "RWKV7Options",
 ]

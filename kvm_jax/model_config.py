@@ -19,10 +19,16 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "chunked", "cudnn", "splash", "tokam
 _DTYPES = ("float32", "bfloat16")
 
 
+def lora_width(width: int, multiplier: float, power: float) -> int:
+  """The authors' LoRA widths for model width ``width``: max(32, round(multiplier·width^power /
+  32)·32)."""
+  return max(32, int(round(multiplier * width ** power / 32) * 32))
+
+
 def value_lora_width(width: int) -> int:
   """Width of the value-residual LoRA for model width ``width``: max(32, round(1.3·√width / 32)·32)
   (docs/kvm-spec.md §4; 32 for widths 768 and 1024)."""
-  return max(32, int(round(1.3 * width ** 0.5 / 32) * 32))
+  return lora_width(width, 1.3, 0.5)
 
 
 @dataclasses.dataclass(frozen=True)

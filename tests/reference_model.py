@@ -307,7 +307,7 @@ def kvm_mixer(p: dict, x: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarra
   return y
 
 
-# -- OVQ (docs/ovq-rwkv7.md, "OVQ") ------------------------------------------------------------------
+# -- OVQ (docs/ovq-rwkv7.md, "OVQ") ---------------------------------------------------------------
 
 def ovq_dictionary_size(ovq: dict, tokens: int) -> int:
   """Rows after ``tokens`` tokens: floor(t·M / (t + M)), or min(t, M) with ``min_state_size``."""

@@ -64,9 +64,10 @@ _MODE_PREFIX = {"kvm": "kvm", "gptalpha": "gptalpha", "gptalpha_bswa": "gptalpha
 
 def _rwkv7_state_dict(c: dict, a: str) -> dict[str, tuple[int, ...]]:
   """Their ``model/rwkv7_mixer.py`` layer: ``receptance``, ``key``, ``value``, ``output`` [C, C];
-  LoRAs ``w1``/``w2``, ``a1``/``a2``, ``v1``/``v2``, ``g1``/``g2`` of widths max(32, round(m·C^p/32)·32)
-  with (m, p) = (1.8, ½), (1.8, ½), (1.3, ½), (0.6, 0.8); ``w0``, ``a0``, ``v0``, ``k_k``, ``k_a`` and,
-  with token shift, ``x_r`` … ``x_g``, all [1, 1, C]; ``r_k`` [H, C/H]; GroupNorm ``ln_x`` [C]."""
+  LoRAs ``w1``/``w2``, ``a1``/``a2``, ``v1``/``v2``, ``g1``/``g2`` of widths
+  max(32, round(m·C^p/32)·32) with (m, p) = (1.8, ½), (1.8, ½), (1.3, ½), (0.6, 0.8); ``w0``,
+  ``a0``, ``v0``, ``k_k``, ``k_a`` and, with token shift, ``x_r`` … ``x_g``, all [1, 1, C];
+  ``r_k`` [H, C/H]; GroupNorm ``ln_x`` [C]."""
   C, H = c["hidden_size"], c["num_attention_heads"]
   width = lambda m, p: max(32, int(round(m * C ** p / 32) * 32))
   out = {a + f"{n}.weight": (C, C) for n in ("receptance", "key", "value", "output")}
@@ -521,19 +522,33 @@ def test_unsupported_kvm_fields_are_named(tmp_path, fields, match):
 
 @pytest.mark.parametrize("name, fields, match", [
     ("ovq_swa", dict(ovq_value_residual_mode="linear"), "ovq_value_residual_mode='linear'"),
-    ("ovq_swa", dict(ovq_chunk_size=1), "ovq_chunk_size=1"),
+    ("ovq_swa", dict(ovq_chunk_size=0), "ovq_chunk_size=0 must be >= 1"),
     ("ovq_swa", dict(ovq_max_centroids=0), "ovq_max_centroids=0"),
     ("ovq_swa", dict(ovq_use_delta_rule=2), "ovq_use_delta_rule=2 must be 0 or 1"),
     ("ovq_swa", dict(ovq_token_shift_mode="none"), "ovq_token_shift_mode='none'"),
     ("ovq_swa", dict(num_key_value_heads=1), "num_kv_heads=1"),
-    ("rwkv7", dict(num_key_value_heads=1), "num_kv_heads=1 must be None"),
     ("rwkv7", dict(d_head=8), "num_heads x head_dim = 2 x 8 must equal hidden_size=32"),
+    ("rwkv7", dict(alt_layer_every=2, use_value_residual=0), "use_value_residual=0 in a hybrid"),
+    ("rwkv7", dict(alt_layer_every=2, d_qk_head=8), "d_qk_head=8, d_v_head=None"),
+    ("rwkv7", dict(alt_layer_every=2, alt_rope_partial_dim=16), "first RWKV-7 layer"),
 ])
 def test_unsupported_baseline_fields_are_named(tmp_path, name, fields, match):
   path = _copy(tmp_path, name)
   _edit_config(path, **fields)
   with pytest.raises(hf.ConfigError, match=match):
     kj.load_pretrained(path, progress=False)
+
+
+def test_rwkv7_ignores_the_fields_its_layer_never_reads(tmp_path):
+  """Their RWKV-7 time mix reads neither num_key_value_heads, d_qk_head/d_v_head nor
+  use_value_residual: a pure RWKV-7 checkpoint that sets them loads, and computes their logits."""
+  path = _copy(tmp_path, "rwkv7")
+  _edit_config(path, num_key_value_heads=1, d_qk_head=8, d_v_head=4, use_value_residual=0)
+  model = kj.load_pretrained(path, progress=False)
+  assert model.cfg.num_kv_heads is None and model.cfg.qk_head_dim == 16 and model.cfg.value_residual
+  ref = np.load(DATA / "rwkv7" / "reference.npz")
+  np.testing.assert_allclose(model_logits(model, ref["tokens"]), ref["logits_float32"], rtol=0,
+                             atol=FLOAT32_TOL * np.abs(ref["logits_float32"]).max())
 
 
 @pytest.mark.parametrize("fields, match", [

@@ -119,6 +119,17 @@ def test_bfloat16_inputs_keep_a_float32_state():
   assert rel_rms(h16, h32) < TOLERANCE["bfloat16"]["output"]
 
 
-def test_odd_chunk_size_is_refused():
-  with pytest.raises(ValueError, match="chunk_size must be an even int >= 2, got 7"):
-    rwkv7_recurrence(*time_mix_inputs(T=8), chunk_size=7)
+def test_bad_chunk_sizes_and_shapes_are_refused():
+  """Odd chunks, and chunks past 256 (whose decay factors overflow float32), by name; shapes that
+  do not fit each other, by shape."""
+  from kvm_jax.nn.rwkv7 import RWKV7Options
+  x = time_mix_inputs(T=8)
+  with pytest.raises(ValueError, match=r"chunk_size must be an even int in \[2, 256\], got 7"):
+    rwkv7_recurrence(*x, chunk_size=7)
+  with pytest.raises(ValueError, match=r"RWKV7Options.chunk_size must be an even int in "
+                                       r"\[2, 256\], got 512"):
+    RWKV7Options(chunk_size=512)
+  with pytest.raises(ValueError, match="v must be"):
+    rwkv7_recurrence(*x[:3], x[3][:, :4], *x[4:])
+  with pytest.raises(ValueError, match=r"the state must be \[B, H, Dk, Dv\]"):
+    rwkv7_step(*(z[:, 0] for z in x), jnp.zeros((2, 2, 16, 11)))

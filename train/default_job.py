@@ -9,11 +9,13 @@ stream (no download) and compares what they remember:
 * **kvm-sqrt** — the same window plus a state growing as 4·√N rows.
 
 Recall is split by where the queried key sits: *in window* (the key is among the last L tokens, so
-every model can see it exactly) or *state only* (it left the window: only full attention and the
-KVM state can still answer). ``--models`` can add the paper's two other recurrent baselines at
-the same width and depth: **ovq-swa** (an SWA layer over L = 16 tokens, then an OVQ layer:
-chunks of 8, at most 16 centroids) and **rwkv7** (two RWKV-7 layers: a 32 x 32 state per head). Writes ``summary.json``, ``recall.png`` and each model's
-``metrics.jsonl`` + checkpoints under ``--workdir``; re-running resumes finished models.
+the four default models see it exactly) or *state only* (it left the window: only full attention
+and the KVM state can still answer among them). ``--models`` can add the paper's two other
+recurrent baselines at the same width and depth, for which the split only says how far back the
+key is: **ovq-swa** (an SWA layer over L = 16 tokens, then an OVQ layer: chunks of 8, at most 16
+centroids) and **rwkv7** (two RWKV-7 layers: a 32 x 32 state per head, no exact window). Writes
+``summary.json``, ``recall.png`` and each model's ``metrics.jsonl`` + checkpoints under
+``--workdir``; re-running resumes finished models.
 """
 
 from __future__ import annotations

@@ -83,7 +83,8 @@ SMOKE = Geometry(batch=1, heads=2, kv_heads=(2, 1), head_dim=16, dtype="bfloat16
                  kernel_head_dim=16,
                  num_batch=1, num_heads=2, num_kv_heads=(2, 1), num_length=256,
                  num_budget=(2.0, 0.5, 16), check_size="small", check_args=("--no-grads",),
-                 check_cases=1, check_baselines=False, timing_rows=32, prefill_lengths=(128, 256), decode_context=256,
+                 check_cases=1, check_baselines=False,
+                 timing_rows=32, prefill_lengths=(128, 256), decode_context=256,
                  decode_steps=8, backward_lengths=(128, 256), trace_length=256, trace_steps=2,
                  repeats=2)
 

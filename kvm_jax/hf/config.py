@@ -291,8 +291,16 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
   d_qk = _opt_int(cfg, "d_qk_head") or d_head or hidden // heads
   d_v = _opt_int(cfg, "d_v_head") or d_head or hidden // heads
   if "rwkv7" in used:
-    d_qk = d_v = d_head or hidden // heads
+    rwkv_head = d_head or hidden // heads
+    if len(used) > 1 and (d_qk, d_v) != (rwkv_head, rwkv_head):
+      raise ConfigError(f"d_qk_head={cfg['d_qk_head']!r}, d_v_head={cfg['d_v_head']!r}: their "
+                        f"RWKV-7 layers use heads of d_head or hidden/heads = {rwkv_head} whatever "
+                        "these say, and kvm_jax has one head width for every layer; a hybrid with "
+                        "RWKV-7 loads only when the other layers' heads are that wide.")
+    d_qk = d_v = rwkv_head
   kv_heads = None if cfg["num_key_value_heads"] is None else _int(cfg, "num_key_value_heads", 1)
+  if used == ["rwkv7"]:
+    kv_heads = None  # their time mix never reads num_key_value_heads
 
   # RoPE: the main role's layers use (rope_partial_dim, rope_theta), the alt role's
   # (alt_rope_partial_dim, alt_rope_theta). kvm_jax has one width for swa layers and one for the
@@ -331,12 +339,18 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
   if len(set(shift.values())) > 1:
     raise ConfigError("the token shift of attention is on for some mixers and off for others ("
                       + ", ".join(f"{MODE_PREFIX[k]}_token_shift_mode="
-                                  f"{cfg[MODE_PREFIX[k] + '_token_shift_mode']!r}" for k in used
-                                  if MODE_PREFIX[k] is not None)
+                                  f"{cfg[MODE_PREFIX[k] + '_token_shift_mode']!r}"
+                                  if MODE_PREFIX[k] is not None else
+                                  f"{k} follows use_tokenshift_att={cfg['use_tokenshift_att']!r}"
+                                  for k in used)
                       + "); kvm_jax applies one setting to every layer.")
   value_residual = _flag(cfg, "use_value_residual")
   if used == ["rwkv7"]:
     value_residual = True  # their RWKV-7 time mix always mixes v_first in; it ignores the field
+  elif "rwkv7" in used and not value_residual:
+    raise ConfigError("use_value_residual=0 in a hybrid with RWKV-7: their RWKV-7 layers mix the "
+                      "first layer's value in regardless, and kvm_jax applies one value-residual "
+                      "setting to every layer; only use_value_residual=1 loads.")
   if value_residual:
     for kind in used:
       if MODE_PREFIX[kind] is None:

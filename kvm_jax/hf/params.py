@@ -2,11 +2,11 @@
 state dict (docs/checkpoints.md has the table).
 
 Their ``nn.Linear`` stores ``weight [out, in]``, kvm_jax's ``nnx.Linear`` ``kernel [in, out]``:
-every projection is transposed. Their LayerNorms hold ``weight``/``bias``, kvm_jax's
-``scale``/``bias``. ``v_gate0`` and the MLP's ``x_k`` carry two leading singleton axes in their
-code.
-Their value-residual layers without token shift also hold an ``attn.x_v`` of zeros that nothing
-reads; it is written on export and required (its values ignored) on import.
+every projection is transposed. Their LayerNorms (and RWKV-7's GroupNorm) hold ``weight``/``bias``,
+kvm_jax's ``scale``/``bias``. ``v_gate0``, the MLP's ``x_k`` and RWKV-7's per-channel vectors carry
+two leading singleton axes in their code.
+Their value-residual layers without token shift (every kind but RWKV-7) also hold an ``attn.x_v`` of
+zeros that nothing reads; it is written on export and required (its values ignored) on import.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ layout) and owns everything the library asks of a kind:
   that the defaults do not cover.
 
 The kinds: :mod:`kvm_jax.nn.full`, :mod:`kvm_jax.nn.swa`, :mod:`kvm_jax.nn.bswa` (softmax attention
-over a ring of raw keys/values, :class:`SoftmaxAttention`) and :mod:`kvm_jax.nn.kvm`; the list of
-kinds is :mod:`kvm_jax.nn.registry`.
+over a ring of raw keys/values, :class:`SoftmaxAttention`), :mod:`kvm_jax.nn.kvm` and
+:mod:`kvm_jax.nn.ovq` (this front end without QK-LN and RoPE); :mod:`kvm_jax.nn.rwkv7` implements
+the same protocol without this front end. The list of kinds is :mod:`kvm_jax.nn.registry`.
 
 Parameters stay flat under the block's ``attn`` (``attn/c_q``, ``attn/ln_s``, ...), named like the
 authors' state dict. A *reconstruction* layer of cross-layer KV sharing has only the query side;
@@ -59,6 +60,15 @@ jax.tree_util.register_dataclass(
     LayerCache, data_fields=["mixer", "last_q", "last_k", "last_v", "last_mlp"], meta_fields=[])
 
 
+def cache_bytes_from_shapes(cls, cfg: ModelConfig, layer: int, batch: int,
+                            max_len: int) -> int:
+  """Bytes of the decode cache of ``cls``'s layer ``layer`` for ``batch`` sequences of up to
+  ``max_len`` tokens, from the cache's shapes (nothing is allocated); 0 for a layer that stores
+  nothing. The default ``cache_bytes`` of a mixer kind."""
+  module = nnx.eval_shape(lambda: cls(cfg, layer, rngs=nnx.Rngs(0)))
+  return tree_nbytes(jax.eval_shape(lambda: module.init_cache(batch, max_len)))
+
+
 class AttentionFrontEnd(nnx.Module):
   """Projections, value residual, token shift, QK-LN and RoPE, then the kind's mixer, then the
   output projection.
@@ -96,12 +106,7 @@ class AttentionFrontEnd(nnx.Module):
     ratio is lora / lora at the base width."""
     return {"v_gate2": value_lora_width(cfg.hidden_size) / value_lora_width(cfg.mup_base_dim)}
 
-  @classmethod
-  def cache_bytes(cls, cfg: ModelConfig, layer: int, batch: int, max_len: int) -> int:
-    """Bytes of this layer's decode cache for ``batch`` sequences of up to ``max_len`` tokens,
-    from the cache's shapes (nothing is allocated); 0 for a layer that stores nothing."""
-    module = nnx.eval_shape(lambda: cls(cfg, layer, rngs=nnx.Rngs(0)))
-    return tree_nbytes(jax.eval_shape(lambda: module.init_cache(batch, max_len)))
+  cache_bytes = classmethod(cache_bytes_from_shapes)
 
   def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
     self.cfg, self.layer = cfg, layer

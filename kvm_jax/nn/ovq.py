@@ -18,10 +18,9 @@ from flax import nnx
 
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.attention import AttentionFrontEnd
-from kvm_jax.ops.common import current_platform
 from kvm_jax.ops.ovq.config import OVQConfig
 from kvm_jax.ops.ovq.decode import OVQCache, ovq_decode_step, ovq_init_cache, ovq_prefill
-from kvm_jax.ops.ovq.scan import ovq_attention, row_update_for
+from kvm_jax.ops.ovq.scan import ovq_attention
 
 Array = jax.Array
 
@@ -61,13 +60,12 @@ class OVQAttention(AttentionFrontEnd):
   def mix_own(self, x, q, k, v, mixer_cache, decode, shared):
     q, k = l2_normalize(q), l2_normalize(k)
     beta = self.beta[...]
-    row_update = row_update_for(current_platform())
     if decode:
-      y, mixer_cache = ovq_decode_step(q, k, v, beta, self.options, mixer_cache, row_update)
+      y, mixer_cache = ovq_decode_step(q, k, v, beta, self.options, mixer_cache)
     elif mixer_cache is not None:
-      y, mixer_cache = ovq_prefill(q, k, v, beta, self.options, mixer_cache, row_update)
+      y, mixer_cache = ovq_prefill(q, k, v, beta, self.options, mixer_cache)
     else:
-      y, _ = ovq_attention(q, k, v, beta, self.options, row_update=row_update)
+      y, _ = ovq_attention(q, k, v, beta, self.options)
     return y, mixer_cache, {"k": k, "v": v}
 
   def mix_reconstructed(self, x, q, mixer_cache, decode, shared):

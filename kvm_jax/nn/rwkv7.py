@@ -2,7 +2,8 @@
 ``model/rwkv7_mixer.py``), with its recurrence from :mod:`kvm_jax.ops.rwkv7`.
 
 For a layer input ``x [B, T, C]`` (the block's ``ln_attn`` output), with ``xx`` the token-shift
-difference ``x_{t-1} - x_t`` (``x_{-1} = 0``) and ``x_• = x + xx ⊙ mix_•`` for • in r, w, k, v, a, g::
+difference ``x_{t-1} - x_t`` (``x_{-1} = 0``) and ``x_• = x + xx ⊙ mix_•`` for • in r, w, k, v,
+a, g::
 
     r = W_r x_r                       k = W_k x_k                 v = W_v x_v
     w = -exp(-softplus(-(w0 + W_w2 tanh(W_w1 x_w))) - ½)          (log decay, in (-e^-½, 0))
@@ -27,17 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvm_jax.model_config import ModelConfig
+from kvm_jax.model_config import ModelConfig, lora_width
+from kvm_jax.nn.attention import cache_bytes_from_shapes
 from kvm_jax.nn.layers import GroupNorm, float32_init, linear, shift_delta, zeros_init
-from kvm_jax.ops.common import tree_nbytes
-from kvm_jax.ops.rwkv7.chunked import rwkv7_recurrence, rwkv7_step
+from kvm_jax.ops.rwkv7.chunked import MAX_CHUNK, rwkv7_recurrence, rwkv7_step
 
 Array = jax.Array
-
-
-def lora_width(width: int, multiplier: float, power: float) -> int:
-  """The authors' LoRA widths: max(32, round(multiplier·width^power / 32)·32)."""
-  return max(32, int(round(multiplier * width ** power / 32) * 32))
 
 
 # (multiplier, power) of each LoRA, by the name of its input projection.
@@ -52,19 +48,22 @@ class RWKV7Options:
   """Options of ``rwkv7`` layers.
 
   Attributes:
-    chunk_size: tokens per chunk of the chunk-parallel recurrence in whole-sequence calls (even;
-      64 by default). A compute setting: any value gives the same function.
+    chunk_size: tokens per chunk of the chunk-parallel recurrence in whole-sequence calls (even,
+      2 to 256; 64 by default). A compute setting: every value gives the same function up to
+      float32 rounding (the decay factors within a chunk reach e^±(chunk_size/2 · e^-½), which
+      float32 holds up to 256).
   """
 
   chunk_size: int = 64
 
   def __post_init__(self):
     if (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
-        or self.chunk_size < 2 or self.chunk_size % 2):
-      raise ValueError(f"RWKV7Options.chunk_size must be an even int >= 2, got "
+        or not 2 <= self.chunk_size <= MAX_CHUNK or self.chunk_size % 2):
+      raise ValueError(f"RWKV7Options.chunk_size must be an even int in [2, {MAX_CHUNK}], got "
                        f"{self.chunk_size!r}.")
 
   def rotary_dims(self, model) -> int:
+    """RWKV-7 layers use no rotary embedding."""
     return 0
 
   def check(self, model) -> None:
@@ -85,6 +84,14 @@ class RWKV7Options:
     if model.kv_sharing != "none":
       raise ValueError(f"rwkv7 layers cannot take part in kv_sharing={model.kv_sharing!r}; set "
                        "kv_sharing='none'.")
+    first = next(i for i, kind in enumerate(model.layer_mixers)
+                 if isinstance(model.options_of(kind), RWKV7Options))
+    if first > 0 and not model.share_value_anchor:
+      raise ValueError(
+          f"the first RWKV-7 layer is layer {first}: RWKV-7's value anchor is its first layer's "
+          "value of the token-shifted ln_attn(x0), and a decode step keeps only the shift of "
+          "that layer's own input, which differs from ln_attn(x0) past layer 0; put an rwkv7 "
+          "layer first (or set share_value_anchor=True).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,10 +140,7 @@ class RWKV7TimeMix(nnx.Module):
     what attention spends on 9·Dv/4 keys (4·D FLOPs each): independent of the position."""
     return 9.0 * cfg.v_head_dim / 4.0
 
-  @classmethod
-  def cache_bytes(cls, cfg: ModelConfig, layer: int, batch: int, max_len: int) -> int:
-    module = nnx.eval_shape(lambda: cls(cfg, layer, rngs=nnx.Rngs(0)))
-    return tree_nbytes(jax.eval_shape(lambda: module.init_cache(batch, max_len)))
+  cache_bytes = classmethod(cache_bytes_from_shapes)
 
   def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
     self.cfg, self.layer = cfg, layer
@@ -230,8 +234,9 @@ class RWKV7TimeMix(nnx.Module):
       y, state = rwkv7_recurrence(*inputs, chunk_size=self.options.chunk_size)
       length = jnp.asarray(T, jnp.int32)
     if mixer_cache is not None:
-      mixer_cache = RWKV7Cache(state=state, last_input=x[:, -1:].astype(mixer_cache.last_input.dtype),
-                               length=length, max_len=mixer_cache.max_len)
+      last = x[:, -1:].astype(mixer_cache.last_input.dtype)
+      mixer_cache = RWKV7Cache(state=state, last_input=last, length=length,
+                               max_len=mixer_cache.max_len)
     y = self.ln_x(y.reshape(B, T, C))
     bonus = jnp.sum(rh * kh * f32(self.r_k[...]), -1, keepdims=True) * vh
     y = (y + bonus.reshape(B, T, C)).astype(x.dtype)

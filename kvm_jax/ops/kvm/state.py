@@ -323,10 +323,12 @@ def row_update_for(platform: str) -> str:
   return "scatter" if platform == "cpu" else "onehot"
 
 
-def _row_adder(row_update: str):
+def row_adder(row_update: str):
+  """The function ``(rows, index, updates) -> rows`` of ``row_update`` ("auto": the platform's,
+  :func:`row_update_for`); a ValueError naming any other value."""
   if row_update == "auto":
-    # Only direct callers below the KVM op get here (the shared-routing replay, introspection,
-    # tests); the op passes the value its backend resolver decided.
+    # Only direct callers below the ops' entry points get here (the shared-routing replay,
+    # introspection, tests); the KVM op passes the value its backend resolver decided.
     row_update = row_update_for(current_platform())
   if row_update == "scatter":
     return add_rows_scatter
@@ -408,7 +410,7 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
     The updated state with ``num_rows + n_append`` rows (and the routing if asked). Routing
     decisions carry no gradient; the merged sums, appended rows and radii are differentiable.
   """
-  add_rows = routing_ops.add_rows or _row_adder(row_update)
+  add_rows = routing_ops.add_rows or row_adder(row_update)
   R = state.capacity
   rows = overflow_rows(overflow_k, overflow_v, overflow_g, params, cfg, head_major)
   m = state.num_rows

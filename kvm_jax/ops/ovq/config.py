@@ -39,9 +39,8 @@ class OVQConfig:
   def __post_init__(self):
     for name in ("chunk_size", "max_centroids"):
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-        raise ValueError(f"OVQConfig.{name} must be an int >= 2, got {value!r} (with 1 the "
-                         "dictionary of the plateau schedule never gains a row).")
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"OVQConfig.{name} must be a positive int, got {value!r}.")
     for name in ("min_state_size", "count_bias", "normalize_centroids", "delta_rule"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"OVQConfig.{name} must be a bool, got {getattr(self, name)!r}.")
@@ -71,11 +70,14 @@ class OVQConfig:
     """Rows a state must hold for sequences of up to ``seq_len`` tokens (at least 1)."""
     return max(1, self.dictionary_sizes(seq_len)[-1])
 
-  # As the options of a mixer kind (kvm_jax.mixer_options): OVQ layers use no rotary channels.
+  # As the options of a mixer kind (kvm_jax.mixer_options).
   def rotary_dims(self, model) -> int:
+    """OVQ layers use no rotary embedding (the authors' layer never applies it)."""
     return 0
 
   def check(self, model) -> None:
+    """One dictionary per query head, so no GQA; no cross-layer sharing (``model`` is the
+    :class:`kvm_jax.ModelConfig`)."""
     if model.kv_heads != model.num_heads:
       raise ValueError(f"ovq layers need one key/value head per query head (num_kv_heads="
                        f"{model.num_kv_heads}, num_heads={model.num_heads}): each head keeps "

@@ -65,9 +65,9 @@ def _sizes_table(cfg: OVQConfig, max_len: int) -> np.ndarray:
 
 
 def ovq_prefill(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig, cache: OVQCache,
-                row_update: str = "scatter") -> tuple[Array, OVQCache]:
+                row_update: str = "auto") -> tuple[Array, OVQCache]:
   """Outputs of a prompt ``[B, T, H, Dv]`` and the cache filled for decoding from position T
-  (the cache must be empty)."""
+  (the cache must be empty). ``row_update``: as in :func:`kvm_jax.ops.ovq.ovq_attention`."""
   validate_inputs(q, k, v, beta)
   T = q.shape[1]
   if T > cache.max_len:
@@ -88,7 +88,7 @@ def ovq_prefill(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig, cache
 
 
 def ovq_decode_step(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig, cache: OVQCache,
-                    row_update: str = "scatter") -> tuple[Array, OVQCache]:
+                    row_update: str = "auto") -> tuple[Array, OVQCache]:
   """One token ``[B, 1, H, ·]`` at position ``cache.length``: its output ``[B, 1, H, Dv]`` and the
   cache after it."""
   validate_inputs(q, k, v, beta)

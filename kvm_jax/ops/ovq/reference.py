@@ -2,9 +2,10 @@
 Python.
 
 It is the yardstick of the chunked scan and the decode step, so it shares none of their
-arithmetic: it works in the authors' ``[batch, heads, time, dim]`` layout, slices the dictionary
-to its current size (dynamic shapes), scores only the rows that exist, and applies each update
-token by token in a Python loop. Slow by design: use small shapes. It is traceable by
+arithmetic: it works in the authors' ``[batch, heads, time, dim]`` layout, loops over chunks in
+Python, slices the dictionary to its current size (dynamic shapes), scores only the rows that
+exist, and writes every centroid as the running mean of what was ever assigned to it, from one-hot
+assignments. Slow by design: use small shapes. It is traceable by
 ``jax.grad`` (its control flow depends on positions only), so gradients are compared too.
 """
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,12 +21,6 @@ from kvm_jax.ops.ovq.config import OVQConfig
 from kvm_jax.ops.ovq.state import OVQState, empty_state, fold, readout, validate_inputs
 
 Array = jax.Array
-
-
-def row_update_for(platform: str) -> str:
-  """How rows are accumulated: XLA's scatter-add on CPU; a one-hot matmul elsewhere (GPU
-  scatter-adds use atomics, whose order, and so whose rounding, changes from run to run)."""
-  return "scatter" if platform == "cpu" else "onehot"
 
 
 def heads_first(x: Array) -> Array:
@@ -51,7 +43,7 @@ def _chunk_step(cfg: OVQConfig, row_update: str, fold_chunk: bool, scale, state,
 
 
 def run_chunks(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig, rows: int,
-               fold_partial: bool, row_update: str = "scatter"):
+               fold_partial: bool, row_update: str = "auto"):
   """Head-major float32 outputs ``[B, H, T, Dv]`` and the dictionary (``rows`` rows) after every
   full chunk, and after the partial last chunk too when ``fold_partial``."""
   B, H, T, D = q.shape
@@ -87,7 +79,7 @@ def run_chunks(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig, rows: 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "row_update"))
 def ovq_attention(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig,
-                  row_update: Optional[str] = None) -> tuple[Array, OVQState]:
+                  row_update: str = "auto") -> tuple[Array, OVQState]:
   """OVQ attention of a whole sequence.
 
   Args:
@@ -95,7 +87,9 @@ def ovq_attention(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig,
     v: ``[B, T, H, Dv]`` values.
     beta: ``[H]`` per-head temperatures; scores are ``beta·√D · q·k``, softmax scale 1.
     cfg: the layer's :class:`OVQConfig`.
-    row_update: "scatter" or "onehot" (how centroid sums are accumulated; None: scatter).
+    row_update: how centroid sums are accumulated: "scatter" (XLA's scatter-add, cheapest),
+      "onehot" (a one-hot matmul: deterministic on GPU/TPU, whose scatter-adds use atomics) or
+      "auto" (scatter on CPU, one-hot elsewhere; ``kvm_jax.ops.kvm.state.row_update_for``).
 
   Returns:
     ``y [B, T, H, Dv]`` in ``v``'s dtype and the final :class:`OVQState` with
@@ -104,6 +98,5 @@ def ovq_attention(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig,
   """
   validate_inputs(q, k, v, beta)
   y, state = run_chunks(heads_first(q), heads_first(k), heads_first(v), beta, cfg,
-                        cfg.capacity(q.shape[1]), fold_partial=True,
-                        row_update=row_update or "scatter")
+                        cfg.capacity(q.shape[1]), fold_partial=True, row_update=row_update)
   return jnp.swapaxes(y, 1, 2).astype(v.dtype), state

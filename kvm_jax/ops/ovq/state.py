@@ -15,11 +15,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from kvm_jax.ops.kvm.state import row_adder
 from kvm_jax.ops.ovq.config import OVQConfig
 
 Array = jax.Array
 _HI = jax.lax.Precision.HIGHEST
-ROW_UPDATES = ("scatter", "onehot")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,16 +130,6 @@ def assignments(keys: Array, state: OVQState, size, num_new) -> Array:
   return jnp.where(rank < opened, first_new + rank, nearest).astype(jnp.int32)
 
 
-def _add_rows(rows: Array, index: Array, updates: Array, row_update: str) -> Array:
-  """``rows [B, H, R, d]`` plus, for each token j, ``updates[..., j, :]`` added at row
-  ``index[..., j]``."""
-  if row_update == "onehot":
-    onehot = jax.nn.one_hot(index, rows.shape[2], dtype=updates.dtype)     # [B, H, n, R]
-    return rows + jnp.einsum("bhnr,bhnd->bhrd", onehot, updates, precision=_HI)
-  add = lambda r, i, u: r.at[i].add(u)
-  return jax.vmap(jax.vmap(add))(rows, index, updates)
-
-
 def _gather_rows(rows: Array, index: Array) -> Array:
   return jnp.take_along_axis(rows, index[..., None], axis=2)
 
@@ -152,18 +142,19 @@ def _safe_norm(x: Array) -> Array:
 
 
 def fold(state: OVQState, keys: Array, values: Array, scaled_keys: Array, size, num_new,
-         cfg: OVQConfig, row_update: str = "scatter") -> OVQState:
+         cfg: OVQConfig, row_update: str = "auto") -> OVQState:
   """The dictionary after a chunk's tokens are assigned (:func:`assignments`) and folded in, as
   the authors' update computes it: counts first, then every token moves its centroid by
   ``-(centroid - token) / count`` (the running mean), summed over the chunk's tokens; with the
   delta rule the value centroid moves by ``(v - readout(k)) / count`` instead, ``readout`` being the
-  dictionary alone scored with ``scaled_keys``."""
+  dictionary alone scored with ``scaled_keys``. ``row_update``: how token rows are summed into
+  centroid rows ("scatter", "onehot" or "auto", ``kvm_jax.ops.kvm.state.ROW_UPDATES``)."""
+  add_rows = row_adder(row_update)
   index = assignments(keys, state, size, num_new)
   ones = jnp.ones(index.shape + (1,), jnp.float32)
-  counts = _add_rows(state.counts[..., None], index, ones, row_update)[..., 0]
+  counts = add_rows(state.counts[..., None], index, ones)[..., 0]
   rate = 1.0 / _gather_rows(counts[..., None], index)                     # [B, H, n, 1]
-  dict_keys = _add_rows(state.keys, index, -rate * (_gather_rows(state.keys, index) - keys),
-                        row_update)
+  dict_keys = add_rows(state.keys, index, -rate * (_gather_rows(state.keys, index) - keys))
   if cfg.delta_rule:
     if _known_empty(size):
       predicted = jnp.zeros_like(values)
@@ -171,10 +162,10 @@ def fold(state: OVQState, keys: Array, values: Array, scaled_keys: Array, size, 
       scores, exists = dictionary_scores(scaled_keys, state, size, cfg.count_bias)
       p = _masked_softmax_weights(scores, exists)
       predicted = jnp.einsum("bhnr,bhrd->bhnd", p, state.values, precision=_HI)
-    dict_values = _add_rows(state.values, index, rate * (values - predicted), row_update)
+    dict_values = add_rows(state.values, index, rate * (values - predicted))
   else:
-    dict_values = _add_rows(state.values, index,
-                            -rate * (_gather_rows(state.values, index) - values), row_update)
+    dict_values = add_rows(state.values, index,
+                           -rate * (_gather_rows(state.values, index) - values))
   if cfg.normalize_centroids:
     unit = lambda x: x / jnp.maximum(_safe_norm(x), 1e-12)
     dict_keys = unit(dict_keys)

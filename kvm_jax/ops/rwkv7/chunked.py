@@ -20,7 +20,7 @@ Everything that does not involve ``h_0`` (the four matrices, the solve, ``M_rk V
 for all chunks at once; the scan carries only ``h`` (float32) through four products per chunk.
 The factors ``Γ_{t-1}`` and ``Γ_s⁻¹`` of the pairwise products are taken relative to the middle of
 the chunk, so their exponents stay within ``L/2 · max|w|`` (RWKV-7's decay keeps ``|w| < e^-½``:
-at most 19 for L = 64, far inside float32's range).
+at most 19.4 for L = 64, far inside float32's range; :data:`MAX_CHUNK`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ import jax.numpy as jnp
 
 Array = jax.Array
 _HI = jax.lax.Precision.HIGHEST
+# The longest chunk whose decay factors float32 holds for RWKV-7's decays (|w| < e^-½): within a
+# chunk they reach e^±(L/2 · e^-½), 77.6 at L = 256, and exp overflows past 88.7.
+MAX_CHUNK = 256
 
 
 def _chunked(x: Array, L: int) -> Array:
@@ -144,14 +147,18 @@ def rwkv7_recurrence(r: Array, w: Array, k: Array, v: Array, a: Array, b: Array,
   Args:
     r, w, k, a, b: ``[B, T, H, Dk]`` (``w`` the log decay, ≤ 0); v: ``[B, T, H, Dv]``.
     initial_state: ``h = Sᵀ`` ``[B, H, Dk, Dv]`` before the first token (zeros when None).
-    chunk_size: L, tokens per chunk (an even number; 64 by default). Memory and the sequential
-      depth fall with larger chunks, the work within a chunk grows as L².
+    chunk_size: L, tokens per chunk (even, 2 to :data:`MAX_CHUNK`; 64 by default). The
+      sequential depth falls with larger chunks, the work within a chunk grows as L². The decay
+      factors reach e^±(L/2 · max|w|): with decays stronger than RWKV-7's (|w| < e^-½) keep
+      L·max|w| below about 170.
 
   Returns:
     ``o [B, T, H, Dv]`` in ``v``'s dtype and the final state ``[B, H, Dk, Dv]`` float32.
   """
-  if chunk_size < 2 or chunk_size % 2:
-    raise ValueError(f"chunk_size must be an even int >= 2, got {chunk_size}.")
+  if not 2 <= chunk_size <= MAX_CHUNK or chunk_size % 2:
+    raise ValueError(f"chunk_size must be an even int in [2, {MAX_CHUNK}], got {chunk_size} "
+                     "(larger chunks overflow float32 in the decay factors).")
+  validate_inputs(r, w, k, v, a, b, initial_state)
   B, T, H, K = r.shape
   V = v.shape[-1]
   L = chunk_size
@@ -168,13 +175,34 @@ def rwkv7_recurrence(r: Array, w: Array, k: Array, v: Array, a: Array, b: Array,
   return o.astype(v.dtype), h
 
 
+def validate_inputs(r: Array, w: Array, k: Array, v: Array, a: Array, b: Array,
+                    state: Optional[Array] = None, token: bool = False) -> None:
+  """Shape checks of the public functions: r, w, k, a, b ``[B, T, H, Dk]`` (``token``: one token,
+  ``[B, H, Dk]``), v with the same leading axes and its own last one, the state
+  ``[B, H, Dk, Dv]``."""
+  lead = r.shape[:-1]
+  what = "[B, H, Dk]" if token else "[B, T, H, Dk]"
+  if r.ndim != (3 if token else 4) or any(x.shape != r.shape for x in (w, k, a, b)):
+    raise ValueError(f"r, w, k, a, b must share one shape {what}; got "
+                     f"{[tuple(x.shape) for x in (r, w, k, a, b)]}.")
+  if v.shape[:-1] != lead:
+    raise ValueError(f"v must be {what[:-3]}Dv] with the leading axes of r {tuple(lead)}, got "
+                     f"{tuple(v.shape)}.")
+  B, H, K = r.shape[0], r.shape[-2], r.shape[-1]
+  if state is not None and state.shape != (B, H, K, v.shape[-1]):
+    raise ValueError(f"the state must be [B, H, Dk, Dv] = {[B, H, K, v.shape[-1]]}, got "
+                     f"{list(state.shape)}.")
+
+
 def rwkv7_step(r: Array, w: Array, k: Array, v: Array, a: Array, b: Array, state: Array
                ) -> tuple[Array, Array]:
   """One token: inputs ``[B, H, Dk]`` (``v`` ``[B, H, Dv]``) and ``h [B, H, Dk, Dv]`` -> the
   output ``[B, H, Dv]`` (``v``'s dtype) and the next state (float32)."""
+  validate_inputs(r, w, k, v, a, b, state, token=True)
   f32 = lambda x: x.astype(jnp.float32)
   r, w, k, v32, a, b = map(f32, (r, w, k, v, a, b))
   h = state.astype(jnp.float32)
   h_a = jnp.einsum("bhkv,bhk->bhv", h, a, precision=_HI)
-  h = jnp.exp(w)[..., None] * h + b[..., None] * h_a[:, :, None, :] + k[..., None] * v32[:, :, None, :]
+  h = (jnp.exp(w)[..., None] * h + b[..., None] * h_a[:, :, None, :]
+       + k[..., None] * v32[:, :, None, :])
   return jnp.einsum("bhkv,bhk->bhv", h, r, precision=_HI).astype(v.dtype), h
