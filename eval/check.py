@@ -108,6 +108,21 @@ def make_row(case: str, pair: str, output: float, state: Optional[float], tolera
           "tolerance": tolerance, "ok": ok, "why": why}
 
 
+def _timed(timings: dict, name: str, fn):
+  jax.block_until_ready(fn())  # compile
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(fn())
+  timings[name] = time.perf_counter() - t0
+  return out
+
+
+def _gradient_error(loss_a, loss_b, args, argnums) -> float:
+  ga = jax.jit(jax.grad(loss_a, argnums=argnums))(*args)
+  gb = jax.jit(jax.grad(loss_b, argnums=argnums))(*args)
+  return worst(rel_rms(a, b) for a, b in zip(jax.tree_util.tree_leaves(ga),
+                                             jax.tree_util.tree_leaves(gb)))
+
+
 def check_case(case: Case, grads: bool = True) -> list[dict]:
   """One row per comparison (see :func:`make_row`); the first also holds the run ``timings``."""
   q, k, v, g, params = case.inputs()
@@ -115,14 +130,7 @@ def check_case(case: Case, grads: bool = True) -> list[dict]:
   pallas = chunk_ops("pallas")
   rows = []
   timings = {}
-
-  def timed(name, fn):
-    jax.block_until_ready(fn())  # compile
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(fn())
-    timings[name] = time.perf_counter() - t0
-    return out
-
+  timed = lambda name, fn: _timed(timings, name, fn)
   oracle_y, oracle_state = timed("oracle", lambda: kvm_attention_reference(q, k, v, g, params, cfg))
   xla_y, xla_state, xla_routing = timed("xla", lambda: kvm_attention_scan(
       q, k, v, g, params, cfg=cfg, return_routing=True))
@@ -160,28 +168,10 @@ def check_case(case: Case, grads: bool = True) -> list[dict]:
       return lambda *a: jnp.sum(kvm_attention_scan(*a, cfg=cfg, ops=ops)[0]
                                 .astype(jnp.float32) * w)
 
-    gx = jax.jit(jax.grad(loss(XLA_OPS), argnums=(0, 1, 2, 3, 4)))(q, k, v, g, params)
-    gp = jax.jit(jax.grad(loss(pallas), argnums=(0, 1, 2, 3, 4)))(q, k, v, g, params)
-    err = worst(rel_rms(a, b) for a, b in zip(jax.tree_util.tree_leaves(gp),
-                                              jax.tree_util.tree_leaves(gx)))
+    err = _gradient_error(loss(pallas), loss(XLA_OPS), (q, k, v, g, params), (0, 1, 2, 3, 4))
     rows.append(make_row(case.name, "grads xla vs pallas", err, None, tol["grad"]))
   rows[0]["timings"] = timings
   return rows
-
-
-def _timed(timings: dict, name: str, fn):
-  jax.block_until_ready(fn())  # compile
-  t0 = time.perf_counter()
-  out = jax.block_until_ready(fn())
-  timings[name] = time.perf_counter() - t0
-  return out
-
-
-def _gradient_error(loss_a, loss_b, args, argnums) -> float:
-  ga = jax.jit(jax.grad(loss_a, argnums=argnums))(*args)
-  gb = jax.jit(jax.grad(loss_b, argnums=argnums))(*args)
-  return worst(rel_rms(a, b) for a, b in zip(jax.tree_util.tree_leaves(ga),
-                                             jax.tree_util.tree_leaves(gb)))
 
 
 def _dictionary_error(state, ref) -> float:

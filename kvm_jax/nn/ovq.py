@@ -67,7 +67,3 @@ class OVQAttention(AttentionFrontEnd):
     else:
       y, _ = ovq_attention(q, k, v, beta, self.options)
     return y, mixer_cache, {"k": k, "v": v}
-
-  def mix_reconstructed(self, x, q, mixer_cache, decode, shared):
-    raise NotImplementedError("ovq layers keep their own dictionary; OVQConfig.check refuses "
-                              "cross-layer KV sharing.")

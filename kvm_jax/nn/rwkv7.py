@@ -31,6 +31,7 @@ from flax import nnx
 from kvm_jax.model_config import ModelConfig, lora_width
 from kvm_jax.nn.attention import cache_bytes_from_shapes
 from kvm_jax.nn.layers import GroupNorm, float32_init, linear, shift_delta, zeros_init
+from kvm_jax.ops.kvm.state import safe_l2_norm
 from kvm_jax.ops.rwkv7.chunked import MAX_CHUNK, rwkv7_recurrence, rwkv7_step
 
 Array = jax.Array
@@ -223,7 +224,7 @@ class RWKV7TimeMix(nnx.Module):
     a = jax.nn.sigmoid(f32(self.a0[...]) + f32(self.a2(self.a1(xs["a"]))))
     g = self.g2(jax.nn.sigmoid(self.g1(xs["g"])))
     kk = heads(f32(k) * f32(self.k_k[...]))
-    kk = kk / jnp.maximum(jnp.sqrt(jnp.sum(kk * kk, -1, keepdims=True)), 1e-12)
+    kk = kk / jnp.maximum(safe_l2_norm(kk)[..., None], 1e-12)   # F.normalize
     k = f32(k) * (1.0 + (a - 1.0) * f32(self.k_a[...]))
     rh, kh, vh, ah = heads(f32(r)), heads(k), heads(f32(v)), heads(a)
     inputs = (rh, heads(log_w), kh, vh, -kk, kk * ah)

@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvm_jax.ops.kvm.state import row_adder
+from kvm_jax.ops.kvm.state import row_adder, safe_l2_norm
 from kvm_jax.ops.ovq.config import OVQConfig
 
 Array = jax.Array
@@ -134,13 +134,6 @@ def _gather_rows(rows: Array, index: Array) -> Array:
   return jnp.take_along_axis(rows, index[..., None], axis=2)
 
 
-def _safe_norm(x: Array) -> Array:
-  """‖x‖₂ over the last axis (keepdims) whose gradient at 0 is 0, as torch's ``norm`` (a row of
-  the dictionary that does not exist yet is zero)."""
-  sq = jnp.sum(x * x, -1, keepdims=True)
-  return jnp.where(sq > 0, jnp.sqrt(jnp.where(sq > 0, sq, 1.0)), 0.0)
-
-
 def fold(state: OVQState, keys: Array, values: Array, scaled_keys: Array, size, num_new,
          cfg: OVQConfig, row_update: str = "auto") -> OVQState:
   """The dictionary after a chunk's tokens are assigned (:func:`assignments`) and folded in, as
@@ -167,7 +160,8 @@ def fold(state: OVQState, keys: Array, values: Array, scaled_keys: Array, size, 
     dict_values = add_rows(state.values, index,
                            -rate * (_gather_rows(state.values, index) - values))
   if cfg.normalize_centroids:
-    unit = lambda x: x / jnp.maximum(_safe_norm(x), 1e-12)
+    # zero rows (not opened yet) get torch's zero gradient, not NaN
+    unit = lambda x: x / jnp.maximum(safe_l2_norm(x)[..., None], 1e-12)
     dict_keys = unit(dict_keys)
     if not cfg.delta_rule:
       dict_values = unit(dict_values)
