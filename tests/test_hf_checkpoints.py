@@ -181,7 +181,7 @@ FAMILIES = {
                                  kvm=_kvm(rope_dims=0), options={"rwkv7": kj.nn.RWKV7Options()}),
 }
 CI_FAMILIES = ("kvm_gqa", "hybrid_4_layers_shared_anchor", "kvm_no_token_shift", "swa_ovq",
-               "rwkv7_no_token_shift")
+               "ovq_switches_no_token_shift", "rwkv7_no_token_shift")
 
 
 def _family_config(name: str) -> kj.ModelConfig:

@@ -33,7 +33,11 @@ GRAD_TOL = TOLERANCE["float32"]["grad"]
 
 CASES = select("oracle")
 GRAD_CASES = select("grad")
-CI_FORWARD = {"paper_flags", "all_switches", "full_dictionary"}
+# In CI: the paper's flags, every switch at once, a full dictionary, and the two switches whose
+# behaviour differs once combined (normalized values without the delta rule, the delta rule's
+# prediction with the count bias).
+CI_FORWARD = {"paper_flags", "all_switches", "full_dictionary", "normalized",
+              "delta_rule_with_counts"}
 CI_GRADS = {"paper_flags", "all_switches"}
 _PAPER = get("paper_flags").cfg
 
