@@ -22,6 +22,7 @@ smaller than the tokenizer's) is recorded as skipped, with the reason, not silen
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -32,6 +33,8 @@ from typing import Any, Optional, Sequence
 import jax
 import numpy as np
 
+from kvm_jax.budget import BUDGET_SPEC_HELP, budget_label, parse_budget, state_rows_after
+from kvm_jax.convert import describe_kvm, parse_kvm_flags, with_kvm
 from kvm_jax.eval import mqar as mqar_eval
 from kvm_jax.eval import niah as niah_eval
 from kvm_jax.eval import position_loss as position_lib
@@ -70,12 +73,43 @@ def find_runs(paths: Sequence[str]) -> list[Path]:
   return runs
 
 
-def evaluate_run(run: Path, args) -> dict[str, Any]:
+def has_kvm_layers(model_cfg: ModelConfig) -> bool:
+  return "kvm" in model_cfg.layer_mixers
+
+
+def evaluate_run(run: Path, args) -> list[dict[str, Any]]:
+  """The results of one run directory: one entry, or with ``--budget-sweep`` one per budget
+  (a model without kvm layers is evaluated once, unchanged)."""
   cfg, model, step = load_trained(run)
-  name = run.name
+  fields = args.kvm_fields
+  if not has_kvm_layers(cfg.model):
+    return [evaluate_model(run.name, run, cfg, model, step, args,
+                           note="no kvm layers: evaluated as trained" if fields or args.budget_sweep
+                           else None)]
+  budgets = args.budget_sweep or [None]
+  results = []
+  for budget in budgets:
+    changes = dict(fields, **({} if budget is None else {"budget": budget}))
+    try:
+      changed = with_kvm(model, **changes) if changes else model
+    except ValueError as e:
+      raise SystemExit(f"{run}: {e}") from None
+    name = run.name if budget is None else f"{run.name} @ {budget_label(budget)}"
+    results.append(evaluate_model(name, run, dataclasses.replace(cfg, model=changed.cfg), changed,
+                                  step, args, budget=budget_label(changed.cfg.kvm.budget)))
+  return results
+
+
+def evaluate_model(name: str, run: Path, cfg, model, step: int, args,
+                   budget: Optional[str] = None, note: Optional[str] = None) -> dict[str, Any]:
   out: dict[str, Any] = {"model": name, "run": str(run), "step": step,
                          "mixers": list(cfg.model.layer_mixers),
                          "parameters": count_params(cfg.model)["total"]}
+  if has_kvm_layers(cfg.model):
+    out["kvm"] = describe_kvm(cfg.model.kvm)
+    out["budget"] = budget or out["kvm"]["budget"]
+  if note:
+    out["note"] = note
   tok = tokenizer(cfg.tokenizer_file)
   text_ok = tok.vocab_size <= cfg.model.vocab_size
   no_text = (f"model vocabulary {cfg.model.vocab_size} is smaller than the tokenizer's "
@@ -109,6 +143,8 @@ def evaluate_run(run: Path, args) -> dict[str, Any]:
                                 batches=args.mqar_batches, batch_size=args.mqar_batch_size)
     out["mqar"] = {"seq_len": seq_len, "vocab_size": spec.vocab_size,
                    "window": reference_window(cfg.model), "rows": rows, "skipped_pairs": bad}
+    if has_kvm_layers(cfg.model):
+      out["state_rows"] = state_rows_after(cfg.model.kvm, seq_len)
   if "position_loss" in args.suite:
     if not text_ok:
       out["position_loss"] = {"skipped": no_text}
@@ -131,6 +167,75 @@ _SHORT = {"niah_single_1": "S1", "niah_single_2": "S2", "niah_single_3": "S3"}
 
 def _length_label(n: int) -> str:
   return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def _mean(values) -> float:
+  values = [v for v in values if v is not None and not (isinstance(v, float) and np.isnan(v))]
+  return float(np.mean(values)) if values else float("nan")
+
+
+def sweep_rows(results: Sequence[dict]) -> list[dict]:
+  """One row per evaluated (model, budget): state rows at the MQAR length, MQAR recall (all /
+  in window / state only) and answer NLL averaged over the pair counts, and the mean text NLL."""
+  rows = []
+  for res in results:
+    mq = (res.get("mqar") or {}).get("rows", [])
+    pos = res.get("position_loss") or {}
+    rows.append({
+        "model": res["model"], "run": res["run"], "budget": res.get("budget"),
+        "state_rows": res.get("state_rows"),
+        "recall": _mean(r["recall"] for r in mq),
+        "recall_in_window": _mean(r["recall_in_window"] for r in mq),
+        "recall_state_only": _mean(r["recall_state_only"] for r in mq),
+        "answer_nll": _mean(r.get("answer_nll") for r in mq),
+        "text_nll": _mean(pos["nll"]) if "nll" in pos else float("nan")})
+  return rows
+
+
+def sweep_report(rows: Sequence[dict]) -> str:
+  """The budget sweep as a markdown table."""
+  fmt = lambda x: "–" if x is None or (isinstance(x, float) and np.isnan(x)) else f"{x:.3f}"
+  lines = ["| run | budget | state rows | MQAR recall | in window | state only | MQAR answer NLL "
+           "| text NLL |", "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {Path(r['run']).name} | {r['budget'] or '– (no kvm layers)'} | "
+                 f"{r['state_rows'] if r['state_rows'] is not None else '–'} | "
+                 f"{fmt(r['recall'])} | {fmt(r['recall_in_window'])} | "
+                 f"{fmt(r['recall_state_only'])} | {fmt(r['answer_nll'])} | "
+                 f"{fmt(r['text_nll'])} |")
+  return "\n".join(lines) + "\n"
+
+
+def plot_sweep(rows: Sequence[dict], path: str) -> None:
+  """State-only MQAR recall and MQAR answer NLL against state rows, one line per run."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+  runs = dict.fromkeys(r["run"] for r in rows if r["state_rows"] is not None)
+  for run in runs:
+    mine = sorted((r for r in rows if r["run"] == run), key=lambda r: r["state_rows"])
+    rows_x = [r["state_rows"] for r in mine]
+    ax1.plot(rows_x, [r["recall_state_only"] for r in mine], "o-", label=Path(run).name)
+    ax2.plot(rows_x, [r["answer_nll"] for r in mine], "o-", label=Path(run).name)
+    for r in mine:
+      ax1.annotate(r["budget"], (r["state_rows"], r["recall_state_only"]), fontsize=7,
+                   textcoords="offset points", xytext=(3, 3))
+  for r in rows:  # models without kvm layers: a horizontal reference
+    if r["state_rows"] is None:
+      ax1.axhline(r["recall_state_only"], ls="--", lw=1, color="gray")
+      ax1.annotate(Path(r["run"]).name, (0, r["recall_state_only"]), fontsize=7, color="gray")
+  ax1.set_xlabel("state rows at the MQAR length")
+  ax1.set_ylabel("MQAR recall, key only in the state")
+  ax1.set_ylim(0, 1.05)
+  ax2.set_xlabel("state rows at the MQAR length")
+  ax2.set_ylabel("MQAR answer NLL")
+  for ax in (ax1, ax2):
+    ax.legend(fontsize=8)
+  fig.suptitle("One trained model under several test-time KVM budgets")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
 
 
 def markdown_report(results: Sequence[dict]) -> str:
@@ -160,6 +265,7 @@ def markdown_report(results: Sequence[dict]) -> str:
   notes = [f"- {res['model']}: {suite} skipped — {res[suite]['skipped']}"
            for res in results for suite in SUITES
            if isinstance(res.get(suite), dict) and "skipped" in res[suite]]
+  notes += [f"- {res['model']}: {res['note']}" for res in results if res.get("note")]
   table = "\n".join(lines)
   return table + ("\n\n" + "\n".join(notes) if notes else "") + "\n"
 
@@ -189,6 +295,16 @@ def _names(choices: Sequence[str]):
   return parse
 
 
+def _budgets(text: str) -> list:
+  try:
+    budgets = [parse_budget(x) for x in text.split(",") if x.strip()]
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+  if not budgets:
+    raise argparse.ArgumentTypeError(f"no budget in {text!r}")
+  return budgets
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="kvm-eval", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -203,6 +319,18 @@ def build_parser() -> argparse.ArgumentParser:
   g = p.add_argument_group("several processes (a pod): every process runs the same command and "
                            "computes the same results; process 0 writes and prints them")
   launch.add_flags(g)
+  g = p.add_argument_group(
+      "test-time KVM schedules (the kvm layers of every model; models without any are evaluated "
+      "as trained)")
+  g.add_argument("--kvm.FIELD", dest="kvm_help", metavar="VALUE", default=None,
+                 help="--kvm.FIELD=VALUE sets a field of the kvm layers' KVMConfig for the "
+                      "evaluation, the parameters unchanged (kj.with_kvm): budget (a spec: "
+                      f"{BUDGET_SPEC_HELP}), max_state_rows (an int or none), chunk_size, "
+                      "window_chunks, sink_rows, ... (repeatable).")
+  g.add_argument("--budget-sweep", type=_budgets, default=None, metavar="SPEC,...",
+                 help="evaluate every kvm model under each of these budgets (e.g. "
+                      "fixed:64,fixed:256,sqrt:16,sat:1024); report.md gains a table of recall "
+                      "and loss against state rows and budget_sweep.png plots them.")
   g = p.add_argument_group("NIAH")
   g.add_argument("--niah-tasks", type=_names(niah.TASKS), default=list(niah.TASKS),
                  help="RULER tasks (default: all three single-needle tasks)")
@@ -231,7 +359,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  args = build_parser().parse_args(argv)
+  parser = build_parser()
+  args, rest = parser.parse_known_args(argv)
+  if args.kvm_help is not None:
+    parser.error("--kvm.FIELD stands for a field name: write e.g. --kvm.budget=fixed:64")
+  try:
+    args.kvm_fields = parse_kvm_flags(rest)
+  except ValueError as e:
+    parser.error(str(e))
+  if args.budget_sweep and "budget" in args.kvm_fields:
+    parser.error("--kvm.budget and --budget-sweep both set the budget; give one.")
   for name in ("niah_gen_tokens", "mqar_batches", "mqar_batch_size", "position_docs"):
     if getattr(args, name) < 1:
       raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
@@ -248,7 +385,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   for run in runs:
     if primary:
       print(f"== {run}", flush=True)
-    results.append(evaluate_run(run, args))
+    results.extend(evaluate_run(run, args))
   if not primary:
     return 0
   out_dir.mkdir(parents=True, exist_ok=True)
@@ -256,14 +393,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       {"args": {k: v for k, v in vars(args).items()}, "results": results}, indent=2,
       default=lambda x: x.tolist() if hasattr(x, "tolist") else str(x)))
   report = markdown_report(results)
+  if args.budget_sweep:
+    rows = sweep_rows(results)
+    report += "\n## Test-time budgets\n\n" + sweep_report(rows)
+    plot_sweep(rows, str(out_dir / "budget_sweep.png"))
   (out_dir / "report.md").write_text(report)
   curves = {r["model"]: r["position_loss"]["nll"] for r in results
             if "nll" in (r.get("position_loss") or {})}
   if curves:
     position_lib.plot(curves, args.position_bucket, str(out_dir / "position_loss.png"))
   print("\n" + report)
+  plots = ([str(out_dir / "position_loss.png")] if curves else []) + (
+      [str(out_dir / "budget_sweep.png")] if args.budget_sweep else [])
   print(f"wrote {out_dir / 'results.json'} and {out_dir / 'report.md'}"
-        + (f" and {out_dir / 'position_loss.png'}" if curves else ""))
+        + "".join(f" and {p}" for p in plots))
   return 0
 
 

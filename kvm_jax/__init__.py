@@ -11,7 +11,9 @@ Everything installed lives under this name: the op and model here, and the sub-p
 directories), ``kvm_jax.train`` and ``kvm_jax.eval``. The paper's OVQ and RWKV-7 baselines are the
 mixer kinds ``ovq`` (options ``kj.OVQConfig``) and ``rwkv7`` (``kj.RWKV7Options``;
 docs/ovq-rwkv7.md), their ops
-``kvm_jax.ops.ovq`` and ``kvm_jax.ops.rwkv7``.
+``kvm_jax.ops.ovq`` and ``kvm_jax.ops.rwkv7``. A trained model's memory changes with
+``kj.with_kvm`` (another budget or window for its kvm layers) and ``kj.convert_to_kvm``
+(attention layers made kvm layers; docs/conversion.md).
 """
 
 from kvm_jax.budget import (CallableBudget, FixedBudget, KVMSchedule, PowerLawBudget,
@@ -28,6 +30,7 @@ from kvm_jax.nn.model import LM, count_params
 from kvm_jax.nn.rwkv7 import RWKV7Options
 from kvm_jax import presets
 from kvm_jax.generate import SamplingConfig, generate, generate_text, sample_logits
+from kvm_jax.convert import convert_to_kvm, with_kvm
 
 __version__ = "0.1.0"
 
@@ -44,5 +47,5 @@ __all__ = [
     "kvm_attention", "kvm_attention_reference", "kvm_init_cache", "kvm_prefill", "kvm_decode_step",
     "KVMBackend", "resolve_kvm_backend", "current_platform",
     "ModelConfig", "LM", "count_params", "presets", "generate", "generate_text", "SamplingConfig",
-    "sample_logits", "load_pretrained", "OVQConfig", "RWKV7Options",
+    "sample_logits", "load_pretrained", "OVQConfig", "RWKV7Options", "with_kvm", "convert_to_kvm",
 ]

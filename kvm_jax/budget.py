@@ -141,6 +141,53 @@ def as_budget(budget: BudgetLike) -> Budget:
       f"got {budget!r}.")
 
 
+BUDGET_SPEC_HELP = ("fixed:ROWS, sqrt:FACTOR (FACTOR·√N), pow:FACTOR:EXPONENT (FACTOR·N^EXPONENT) or "
+                    "sat:LIMIT (LIMIT·N/(LIMIT+N)), each optionally followed by @MIN_ROWS, e.g. "
+                    "fixed:256, sqrt:16@256, sat:1024")
+
+
+def parse_budget(spec: str) -> Budget:
+  """The budget a short text names (command lines: ``kvm-eval --budget-sweep``, ``--kvm.budget``):
+  ``fixed:256`` -> ``FixedBudget(256)``; ``sqrt:16@256`` -> ``PowerLawBudget(16, 0.5,
+  min_rows=256)``; ``pow:4:0.75`` -> ``PowerLawBudget(4, 0.75)``; ``sat:1024@1`` ->
+  ``SaturatingBudget(1024, min_rows=1)``. ``@MIN`` is the floor of rows (default 0)."""
+  text = spec.strip()
+  body, _, floor = text.partition("@")
+  kind, _, args = body.partition(":")
+  parts = args.split(":") if args else []
+  arity = {"fixed": 1, "sqrt": 1, "pow": 2, "sat": 1}
+  if kind not in arity or len(parts) != arity[kind]:
+    raise ValueError(f"budget {spec!r} is not a budget spec; use {BUDGET_SPEC_HELP}.")
+  try:
+    min_rows = int(floor) if floor else 0
+    if kind == "fixed":
+      if floor:
+        raise ValueError("a fixed budget has no floor")
+      return FixedBudget(int(parts[0]))
+    if kind == "sqrt":
+      return PowerLawBudget(float(parts[0]), 0.5, min_rows=min_rows)
+    if kind == "pow":
+      return PowerLawBudget(float(parts[0]), float(parts[1]), min_rows=min_rows)
+    return SaturatingBudget(int(parts[0]), min_rows=min_rows)
+  except ValueError as e:
+    raise ValueError(f"budget {spec!r}: {str(e).rstrip('.')}; use {BUDGET_SPEC_HELP}.") from None
+
+
+def budget_label(budget: Budget) -> str:
+  """The short text :func:`parse_budget` reads back (for a callable: its repr)."""
+  if isinstance(budget, FixedBudget):
+    return f"fixed:{budget.rows}"
+  floor = lambda b: f"@{b.min_rows}" if b.min_rows else ""
+  rounding = lambda b: "" if b.round_down == 1 else f" (rounded down to {b.round_down})"
+  if isinstance(budget, PowerLawBudget):
+    head = (f"sqrt:{budget.factor:g}" if budget.exponent == 0.5
+            else f"pow:{budget.factor:g}:{budget.exponent:g}")
+    return head + floor(budget) + rounding(budget)
+  if isinstance(budget, SaturatingBudget):
+    return f"sat:{budget.limit}" + floor(budget) + rounding(budget)
+  return repr(budget)
+
+
 def desired_rows(budget: Budget, ctx_len: int, available: int, current: int,
                  max_state_rows: int | None) -> int:
   """The authors' ``_desired_state_len`` (docs/kvm-spec.md §6.3): target, capped, never below

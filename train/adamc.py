@@ -14,7 +14,7 @@ Moments are float32. :func:`with_float32_master` keeps float32 master weights fo
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -108,3 +108,42 @@ def with_float32_master(inner: optax.GradientTransformation) -> optax.GradientTr
 def params_from_master(state: MasterState, params: Any) -> Any:
   """The parameters as the cast of the float32 masters (exact for any parameter dtype)."""
   return jax.tree_util.tree_map(lambda m, p: m.astype(p.dtype), state.master, params)
+
+
+class PartlyFrozen(NamedTuple):
+  """An optimizer that updates only some parameters (``optax.GradientTransformation``'s
+  ``init``/``update`` plus the mask). Its state and updates cover the trainable leaves alone,
+  as a list in the parameters' leaf order: a frozen parameter has no optimizer state, and
+  :func:`kvm_jax.train.step.apply_update` returns it as it was, bit for bit (even weight decay
+  never reaches it)."""
+
+  init: Callable
+  update: Callable
+  trainable: tuple[bool, ...]
+
+  def pick(self, tree: Any) -> list:
+    """The trainable leaves of a tree shaped like the parameters, in leaf order."""
+    return [x for x, keep in zip(jax.tree_util.tree_leaves(tree), self.trainable) if keep]
+
+  def put(self, tree: Any, trained: Sequence) -> Any:
+    """``tree`` with its trainable leaves replaced by ``trained`` (in leaf order)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    it = iter(trained)
+    return treedef.unflatten([next(it) if keep else x for x, keep in zip(leaves, self.trainable)])
+
+
+def partly_frozen(inner: optax.GradientTransformation, trainable: Sequence[bool]) -> PartlyFrozen:
+  """``inner`` (built over the trainable leaves: give it per-leaf scales as lists picked the same
+  way) restricted to the leaves whose ``trainable`` flag is True (one flag per parameter leaf)."""
+  mask = tuple(bool(x) for x in trainable)
+  if not any(mask):
+    raise ValueError("every parameter is frozen: nothing would train.")
+  pick = lambda tree: [x for x, keep in zip(jax.tree_util.tree_leaves(tree), mask) if keep]
+
+  def init(params):
+    return inner.init(pick(params))
+
+  def update(grads, state, params=None):
+    return inner.update(pick(grads), state, None if params is None else pick(params))
+
+  return PartlyFrozen(init, update, mask)

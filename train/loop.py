@@ -28,12 +28,13 @@ from kvm_jax.runs.checkpoint import Checkpointer
 from kvm_jax.runs.config import TrainConfig
 from kvm_jax.runs.directory import CHECKPOINT_DIR, save_config
 from kvm_jax.tasks.pipeline import BatchReader
-from kvm_jax.train import hooks, sharding
+from kvm_jax.train import distill, hooks, sharding
 from kvm_jax.train.accounting import StepClock, flops_per_token, peak_flops, visible_keys
 from kvm_jax.train.data import put_batch, task_dataset
 from kvm_jax.train.evaluation import EvalSpec, eval_sums, evaluate, make_eval_step
 from kvm_jax.train.hooks import NonFiniteError, parse_profile_steps
-from kvm_jax.train.objectives import Objective, loss_sums, masked_loss
+from kvm_jax.train.objectives import (FrozenParameters, LMObjective, Objective, loss_sums,
+                                      masked_loss)
 from kvm_jax.train.start import (FINE_TUNE_FIELDS, check_workdir, fine_tuned_params,
                                  make_optimizer, setup, with_init_model)
 from kvm_jax.train.step import (clip_to_norm, compile_ahead, global_norm, kernel_context,
@@ -46,6 +47,23 @@ __all__ = ["EvalSpec", "FINE_TUNE_FIELDS", "NonFiniteError", "StepClock", "clip_
            "task_dataset", "train", "visible_keys", "with_init_model"]
 
 
+def _objective_and_extra(cfg: TrainConfig, objective, trainable, params, shardings, verbose):
+  """(objective, step shardings, extra step inputs) of a run: with ``cfg.teacher`` the
+  distillation objective (unless ``objective`` is given) and the teacher's parameters as the
+  step's undifferentiated input; with frozen parameters, an objective whose gradient for them is
+  zero."""
+  extra = ()
+  if cfg.teacher:
+    teacher = distill.load_teacher(cfg, shardings[2].mesh, verbose)
+    objective = objective or distill.objective_for(cfg, teacher)
+    shardings, extra = (*shardings, teacher.shardings), (teacher.params,)
+  if trainable is not None:
+    objective = FrozenParameters(objective or LMObjective.of(cfg),
+                                 jax.tree_util.tree_map_with_path(
+                                     lambda path, _: bool(trainable(path)), params))
+  return objective, shardings, extra
+
+
 def train(cfg: TrainConfig, workdir, *, verbose: bool = True,
           profile_steps: Optional[tuple[int, int]] = None,
           objective: Optional[Objective] = None) -> dict[str, Any]:
@@ -53,8 +71,10 @@ def train(cfg: TrainConfig, workdir, *, verbose: bool = True,
   metrics plus the final ``params`` and ``graphdef``. On a pod every process calls it with the
   same arguments. ``profile_steps=(A, B)`` writes a ``jax.profiler`` trace of steps A..B to
   ``workdir/profile`` on process 0. ``objective`` replaces the language-model loss (the contract
-  is :mod:`kvm_jax.train.objectives`; it gets no extra inputs here) and its auxiliary metrics
-  join every logged line. Raises :class:`NonFiniteError` when a step's loss or gradient
+  is :mod:`kvm_jax.train.objectives`; its ``extra`` is the teacher's parameters when
+  ``cfg.teacher`` is set, else None) and its auxiliary metrics join every logged line. With
+  ``cfg.teacher`` the default objective is the distillation stage of ``cfg.distill``
+  (:mod:`kvm_jax.train.distill`); ``cfg.distill.trainable`` freezes parameters in any run. Raises :class:`NonFiniteError` when a step's loss or gradient
   is not finite and ``cfg.on_nonfinite == "stop"``."""
   cfg = with_init_model(cfg, workdir)
   cfg.validate()
@@ -62,7 +82,9 @@ def train(cfg: TrainConfig, workdir, *, verbose: bool = True,
   verbose = verbose and primary
   workdir = epath.Path(workdir)  # save_config and the metrics writer create it (process 0)
   check_workdir(cfg, workdir)
-  graphdef, params, opt_state, optimizer, shardings = setup(cfg)
+  teacher_cfg = distill.teacher_config(cfg) if cfg.teacher else None
+  trainable = distill.trainable_predicate(cfg, teacher_cfg)
+  graphdef, params, opt_state, optimizer, shardings = setup(cfg, trainable=trainable)
   batch_sh = shardings[2]
   rows = sharding.host_rows(batch_sh, cfg.batch_size)
   reader = BatchReader(task_dataset(cfg, "train"), cfg.batch_size, rows)
@@ -72,6 +94,8 @@ def train(cfg: TrainConfig, workdir, *, verbose: bool = True,
     save_config(cfg, workdir, verbose)
   start, params, opt_state, skipped = saver.restore(params, opt_state) or (
       0, fine_tuned_params(cfg, params, verbose), opt_state, 0)
+  objective, shardings, extra = _objective_and_extra(cfg, objective, trainable, params, shardings,
+                                                     verbose)
   train_step = make_train_step(graphdef, optimizer, shardings, cfg, objective)
   halted = jax.device_put(jnp.zeros((), bool), NamedSharding(batch_sh.mesh, PartitionSpec()))
   clock = StepClock()
@@ -96,10 +120,11 @@ def train(cfg: TrainConfig, workdir, *, verbose: bool = True,
       batch = put_batch(next(reader), batch_sh, rows, cfg.batch_size)
       waited, compile_s = time.perf_counter() - t0, None
       if step == start:  # compiled ahead of the first step, so its time is known exactly
-        train_step, compile_s = compile_ahead(train_step, params, opt_state, batch, halted)
+        train_step, compile_s = compile_ahead(train_step, params, opt_state, batch, halted,
+                                              *extra)
       for hook in every_step:
         hook.before_step(step + 1)
-      params, opt_state, stats = train_step(params, opt_state, batch, halted)
+      params, opt_state, stats = train_step(params, opt_state, batch, halted, *extra)
       halted = stats["halted"]
       clock.tick(waited)
       if step == start:  # the first step warms up (allocation, autotuning): not timed

@@ -7,6 +7,7 @@ which also writes them.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable, Optional
 
 import jax
 import optax
@@ -17,7 +18,8 @@ from kvm_jax.hf.load import checkpoint_kind
 from kvm_jax.nn.model import LM
 from kvm_jax.runs.checkpoint import Checkpointer, abstract_like
 from kvm_jax.runs.config import TrainConfig
-from kvm_jax.runs.directory import CHECKPOINT_DIR, IMPORT_RECORD, is_run_directory, load_config
+from kvm_jax.runs.directory import (CHECKPOINT_DIR, CONVERSION_RECORD, IMPORT_RECORD,
+                                    is_run_directory, load_config)
 from kvm_jax.train import adamc as adamc_lib
 from kvm_jax.train import completep, sharding
 
@@ -27,16 +29,25 @@ FINE_TUNE_FIELDS = ("param_dtype", "compute_dtype", "kvm_implementation",
                     "attention_implementation")
 
 
-def make_optimizer(cfg: TrainConfig, params) -> optax.GradientTransformation:
+def make_optimizer(cfg: TrainConfig, params, trainable: Optional[Callable[[Any], bool]] = None
+                   ) -> optax.GradientTransformation:
   """AdamC with CompleteP's per-group learning-rate and weight-decay scales and ``cfg``'s
-  schedule; a float32 master copy of the parameters when they are stored in lower precision."""
+  schedule; a float32 master copy of the parameters when they are stored in lower precision.
+  ``trainable`` (``path -> bool`` over the parameters' state paths) freezes the parameters it
+  rejects: the optimizer then keeps state for the others only (:func:`adamc.partly_frozen`)."""
   lr_scale, wd_scale = completep.mup_scales(params, cfg.model)
+  mask = None
+  if trainable is not None:
+    mask = jax.tree_util.tree_leaves(jax.tree_util.tree_map_with_path(
+        lambda path, _: bool(trainable(path)), params))
+    pick = lambda tree: [x for x, keep in zip(jax.tree_util.tree_leaves(tree), mask) if keep]
+    lr_scale, wd_scale = pick(lr_scale), pick(wd_scale)
   schedule = completep.lr_schedule(cfg.learning_rate, cfg.steps, cfg.warmup_steps)
   opt = adamc_lib.adamc(schedule, peak_learning_rate=cfg.learning_rate,
                         weight_decay=cfg.weight_decay, lr_scale=lr_scale, wd_scale=wd_scale)
   if cfg.model.param_dtype != "float32":
     opt = adamc_lib.with_float32_master(opt)
-  return opt
+  return opt if mask is None else adamc_lib.partly_frozen(opt, mask)
 
 
 def with_init_model(cfg: TrainConfig, workdir=None) -> TrainConfig:
@@ -65,29 +76,36 @@ def with_init_model(cfg: TrainConfig, workdir=None) -> TrainConfig:
 def check_workdir(cfg: TrainConfig, workdir: epath.Path) -> None:
   """Refuses a ``workdir`` that cannot hold this run: a kvm-import output (parameters without
   an optimizer state) or the directory a fine-tuning run starts from."""
-  if (workdir / IMPORT_RECORD).exists():
-    raise ValueError(f"{workdir} was written by kvm-import: it holds parameters without an "
-                     f"optimizer state. Fine-tune from it in a new directory: "
-                     f"--config.init_from={workdir} --workdir=NEW_DIR.")
+  for record, tool in ((IMPORT_RECORD, "kvm-import"), (CONVERSION_RECORD, "kvm-convert")):
+    if (workdir / record).exists():
+      raise ValueError(f"{workdir} was written by {tool}: it holds parameters without an "
+                       f"optimizer state. Fine-tune from it in a new directory: "
+                       f"--config.init_from={workdir} --workdir=NEW_DIR.")
+  if cfg.teacher and epath.Path(cfg.teacher).resolve() == workdir.resolve():
+    raise ValueError(f"teacher={cfg.teacher!r} is the workdir itself; the student writes to "
+                     "another directory.")
   if cfg.init_from and epath.Path(cfg.init_from).resolve() == workdir.resolve():
     raise ValueError(f"init_from={cfg.init_from!r} is the workdir itself; write the fine-tuning "
                      "run to another directory.")
 
 
-def setup(cfg: TrainConfig, mesh=None):
+def setup(cfg: TrainConfig, mesh=None, trainable: Optional[Callable[[Any], bool]] = None):
   """Model, optimizer and sharded initial state: (graphdef, params, opt_state, optimizer,
-  shardings), with ``shardings = (params, opt_state, batch)``."""
+  shardings), with ``shardings = (params, opt_state, batch)``. ``trainable`` freezes parameters
+  (:func:`make_optimizer`)."""
   mesh = mesh or sharding.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
   if jax.process_count() > 1:
     sharding.check_processes(mesh)
   sharding.check_batch(cfg.batch_size, mesh, cfg.grad_accum_steps)
   model = LM(cfg.model, rngs=nnx.Rngs(cfg.seed))
   graphdef, params = nnx.split(model)
-  optimizer = make_optimizer(cfg, params)
+  optimizer = make_optimizer(cfg, params, trainable)
   p_sh = sharding.param_shardings(params, mesh)
   params = jax.device_put(params, p_sh)
   opt_state = optimizer.init(params)
-  o_sh = sharding.like_params_shardings(opt_state, p_sh, mesh)
+  # A partly frozen optimizer's state is shaped like the list of trainable leaves.
+  like = optimizer.pick(p_sh) if isinstance(optimizer, adamc_lib.PartlyFrozen) else p_sh
+  o_sh = sharding.like_params_shardings(opt_state, like, mesh)
   opt_state = jax.device_put(opt_state, o_sh)
   return graphdef, params, opt_state, optimizer, (p_sh, o_sh, sharding.batch_sharding(mesh))
 

@@ -96,9 +96,13 @@ def apply_update(optimizer, params, opt_state, grads):
   """(new params, new optimizer state) of one optimizer update (a float32 master copy, when the
   optimizer keeps one, gives the parameters)."""
   updates, opt_state = optimizer.update(grads, opt_state, params)
+  frozen = isinstance(optimizer, adamc_lib.PartlyFrozen)
+  trained = optimizer.pick(params) if frozen else params  # frozen leaves are never touched
   if isinstance(opt_state, adamc_lib.MasterState):
-    return adamc_lib.params_from_master(opt_state, params), opt_state
-  return optax.apply_updates(params, updates), opt_state
+    trained = adamc_lib.params_from_master(opt_state, trained)
+  else:
+    trained = optax.apply_updates(trained, updates)
+  return (optimizer.put(params, trained) if frozen else trained), opt_state
 
 
 def make_train_step(graphdef, optimizer, shardings=None, cfg: TrainConfig | None = None,

@@ -4,7 +4,9 @@ directories and back (docs/checkpoints.md)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 from kvm_jax.hf.config import DTYPES, NUMERICS
@@ -28,6 +30,28 @@ on the Python path). Models their code cannot express (cross-layer KV sharing, a
 budget, layer layouts other than one mixer or two alternating, ...) are refused with the reason.
 
   kvm-export runs/text exported/text-kvm
+"""
+
+
+CONVERT_HELP = """\
+Convert the attention layers of a trained model into KVM layers and write a run directory.
+
+SRC is a kvm_jax run directory (kvm-train, kvm-demo's sub-runs, kvm-import) or a checkpoint in the
+authors' Hugging Face format (their GPTAlpha-2 models). The chosen layers (full attention, or
+block sliding-window attention whose chunks equal the KVM window's) become kvm layers; every
+parameter of SRC is kept, and the new ones (LN_s, the merge gate W_g, the window and state
+temperatures) start where DEST's logits equal SRC's on every sequence of at most
+window_chunks x chunk_size tokens; beyond that the compressed state takes over. DEST works
+wherever a run directory does: kvm-eval --checkpoint DEST, kj.load_pretrained(DEST), generate,
+and kvm-train --config.init_from=DEST (train/configs/distill.py distils it against SRC).
+
+  kvm-convert runs/demo/full runs/full-as-kvm --layers all --kvm.budget=sqrt:4@8
+  kvm-convert ~/models/gptalpha2-120m runs/converted --layers odd --kvm.chunk_size=256
+
+KVM options (--kvm.FIELD=VALUE, any field of kvm_jax.KVMConfig): budget takes fixed:ROWS,
+sqrt:FACTOR, pow:FACTOR:EXPONENT or sat:LIMIT, each with an optional @MIN_ROWS floor; without
+flags the options are SRC's own kvm options when it records some, else KVMConfig's defaults with
+SRC's rotary width (and the chunk geometry of converted bswa layers).
 """
 
 
@@ -117,4 +141,48 @@ def export_main(argv: Optional[Sequence[str]] = None) -> int:
   print(f"exported {args.run_dir} -> {args.dest}: {', '.join(f.name for f in files)}")
   if note:
     print(f"note: {note}")
+  return 0
+
+
+def convert_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="kvm-convert", description=CONVERT_HELP,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("src", help="a kvm_jax run directory or an authors'-format checkpoint "
+                             "directory.")
+  p.add_argument("dest", help="the run directory to write (must not exist or be empty).")
+  p.add_argument("--layers", default="all",
+                 help="which layers become kvm layers: all, odd (1,3,...), even (0,2,...) or "
+                      "comma-separated indices such as 1,3 (default: all).")
+  p.add_argument("--step", type=int, default=None,
+                 help="checkpoint step of a run directory SRC (default: the newest).")
+  p.add_argument("--dtype", choices=DTYPES, default="float32",
+                 help="parameter dtype when SRC is an authors' checkpoint (default float32; a run "
+                      "directory keeps its own).")
+  p.add_argument("--kvm.FIELD", dest="kvm_help", metavar="VALUE", default=None,
+                 help="--kvm.FIELD=VALUE sets a field of the new layers' KVMConfig (repeatable; "
+                      "see above).")
+  return _destination_flags(p, "reading")
+
+
+def convert_main(argv: Optional[Sequence[str]] = None) -> int:
+  from kvm_jax.convert import parse_kvm_flags
+  from kvm_jax.runs.conversion import write_converted
+  from kvm_jax.runs.directory import CONVERSION_RECORD
+  parser = convert_parser()
+  args, rest = parser.parse_known_args(argv)
+  if args.kvm_help is not None:
+    parser.error("--kvm.FIELD stands for a field name: write e.g. --kvm.budget=fixed:64")
+  try:
+    fields = parse_kvm_flags(rest)
+    dest = write_converted(args.src, args.dest, layers=args.layers, kvm=fields or None,
+                           step=args.step, dtype=args.dtype, overwrite=args.overwrite,
+                           progress=not args.no_progress)
+  except USER_ERRORS as e:
+    return _fail(e)
+  record = json.loads((Path(dest) / CONVERSION_RECORD).read_text())
+  kvm = record["kvm"]
+  print(f"converted {args.src} -> {dest}: layers {record['layers']} are kvm "
+        f"({'/'.join(record['mixers'])}); chunks of {kvm['chunk_size']} x {kvm['window_chunks']}, "
+        f"budget {kvm['budget']}; {len(record['new_parameters'])} new parameter tensors; logits "
+        f"equal the source's up to {record['exact_up_to_tokens']} tokens")
   return 0

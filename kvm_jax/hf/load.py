@@ -114,7 +114,7 @@ def load_pretrained(path, dtype: str = "float32", *, numerics: Optional[str] = N
 
 
 @contextlib.contextmanager
-def _staged(dest: Path, overwrite: bool, source: Path):
+def staged(dest: Path, overwrite: bool, source: Path):
   """Yields a fresh sibling directory to write into; on success it replaces ``dest``, on failure
   it is removed, so ``dest`` is never left half written. ``dest`` may not be ``source`` or hold
   it (``overwrite`` would delete what is being read)."""
@@ -160,7 +160,7 @@ def import_checkpoint(src, dest, *, dtype: str = "float32", numerics: str = "aut
     raise FileNotFoundError(f"tokenizer file {tokenizer} does not exist.")
   # The run records where its tokenizer will be once the staged directory becomes dest.
   tok_path = str(dest.resolve() / TOKENIZER_FILE) if tokenizer.exists() else ""
-  with _staged(dest, overwrite, src) as stage:
+  with staged(dest, overwrite, src) as stage:
     if tok_path:
       shutil.copyfile(tokenizer, stage / TOKENIZER_FILE)
     save_config(TrainConfig(model=cfg, task="text", tokenizer_file=tok_path), stage)
@@ -197,7 +197,7 @@ def export_run(run_dir, dest, *, step: Optional[int] = None, dtype: Optional[str
   _, model, step = load_trained(run_dir, step, run_cfg)
   tensors = to_authors(nnx.state(model, nnx.Param), run_cfg.model, jnp.dtype(dtype))
   config["dtype"] = config["torch_dtype"] = dtype
-  with _staged(dest, overwrite, run_dir) as stage:
+  with staged(dest, overwrite, run_dir) as stage:
     written = st.write_checkpoint(stage, tensors, metadata={"format": "pt"},
                                   max_shard_bytes=max_shard_bytes, progress=progress)
     (stage / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")

@@ -67,11 +67,23 @@ class Block(nnx.Module):
     self.ln_mlp = layer_norm(cfg, cfg.hidden_size, rngs)
     self.mlp = MLP(cfg, layer, rngs=rngs)
 
+  def mix(self, x, v_first, positions, cache: Optional[LayerCache] = None, decode=False,
+          shared: Optional[SharedKV] = None):
+    """The mixer branch on the block input ``x [B, T, C]``: ``(h, mixer cache, token-shift
+    tails, exports)`` with ``h = mixer(LN(x))`` before the residual scale (what attention
+    transfer matches layer by layer)."""
+    return self.attn(self.ln_attn(x).astype(x.dtype), v_first, positions, cache, decode, shared)
+
   def __call__(self, x, v_first, positions, cache: Optional[LayerCache] = None, decode=False,
                shared: Optional[SharedKV] = None):
+    x, new_cache, exports, _ = self.run(x, v_first, positions, cache, decode, shared)
+    return x, new_cache, exports
+
+  def run(self, x, v_first, positions, cache: Optional[LayerCache] = None, decode=False,
+          shared: Optional[SharedKV] = None):
+    """The block: ``(output, new cache, exports, mixer output h)``."""
     dtype = x.dtype
-    h, mixer_cache, tails, exports = self.attn(self.ln_attn(x).astype(dtype), v_first, positions,
-                                               cache, decode, shared)
+    h, mixer_cache, tails, exports = self.mix(x, v_first, positions, cache, decode, shared)
     x = x + self.cfg.scale * h
     m_in = self.ln_mlp(x).astype(dtype)
     x = x + self.cfg.scale * self.mlp(m_in, cache.last_mlp if (decode and cache) else None)
@@ -79,7 +91,7 @@ class Block(nnx.Module):
     if cache is not None:
       new_cache = LayerCache(mixer=mixer_cache, last_q=tails[0], last_k=tails[1], last_v=tails[2],
                              last_mlp=m_in[:, -1:])
-    return x, new_cache, exports
+    return x, new_cache, exports, h
 
 
 class LM(nnx.Module):
@@ -116,12 +128,8 @@ class LM(nnx.Module):
     cfg = self.cfg
     if remat not in REMAT_POLICIES:
       raise ValueError(f"remat={remat!r} is unknown; choose from {tuple(REMAT_POLICIES)}.")
-    x0 = self.ln_emb(self.wte(tokens)).astype(cfg.jnp_compute_dtype)
-    anchors = {}
-    for layer in sorted({cfg.value_anchor(i) for i in range(cfg.num_layers)}):
-      block = self.blocks[layer]
-      anchors[layer] = block.attn.anchor_value(block.ln_attn(x0).astype(x0.dtype),
-                                               caches[layer] if decode else None)
+    x0 = self.embed(tokens)
+    anchors = self.value_anchors(x0, caches if decode else None)
     sharing = cfg.kv_sharing != "none"
     period = layer_period(cfg)
     if remat != "none" and caches is None and period is not None:
@@ -142,6 +150,40 @@ class LM(nnx.Module):
       new_caches.append(c)
     features = self.ln_head(x).astype(x.dtype)
     return features, (None if caches is None else new_caches)
+
+  def embed(self, tokens: Array) -> Array:
+    """The blocks' first input ``x0 [B, T, C]`` (embedding and its LayerNorm, compute dtype)."""
+    return self.ln_emb(self.wte(tokens)).astype(self.cfg.jnp_compute_dtype)
+
+  def value_anchors(self, x0: Array, caches=None) -> dict[int, Array]:
+    """``{anchor layer: v_first}``, the value-residual anchors computed from ``x0`` (``caches``:
+    a decode step's, which a mixer's anchor may read)."""
+    cfg = self.cfg
+    anchors = {}
+    for layer in sorted({cfg.value_anchor(i) for i in range(cfg.num_layers)}):
+      block = self.blocks[layer]
+      anchors[layer] = block.attn.anchor_value(block.ln_attn(x0).astype(x0.dtype),
+                                               None if caches is None else caches[layer])
+    return anchors
+
+  def mixer_io(self, tokens: Array) -> tuple[list[Array], list[Array]]:
+    """Per block ``i`` of a whole sequence: its input ``x_i [B, T, C]`` (the residual stream) and
+    its mixer's output ``h_i [B, T, C]`` (before the residual scale). What layer-wise attention
+    transfer matches: a student layer run on the teacher's ``x_i`` against the teacher's
+    ``h_i``."""
+    self.check_tokens(tokens)
+    cfg = self.cfg
+    positions = jnp.arange(tokens.shape[1])[None]
+    x = self.embed(tokens)
+    anchors = self.value_anchors(x)
+    inputs, outputs, exports = [], [], {}
+    for i, block in enumerate(self.blocks):
+      shared = SharedKV(exports=exports) if cfg.kv_sharing != "none" else None
+      inputs.append(x)
+      x, _, exports[i], h = block.run(x, anchors[cfg.value_anchor(i)], positions, None, False,
+                                      shared)
+      outputs.append(h)
+    return inputs, outputs
 
   def _scanned_blocks(self, x, anchors, positions, period: int, policy):
     """The blocks as a ``lax.scan`` over groups of ``period`` layers whose states are stacked

@@ -83,3 +83,66 @@ def sliced_loss_sums(features: Array, kernel: Array, labels: Array, *, compute_d
   if predictions:
     preds = jnp.moveaxis(preds, 0, 1).reshape(B, n * slice_len)[:, :T]
   return loss, count, preds
+
+
+def kl_sums(student_logits: Array, teacher_logits: Array, labels: Array,
+            temperature: float = 1.0) -> tuple[Array, Array]:
+  """(sum over labelled positions of KL(teacher ‖ student), number of them), both distributions
+  ``softmax(logits / temperature)`` over the last axis, in float32.
+
+  ``KL = Σ_v p_t (log p_t − log p_s)``: exactly 0 where the two logits are equal (the same
+  log-softmax of the same numbers). Its gradient with respect to the student's logits is
+  ``(p_s − p_t) / temperature`` per position; the teacher's side is not differentiated."""
+  valid = labels != IGNORE
+  teacher = jax.lax.stop_gradient(teacher_logits.astype(jnp.float32))
+  log_t = jax.nn.log_softmax(teacher / temperature, axis=-1)
+  log_s = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
+  kl = jnp.sum(jnp.exp(log_t) * (log_t - log_s), axis=-1)
+  return jnp.sum(jnp.where(valid, kl, 0.0)), jnp.sum(valid).astype(jnp.int32)
+
+
+def sliced_distill_sums(student: tuple[Array, Array], teacher: tuple[Array, Array], labels: Array,
+                        *, compute_dtype, teacher_compute_dtype, temperatures: tuple[float, ...],
+                        slice_len: int = 0) -> dict[str, Array]:
+  """Cross-entropy and KL(teacher ‖ student) sums of two LM heads, one sequence slice at a time
+  (as :func:`sliced_loss_sums`: only ``[B, slice_len, V]`` logits of each model exist at once).
+
+  Args:
+    student / teacher: ``(features [B, T, C], head kernel [C, V])`` of each model; both heads'
+      vocabularies are the same. The teacher's side is constant (``stop_gradient``).
+    labels: ``[B, T]`` int, :data:`IGNORE` where nothing is counted.
+    temperatures: the temperatures at which KL sums are wanted.
+  Returns:
+    ``{"ce": student cross-entropy sum, "kl": (one KL sum per temperature, in order),
+    "count": labelled tokens}``.
+  """
+  def sums(f_s, f_t, lab):
+    logits_s = head_logits(f_s, student[1], compute_dtype)
+    logits_t = head_logits(jax.lax.stop_gradient(f_t), jax.lax.stop_gradient(teacher[1]),
+                           teacher_compute_dtype)
+    ce, count = cross_entropy_sums(logits_s, lab)
+    kls = tuple(kl_sums(logits_s, logits_t, lab, t)[0] for t in temperatures)
+    return ce, kls, count
+
+  f_s, f_t = student[0], teacher[0]
+  B, T, _ = f_s.shape
+  if slice_len <= 0 or slice_len >= T:
+    ce, kls, count = sums(f_s, f_t, labels)
+    return {"ce": ce, "kl": kls, "count": count}
+  n = -(-T // slice_len)
+  pad = n * slice_len - T
+  split = lambda x: jnp.moveaxis(
+      jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(B, n, slice_len, x.shape[-1]), 1, 0)
+  labs = jnp.moveaxis(jnp.pad(labels, ((0, 0), (0, pad)), constant_values=IGNORE)
+                      .reshape(B, n, slice_len), 1, 0)
+  one_slice = jax.checkpoint(sums)  # a slice's logits are recomputed in the backward pass
+
+  def step(carry, xs):
+    ce, kls, count = one_slice(*xs)
+    return (carry[0] + ce, tuple(a + b for a, b in zip(carry[1], kls)), carry[2] + count), None
+
+  zero = jnp.zeros((), jnp.float32)
+  (ce, kls, count), _ = jax.lax.scan(
+      step, (zero, tuple(zero for _ in temperatures), jnp.zeros((), jnp.int32)),
+      (split(f_s), split(f_t), labs))
+  return {"ce": ce, "kl": kls, "count": count}

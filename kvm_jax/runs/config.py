@@ -14,6 +14,45 @@ from kvm_jax.tasks.mqar import MQARSpec
 from kvm_jax.tasks.niah import NIAHSpec
 
 
+DISTILL_STAGES = ("none", "attention", "logits", "finetune")
+TRAINABLE = ("all", "converted", "kvm_only")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillSpec:
+  """How a student trains against a frozen teacher (``TrainConfig.teacher``; docs/conversion.md).
+
+  Attributes:
+    stage: "none" (no teacher: plain training; the default), "attention" (layer-wise attention transfer: each converted layer, run on the teacher's
+      residual stream, is matched to the teacher layer's mixer output, mean squared error per
+      channel over labelled tokens, averaged over the converted layers; metric ``attn_mse``),
+      "logits" (``kl_weight · T² · KL_T(teacher ‖ student) + (1 − kl_weight) · cross-entropy``,
+      per token, T = ``temperature``) or "finetune" (cross-entropy alone, ``kl`` still logged).
+      Every stage but "none" needs ``TrainConfig.teacher``.
+    temperature: T of the "logits" stage's KL (T² keeps its gradient's scale as T changes).
+    kl_weight: the KL's share of the "logits" stage's loss, in [0, 1].
+    trainable: which parameters train: "all", "converted" (the mixers of the converted layers:
+      the layers whose kind differs from the teacher's) or "kvm_only" (LN_s, W_g and the two
+      temperatures of every kvm layer). The others are frozen: bitwise unchanged, no optimizer
+      state.
+  """
+
+  stage: str = "none"
+  temperature: float = 1.0
+  kl_weight: float = 0.5
+  trainable: str = "all"
+
+  def __post_init__(self):
+    if self.stage not in DISTILL_STAGES:
+      raise ValueError(f"distill.stage={self.stage!r}; choose from {DISTILL_STAGES}.")
+    if self.trainable not in TRAINABLE:
+      raise ValueError(f"distill.trainable={self.trainable!r}; choose from {TRAINABLE}.")
+    if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+      raise ValueError(f"distill.temperature must be > 0, got {self.temperature!r}.")
+    if not (isinstance(self.kl_weight, (int, float)) and 0 <= self.kl_weight <= 1):
+      raise ValueError(f"distill.kl_weight must be in [0, 1], got {self.kl_weight!r}.")
+
+
 @dataclasses.dataclass
 class TrainConfig:
   """Everything a run needs; a run directory's ``config.json`` holds one. Python config files
@@ -61,6 +100,12 @@ class TrainConfig:
       param_dtype, compute_dtype, kvm_implementation and attention_implementation
       (``kvm_jax.train.loop.FINE_TUNE_FIELDS``). A run that already has checkpoints resumes from
       them instead. "" = train from a fresh initialization.
+    teacher: a run directory whose model is a frozen teacher (distillation, :class:`DistillSpec`):
+      its parameters are restored with the student's dtypes and shardings and its forward pass is
+      not differentiated; every metrics line then carries ``kl``, the mean per-token
+      KL(teacher ‖ student) at temperature 1. "" = no teacher.
+    distill: the distillation stage, temperature, weights and trainable parameters
+      (:class:`DistillSpec`); ``trainable`` applies with or without a teacher, the rest needs one.
   """
 
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -95,6 +140,8 @@ class TrainConfig:
   grad_clip_norm: float = 0.0
   on_nonfinite: str = "stop"
   init_from: str = ""
+  teacher: str = ""
+  distill: DistillSpec = DistillSpec()
 
   @property
   def micro_batch_size(self) -> int:
@@ -140,6 +187,16 @@ class TrainConfig:
       given = "text_files" if self.text_files else "hf_dataset"
       raise ValueError(f"data_dir={self.data_dir!r} and {given} are both set; data_dir (token "
                        f"shards from kvm-data) replaces them: clear {given}, or data_dir.")
+    if not self.teacher and (self.distill.stage != "none"
+                             or self.distill.trainable == "converted"):
+      what = (f"distill.stage={self.distill.stage!r}" if self.distill.stage != "none"
+              else "distill.trainable='converted' (the layers whose kind differs from the "
+                   "teacher's)")
+      raise ValueError(f"{what} needs a teacher: set teacher=RUN_DIR (e.g. "
+                       "--config.teacher=runs/full), or distill.stage='none' to train without one.")
+    if self.teacher and self.distill.stage == "none":
+      raise ValueError(f"teacher={self.teacher!r} is set but distill.stage='none'; choose a stage "
+                       "('attention', 'logits' or 'finetune'), or clear teacher.")
     if self.task == "mqar" and self.mqar.vocab_size > self.model.vocab_size:
       raise ValueError(f"mqar.vocab_size={self.mqar.vocab_size} exceeds model.vocab_size="
                        f"{self.model.vocab_size}.")

@@ -20,7 +20,7 @@ from kvm_jax import config_io
 from kvm_jax.generate import pod_mesh, replicate_on
 from kvm_jax.nn.model import LM
 from kvm_jax.runs.checkpoint import Checkpointer
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.config import DistillSpec, TrainConfig
 from kvm_jax.tasks.mqar import MQARSpec
 from kvm_jax.tasks.niah import NIAHSpec
 
@@ -30,8 +30,10 @@ CHECKPOINT_DIR = "checkpoints"
 # parameters without an optimizer state: it is a starting point (TrainConfig.init_from), not a run
 # to resume.
 IMPORT_RECORD = "import.json"
+# Written by kvm-convert (kvm_jax.convert): the run it converted. Like an import, a starting point.
+CONVERSION_RECORD = "conversion.json"
 # Classes a run's config.json may name, beyond the model configs config_io always knows.
-TRAIN_CLASSES = (TrainConfig, MQARSpec, NIAHSpec)
+TRAIN_CLASSES = (TrainConfig, MQARSpec, NIAHSpec, DistillSpec)
 
 
 def save_config(cfg: TrainConfig, workdir, verbose: bool = True) -> None:
