@@ -152,16 +152,20 @@ def select_layers(spec: LayerSpec, num_layers: int) -> tuple[int, ...]:
 
 
 def default_kvm_options(cfg: ModelConfig, layers: Sequence[int]) -> KVMConfig:
-  """The KVM options a conversion uses when none are given: the model's own ``kvm`` options when
-  it records some (e.g. a hybrid, or the demo's models), else :class:`KVMConfig`'s defaults
-  with the model's rotary width and, when BSWA layers are converted, their chunk geometry."""
-  if "kvm" in cfg.options:
-    return cfg.options["kvm"]
+  """The KVM options a conversion uses when none are given: those of the model's kvm layers when
+  it has some (all kvm layers share one set); otherwise the ``kvm`` options the model records
+  (e.g. the demo's models; an imported checkpoint's, from the authors' config) or
+  :class:`KVMConfig`'s defaults, with the model's rotary width (the only one a state can use)
+  and, when ``bswa`` layers are converted, their chunk geometry."""
+  if any(kind == "kvm" for kind in cfg.layer_mixers):
+    return cfg.kvm
   fields: dict[str, Any] = {"rope_dims": cfg.rope_dims}
-  bswa = [cfg.options_of("bswa") for i in layers if cfg.layer_mixers[i] == "bswa"]
-  if bswa:
-    fields.update(chunk_size=bswa[0].chunk_size, window_chunks=bswa[0].window_chunks)
-  return KVMConfig(**fields)
+  if any(cfg.layer_mixers[i] == "bswa" for i in layers):
+    bswa = cfg.options_of("bswa")
+    fields.update(chunk_size=bswa.chunk_size, window_chunks=bswa.window_chunks)
+  base = cfg.options_of("kvm")
+  fields["sink_rows"] = min(base.sink_rows, fields.get("chunk_size", base.chunk_size) - 1)
+  return dataclasses.replace(base, **fields)
 
 
 def _check_convertible(cfg: ModelConfig, layers: Sequence[int], kvm: KVMConfig) -> None:

@@ -194,3 +194,24 @@ def test_kvm_eval_budget_sweep_and_override(full_run, tmp_path):
   assert result["mqar"]["window"] == 32
   with pytest.raises(SystemExit):
     cli.main(args + ["--kvm.rope_dims=4"])
+
+
+def test_authors_checkpoint_converts_and_matches_their_logits_inside_the_window(tmp_path):
+  """The authors'-format fixture (a BSWA/full hybrid their code wrote, with the logits their code
+  computed): its full layer converted with a 16-token window gives, inside the window, the
+  logits of their model; beyond it the state changes them."""
+  from kvm_jax.runs.conversion import write_converted
+  from tests.test_hf_checkpoints import DATA, FLOAT32_TOL
+  source_dir = DATA / "full_bswa"
+  ref = np.load(source_dir / "reference.npz")
+  dest = write_converted(source_dir, tmp_path / "converted", layers="1", numerics="float32",
+                         kvm={"chunk_size": 8}, progress=False)
+  _, model, _ = load_trained(dest)
+  assert model.cfg.layer_mixers == ("bswa", "kvm") and model.cfg.kvm.window_len == 16
+  source = kj.load_pretrained(source_dir, numerics="float32", progress=False)
+  out, src = model_logits(model, ref["tokens"]), model_logits(source, ref["tokens"])
+  want = ref["logits_float32"]  # their model with its bfloat16 casts off: our float32 numerics
+  np.testing.assert_allclose(out[:, :16], src[:, :16], rtol=0, atol=IN_WINDOW_TOL)
+  np.testing.assert_allclose(out[:, :16], want[:, :16], rtol=0,
+                             atol=FLOAT32_TOL * np.abs(want).max())
+  assert np.abs(out[:, 16:] - src[:, 16:]).max(axis=(0, 2)).min() > 1e-4

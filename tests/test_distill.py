@@ -184,3 +184,39 @@ def test_distillation_config_errors(teacher_and_student, tmp_path):
   same = _run(model_configs()["full"], teacher=str(teacher), distill=DistillSpec(stage="attention"))
   with pytest.raises(ValueError, match="no layer is converted"):
     distill.teacher_config(same)
+
+
+def test_attention_transfer_loss_is_each_layer_on_the_teachers_stream():
+  """The attention-transfer loss against an independent computation: for each converted layer
+  i, a model that is the teacher with only layer i converted (carrying the student's layer i)
+  computes, through its own forward, that layer's output on the teacher's residual stream."""
+  kvm = kj.KVMConfig(chunk_size=4, window_chunks=2, sink_rows=1, rope_dims=8,
+                     budget=kj.FixedBudget(6))
+  teacher = random_model(kj.presets.tiny(mixers="full", vocab_size=64), seed=4)
+  student = kj.convert_to_kvm(teacher, "all", kvm)
+  rng = np.random.default_rng(5)
+  graphdef, params = nnx.split(student)  # KVM-only parameters away from their neutral start
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 0.3 * rng.normal(size=x.shape).astype(x.dtype)
+      if distill.path_names(path)[3:4] in [(n,) for n in distill.KVM_ONLY] else x, params)
+  student = nnx.merge(graphdef, params)
+  tokens = rng.integers(0, 64, (2, 33))
+  labels = tokens[:, 1:].copy()
+  labels[:, :5] = IGNORE
+  batch = {"inputs": jnp.asarray(tokens[:, :-1]), "labels": jnp.asarray(labels)}
+  objective = _objective(DistillSpec(stage="attention"), teacher.cfg, student.cfg)
+  assert objective.converted == (0, 1)
+  loss, aux = objective(graphdef, params, batch, nnx.state(teacher), jnp.asarray(54.0))
+  reference = teacher.mixer_io(batch["inputs"])[1]
+  student_state = dict(nnx.to_flat_state(params))
+  want = 0.0
+  for i in (0, 1):
+    hybrid = kj.convert_to_kvm(teacher, [i], kvm)
+    g, state = nnx.split(hybrid)
+    state = nnx.from_flat_state([(p, student_state[p] if p[:2] == ("blocks", i) else v)
+                                 for p, v in nnx.to_flat_state(state)])
+    h = nnx.merge(g, state).mixer_io(batch["inputs"])[1][i]
+    err = np.mean((np.asarray(h, np.float64) - np.asarray(reference[i], np.float64)) ** 2, -1)
+    want += np.sum(err * (labels != IGNORE)) / 2 / 54.0
+  assert float(aux["attn_mse"]) == pytest.approx(want, rel=1e-5) and want > 1e-4
+  assert float(loss) == float(aux["attn_mse"])

@@ -42,6 +42,7 @@ LAYERS = (
     ("train", ("kvm_jax.train.*",)),
     ("eval", ("kvm_jax.eval.*",)),
     ("cli", ("kvm_jax.train.main", "kvm_jax.train.default_job", "kvm_jax.train.configs.*",
+             "kvm_jax.train.conversion_study",
              "kvm_jax.eval.cli", "kvm_jax.demo", "kvm_jax.train.prepare_data", "kvm_jax.hf.cli")),
 )
 RANK = {"config": 0, "ops": 1, "kernels": 2, "op registry": 3, "model": 4, "tasks": 5, "runs": 6,

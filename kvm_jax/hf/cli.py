@@ -158,6 +158,10 @@ def convert_parser() -> argparse.ArgumentParser:
   p.add_argument("--dtype", choices=DTYPES, default="float32",
                  help="parameter dtype when SRC is an authors' checkpoint (default float32; a run "
                       "directory keeps its own).")
+  p.add_argument("--numerics", choices=NUMERICS, default="authors",
+                 help="when SRC is an authors' checkpoint: 'authors' (default) computes the RoPE "
+                      "tables and the KVM state-value readout in bfloat16 as their code does, "
+                      "'float32' in float32 (as kvm-import).")
   p.add_argument("--kvm.FIELD", dest="kvm_help", metavar="VALUE", default=None,
                  help="--kvm.FIELD=VALUE sets a field of the new layers' KVMConfig (repeatable; "
                       "see above).")
@@ -175,7 +179,8 @@ def convert_main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     fields = parse_kvm_flags(rest)
     dest = write_converted(args.src, args.dest, layers=args.layers, kvm=fields or None,
-                           step=args.step, dtype=args.dtype, overwrite=args.overwrite,
+                           step=args.step, dtype=args.dtype, numerics=args.numerics,
+                           overwrite=args.overwrite,
                            progress=not args.no_progress)
   except USER_ERRORS as e:
     return _fail(e)

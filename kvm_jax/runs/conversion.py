@@ -23,14 +23,16 @@ from kvm_jax.runs.directory import (CHECKPOINT_DIR, CONVERSION_RECORD, load_trai
 
 def write_converted(src, dest, *, layers: LayerSpec = "all",
                     kvm: Union[KVMConfig, Mapping[str, Any], None] = None,
-                    step: Optional[int] = None, dtype: str = "float32", overwrite: bool = False,
+                    step: Optional[int] = None, dtype: str = "float32",
+                    numerics: str = "authors", overwrite: bool = False,
                     progress: bool = True) -> Path:
   """Converts the model in ``src`` (a kvm_jax run directory, or any checkpoint
   ``kj.load_pretrained`` reads, e.g. the authors' GPTAlpha-2) and writes run directory ``dest``:
   ``config.json`` (the source run's config with the converted model), ``checkpoints/0/`` (the
   parameters, no optimizer state), ``conversion.json`` (source, layers, KVM options, new
-  parameters) and the source's tokenizer when it has one. ``dtype`` applies to an authors'
-  checkpoint (a run directory keeps its own). Returns ``dest``."""
+  parameters) and the source's tokenizer when it has one. ``dtype`` and ``numerics`` (as
+  ``kvm-import``'s) apply to an authors' checkpoint; a run directory keeps its own. Returns
+  ``dest``."""
   src, dest = Path(src), Path(dest)
   if checkpoint_kind(src) == "run":
     run_cfg, model, step = load_trained(src, step)
@@ -38,7 +40,8 @@ def write_converted(src, dest, *, layers: LayerSpec = "all",
   else:
     if step is not None:
       raise ValueError(f"step={step}: an authors' checkpoint directory holds one set of weights.")
-    _, model_cfg, graphdef, params = read_authors(src, dtype=dtype, progress=progress)
+    _, model_cfg, graphdef, params = read_authors(src, dtype=dtype, numerics=numerics,
+                                                   progress=progress)
     model, step = nnx.merge(graphdef, params), 0
     run_cfg = TrainConfig(model=model_cfg, task="text")
     tokenizer = src / TOKENIZER_FILE
