@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ from kvm_jax.train import distill
 from kvm_jax.train.default_job import model_configs
 from kvm_jax.train.loop import train
 from kvm_jax.train.start import make_optimizer
-from tests.conftest import random_model
+from tests.conftest import in_ci, random_model
 
 
 def _softmax64(x):
@@ -220,3 +221,37 @@ def test_attention_transfer_loss_is_each_layer_on_the_teachers_stream():
     want += np.sum(err * (labels != IGNORE)) / 2 / 54.0
   assert float(aux["attn_mse"]) == pytest.approx(want, rel=1e-5) and want > 1e-4
   assert float(loss) == float(aux["attn_mse"])
+
+
+@pytest.mark.parametrize("processes", in_ci([1, 2], {"1"}))
+def test_distillation_on_a_mesh_and_on_two_processes_matches_one_device(
+    teacher_and_student, tmp_path, processes):
+  """kvm-train with a teacher on 4 devices (data 2 x fsdp 2: teacher and student sharded alike),
+  as 2 micro-batches with block remat, in one process or two (jax.distributed, gloo), against
+  the plain single-device run: the same losses and KL per step. (CI runs the one-process mesh;
+  two processes nightly.)"""
+  from tests.test_multihost import _finish, _launch, _metrics
+  teacher, student = teacher_and_student
+  flags = [f"--config.init_from={student}", f"--config.teacher={teacher}",
+           "--config.task=mqar", "--config.mqar.seq_len=64", "--config.mqar.vocab_size=64",
+           "--config.mqar.num_pairs=8", "--config.batch_size=8", "--config.steps=4",
+           "--config.warmup_steps=1", "--config.log_every=1", "--config.checkpoint_every=4",
+           "--config.eval_every=0", "--config.distill.trainable=converted"]
+  plain = tmp_path / "plain"
+  from kvm_jax.train.main import main
+  assert main(["--config=train/configs/distill.py", f"--workdir={plain}", *flags,
+               "--config.mesh_data=1"]) == 0
+  mesh = tmp_path / "mesh"
+  cmd = [sys.executable, "-m", "kvm_jax.train.main", "--config=train/configs/distill.py",
+         f"--workdir={mesh}", *flags, "--config.mesh_data=2", "--config.mesh_fsdp=2",
+         "--config.grad_accum_steps=2", "--config.remat=block"]
+  for i, (code, _, err) in enumerate(_finish(_launch(cmd, processes))):
+    assert code == 0, f"process {i}:\n{err[-3000:]}"
+  want, got = _metrics(plain), _metrics(mesh)
+  assert sorted(want) == sorted(got) == [1, 2, 3, 4]
+  # float32, reductions over devices and micro-batches in another order; the KL of a student
+  # this close to its teacher is ~1e-6, so it also gets an absolute margin far below that.
+  for step in want:
+    for key in ("loss", "kl", "ce", "grad_norm"):
+      assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-7), (step, key)
+  assert max(got[step]["kl"] for step in got) > 1e-7

@@ -727,11 +727,11 @@ def test_unknown_config_keys_warn_and_load(tmp_path, capsys):
   assert f"load {total}/{total}" in err
 
 
-@pytest.mark.parametrize("name", ["kvm-import", "kvm-export"])
+@pytest.mark.parametrize("name", ["kvm-import", "kvm-export", "kvm-convert"])
 def test_help_explains_every_flag(name, capsys):
   from kvm_jax.hf import cli
-  parser = cli.import_parser() if name == "kvm-import" else cli.export_parser()
-  main = cli.import_main if name == "kvm-import" else cli.export_main
+  kind = name.split("-")[1]
+  parser, main = getattr(cli, f"{kind}_parser")(), getattr(cli, f"{kind}_main")
   with pytest.raises(SystemExit) as exit_info:
     main(["--help"])
   assert exit_info.value.code == 0

@@ -100,6 +100,12 @@ def load_teacher(cfg: TrainConfig, mesh, verbose: bool = False) -> Teacher:
   if verbose:
     print(f"teacher: {cfg.teacher} (step {step}, mixers {'/'.join(model_cfg.layer_mixers)}); "
           f"distillation stage {cfg.distill.stage!r}, training {cfg.distill.trainable!r}")
+    window = max((cfg.model.options_of(kind).window_len for kind in set(cfg.model.layer_mixers)
+                  if kind == "kvm"), default=None)
+    if window is not None and cfg.sequence_length <= window:
+      print(f"note: sequences of {cfg.sequence_length} tokens fit the student's exact window "
+            f"({window} tokens): its KVM state is never read, and a student converted from the "
+            "teacher equals it there. Train on longer sequences (--config.seq_len).")
   return Teacher(model_cfg, graphdef, params, shardings, step)
 
 

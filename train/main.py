@@ -20,6 +20,12 @@ Flags:
                           replaces the config file's, except param_dtype, compute_dtype,
                           kvm_implementation and attention_implementation. Once --workdir has
                           checkpoints, re-running resumes from them instead.
+  --config.teacher=DIR    distil against the frozen model of run directory DIR (with
+                          --config.distill.stage=attention|logits|finetune; see
+                          train/configs/distill.py and docs/conversion.md): its parameters are
+                          restored with the student's dtypes and shardings, every metrics line
+                          carries kl. --config.distill.trainable=all|converted|kvm_only freezes
+                          the other parameters (bitwise unchanged, no optimizer state).
   --show-config           print the resolved config and exit.
   --resume                require a checkpoint in --workdir and continue from it (without the
                           flag a run resumes when checkpoints exist and starts fresh otherwise).
