@@ -24,7 +24,7 @@ from kvm_jax.convert import KVM_ONLY_PARAMS, new_parameter_paths, parse_kvm_flag
 from kvm_jax.hf.cli import convert_main
 from kvm_jax.nn.bswa import BSWAOptions
 from kvm_jax.runs.directory import CONVERSION_RECORD, load_trained
-from tests.conftest import model_logits, random_model
+from tests.conftest import model_logits, random_model, write_run
 
 # Tiny geometry: window L = 2 chunks of 4 = 8 tokens, sequences of 24 (4 chunks beyond it).
 KVM = kj.KVMConfig(chunk_size=4, window_chunks=2, sink_rows=1, rope_dims=8,
@@ -98,7 +98,7 @@ def test_conversion_refuses_by_name():
 def test_with_kvm_follows_kvm_schedule_and_shares_parameters():
   model = kj.convert_to_kvm(_source(("full", "full")), "all", KVM)
   tokens = jnp.asarray(TOKENS)
-  for budget in ("fixed:5", "sqrt:3@4", "sat:9@4", kj.FixedBudget(12)):
+  for budget in ("fixed:5", kj.PowerLawBudget(3.0, 0.5, min_rows=4), "sat:9@4"):
     new = kj.with_kvm(model, budget=budget, max_state_rows=11)
     want = kj.kvm_schedule(new.cfg.kvm, T).final_rows
     _, caches = jax.jit(lambda m, t, c: m.prefill(t, c))(new, tokens, new.init_cache(2, T))
@@ -135,17 +135,13 @@ def test_with_kvm_refuses_by_name():
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
-  """A trained full-attention run directory (a few MQAR steps of the default job's full model)."""
+  """A run directory of the default job's full-attention model (random parameters, MQAR)."""
   from kvm_jax.runs.config import TrainConfig
   from kvm_jax.tasks.mqar import MQARSpec
   from kvm_jax.train.default_job import model_configs
-  from kvm_jax.train.loop import train
-  workdir = tmp_path_factory.mktemp("full")
   cfg = TrainConfig(model=model_configs()["full"], task="mqar",
-                    mqar=MQARSpec(seq_len=64, vocab_size=64, num_pairs=8), batch_size=8, steps=6,
-                    warmup_steps=1, log_every=3, checkpoint_every=3, eval_every=0)
-  train(cfg, workdir, verbose=False)
-  return workdir
+                    mqar=MQARSpec(seq_len=64, vocab_size=64, num_pairs=8))
+  return write_run(tmp_path_factory.mktemp("full") / "full", cfg, random_model(cfg.model, 7))
 
 
 def test_kvm_convert_cli_writes_a_run_directory(full_run, tmp_path, capsys):

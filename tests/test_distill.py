@@ -25,7 +25,7 @@ from kvm_jax.train import distill
 from kvm_jax.train.default_job import model_configs
 from kvm_jax.train.loop import train
 from kvm_jax.train.start import make_optimizer
-from tests.conftest import in_ci, random_model
+from tests.conftest import in_ci, random_model, write_run
 
 
 def _softmax64(x):
@@ -74,7 +74,7 @@ def _objective(spec, teacher_cfg, student_cfg=None):
 
 
 def test_kl_objective_is_exactly_zero_for_a_student_equal_to_its_teacher():
-  model = random_model(kj.presets.tiny(mixers="kvm", vocab_size=64), seed=2)
+  model = random_model(kj.presets.tiny(mixers=("kvm", "full"), vocab_size=64), seed=2)
   graphdef, params = nnx.split(model)
   tokens = np.random.default_rng(0).integers(0, 64, (2, 24))
   batch = {"inputs": jnp.asarray(tokens[:, :-1]), "labels": jnp.asarray(tokens[:, 1:])}
@@ -109,10 +109,11 @@ def _run(model, **kw) -> TrainConfig:
 
 @pytest.fixture(scope="module")
 def teacher_and_student(tmp_path_factory):
-  """A full-attention teacher trained a few steps, and its conversion to KVM."""
+  """A full-attention teacher (the demo's full model with random parameters), and its
+  conversion to KVM."""
   root = tmp_path_factory.mktemp("distill")
-  train(_run(model_configs()["full"], steps=6, checkpoint_every=6), root / "teacher",
-        verbose=False)
+  cfg = _run(model_configs()["full"])
+  write_run(root / "teacher", cfg, random_model(cfg.model, seed=7))
   write_converted(root / "teacher", root / "student", layers="odd", progress=False)
   return root / "teacher", root / "student"
 
@@ -121,6 +122,7 @@ def _params(workdir):
   return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(load_trained(workdir)[1]))}
 
 
+@pytest.mark.slow  # CI: the loss against its oracle below, frozen parameters in the resume test
 def test_attention_transfer_trains_only_kvm_parameters(teacher_and_student, tmp_path):
   teacher, student = teacher_and_student
   cfg = _run(kj.presets.tiny(), init_from=str(student), teacher=str(teacher), steps=3,
@@ -149,25 +151,45 @@ def test_frozen_parameters_have_no_optimizer_state():
   assert len(jax.tree_util.tree_leaves(state)) == 1 + 2 * len(trainable)
 
 
-def test_distillation_resumes_bitwise(teacher_and_student, tmp_path):
-  """Logit distillation of the converted layers, interrupted after its step-2 checkpoint and
-  rerun: it resumes there (teacher reloaded, frozen parameters and optimizer state restored) and
-  ends bitwise where the uninterrupted run ended."""
-  teacher, student = teacher_and_student
-  cfg = _run(kj.presets.tiny(), init_from=str(student), teacher=str(teacher),
-             distill=DistillSpec(stage="logits", temperature=2.0, kl_weight=0.5,
-                                 trainable="converted"))
+def _distill_flags(teacher, student) -> list[str]:
+  """kvm-train flags of a logit distillation (T = 2) of the converted layers on the demo task."""
+  return ["--config=train/configs/distill.py", f"--config.init_from={student}",
+          f"--config.teacher={teacher}", "--config.task=mqar", "--config.mqar.seq_len=64",
+          "--config.mqar.vocab_size=64", "--config.mqar.num_pairs=8", "--config.batch_size=8",
+          "--config.steps=4", "--config.warmup_steps=1", "--config.log_every=1",
+          "--config.checkpoint_every=2", "--config.eval_every=0",
+          "--config.distill.temperature=2", "--config.distill.trainable=converted"]
+
+
+@pytest.fixture(scope="module")
+def distilled(teacher_and_student, tmp_path_factory):
+  """A 4-step distillation run on one device (kvm-train's own entry point) and its final
+  parameters."""
+  from kvm_jax.train.main import main
+  run = tmp_path_factory.mktemp("distilled") / "run"
+  assert main([f"--workdir={run}", *_distill_flags(*teacher_and_student),
+               "--config.mesh_data=1"]) == 0
+  return run, _params(run)
+
+
+def test_distillation_resumes_bitwise(teacher_and_student, distilled, tmp_path):
+  """The distillation run interrupted after its step-2 checkpoint and rerun: it resumes there
+  (teacher reloaded, frozen parameters and their absent optimizer state restored) and ends
+  bitwise where the uninterrupted run ended; only the converted layer's mixer trained."""
+  done, first = distilled
   run = tmp_path / "run"
-  train(cfg, run, verbose=False)
-  first, lines = _params(run), (run / "metrics.jsonl").read_text().splitlines()
+  shutil.copytree(done, run)
+  lines = (run / "metrics.jsonl").read_text().splitlines()
   shutil.rmtree(run / "checkpoints" / "4")
-  train(cfg, run, verbose=False)
+  from kvm_jax.train.main import main
+  assert main([f"--workdir={run}", *_distill_flags(*teacher_and_student),
+               "--config.mesh_data=1"]) == 0
   again = _params(run)
   assert all(np.array_equal(first[p], again[p]) for p in first)
   after = (run / "metrics.jsonl").read_text().splitlines()
   assert json.loads(after[-1])["loss"] == json.loads(lines[-1])["loss"]
   assert all("kl" in json.loads(line) for line in after)
-  frozen = _params(student)
+  frozen = _params(teacher_and_student[1])
   changed = {p for p in frozen if not np.array_equal(frozen[p], first[p])}
   assert changed and all(p[:3] == ("blocks", 1, "attn") for p in changed)
 
@@ -223,31 +245,25 @@ def test_attention_transfer_loss_is_each_layer_on_the_teachers_stream():
   assert float(loss) == float(aux["attn_mse"])
 
 
-@pytest.mark.parametrize("processes", in_ci([1, 2], {"1"}))
-def test_distillation_on_a_mesh_and_on_two_processes_matches_one_device(
-    teacher_and_student, tmp_path, processes):
-  """kvm-train with a teacher on 4 devices (data 2 x fsdp 2: teacher and student sharded alike),
-  as 2 micro-batches with block remat, in one process or two (jax.distributed, gloo), against
-  the plain single-device run: the same losses and KL per step. (CI runs the one-process mesh;
-  two processes nightly.)"""
+@pytest.mark.parametrize("devices, processes", in_ci([(1, 1), (4, 1), (4, 2)], {"(1, 1)"}))
+def test_distillation_accumulated_sharded_and_on_two_processes_matches_one_device(
+    teacher_and_student, distilled, tmp_path, devices, processes):
+  """The same distillation as 2 micro-batches: on one device in this process (CI), on 4 devices
+  (data 2 x fsdp 2: teacher and student sharded alike) in one process or two (jax.distributed,
+  gloo; nightly), against the plain single-device run: the same losses and KL per step."""
   from tests.test_multihost import _finish, _launch, _metrics
-  teacher, student = teacher_and_student
-  flags = [f"--config.init_from={student}", f"--config.teacher={teacher}",
-           "--config.task=mqar", "--config.mqar.seq_len=64", "--config.mqar.vocab_size=64",
-           "--config.mqar.num_pairs=8", "--config.batch_size=8", "--config.steps=4",
-           "--config.warmup_steps=1", "--config.log_every=1", "--config.checkpoint_every=4",
-           "--config.eval_every=0", "--config.distill.trainable=converted"]
-  plain = tmp_path / "plain"
-  from kvm_jax.train.main import main
-  assert main(["--config=train/configs/distill.py", f"--workdir={plain}", *flags,
-               "--config.mesh_data=1"]) == 0
-  mesh = tmp_path / "mesh"
-  cmd = [sys.executable, "-m", "kvm_jax.train.main", "--config=train/configs/distill.py",
-         f"--workdir={mesh}", *flags, "--config.mesh_data=2", "--config.mesh_fsdp=2",
-         "--config.grad_accum_steps=2", "--config.remat=block"]
-  for i, (code, _, err) in enumerate(_finish(_launch(cmd, processes))):
-    assert code == 0, f"process {i}:\n{err[-3000:]}"
-  want, got = _metrics(plain), _metrics(mesh)
+  plain, _ = distilled
+  run = tmp_path / "run"
+  flags = [f"--workdir={run}", *_distill_flags(*teacher_and_student), "--config.grad_accum_steps=2"]
+  if devices == 1:
+    from kvm_jax.train.main import main
+    assert main([*flags, "--config.mesh_data=1"]) == 0
+  else:
+    cmd = [sys.executable, "-m", "kvm_jax.train.main", *flags, "--config.mesh_data=2",
+           "--config.mesh_fsdp=2"]
+    for i, (code, _, err) in enumerate(_finish(_launch(cmd, processes))):
+      assert code == 0, f"process {i}:\n{err[-3000:]}"
+  want, got = _metrics(plain), _metrics(run)
   assert sorted(want) == sorted(got) == [1, 2, 3, 4]
   # float32, reductions over devices and micro-batches in another order; the KL of a student
   # this close to its teacher is ~1e-6, so it also gets an absolute margin far below that.
