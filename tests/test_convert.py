@@ -98,7 +98,7 @@ def test_conversion_refuses_by_name():
 def test_with_kvm_follows_kvm_schedule_and_shares_parameters():
   model = kj.convert_to_kvm(_source(("full", "full")), "all", KVM)
   tokens = jnp.asarray(TOKENS)
-  for budget in ("fixed:5", kj.PowerLawBudget(3.0, 0.5, min_rows=4), "sat:9@4"):
+  for budget in ("fixed:5", kj.SaturatingBudget(9, min_rows=4)):
     new = kj.with_kvm(model, budget=budget, max_state_rows=11)
     want = kj.kvm_schedule(new.cfg.kvm, T).final_rows
     _, caches = jax.jit(lambda m, t, c: m.prefill(t, c))(new, tokens, new.init_cache(2, T))
@@ -174,20 +174,19 @@ def test_kvm_eval_budget_sweep_and_override(full_run, tmp_path):
   out = tmp_path / "eval"
   args = ["--checkpoint", str(tmp_path / "runs"), "--suite", "mqar", "--mqar-pairs", "8",
           "--mqar-batches", "1", "--mqar-batch-size", "8", "--out", str(out)]
-  assert cli.main(args + ["--budget-sweep", "fixed:8,sqrt:4@8"]) == 0
+  # A sweep with another window for every budget: --kvm.FIELD applies under each.
+  assert cli.main(args + ["--budget-sweep", "fixed:8,sqrt:4@8", "--kvm.chunk_size=16"]) == 0
   results = json.loads((out / "results.json").read_text())["results"]
   rows = {r["budget"]: r["state_rows"] for r in results}
-  cfg = load_trained(converted)[0].model.kvm
+  cfg = dataclasses.replace(load_trained(converted)[0].model.kvm, chunk_size=16)
   for spec in ("fixed:8", "sqrt:4@8"):
     new = dataclasses.replace(cfg, budget=kj.budget.parse_budget(spec))
     assert rows[spec] == kj.state_rows_after(new, 64)
+  assert {r["kvm"]["chunk_size"] for r in results} == {16}
+  assert {r["mqar"]["window"] for r in results} == {32}
   report = (out / "report.md").read_text()
   assert "## Test-time budgets" in report and "| kvm | sqrt:4@8 |" in report
   assert (out / "budget_sweep.png").read_bytes()[:4] == b"\x89PNG"
-  assert cli.main(args + ["--kvm.budget=fixed:9", "--kvm.chunk_size=16"]) == 0
-  result = json.loads((out / "results.json").read_text())["results"][0]
-  assert result["kvm"]["budget"] == "fixed:9" and result["kvm"]["chunk_size"] == 16
-  assert result["mqar"]["window"] == 32
   with pytest.raises(SystemExit):
     cli.main(args + ["--kvm.rope_dims=4"])
 
