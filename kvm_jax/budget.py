@@ -141,9 +141,9 @@ def as_budget(budget: BudgetLike) -> Budget:
       f"got {budget!r}.")
 
 
-BUDGET_SPEC_HELP = ("fixed:ROWS, sqrt:FACTOR (FACTOR·√N), pow:FACTOR:EXPONENT (FACTOR·N^EXPONENT) or "
-                    "sat:LIMIT (LIMIT·N/(LIMIT+N)), each optionally followed by @MIN_ROWS, e.g. "
-                    "fixed:256, sqrt:16@256, sat:1024")
+BUDGET_SPEC_HELP = ("fixed:ROWS, sqrt:FACTOR (FACTOR·√N), pow:FACTOR:EXPONENT "
+                    "(FACTOR·N^EXPONENT) or sat:LIMIT (LIMIT·N/(LIMIT+N)), each optionally "
+                    "followed by @MIN_ROWS, e.g. fixed:256, sqrt:16@256, sat:1024")
 
 
 def parse_budget(spec: str) -> Budget:

@@ -110,6 +110,32 @@ def pytest_unconfigure(config):
     shutil.rmtree(os.environ.pop("KVM_TEST_CACHE_DIR"), ignore_errors=True)
 
 
+# Every compiled XLA:CPU program keeps memory mappings of its own while any jit cache holds it,
+# and a long-lived xdist worker compiles thousands: past the kernel's vm.max_map_count (65530 by
+# default) the next mmap fails inside LLVM and the worker dies mid-compile (segfault or abort).
+# Two test files alone leave ~16k mappings. Above this many, the caches are dropped after the
+# test (the persistent compilation cache on disk makes the programs later tests need cheap to
+# load again).
+MAX_MAPPINGS = 30_000
+
+
+def _mappings() -> int:
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:  # not Linux: no such limit to watch
+    return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_mappings():
+  yield
+  if _mappings() > MAX_MAPPINGS:
+    import gc
+    jax.clear_caches()
+    gc.collect()
+
+
 def pytest_addoption(parser):
   parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
 

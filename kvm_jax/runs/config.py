@@ -23,11 +23,12 @@ class DistillSpec:
   """How a student trains against a frozen teacher (``TrainConfig.teacher``; docs/conversion.md).
 
   Attributes:
-    stage: "none" (no teacher: plain training; the default), "attention" (layer-wise attention transfer: each converted layer, run on the teacher's
-      residual stream, is matched to the teacher layer's mixer output, mean squared error per
-      channel over labelled tokens, averaged over the converted layers; metric ``attn_mse``),
-      "logits" (``kl_weight · T² · KL_T(teacher ‖ student) + (1 − kl_weight) · cross-entropy``,
-      per token, T = ``temperature``) or "finetune" (cross-entropy alone, ``kl`` still logged).
+    stage: "none" (no teacher: plain training; the default), "attention" (layer-wise attention
+      transfer: each converted layer, run on the teacher's residual stream, is matched to the
+      teacher layer's mixer output, mean squared error per channel over labelled tokens,
+      averaged over the converted layers; metric ``attn_mse``),
+      "logits" (``kl_weight · T² · KL_T(teacher ‖ student) + (1 − kl_weight) · CE`` per
+      token, T = ``temperature``, CE the cross-entropy) or "finetune" (cross-entropy alone, ``kl`` still logged).
       Every stage but "none" needs ``TrainConfig.teacher``.
     temperature: T of the "logits" stage's KL (T² keeps its gradient's scale as T changes).
     kl_weight: the KL's share of the "logits" stage's loss, in [0, 1].
