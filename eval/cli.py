@@ -17,6 +17,11 @@ and writes ``results.json`` (everything, per depth and per bucket) and ``report.
 model, the paper's Table 2 layout: NIAH columns per length, MQAR recall, loss at the first and last
 buckets) to ``--out``. A suite a model cannot run (e.g. a text task on a model whose vocabulary is
 smaller than the tokenizer's) is recorded as skipped, with the reason, not silently dropped.
+
+``--kvm.FIELD=VALUE`` evaluates every model's ``kvm`` layers under another schedule (the same
+parameters: ``kj.with_kvm``), and ``--budget-sweep fixed:64,sqrt:16,...`` under each of several
+budgets, adding a table of recall and loss against state rows to ``report.md`` and
+``budget_sweep.png`` (docs/conversion.md).
 """
 
 from __future__ import annotations
