@@ -172,10 +172,11 @@ def _check_convertible(cfg: ModelConfig, layers: Sequence[int], kvm: KVMConfig) 
   for i in layers:
     kind = cfg.layer_mixers[i]
     if kind not in CONVERTIBLE:
-      raise ValueError(
-          f"layer {i} is a {kind!r} layer; only {CONVERTIBLE} layers convert to kvm (a kvm layer "
-          "is an attention layer plus a compressed state). Choose layers of those kinds, e.g. "
-          f"layers={[j for j, k in enumerate(cfg.layer_mixers) if k in CONVERTIBLE]}.")
+      candidates = [j for j, k in enumerate(cfg.layer_mixers) if k in CONVERTIBLE]
+      hint = (f"Choose layers of those kinds: layers={candidates}." if candidates else
+              f"This model has none (mixers {cfg.layer_mixers}).")
+      raise ValueError(f"layer {i} is a {kind!r} layer; only {CONVERTIBLE} layers convert to kvm "
+                       f"(a kvm layer is an attention layer plus a compressed state). {hint}")
     if kind == "bswa":
       b = cfg.options_of("bswa")
       if (b.chunk_size, b.window_chunks) != (kvm.chunk_size, kvm.window_chunks):
