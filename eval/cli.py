@@ -38,8 +38,8 @@ from typing import Any, Optional, Sequence
 import jax
 import numpy as np
 
-from kvm_jax.budget import BUDGET_SPEC_HELP, budget_label, parse_budget, state_rows_after
-from kvm_jax.convert import describe_kvm, parse_kvm_flags, with_kvm
+from kvm_jax.budget import budget_label, parse_budget, state_rows_after
+from kvm_jax.convert import add_kvm_flag, describe_kvm, has_kvm_layers, kvm_flags, with_kvm
 from kvm_jax.eval import mqar as mqar_eval
 from kvm_jax.eval import niah as niah_eval
 from kvm_jax.eval import position_loss as position_lib
@@ -76,10 +76,6 @@ def find_runs(paths: Sequence[str]) -> list[Path]:
       raise SystemExit(f"--checkpoint {str(p)!r}: not a run directory (no config.json) and holds "
                        "none; point it at a kvm-train/kvm-demo --workdir.")
   return runs
-
-
-def has_kvm_layers(model_cfg: ModelConfig) -> bool:
-  return "kvm" in model_cfg.layer_mixers
 
 
 def evaluate_run(run: Path, args) -> list[dict[str, Any]]:
@@ -327,11 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
   g = p.add_argument_group(
       "test-time KVM schedules (the kvm layers of every model; models without any are evaluated "
       "as trained)")
-  g.add_argument("--kvm.FIELD", dest="kvm_help", metavar="VALUE", default=None,
-                 help="--kvm.FIELD=VALUE sets a field of the kvm layers' KVMConfig for the "
-                      "evaluation, the parameters unchanged (kj.with_kvm): budget (a spec: "
-                      f"{BUDGET_SPEC_HELP}), max_state_rows (an int or none), chunk_size, "
-                      "window_chunks, sink_rows, ... (repeatable).")
+  add_kvm_flag(g, "the kvm layers' (for the evaluation; the parameters unchanged: kj.with_kvm)")
   g.add_argument("--budget-sweep", type=_budgets, default=None, metavar="SPEC,...",
                  help="evaluate every kvm model under each of these budgets (e.g. "
                       "fixed:64,fixed:256,sqrt:16,sat:1024); report.md gains a table of recall "
@@ -366,10 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = build_parser()
   args, rest = parser.parse_known_args(argv)
-  if args.kvm_help is not None:
-    parser.error("--kvm.FIELD stands for a field name: write e.g. --kvm.budget=fixed:64")
   try:
-    args.kvm_fields = parse_kvm_flags(rest)
+    args.kvm_fields = kvm_flags(args, rest)
   except ValueError as e:
     parser.error(str(e))
   if args.budget_sweep and "budget" in args.kvm_fields:

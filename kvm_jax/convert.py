@@ -24,12 +24,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Sequence, Union
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from kvm_jax.budget import budget_label, parse_budget
+from kvm_jax.budget import BUDGET_SPEC_HELP, budget_label, parse_budget
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.model import LM
@@ -57,8 +55,9 @@ CONVERTIBLE = ("full", "bswa")
 LayerSpec = Union[str, Sequence[int]]
 
 
-def _kvm_layers(cfg: ModelConfig) -> list[int]:
-  return [i for i, kind in enumerate(cfg.layer_mixers) if kind == "kvm"]
+def has_kvm_layers(cfg: ModelConfig) -> bool:
+  """Whether any layer of ``cfg`` is a ``kvm`` layer (what ``with_kvm`` changes)."""
+  return "kvm" in cfg.layer_mixers
 
 
 def _same_parameters(cfg: ModelConfig, new_cfg: ModelConfig, model: LM) -> nnx.GraphDef:
@@ -104,7 +103,7 @@ def with_kvm(model: LM, **fields) -> LM:
     ValueError: ``model`` has no ``kvm`` layer, or a field is unknown, refused or invalid.
   """
   cfg = model.cfg
-  if not _kvm_layers(cfg):
+  if not has_kvm_layers(cfg):
     raise ValueError(f"the model has no kvm layers (mixers {cfg.layer_mixers}); "
                      "kj.convert_to_kvm makes attention layers kvm layers first.")
   refused = sorted(set(fields) & set(SHAPE_FIELDS))
@@ -157,7 +156,7 @@ def default_kvm_options(cfg: ModelConfig, layers: Sequence[int]) -> KVMConfig:
   (e.g. the demo's models; an imported checkpoint's, from the authors' config) or
   :class:`KVMConfig`'s defaults, with the model's rotary width (the only one a state can use)
   and, when ``bswa`` layers are converted, their chunk geometry."""
-  if any(kind == "kvm" for kind in cfg.layer_mixers):
+  if has_kvm_layers(cfg):
     return cfg.kvm
   fields: dict[str, Any] = {"rope_dims": cfg.rope_dims}
   if any(cfg.layer_mixers[i] == "bswa" for i in layers):
@@ -312,3 +311,20 @@ def parse_kvm_flags(items: Sequence[str]) -> dict[str, Any]:
     field, text = item[len("--kvm."):].split("=", 1)
     fields[field] = parse_kvm_value(field, text)
   return fields
+
+
+def add_kvm_flag(parser, what: str) -> None:
+  """Documents ``--kvm.FIELD=VALUE`` (read by :func:`kvm_flags`) on an argparse parser or group;
+  ``what`` says which layers the fields set."""
+  parser.add_argument("--kvm.FIELD", dest="kvm_help", metavar="VALUE", default=None,
+                      help=f"--kvm.FIELD=VALUE sets a field of {what} KVMConfig (repeatable): "
+                           f"budget (a spec: {BUDGET_SPEC_HELP}), max_state_rows (an int or "
+                           "none), chunk_size, window_chunks, sink_rows, ...")
+
+
+def kvm_flags(args, rest: Sequence[str]) -> dict[str, Any]:
+  """The KVMConfig fields of the ``--kvm.FIELD=VALUE`` arguments argparse left over (``rest``
+  of ``parse_known_args``); a ValueError for anything else, or for the placeholder itself."""
+  if getattr(args, "kvm_help", None) is not None:
+    raise ValueError("--kvm.FIELD stands for a field name: write e.g. --kvm.budget=fixed:64")
+  return parse_kvm_flags(rest)

@@ -227,15 +227,8 @@ def model_logits(model: kj.LM, tokens) -> np.ndarray:
 
 
 def write_run(workdir, cfg, model) -> Path:
-  """A run directory (config.json, checkpoints/0 with ``model``'s parameters, no optimizer
-  state) without training: a teacher or a source for conversion, at no compile cost."""
-  from kvm_jax.runs.checkpoint import Checkpointer
-  from kvm_jax.runs.directory import CHECKPOINT_DIR, save_config
-  workdir = Path(workdir)
-  save_config(cfg, workdir, verbose=False)
-  ckpt = Checkpointer(workdir / CHECKPOINT_DIR)
-  try:
-    ckpt.save(0, {"params": nnx.state(model)}, {}, force=True)
-  finally:
-    ckpt.close()
-  return workdir
+  """A run directory of ``model``'s parameters without training: a teacher or a source for
+  conversion, at no compile cost."""
+  from kvm_jax.runs.directory import save_starting_point
+  save_starting_point(workdir, cfg, nnx.state(model), {})
+  return Path(workdir)

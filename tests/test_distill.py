@@ -228,7 +228,8 @@ def test_attention_transfer_loss_is_each_layer_on_the_teachers_stream():
   objective = _objective(DistillSpec(stage="attention"), teacher.cfg, student.cfg)
   assert objective.converted == (0, 1)
   loss, aux = objective(graphdef, params, batch, nnx.state(teacher), jnp.asarray(54.0))
-  reference = teacher.mixer_io(batch["inputs"])[1]
+  _, reference, features = teacher.mixer_io(batch["inputs"])
+  np.testing.assert_allclose(features, teacher.features(batch["inputs"]), atol=1e-6)
   student_state = dict(nnx.to_flat_state(params))
   want = 0.0
   for i in (0, 1):
@@ -269,3 +270,24 @@ def test_distillation_accumulated_sharded_and_on_two_processes_matches_one_devic
     for key in ("loss", "kl", "ce", "grad_norm"):
       assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-7), (step, key)
   assert max(got[step]["kl"] for step in got) > 1e-7
+
+
+def test_teacher_is_sharded_like_the_student(teacher_and_student):
+  """The teacher's parameters are placed by the student's sharding rules: every parameter the
+  two models share by name gets the same partition spec on the trainer's mesh (CI has one
+  device, but the specs name the mesh axes all the same)."""
+  from kvm_jax.train import sharding
+  from kvm_jax.train.start import setup, with_init_model
+  teacher, student = teacher_and_student
+  cfg = with_init_model(_run(kj.presets.tiny(), init_from=str(student), teacher=str(teacher),
+                             distill=DistillSpec(stage="logits")))
+  mesh = sharding.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
+  _, _, _, _, (student_sh, _, _) = setup(cfg, mesh)
+  loaded = distill.load_teacher(cfg, mesh)
+  specs = lambda tree: {p: s.spec for p, s in jax.tree_util.tree_leaves_with_path(tree)}
+  mine, theirs = specs(student_sh), specs(loaded.shardings)
+  shared = set(mine) & set(theirs)
+  assert len(shared) > 20 and any(mine[p] != jax.sharding.PartitionSpec() for p in shared)
+  assert {p: theirs[p] for p in shared} == {p: mine[p] for p in shared}
+  assert all(x.sharding.spec == theirs[p]
+             for p, x in jax.tree_util.tree_leaves_with_path(loaded.params))

@@ -110,6 +110,11 @@ def params_from_master(state: MasterState, params: Any) -> Any:
   return jax.tree_util.tree_map(lambda m, p: m.astype(p.dtype), state.master, params)
 
 
+def pick_leaves(tree: Any, mask: Sequence[bool]) -> list:
+  """The leaves of ``tree`` whose flag in ``mask`` (one per leaf, in leaf order) is True."""
+  return [x for x, keep in zip(jax.tree_util.tree_leaves(tree), mask) if keep]
+
+
 class PartlyFrozen(NamedTuple):
   """An optimizer that updates only some parameters (``optax.GradientTransformation``'s
   ``init``/``update`` plus the mask). Its state and updates cover the trainable leaves alone,
@@ -123,7 +128,11 @@ class PartlyFrozen(NamedTuple):
 
   def pick(self, tree: Any) -> list:
     """The trainable leaves of a tree shaped like the parameters, in leaf order."""
-    return [x for x, keep in zip(jax.tree_util.tree_leaves(tree), self.trainable) if keep]
+    return pick_leaves(tree, self.trainable)
+
+  def mask_like(self, params: Any) -> Any:
+    """The trainable flags as a tree shaped like ``params``."""
+    return jax.tree_util.tree_structure(params).unflatten(self.trainable)
 
   def put(self, tree: Any, trained: Sequence) -> Any:
     """``tree`` with its trainable leaves replaced by ``trained`` (in leaf order)."""
@@ -138,12 +147,12 @@ def partly_frozen(inner: optax.GradientTransformation, trainable: Sequence[bool]
   mask = tuple(bool(x) for x in trainable)
   if not any(mask):
     raise ValueError("every parameter is frozen: nothing would train.")
-  pick = lambda tree: [x for x, keep in zip(jax.tree_util.tree_leaves(tree), mask) if keep]
 
   def init(params):
-    return inner.init(pick(params))
+    return inner.init(pick_leaves(params, mask))
 
   def update(grads, state, params=None):
-    return inner.update(pick(grads), state, None if params is None else pick(params))
+    return inner.update(pick_leaves(grads, mask), state,
+                        None if params is None else pick_leaves(params, mask))
 
   return PartlyFrozen(init, update, mask)

@@ -20,14 +20,12 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-from etils import epath
 from flax import nnx
 
 from kvm_jax.nn.model import LM, REMAT_POLICIES
 from kvm_jax.ops.loss import IGNORE, sliced_distill_sums
-from kvm_jax.runs.checkpoint import Checkpointer
 from kvm_jax.runs.config import DistillSpec, TrainConfig
-from kvm_jax.runs.directory import CHECKPOINT_DIR, is_run_directory, load_config
+from kvm_jax.runs.directory import is_run_directory, load_config, load_trained
 from kvm_jax.train import sharding
 from kvm_jax.train.completep import path_names
 
@@ -84,19 +82,16 @@ def converted_layers(student, teacher) -> tuple[int, ...]:
                if a != b)
 
 
-def load_teacher(cfg: TrainConfig, mesh, verbose: bool = False) -> Teacher:
-  """The teacher of ``cfg``, restored from its newest checkpoint onto ``mesh`` with the sharding
-  rules of the student's parameters (every process calls it: the read is collective)."""
-  model_cfg = teacher_config(cfg)
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: LM(model_cfg, rngs=nnx.Rngs(0))))
+def load_teacher(cfg: TrainConfig, mesh, model_cfg=None, verbose: bool = False) -> Teacher:
+  """The teacher of ``cfg`` (``model_cfg``: its :func:`teacher_config`, read when not given),
+  restored from its newest checkpoint onto ``mesh`` with the sharding rules of the student's
+  parameters (every process calls it: the read is collective)."""
+  model_cfg = model_cfg or teacher_config(cfg)
+  abstract = nnx.state(nnx.eval_shape(lambda: LM(model_cfg, rngs=nnx.Rngs(0))))
   shardings = sharding.param_shardings(abstract, mesh)
-  target = jax.tree_util.tree_map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
-  ckpt = Checkpointer(epath.Path(cfg.teacher) / CHECKPOINT_DIR)
-  try:
-    step, params = ckpt.restore_params(target)
-  finally:
-    ckpt.close()
+  run_cfg = dataclasses.replace(load_config(cfg.teacher), model=model_cfg)
+  _, model, step = load_trained(cfg.teacher, cfg=run_cfg, shardings=shardings)
+  graphdef, params = nnx.split(model)
   if verbose:
     print(f"teacher: {cfg.teacher} (step {step}, mixers {'/'.join(model_cfg.layer_mixers)}); "
           f"distillation stage {cfg.distill.stage!r}, training {cfg.distill.trainable!r}")
@@ -153,9 +148,13 @@ class DistillObjective:
   slice_len: int
   compute_dtype: str
 
-  def _logit_sums(self, student: LM, teacher: LM, batch: dict) -> dict:
+  def _logit_sums(self, student: LM, teacher: LM, batch: dict, features_t=None) -> dict:
+    """CE and KL sums of the student against the teacher (``features_t``: the teacher's final
+    hidden states when already computed)."""
     temperatures = (1.0,) if self.spec.temperature == 1.0 else (1.0, self.spec.temperature)
-    features_t = jax.lax.stop_gradient(teacher.features(batch["inputs"]))
+    if features_t is None:
+      features_t = teacher.features(batch["inputs"])
+    features_t = jax.lax.stop_gradient(features_t)
     features_s = student.features(batch["inputs"], self.remat)
     return sliced_distill_sums((features_s, student.lm_head.kernel[...]),
                                (features_t, teacher.lm_head.kernel[...]), batch["labels"],
@@ -163,11 +162,12 @@ class DistillObjective:
                                teacher_compute_dtype=teacher.cfg.compute_dtype,
                                temperatures=temperatures, slice_len=self.slice_len)
 
-  def _attention_transfer_sum(self, student: LM, teacher: LM, batch: dict) -> jax.Array:
+  def _attention_transfer_sum(self, student: LM, teacher_io, batch: dict) -> jax.Array:
     """Σ over converted layers and labelled tokens of the per-channel mean squared error between
-    the student layer's mixer output on the teacher's residual stream and the teacher's, divided
-    by the number of converted layers."""
-    inputs, outputs = jax.lax.stop_gradient(teacher.mixer_io(batch["inputs"]))
+    the student layer's mixer output on the teacher's residual stream and the teacher's
+    (``teacher_io``: the teacher's :meth:`LM.mixer_io`), divided by the number of converted
+    layers."""
+    inputs, outputs, _ = jax.lax.stop_gradient(teacher_io)
     tokens = batch["inputs"]
     positions = jnp.arange(tokens.shape[1])[None]
     anchors = student.value_anchors(student.embed(tokens))
@@ -190,10 +190,11 @@ class DistillObjective:
     teacher = nnx.merge(self.teacher_graphdef, jax.lax.stop_gradient(extra))
     spec = self.spec
     if spec.stage == "attention":
-      mse = self._attention_transfer_sum(student, teacher, batch)
+      teacher_io = teacher.mixer_io(batch["inputs"])  # one teacher forward serves both
+      mse = self._attention_transfer_sum(student, teacher_io, batch)
       # The logit metrics cost one more student forward, outside the gradient.
       sums = jax.lax.stop_gradient(self._logit_sums(
-          nnx.merge(graphdef, jax.lax.stop_gradient(params)), teacher, batch))
+          nnx.merge(graphdef, jax.lax.stop_gradient(params)), teacher, batch, teacher_io[2]))
       loss = mse / total
       aux = {"attn_mse": mse / total}
     else:

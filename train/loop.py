@@ -29,6 +29,7 @@ from kvm_jax.runs.config import TrainConfig
 from kvm_jax.runs.directory import CHECKPOINT_DIR, save_config
 from kvm_jax.tasks.pipeline import BatchReader
 from kvm_jax.train import distill, hooks, sharding
+from kvm_jax.train.adamc import PartlyFrozen
 from kvm_jax.train.accounting import StepClock, flops_per_token, peak_flops, visible_keys
 from kvm_jax.train.data import put_batch, task_dataset
 from kvm_jax.train.evaluation import EvalSpec, eval_sums, evaluate, make_eval_step
@@ -47,20 +48,19 @@ __all__ = ["EvalSpec", "FINE_TUNE_FIELDS", "NonFiniteError", "StepClock", "clip_
            "task_dataset", "train", "visible_keys", "with_init_model"]
 
 
-def _objective_and_extra(cfg: TrainConfig, objective, trainable, params, shardings, verbose):
+def _objective_and_extra(cfg: TrainConfig, objective, teacher_cfg, optimizer, params, shardings,
+                         verbose):
   """(objective, step shardings, extra step inputs) of a run: with ``cfg.teacher`` the
   distillation objective (unless ``objective`` is given) and the teacher's parameters as the
-  step's undifferentiated input; with frozen parameters, an objective whose gradient for them is
-  zero."""
+  step's undifferentiated input; with a partly frozen optimizer, an objective whose gradient for
+  the frozen parameters is zero."""
   extra = ()
   if cfg.teacher:
-    teacher = distill.load_teacher(cfg, shardings[2].mesh, verbose)
+    teacher = distill.load_teacher(cfg, shardings[2].mesh, teacher_cfg, verbose)
     objective = objective or distill.objective_for(cfg, teacher)
     shardings, extra = (*shardings, teacher.shardings), (teacher.params,)
-  if trainable is not None:
-    objective = FrozenParameters(objective or LMObjective.of(cfg),
-                                 jax.tree_util.tree_map_with_path(
-                                     lambda path, _: bool(trainable(path)), params))
+  if isinstance(optimizer, PartlyFrozen):
+    objective = FrozenParameters(objective or LMObjective.of(cfg), optimizer.mask_like(params))
   return objective, shardings, extra
 
 
@@ -95,8 +95,8 @@ def train(cfg: TrainConfig, workdir, *, verbose: bool = True,
     save_config(cfg, workdir, verbose)
   start, params, opt_state, skipped = saver.restore(params, opt_state) or (
       0, fine_tuned_params(cfg, params, verbose), opt_state, 0)
-  objective, shardings, extra = _objective_and_extra(cfg, objective, trainable, params, shardings,
-                                                     verbose)
+  objective, shardings, extra = _objective_and_extra(cfg, objective, teacher_cfg, optimizer,
+                                                     params, shardings, verbose)
   train_step = make_train_step(graphdef, optimizer, shardings, cfg, objective)
   halted = jax.device_put(jnp.zeros((), bool), NamedSharding(batch_sh.mesh, PartitionSpec()))
   clock = StepClock()

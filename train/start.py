@@ -38,10 +38,8 @@ def make_optimizer(cfg: TrainConfig, params, trainable: Optional[Callable[[Any],
   lr_scale, wd_scale = completep.mup_scales(params, cfg.model)
   mask = None
   if trainable is not None:
-    mask = jax.tree_util.tree_leaves(jax.tree_util.tree_map_with_path(
-        lambda path, _: bool(trainable(path)), params))
-    pick = lambda tree: [x for x, keep in zip(jax.tree_util.tree_leaves(tree), mask) if keep]
-    lr_scale, wd_scale = pick(lr_scale), pick(wd_scale)
+    mask = [bool(trainable(path)) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    lr_scale, wd_scale = (adamc_lib.pick_leaves(t, mask) for t in (lr_scale, wd_scale))
   schedule = completep.lr_schedule(cfg.learning_rate, cfg.steps, cfg.warmup_steps)
   opt = adamc_lib.adamc(schedule, peak_learning_rate=cfg.learning_rate,
                         weight_decay=cfg.weight_decay, lr_scale=lr_scale, wd_scale=wd_scale)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from kvm_jax.convert import add_kvm_flag, kvm_flags
 from kvm_jax.hf.config import DTYPES, NUMERICS
 from kvm_jax.hf.load import export_run, import_checkpoint, numerics_note
 
@@ -55,6 +56,18 @@ SRC's rotary width (and the chunk geometry of converted bswa layers).
 """
 
 
+def _reading_flags(p: argparse.ArgumentParser, when: str) -> None:
+  """``--dtype`` and ``--numerics`` of reading an authors' checkpoint (``when``: a prefix saying
+  when they apply)."""
+  p.add_argument("--dtype", choices=DTYPES, default="float32",
+                 help=f"{when}parameter and activation dtype of the run (default float32; "
+                      "bfloat16 halves memory and is how the authors trained).")
+  p.add_argument("--numerics", choices=NUMERICS, default="authors",
+                 help=f"{when}'authors' (default) casts the RoPE tables and the KVM state-value "
+                      "readout to bfloat16 as their code does, so logits match theirs; 'float32' "
+                      "computes both in float32.")
+
+
 def _fail(e: Exception) -> int:
   print(f"error: {e}", file=sys.stderr)
   return 2
@@ -78,13 +91,7 @@ def import_parser() -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("src", help="the authors'-format model directory (config.json + safetensors).")
   p.add_argument("dest", help="the run directory to create (must not exist or be empty).")
-  p.add_argument("--dtype", choices=DTYPES, default="float32",
-                 help="parameter and activation dtype of the run (default float32; bfloat16 "
-                      "halves memory and is how the authors trained).")
-  p.add_argument("--numerics", choices=NUMERICS, default="authors",
-                 help="'authors' (default) casts the RoPE tables and the KVM state-value readout "
-                      "to bfloat16 as their code does, so logits match theirs; 'float32' "
-                      "computes both in float32.")
+  _reading_flags(p, "")
   p.add_argument("--tokenizer", default=None, metavar="TOKENIZER_JSON",
                  help="a tokenizer.json to record in the run (default: SRC/tokenizer.json when "
                       "present; otherwise none, and text evaluations need one: the paper's models "
@@ -155,29 +162,17 @@ def convert_parser() -> argparse.ArgumentParser:
                       "comma-separated indices such as 1,3 (default: all).")
   p.add_argument("--step", type=int, default=None,
                  help="checkpoint step of a run directory SRC (default: the newest).")
-  p.add_argument("--dtype", choices=DTYPES, default="float32",
-                 help="parameter dtype when SRC is an authors' checkpoint (default float32; a run "
-                      "directory keeps its own).")
-  p.add_argument("--numerics", choices=NUMERICS, default="authors",
-                 help="when SRC is an authors' checkpoint: 'authors' (default) computes the RoPE "
-                      "tables and the KVM state-value readout in bfloat16 as their code does, "
-                      "'float32' in float32 (as kvm-import).")
-  p.add_argument("--kvm.FIELD", dest="kvm_help", metavar="VALUE", default=None,
-                 help="--kvm.FIELD=VALUE sets a field of the new layers' KVMConfig (repeatable; "
-                      "see above).")
+  _reading_flags(p, "when SRC is an authors' checkpoint (a run directory keeps its own): ")
+  add_kvm_flag(p, "the new layers'")
   return _destination_flags(p, "reading")
 
 
 def convert_main(argv: Optional[Sequence[str]] = None) -> int:
-  from kvm_jax.convert import parse_kvm_flags
   from kvm_jax.runs.conversion import write_converted
   from kvm_jax.runs.directory import CONVERSION_RECORD
-  parser = convert_parser()
-  args, rest = parser.parse_known_args(argv)
-  if args.kvm_help is not None:
-    parser.error("--kvm.FIELD stands for a field name: write e.g. --kvm.budget=fixed:64")
+  args, rest = convert_parser().parse_known_args(argv)
   try:
-    fields = parse_kvm_flags(rest)
+    fields = kvm_flags(args, rest)
     dest = write_converted(args.src, args.dest, layers=args.layers, kvm=fields or None,
                            step=args.step, dtype=args.dtype, numerics=args.numerics,
                            overwrite=args.overwrite,

@@ -24,10 +24,9 @@ from kvm_jax.hf.config import (DTYPES, ConfigError, authors_config_from_model, a
 from kvm_jax.hf.params import from_authors, to_authors
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.runs import checkpoint
-from kvm_jax.runs.checkpoint import Checkpointer
 from kvm_jax.runs.config import TrainConfig
-from kvm_jax.runs.directory import (CHECKPOINT_DIR, CONFIG_FILE, IMPORT_RECORD, load_config,
-                                    load_trained, save_config)
+from kvm_jax.runs.directory import (CONFIG_FILE, IMPORT_RECORD, load_config, load_trained,
+                                    save_starting_point)
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -163,12 +162,8 @@ def import_checkpoint(src, dest, *, dtype: str = "float32", numerics: str = "aut
   with staged(dest, overwrite, src) as stage:
     if tok_path:
       shutil.copyfile(tokenizer, stage / TOKENIZER_FILE)
-    save_config(TrainConfig(model=cfg, task="text", tokenizer_file=tok_path), stage)
-    ckpt = Checkpointer(stage / CHECKPOINT_DIR)
-    try:
-      ckpt.save(0, {"params": params}, {"imported_from": str(src.resolve())}, force=True)
-    finally:
-      ckpt.close()
+    save_starting_point(stage, TrainConfig(model=cfg, task="text", tokenizer_file=tok_path),
+                        params, {"imported_from": str(src.resolve())})
     leaves = [np.size(x) for x in jax.tree_util.tree_leaves(params)]
     record = {"source": str(src.resolve()), "source_config": config, "dtype": dtype,
               "numerics": numerics, "parameters": int(sum(leaves)), "tensors": len(leaves),

@@ -166,11 +166,11 @@ class LM(nnx.Module):
                                                None if caches is None else caches[layer])
     return anchors
 
-  def mixer_io(self, tokens: Array) -> tuple[list[Array], list[Array]]:
+  def mixer_io(self, tokens: Array) -> tuple[list[Array], list[Array], Array]:
     """Per block ``i`` of a whole sequence: its input ``x_i [B, T, C]`` (the residual stream) and
-    its mixer's output ``h_i [B, T, C]`` (before the residual scale). What layer-wise attention
-    transfer matches: a student layer run on the teacher's ``x_i`` against the teacher's
-    ``h_i``."""
+    its mixer's output ``h_i [B, T, C]`` (before the residual scale), and the final hidden states
+    (:meth:`features`). What layer-wise attention transfer matches: a student layer run on the
+    teacher's ``x_i`` against the teacher's ``h_i``."""
     self.check_tokens(tokens)
     cfg = self.cfg
     positions = jnp.arange(tokens.shape[1])[None]
@@ -183,7 +183,7 @@ class LM(nnx.Module):
       x, _, exports[i], h = block.run(x, anchors[cfg.value_anchor(i)], positions, None, False,
                                       shared)
       outputs.append(h)
-    return inputs, outputs
+    return inputs, outputs, self.ln_head(x).astype(x.dtype)
 
   def _scanned_blocks(self, x, anchors, positions, period: int, policy):
     """The blocks as a ``lax.scan`` over groups of ``period`` layers whose states are stacked

@@ -39,6 +39,16 @@ def cross_entropy_sums(logits: Array, labels: Array) -> tuple[Array, Array]:
   return jnp.sum(jnp.where(valid, ce, 0.0)), jnp.sum(valid).astype(jnp.int32)
 
 
+def to_slices(x: Array, slice_len: int, fill=0) -> Array:
+  """``[B, T, ...]`` -> ``[n, B, slice_len, ...]`` with n = ceil(T / slice_len), the sequence
+  padded with ``fill`` (labels: :data:`IGNORE`, so the padding counts nowhere)."""
+  B, T = x.shape[:2]
+  n = -(-T // slice_len)
+  pad = [(0, 0), (0, n * slice_len - T)] + [(0, 0)] * (x.ndim - 2)
+  x = jnp.pad(x, pad, constant_values=fill)
+  return jnp.moveaxis(x.reshape(B, n, slice_len, *x.shape[2:]), 1, 0)
+
+
 def sliced_loss_sums(features: Array, kernel: Array, labels: Array, *, compute_dtype,
                      slice_len: int = 0, predictions: bool = False
                      ) -> tuple[Array, Array, Optional[Array]]:
@@ -61,11 +71,8 @@ def sliced_loss_sums(features: Array, kernel: Array, labels: Array, *, compute_d
     loss, count = cross_entropy_sums(logits, labels)
     return loss, count, (jnp.argmax(logits, -1).astype(jnp.int32) if predictions else None)
   n = -(-T // slice_len)
-  pad = n * slice_len - T
-  feats = jnp.pad(features, ((0, 0), (0, pad), (0, 0)))
-  labs = jnp.pad(labels, ((0, 0), (0, pad)), constant_values=IGNORE)
-  feats = jnp.moveaxis(feats.reshape(B, n, slice_len, C), 1, 0)     # [n, B, s, C]
-  labs = jnp.moveaxis(labs.reshape(B, n, slice_len), 1, 0)           # [n, B, s]
+  feats = to_slices(features, slice_len)                           # [n, B, s, C]
+  labs = to_slices(labels, slice_len, fill=IGNORE)                   # [n, B, s]
 
   @jax.checkpoint  # the backward pass recomputes a slice's logits instead of storing them
   def one_slice(f, lab):
@@ -125,16 +132,11 @@ def sliced_distill_sums(student: tuple[Array, Array], teacher: tuple[Array, Arra
     return ce, kls, count
 
   f_s, f_t = student[0], teacher[0]
-  B, T, _ = f_s.shape
+  T = f_s.shape[1]
   if slice_len <= 0 or slice_len >= T:
     ce, kls, count = sums(f_s, f_t, labels)
     return {"ce": ce, "kl": kls, "count": count}
-  n = -(-T // slice_len)
-  pad = n * slice_len - T
-  split = lambda x: jnp.moveaxis(
-      jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(B, n, slice_len, x.shape[-1]), 1, 0)
-  labs = jnp.moveaxis(jnp.pad(labels, ((0, 0), (0, pad)), constant_values=IGNORE)
-                      .reshape(B, n, slice_len), 1, 0)
+  labs = to_slices(labels, slice_len, fill=IGNORE)
   one_slice = jax.checkpoint(sums)  # a slice's logits are recomputed in the backward pass
 
   def step(carry, xs):
@@ -144,5 +146,5 @@ def sliced_distill_sums(student: tuple[Array, Array], teacher: tuple[Array, Arra
   zero = jnp.zeros((), jnp.float32)
   (ce, kls, count), _ = jax.lax.scan(
       step, (zero, tuple(zero for _ in temperatures), jnp.zeros((), jnp.int32)),
-      (split(f_s), split(f_t), labs))
+      (to_slices(f_s, slice_len), to_slices(f_t, slice_len), labs))
   return {"ce": ce, "kl": kls, "count": count}

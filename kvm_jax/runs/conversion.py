@@ -15,10 +15,8 @@ from flax import nnx
 from kvm_jax.config import KVMConfig
 from kvm_jax.convert import LayerSpec, convert_to_kvm, describe_kvm, new_parameter_paths
 from kvm_jax.hf.load import TOKENIZER_FILE, checkpoint_kind, read_authors, staged
-from kvm_jax.runs.checkpoint import Checkpointer
 from kvm_jax.runs.config import DistillSpec, TrainConfig
-from kvm_jax.runs.directory import (CHECKPOINT_DIR, CONVERSION_RECORD, load_trained,
-                                    save_config)
+from kvm_jax.runs.directory import CONVERSION_RECORD, load_trained, save_starting_point
 
 
 def write_converted(src, dest, *, layers: LayerSpec = "all",
@@ -55,13 +53,9 @@ def write_converted(src, dest, *, layers: LayerSpec = "all",
     if tokenizer:
       shutil.copyfile(tokenizer, stage / TOKENIZER_FILE)
     # A starting point: nothing of the source's own start (init_from, a teacher) carries over.
-    save_config(dataclasses.replace(run_cfg, model=converted.cfg, tokenizer_file=tok_path,
-                                    init_from="", teacher="", distill=DistillSpec()), stage)
-    ckpt = Checkpointer(stage / CHECKPOINT_DIR)
-    try:
-      ckpt.save(0, {"params": params}, {"converted_from": str(src.resolve())}, force=True)
-    finally:
-      ckpt.close()
+    save_starting_point(stage, dataclasses.replace(
+        run_cfg, model=converted.cfg, tokenizer_file=tok_path, init_from="", teacher="",
+        distill=DistillSpec()), params, {"converted_from": str(src.resolve())})
     record = {
         "source": str(src.resolve()), "source_step": step, "layers": chosen,
         "source_mixers": list(model.cfg.layer_mixers),

@@ -47,6 +47,18 @@ def save_config(cfg: TrainConfig, workdir, verbose: bool = True) -> None:
       print(f"note: {CONFIG_FILE} not written ({e}); pass the config to load_trained().")
 
 
+def save_starting_point(workdir, cfg: TrainConfig, params, data_state: dict) -> None:
+  """Writes a run directory holding parameters without an optimizer state (what kvm-import and
+  kvm-convert write): ``config.json`` and ``checkpoints/0/`` with ``params`` and ``data_state``
+  (a note of where they came from). ``init_from`` starts from it; nothing resumes it."""
+  save_config(cfg, workdir)
+  ckpt = Checkpointer(epath.Path(workdir) / CHECKPOINT_DIR)
+  try:
+    ckpt.save(0, {"params": params}, data_state, force=True)
+  finally:
+    ckpt.close()
+
+
 def load_config(workdir) -> TrainConfig:
   """The :class:`TrainConfig` recorded in a run directory."""
   path = epath.Path(workdir) / CONFIG_FILE
