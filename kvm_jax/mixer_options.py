@@ -42,6 +42,11 @@ def register_options(kind: str, options_class: type) -> None:
   _OPTIONS_CLASSES[kind] = options_class
 
 
+def unregister_options(kind: str) -> None:
+  """Forgets ``kind`` (a registration that failed a later check is taken back)."""
+  _OPTIONS_CLASSES.pop(kind, None)
+
+
 def mixer_kinds() -> tuple[str, ...]:
   """Every registered mixer kind, in registration order (the built-ins first)."""
   return tuple(_OPTIONS_CLASSES)

@@ -104,3 +104,53 @@ def test_average_visible_keys_by_hand():
   # Far beyond the window the average tends to the mean window fill plus the fixed state:
   # the window holds 5..8 keys within each chunk (6.5 on average), plus 4 rows.
   assert average_visible_keys(cfg, 40_000) == pytest.approx(6.5 + 4, rel=1e-3)
+
+
+# -- budget specs: the short texts of command lines and config files -----------------------------
+
+# Every form, with and without the floor, and the object it names (written out, not parsed).
+SPECS = {
+    "fixed:256": kj.FixedBudget(256),
+    "fixed:1": kj.FixedBudget(1),
+    "sqrt:16": kj.PowerLawBudget(16.0, 0.5),
+    "sqrt:16@256": kj.PowerLawBudget(16.0, 0.5, min_rows=256),
+    "sqrt:2.5@3": kj.PowerLawBudget(2.5, 0.5, min_rows=3),
+    "pow:4:0.75": kj.PowerLawBudget(4.0, 0.75),
+    "pow:4:0.75@8": kj.PowerLawBudget(4.0, 0.75, min_rows=8),
+    "pow:0.5:0.25@1": kj.PowerLawBudget(0.5, 0.25, min_rows=1),
+    "sat:1024": kj.SaturatingBudget(1024),
+    "sat:1024@1": kj.SaturatingBudget(1024, min_rows=1),
+    "sat:48@8": kj.SaturatingBudget(48, min_rows=8),
+}
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_budget_spec_parses_to_its_budget_and_prints_back(spec):
+  from kvm_jax.budget import budget_label, parse_budget
+  budget = parse_budget(spec)
+  assert budget == SPECS[spec] and type(budget) is type(SPECS[spec])
+  assert budget_label(budget) == spec
+  assert parse_budget(budget_label(SPECS[spec])) == SPECS[spec]
+
+
+def test_budget_spec_other_spellings_print_in_the_canonical_form():
+  from kvm_jax.budget import budget_label, parse_budget
+  # An exponent of 1/2 is the square root; surrounding spaces and a float floor of rows are not
+  # part of the language but spaces are forgiven.
+  assert parse_budget("pow:16:0.5@256") == kj.PowerLawBudget(16.0, 0.5, min_rows=256)
+  assert budget_label(parse_budget("pow:16:0.5@256")) == "sqrt:16@256"
+  assert parse_budget("  sat:64@2 ") == kj.SaturatingBudget(64, min_rows=2)
+  assert budget_label(kj.PowerLawBudget(16.0, 0.5, min_rows=0)) == "sqrt:16"  # no "@0"
+
+
+@pytest.mark.parametrize("spec", [
+    "", "sqrt", "sqrt:", "fixed:", "fixed:abc", "fixed:1.5", "fixed:0", "fixed:8@4", "pow:4",
+    "pow:4:0.5:1", "pow:4:2", "sat:0", "sat:1.5", "sat:1024@x", "sat:1024@-1", "sqrt:-1",
+    "sqrt:nan", "sqrt:16@2.5", "linear:4", "fixed 256", "sqrt:16@256@1"])
+def test_malformed_budget_spec_is_refused_naming_the_text(spec):
+  from kvm_jax.budget import parse_budget
+  with pytest.raises(ValueError) as error:
+    parse_budget(spec)
+  message = str(error.value)
+  assert repr(spec) in message, message  # names the text as given
+  assert "fixed:ROWS" in message, message  # and says what the language is

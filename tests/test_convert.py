@@ -25,6 +25,7 @@ from kvm_jax.hf.cli import convert_main
 from kvm_jax.nn.bswa import BSWAOptions
 from kvm_jax.runs.directory import CONVERSION_RECORD, load_trained
 from tests.conftest import model_logits, random_model, write_run
+from tests.test_reports import check_eval_report, check_sweep_report
 
 # Tiny geometry: window L = 2 chunks of 4 = 8 tokens, sequences of 24 (4 chunks beyond it).
 KVM = kj.KVMConfig(chunk_size=4, window_chunks=2, sink_rows=1, rope_dims=8,
@@ -186,6 +187,8 @@ def test_kvm_eval_budget_sweep_and_override(full_run, tmp_path):
   assert {r["mqar"]["window"] for r in results} == {32}
   report = (out / "report.md").read_text()
   assert "## Test-time budgets" in report and "| kvm | sqrt:4@8 |" in report
+  check_eval_report(report, results)
+  check_sweep_report(report, results)
   assert (out / "budget_sweep.png").read_bytes()[:4] == b"\x89PNG"
   with pytest.raises(SystemExit):
     cli.main(args + ["--kvm.rope_dims=4"])

@@ -22,6 +22,7 @@ from kvm_jax.tasks.labels import IGNORE
 from kvm_jax.tasks.tokenizers import ByteTokenizer
 from kvm_jax.train import train
 from tests.conftest import random_model
+from tests.test_reports import check_eval_report
 
 TOK = ByteTokenizer()
 COUNT = lambda text: len(TOK.encode(text))
@@ -203,6 +204,7 @@ def test_kvm_eval_end_to_end(run_dir, baseline_runs, tmp_path, capsys):
       f"| {mq[4]['recall']:.3f} / {mq[4]['recall_state_only']:.3f} "
       f"| {nll[0]:.3f} | {nll[-1]:.3f} |")
   assert (out / "report.md").read_text() in capsys.readouterr().out
+  check_eval_report((out / "report.md").read_text(), results)  # every cell against results.json
 
 
 def test_kvm_eval_bad_arguments(tmp_path):

@@ -19,6 +19,7 @@ from flax import nnx
 import kvm_jax as kj
 from kvm_jax import config_io
 from kvm_jax.nn import KVMAttention, SWAOptions, register_mixer, registry
+from kvm_jax.nn.rwkv7 import RWKV7TimeMix
 from kvm_jax.nn.layers import path_names
 from kvm_jax.runs.config import TrainConfig
 from kvm_jax.runs.directory import load_config
@@ -132,23 +133,95 @@ def test_plugin_flag_registers_a_kind_for_the_command_line(tmp_path, subprocess_
   assert "mixers='wide_swa'" in shown.stdout
 
 
-def test_registry_refuses_conflicts_and_unknown_kinds():
-  with pytest.raises(ValueError, match="already registered"):
-    register_mixer("kvm", ScaledKVMAttention)
-  register_mixer("scaled_kvm", ScaledKVMAttention)  # the same class again: a no-op
+# What a mixer class must have, written out (not read from the registry's own list).
+MEMBERS = ("Options", "LOGICAL_AXES", "PARAM_GROUPS", "mup_d_in_ratios", "keys_per_query",
+           "cache_bytes", "init_cache", "init_tails", "anchor_value", "__call__")
 
-  class BadAxes(KVMAttention):
-    LOGICAL_AXES = {**KVMAttention.LOGICAL_AXES, "c_q": ("heads", "embed")}
-  with pytest.raises(ValueError, match=r"LOGICAL_AXES\['c_q'\]"):
-    register_mixer("bad_axes", BadAxes)
-  with pytest.raises(TypeError, match="lacks"):
-    register_mixer("not_a_mixer", object)
+
+def _registered_state():
+  from kvm_jax import mixer_options
+  return registry.registered_mixers(), mixer_options.mixer_kinds()
+
+
+@pytest.mark.parametrize("member", MEMBERS)
+def test_registry_refuses_a_class_missing_a_member(member):
+  """A class with every member a mixer needs but one (copied from the KVM class, so nothing
+  else is wrong) is refused, naming the member; ``__call__`` counts only when the class defines
+  it (every class has its metaclass's)."""
+  body = {name: getattr(KVMAttention, name) for name in MEMBERS if name != member}
+  incomplete = type(f"No_{member.strip('_')}", (), body)
+  before = _registered_state()
+  with pytest.raises(TypeError, match=rf"No_{member.strip('_')}.*lacks \['{member}'\]"):
+    register_mixer("incomplete", incomplete)
+  assert _registered_state() == before
+
+
+def test_registry_refuses_malformed_tables_and_leaves_nothing_behind():
+  """Each malformed plug-in is refused with a message naming the problem, and the refused kind
+  is unknown afterwards (a half-registered kind would let ModelConfig accept a name no class
+  builds)."""
+  cases = {
+      # another class under a taken name
+      "kvm": (ScaledKVMAttention, ValueError, "'kvm' is already registered to KVMAttention"),
+      # a built-in parameter given other axes, or another group
+      "bad_axes": (type("BadAxes", (KVMAttention,), {"LOGICAL_AXES": {
+          **KVMAttention.LOGICAL_AXES, "c_q": ("heads", "embed")}}), ValueError,
+                   r"BadAxes.LOGICAL_AXES\['c_q'\] = \('heads', 'embed'\), but a registered mixer "
+                   r"gives 'c_q' \('embed', 'heads'\)"),
+      "bad_group": (type("BadGroup", (RWKV7TimeMix,), {"PARAM_GROUPS": {"w1": "scalars"}}),
+                    ValueError, "BadGroup.PARAM_GROUPS\\['w1'\\] = 'scalars'.*name the parameter "
+                                "differently"),
+      # a misspelt parameter name, in either table
+      "typo_group": (type("TypoGroup", (ScaledKVMAttention,), {"PARAM_GROUPS": {
+          "out_gian": "scalars"}}), ValueError,
+                     r"TypoGroup names parameters it does not create: PARAM_GROUPS\['out_gian'\]"),
+      "typo_axes": (type("TypoAxes", (KVMAttention,), {"LOGICAL_AXES": {
+          **KVMAttention.LOGICAL_AXES, "key_weightin": ("embed", "kv_heads")}}), ValueError,
+                    r"LOGICAL_AXES\['key_weightin'\]"),
+      # values outside the vocabularies
+      "unknown_group": (type("UnknownGroup", (ScaledKVMAttention,), {"PARAM_GROUPS": {
+          "out_gain": "scalar"}}), ValueError,
+                        r"PARAM_GROUPS\['out_gain'\] = 'scalar' is not one of \('matrix_params'"),
+      "unknown_axis": (type("UnknownAxis", (KVMAttention,), {"LOGICAL_AXES": {
+          **KVMAttention.LOGICAL_AXES, "gain": ("embed", "head")}}), ValueError,
+                       r"LOGICAL_AXES\['gain'\] = \('embed', 'head'\) is not a pair of"),
+      "one_axis": (type("OneAxis", (KVMAttention,), {"LOGICAL_AXES": {"gain": "embed"}}),
+                   ValueError, r"LOGICAL_AXES\['gain'\] = 'embed' is not a pair"),
+      "not_a_table": (type("NotATable", (KVMAttention,), {"PARAM_GROUPS": ["out_gain"]}),
+                      TypeError, "NotATable.PARAM_GROUPS must be a dict"),
+      # options that are not a frozen dataclass; a kind that is not an identifier
+      "bad_options": (type("BadOptions", (KVMAttention,), {"Options": dict}), TypeError,
+                      "options of mixer 'bad_options' must be a frozen dataclass"),
+      "my-kind": (type("Dashed", (KVMAttention,), {}), ValueError,
+                  "mixer kind 'my-kind' must be a Python identifier"),
+      "not_a_mixer": (object, TypeError, "lacks"),
+  }
+  for kind, (cls, error, message) in cases.items():
+    before = _registered_state()
+    with pytest.raises(error, match=message):
+      register_mixer(kind, cls)
+    assert _registered_state() == before, kind
+  register_mixer("scaled_kvm", ScaledKVMAttention)  # the same class again: a no-op
   with pytest.raises(ValueError, match="unknown mixer 'kda'.*register_mixer"):
     kj.presets.tiny(mixers="kda")
   with pytest.raises(TypeError, match="options of mixer 'swa' must be a SWAOptions"):
     kj.presets.tiny(mixers="swa", options={"swa": kj.KVMConfig()})
   with pytest.raises(ValueError, match=r"options\['kvm'\].*rope_dims=4 must equal"):
     kj.presets.tiny(options={"kvm": kj.KVMConfig(chunk_size=8, rope_dims=4)})
+
+
+def test_table_vocabularies_are_the_trainers():
+  """The registry's axis and group names are exactly those the sharding rules and the μP scales
+  know, and every built-in kind's table entries name parameters its layers create."""
+  assert set(registry.LOGICAL_AXIS_NAMES) == set(sharding.LOGICAL_RULES)
+  assert set(registry.PARAM_GROUP_NAMES) == set(completep.GROUPS)
+  for kind, cls in registry.registered_mixers().items():
+    if kind == "scaled_kvm":
+      continue
+    cfg = kj.ModelConfig(mixers=kind, num_layers=1)
+    layer = nnx.eval_shape(lambda: cls(cfg, 0, rngs=nnx.Rngs(0)))
+    owners = {str(n) for p, _ in nnx.to_flat_state(nnx.state(layer, nnx.Param)) for n in p}
+    assert set(cls.LOGICAL_AXES) | set(cls.PARAM_GROUPS) <= owners, kind
 
 
 def _perturbed(model: kj.LM) -> kj.LM:

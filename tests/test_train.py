@@ -25,6 +25,7 @@ from kvm_jax.train import default_job
 from kvm_jax.train.loop import train
 from kvm_jax.train.main import apply_override, load_config, main
 from tests.conftest import in_ci
+from tests.test_reports import check_demo_report
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config=train/configs/tiny_mqar.py", "--config.steps=40", "--config.batch_size=8",
@@ -394,6 +395,7 @@ def test_default_job_end_to_end_small(tmp_path):
   run = tmp_path / "kvm-sqrt"
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert set(summary) == {"kvm-sqrt"} and summary["kvm-sqrt"]["state_rows"] > 8
+  check_demo_report((tmp_path / "report.md").read_text(), summary)
   png = (tmp_path / "recall.png").read_bytes()
   assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 

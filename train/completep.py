@@ -31,7 +31,7 @@ from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn import registry
 from kvm_jax.nn.layers import path_names
 
-GROUPS = ("matrix_params", "lm_head", "wte_embed", "scalars")
+GROUPS = registry.PARAM_GROUP_NAMES
 
 
 def reference_lr(tokens: float) -> float:

@@ -14,8 +14,8 @@ and the KVM state can still answer among them). ``--models`` can add the paper's
 recurrent baselines at the same width and depth, for which the split only says how far back the
 key is: **ovq-swa** (an SWA layer over L = 16 tokens, then an OVQ layer: chunks of 8, at most 16
 centroids) and **rwkv7** (two RWKV-7 layers: a 32 x 32 state per head, no exact window). Writes
-``summary.json``, ``recall.png`` and each model's ``metrics.jsonl`` + checkpoints under
-``--workdir``; re-running resumes finished models.
+``summary.json``, the same numbers as a table in ``report.md``, ``recall.png`` and each model's
+``metrics.jsonl`` + checkpoints under ``--workdir``; re-running resumes finished models.
 """
 
 from __future__ import annotations
@@ -119,6 +119,21 @@ def plot(results: dict, losses: dict, path: Path) -> None:
   plt.close(fig)
 
 
+def summary_report(results: dict) -> str:
+  """The demo's results (``summary.json``: model name -> recall, memory, losses, time) as a
+  markdown table under a line naming the task."""
+  fmt = lambda x, digits: "–" if x != x else f"{x:.{digits}f}"  # NaN: no training line logged
+  lines = [f"MQAR, seq 64, 8 pairs, exact window L = {CHUNK * WINDOW_CHUNKS} tokens, chance "
+           f"{1 / VALUES:.3f}", "",
+           "| model | memory beyond the window | recall | in window | state only | eval loss "
+           "| last train loss | time (s) |", "|---|---|---|---|---|---|---|---|"]
+  for name, r in results.items():
+    lines.append(f"| {name} | {r['memory']} | {r['recall']:.3f} | {r['recall_in_window']:.3f} | "
+                 f"{r['recall_state_only']:.3f} | {r['eval_loss']:.4f} | "
+                 f"{fmt(r['final_train_loss'], 4)} | {r['seconds']:.0f} |")
+  return "\n".join(lines) + "\n"
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="kvm-demo", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -159,16 +174,13 @@ def main(argv=None) -> int:
     results[name] = dict(metrics, state_rows=rows, memory=memory_of(cfg.model, cfg.mqar.seq_len),
                          seconds=time.perf_counter() - start,
                          final_train_loss=losses[name][-1][1] if losses[name] else float("nan"))
-  print(f"\nMQAR, seq 64, 8 pairs, exact window L = {CHUNK * WINDOW_CHUNKS} tokens, chance "
-        f"{1 / VALUES:.3f}")
-  print(f"{'model':<10} {'memory beyond the window':>24} {'recall':>7} {'in window':>10} "
-        f"{'state only':>11} {'eval loss':>10} {'time s':>7}")
-  for name, r in results.items():
-    print(f"{name:<10} {r['memory']:>24} {r['recall']:>7.3f} {r['recall_in_window']:>10.3f} "
-          f"{r['recall_state_only']:>11.3f} {r['eval_loss']:>10.4f} {r['seconds']:>7.0f}")
+  report = summary_report(results)
+  print("\n" + report)
   (workdir / "summary.json").write_text(json.dumps(results, indent=2))
+  (workdir / "report.md").write_text(report)
   plot(results, losses, workdir / "recall.png")
-  print(f"\nwrote {workdir / 'summary.json'}, {workdir / 'recall.png'} and per-model metrics.jsonl")
+  print(f"wrote {workdir / 'summary.json'}, {workdir / 'report.md'}, {workdir / 'recall.png'} "
+        "and per-model metrics.jsonl")
   if "full" in results and "bswa" in results:
     full_ok = results["full"]["recall_state_only"] >= 0.9
     bswa_ok = abs(results["bswa"]["recall_state_only"] - 1 / VALUES) <= 0.1

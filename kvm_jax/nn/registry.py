@@ -23,6 +23,8 @@ The built-in kinds are registered when :mod:`kvm_jax.nn` is imported: ``full``
 
 from __future__ import annotations
 
+from flax import nnx
+
 from kvm_jax import mixer_options
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.bswa import BlockSlidingWindowAttention
@@ -35,8 +37,15 @@ from kvm_jax.nn.swa import SlidingWindowAttention
 # What every mixer class must have (the block calls these; the library asks the rest).
 REQUIRED = ("Options", "LOGICAL_AXES", "PARAM_GROUPS", "mup_d_in_ratios", "keys_per_query",
             "cache_bytes", "init_cache", "init_tails", "anchor_value", "__call__")
+# The vocabularies of the two tables: logical axes (kvm_jax.train.sharding maps each to a mesh
+# axis) and μP/CompleteP groups (kvm_jax.train.completep gives each its learning-rate and
+# weight-decay scales).
+LOGICAL_AXIS_NAMES = ("embed", "vocab", "heads", "kv_heads", "mlp", "lora")
+PARAM_GROUP_NAMES = ("matrix_params", "lm_head", "wte_embed", "scalars")
 
 _CLASSES: dict[str, type] = {}
+# kind -> the owner names of the parameters one of its layers creates (under default options).
+_OWNERS: dict[str, frozenset] = {}
 
 
 def register_mixer(kind: str, cls: type) -> type:
@@ -44,26 +53,104 @@ def register_mixer(kind: str, cls: type) -> type:
 
   ``cls.Options`` becomes the options class of ``kind`` in ``ModelConfig.options`` (it may be a
   built-in kind's: a subclass registered under a new name keeps its parent's options, under its
-  own name). Its ``LOGICAL_AXES`` and ``PARAM_GROUPS`` may not give a parameter name other axes or
-  another group than a registered kind does (sharding and μP groups look parameters up by name).
-  Registering the same class again under the same name is a no-op."""
-  missing = [name for name in REQUIRED if not hasattr(cls, name)]
+  own name). ``LOGICAL_AXES`` maps a parameter's owner name to two of
+  :data:`LOGICAL_AXIS_NAMES` (or None: not sharded), ``PARAM_GROUPS`` to one of
+  :data:`PARAM_GROUP_NAMES`. Sharding and μP groups look parameters up by owner name across all
+  kinds, so the tables may repeat what a registered kind says (a subclass inherits them), but may
+  not give a name other axes or another group than a registered kind's layers get, and a name no
+  registered kind uses must be a parameter that ``cls`` creates: a misspelt name would otherwise
+  leave its parameter silently in the default group. The parameters are read from one layer
+  built abstractly (nothing allocated) from ``cls.Options()``'s defaults. Registering the same
+  class again under the same name is a no-op; a registration that fails a check leaves the
+  registry as it was."""
+  name = getattr(cls, "__name__", repr(cls))
+  missing = [member for member in REQUIRED if not _has_member(cls, member)]
   if missing:
-    raise TypeError(f"mixer class {getattr(cls, '__name__', cls)!r} for kind {kind!r} lacks "
-                    f"{missing}; subclass kvm_jax.nn.attention.AttentionFrontEnd or a built-in "
-                    "mixer.")
+    raise TypeError(f"mixer class {name!r} for kind {kind!r} lacks {missing}; subclass "
+                    "kvm_jax.nn.attention.AttentionFrontEnd or a built-in mixer.")
   known = _CLASSES.get(kind)
-  if known is not None and known is not cls:
+  if known is cls:
+    return cls
+  if known is not None:
     raise ValueError(f"mixer kind {kind!r} is already registered to {known.__name__}; choose "
-                     f"another name for {cls.__name__}.")
-  for table, what in ((logical_axes(), "LOGICAL_AXES"), (param_groups(), "PARAM_GROUPS")):
-    for name, value in getattr(cls, what).items():
-      if name in table and table[name] != value:
-        raise ValueError(f"{cls.__name__}.{what}[{name!r}] = {value!r}, but a registered mixer "
-                         f"gives {name!r} {table[name]!r}; name the parameter differently.")
+                     f"another name for {name}.")
+  _check_table_values(cls)
+  new_kind = kind not in mixer_options.mixer_kinds()
   mixer_options.register_options(kind, cls.Options)
-  _CLASSES[kind] = cls
+  try:
+    owners = _parameter_owners(kind, cls)
+    _check_table_names(cls, owners)
+  except Exception:
+    if new_kind:
+      mixer_options.unregister_options(kind)
+    raise
+  _CLASSES[kind], _OWNERS[kind] = cls, owners
   return cls
+
+
+def _has_member(cls: type, member: str) -> bool:
+  """Whether ``cls`` defines ``member``; ``__call__`` must come from a class of its own (every
+  class has the metaclass's ``__call__``, which makes instances, not outputs)."""
+  if member == "__call__":
+    return any("__call__" in vars(c) for c in getattr(cls, "__mro__", ())[:-1])
+  return hasattr(cls, member)
+
+
+def _is_axes(value) -> bool:
+  return (isinstance(value, tuple) and len(value) == 2
+          and all(axis is None or axis in LOGICAL_AXIS_NAMES for axis in value))
+
+
+def _check_table_values(cls: type) -> None:
+  """Each entry of ``cls``'s two tables is well formed."""
+  for what, valid, choices in (
+      ("LOGICAL_AXES", _is_axes, f"a pair of {LOGICAL_AXIS_NAMES} or None (not sharded)"),
+      ("PARAM_GROUPS", lambda v: v in PARAM_GROUP_NAMES, f"one of {PARAM_GROUP_NAMES}")):
+    table = getattr(cls, what)
+    if not isinstance(table, dict):
+      raise TypeError(f"{cls.__name__}.{what} must be a dict by parameter owner name, got "
+                      f"{table!r}.")
+    for owner, value in table.items():
+      if not valid(value):
+        raise ValueError(f"{cls.__name__}.{what}[{owner!r}] = {value!r} is not {choices}.")
+
+
+def _parameter_owners(kind: str, cls: type) -> frozenset:
+  """The owner names of the parameters of one ``kind`` layer built abstractly from the kind's
+  default options: every part of a parameter's path but the leaf's own name (``c_q`` of
+  ``c_q/kernel``, ``beta`` of ``beta``)."""
+  try:
+    cfg = ModelConfig(mixers=kind, num_layers=1, options={kind: cls.Options()})
+    layer = nnx.eval_shape(lambda: cls(cfg, 0, rngs=nnx.Rngs(0)))
+  except Exception as e:
+    raise ValueError(f"register_mixer({kind!r}, {cls.__name__}) builds one layer from "
+                     f"{cls.__name__}.Options() defaults to read its parameter names, and that "
+                     f"failed: {e}") from e
+  return frozenset(str(part) for path, _ in nnx.to_flat_state(nnx.state(layer, nnx.Param))
+                   for part in (path[:-1] if len(path) > 1 else path))
+
+
+def _check_table_names(cls: type, owners: frozenset) -> None:
+  """``cls``'s table entries agree with the registered kinds' and name parameters that exist."""
+  registered = {"LOGICAL_AXES": logical_axes(), "PARAM_GROUPS": param_groups()}
+  unknown = []
+  for what, theirs in registered.items():
+    for owner, value in getattr(cls, what).items():
+      if owner in theirs and theirs[owner] != value:
+        raise ValueError(f"{cls.__name__}.{what}[{owner!r}] = {value!r}, but a registered mixer "
+                         f"gives {owner!r} {theirs[owner]!r}; name the parameter differently.")
+      holders = [k for k, names in _OWNERS.items() if owner in names]
+      if what == "PARAM_GROUPS" and owner not in theirs and holders:
+        # the parameter of a registered kind is in its default group: the entry would move it
+        raise ValueError(f"{cls.__name__}.PARAM_GROUPS[{owner!r}] = {value!r} names a parameter "
+                         f"of the registered kind(s) {holders}, which would move to that group "
+                         "too; name the parameter differently.")
+      if owner not in theirs and owner not in owners:
+        unknown.append(f"{what}[{owner!r}]")
+  if unknown:
+    raise ValueError(f"{cls.__name__} names parameters it does not create: "
+                     f"{', '.join(sorted(unknown))} (its parameters: {sorted(owners)}); fix the "
+                     "name, or drop the entry.")
 
 
 def mixer_class(kind: str) -> type:

@@ -1,0 +1,233 @@
+"""Every table a run writes shows the numbers of its JSON results, column by column: the
+evaluation report and its budget-sweep table (``kvm-eval``: results.json), the demo's summary
+(``kvm-demo``: summary.json) and the conversion study's table.
+
+Each table is read back from its markdown and every cell compared, within its printed precision,
+with the entry of the results that its column header names; the column -> entry maps are written
+out here, not taken from the code that prints them. The results are made up with a different
+value in every field, so a column that shows another column's number fails. The end-to-end tests
+of each command (test_eval_cli, test_convert, test_train) run the same comparison on real runs
+through :func:`check_eval_report`, :func:`check_sweep_report` and :func:`check_demo_report`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvm_jax.eval import cli
+from kvm_jax.train import conversion_study, default_job
+
+
+def markdown_tables(text: str) -> list[list[dict[str, str]]]:
+  """The markdown tables in ``text``, each a list of ``{column header: cell}`` rows."""
+  tables, lines = [], text.splitlines()
+  i = 0
+  while i < len(lines):
+    if lines[i].startswith("|") and i + 1 < len(lines) and re.fullmatch(r"\|(-+\|)+",
+                                                                       lines[i + 1]):
+      header = [c.strip() for c in lines[i].strip("|").split("|")]
+      rows, i = [], i + 2
+      while i < len(lines) and lines[i].startswith("|"):
+        cells = [c.strip() for c in lines[i].strip("|").split("|")]
+        assert len(cells) == len(header), lines[i]
+        rows.append(dict(zip(header, cells)))
+        i += 1
+      tables.append(rows)
+    else:
+      i += 1
+  return tables
+
+
+def assert_cell(cell: str, want, what: str) -> None:
+  """``cell`` shows ``want``: text equal, a number within half a unit of its last printed digit,
+  or "–" for a missing one (None or NaN)."""
+  if want is None or (isinstance(want, float) and np.isnan(want)):
+    assert cell == "–", (what, cell, want)
+    return
+  if isinstance(want, str):
+    assert cell == want, (what, cell, want)
+    return
+  match = re.fullmatch(r"-?\d+(?:\.(\d+))?", cell)
+  assert match, (what, cell, want)
+  half_unit = 0.5 * 10.0 ** -len(match.group(1) or "")
+  assert abs(float(cell) - want) <= half_unit * (1 + 1e-9), (what, cell, want)
+
+
+def _mean(values) -> float:
+  values = [v for v in values if v is not None]
+  return float(np.mean(values)) if values else float("nan")
+
+
+# -- kvm-eval: the evaluation report ------------------------------------------------------------
+
+NIAH_TASK = {"S1": "niah_single_1", "S2": "niah_single_2", "S3": "niah_single_3"}
+
+
+def _niah_column(header: str):
+  """("niah_single_2", 4096) for "NIAH-S2 4K"."""
+  task, length = header[len("NIAH-"):].split(" ")
+  return NIAH_TASK[task], int(length[:-1]) * 1024 if length.endswith("K") else int(length)
+
+
+def check_eval_report(report: str, results: list[dict]) -> None:
+  """The first table of ``report`` (kvm-eval's report.md) shows ``results``, one row per model."""
+  rows = markdown_tables(report)[0]
+  assert [r["model"] for r in rows] == [res["model"] for res in results]
+  for row, res in zip(rows, results):
+    for column, cell in row.items():
+      what = (res["model"], column)
+      if column == "model":
+        continue
+      if column == "mixers":
+        assert_cell(cell, "/".join(sorted(set(res["mixers"]))), what)
+      elif column == "params":
+        assert cell.endswith("M"), what
+        assert_cell(cell[:-1], res["parameters"] / 1e6, what)
+      elif column.startswith("NIAH-"):
+        niah = res.get("niah")
+        if not isinstance(niah, list):
+          assert cell == ("skipped" if niah else "–"), what
+          continue
+        task, length = _niah_column(column)
+        scores = [r["score"] for r in niah if (r["task"], r["length"]) == (task, length)]
+        assert_cell(cell, scores[0] if scores else None, what)
+      elif column.startswith("MQAR "):
+        pairs = int(column.split(" ")[1])
+        mq = [r for r in (res.get("mqar") or {}).get("rows", []) if r["pairs"] == pairs]
+        if not mq:
+          assert cell == "–", what
+          continue
+        every, state_only = cell.split(" / ")
+        assert_cell(every, mq[0]["recall"], what)
+        assert_cell(state_only, mq[0]["recall_state_only"], what)
+      elif column in ("NLL first bucket", "NLL last bucket"):
+        nll = (res.get("position_loss") or {}).get("nll")
+        assert_cell(cell, None if nll is None else nll[0 if "first" in column else -1], what)
+      else:
+        raise AssertionError(f"column {column!r} is not checked here")
+
+
+def check_sweep_report(report: str, results: list[dict]) -> None:
+  """The "Test-time budgets" table of ``report`` shows, per evaluated (model, budget), the MQAR
+  numbers averaged over the pair counts and the mean text NLL of ``results``."""
+  table = markdown_tables(report.split("## Test-time budgets", 1)[1])[0]
+  assert len(table) == len(results)
+  for row, res in zip(table, results):
+    mq = (res.get("mqar") or {}).get("rows", [])
+    nll = (res.get("position_loss") or {}).get("nll")
+    want = {"run": Path(res["run"]).name,
+            "budget": res.get("budget") or "– (no kvm layers)",
+            "state rows": res.get("state_rows"),
+            "MQAR recall": _mean(r["recall"] for r in mq),
+            "in window": _mean(r["recall_in_window"] for r in mq),
+            "state only": _mean(r["recall_state_only"] for r in mq),
+            "MQAR answer NLL": _mean(r.get("answer_nll") for r in mq),
+            "text NLL": float(np.mean(nll)) if nll else None}
+    assert set(row) == set(want)
+    for column, cell in row.items():
+      assert_cell(cell, want[column], (res["model"], res.get("budget"), column))
+
+
+def _eval_result(model, mixers, parameters, seed, budget=None, state_rows=None, niah=True):
+  """A made-up kvm-eval result with a different number in every field."""
+  rng = np.random.default_rng(seed)
+  res = {"model": model, "run": f"/runs/{model}", "step": 10, "mixers": mixers,
+         "parameters": parameters}
+  if budget:
+    res.update(budget=budget, state_rows=state_rows)
+  if niah:
+    res["niah"] = [{"task": task, "length": length, "score": float(rng.uniform(0, 100))}
+                   for task in ("niah_single_2", "niah_single_1") for length in (4096, 512)]
+  else:
+    res["niah"] = {"skipped": "vocabulary"}
+  res["mqar"] = {"rows": [{"pairs": p, **{k: float(rng.uniform()) for k in (
+      "recall", "recall_in_window", "recall_state_only")}, "answer_nll": float(rng.uniform(1, 5))}
+      for p in (8, 2)]}
+  res["position_loss"] = {"nll": [float(x) for x in rng.uniform(1, 6, 4)]}
+  return res
+
+
+def test_evaluation_report_equals_its_results():
+  results = [_eval_result("kvm-a", ["kvm", "swa", "kvm"], 1_234_567, 0),
+             _eval_result("ovq-b", ["swa", "ovq"], 987_000, 1),
+             _eval_result("tiny-c", ["full"], 20_000, 2, niah=False)]
+  del results[2]["mqar"]["rows"][0]  # a pair count one model lacks
+  results[2]["position_loss"] = {"skipped": "vocabulary"}
+  report = cli.markdown_report(results)
+  header = list(markdown_tables(report)[0][0])
+  assert header[3:7] == ["NIAH-S1 512", "NIAH-S1 4K", "NIAH-S2 512", "NIAH-S2 4K"]
+  assert header[7:9] == ["MQAR 2 pairs (all / state-only)", "MQAR 8 pairs (all / state-only)"]
+  check_eval_report(report, results)
+
+
+def test_budget_sweep_table_equals_its_results():
+  results = [_eval_result("kvm", ["kvm"], 10, 3, budget="fixed:8", state_rows=8),
+             _eval_result("kvm", ["kvm"], 10, 4, budget="sqrt:4@8", state_rows=29),
+             _eval_result("full", ["full"], 10, 5)]
+  results[2]["position_loss"] = {"skipped": "vocabulary"}
+  report = "## Test-time budgets\n\n" + cli.sweep_report(cli.sweep_rows(results))
+  check_sweep_report(report, results)
+
+
+# -- kvm-demo: the summary ----------------------------------------------------------------------
+
+DEMO_COLUMNS = {"memory beyond the window": "memory", "recall": "recall",
+                "in window": "recall_in_window", "state only": "recall_state_only",
+                "eval loss": "eval_loss", "last train loss": "final_train_loss",
+                "time (s)": "seconds"}
+
+
+def check_demo_report(report: str, summary: dict) -> None:
+  """``report.md`` of kvm-demo shows ``summary.json``: one row per model, every column its
+  entry."""
+  rows = markdown_tables(report)[0]
+  assert [r["model"] for r in rows] == list(summary)
+  for row in rows:
+    assert set(row) == {"model", *DEMO_COLUMNS}
+    for column, key in DEMO_COLUMNS.items():
+      assert_cell(row[column], summary[row["model"]][key], (row["model"], column))
+
+
+def test_demo_report_equals_its_summary():
+  rng = np.random.default_rng(6)
+  summary = {name: {"memory": memory, "state_rows": 0, "seconds": float(rng.uniform(10, 100)),
+                    "final_train_loss": float(rng.uniform(0, 3)),
+                    "eval_loss": float(rng.uniform(0, 3)),
+                    **{k: float(rng.uniform()) for k in ("recall", "recall_in_window",
+                                                         "recall_state_only")}}
+             for name, memory in (("full", "all tokens"), ("kvm-fixed", "8 state rows"))}
+  summary["full"]["final_train_loss"] = float("nan")  # no training line logged
+  check_demo_report(default_job.summary_report(summary), summary)
+
+
+# -- the conversion study -----------------------------------------------------------------------
+
+def test_conversion_study_table_equals_its_rows():
+  rng = np.random.default_rng(7)
+  rows = [{"model": f"model {i}", "pretrain": int(rng.integers(1, 1000)),
+           "distill": int(rng.integers(0, 1000)),
+           **{k: float(rng.uniform()) for k in ("recall", "in_window", "state_only",
+                                                "eval_loss")}} for i in range(3)]
+  columns = {"model": "model", "steps from scratch": "pretrain", "distillation steps": "distill",
+             "recall": "recall", "in window": "in_window", "state only": "state_only",
+             "eval loss": "eval_loss"}
+  table = markdown_tables(conversion_study.markdown_table(rows))[0]
+  assert len(table) == len(rows)
+  for cells, row in zip(table, rows):
+    assert set(cells) == set(columns)
+    for column, key in columns.items():
+      assert_cell(cells[column], row[key], (row["model"], column))
+
+
+def test_the_comparison_itself_fails_on_a_swapped_column():
+  """The checks above can fail: a report whose "in window" column shows the state-only numbers
+  is refused."""
+  results = [_eval_result("kvm", ["kvm"], 10, 8, budget="fixed:8", state_rows=8)]
+  rows = cli.sweep_rows(results)
+  swapped = [dict(r, recall_in_window=r["recall_state_only"]) for r in rows]
+  with pytest.raises(AssertionError):
+    check_sweep_report("## Test-time budgets\n\n" + cli.sweep_report(swapped), results)
