@@ -3,7 +3,7 @@
 
 Everything here follows the written specification (§4 backbone, §5 RoPE, §6.1-§6.7 and §6.10 KVM
 layer, §11 traps), not the project's modules: this file imports nothing from ``kvm_jax``, only
-numpy. Its purpose (issue #17) is to catch semantic slips that internal-consistency tests
+numpy. Its purpose is to catch semantic slips that internal-consistency tests
 (decode == forward, causality, overfitting, parameter counts) cannot see, such as ReLU instead of
 squared ReLU, a token shift in the wrong place, or a missing temperature.
 
@@ -526,19 +526,39 @@ def lm_logits(params: dict, cfg: dict, tokens: np.ndarray, log: Optional[list] =
   ``delta_rule``.
   ``log`` receives one dict per KVM state update (layer order, then batch, KV head, chunk).
   """
-  blocks, s = params["blocks"], cfg["residual_scale"]
-  x0 = layer_norm(params["wte"]["embedding"][tokens], params["ln_emb"])
-  anchors = {}
+  return linear(lm_mixer_io(params, cfg, tokens, log)[2], params["lm_head"])
+
+
+def embed(params: dict, tokens: np.ndarray) -> np.ndarray:
+  """The blocks' first input x0 [B, T, C]: the embedding and its LayerNorm."""
+  return layer_norm(params["wte"]["embedding"][tokens], params["ln_emb"])
+
+
+def value_anchors(params: dict, cfg: dict, x0: np.ndarray) -> dict:
+  """{anchor layer: v_first}: each anchor layer's value of ln_attn(x0) (§4)."""
+  blocks, anchors = params["blocks"], {}
   for i in range(len(cfg["mixers"])):
     a = anchor_layer(cfg, i)
     if a not in anchors:
       x_a = layer_norm(x0, blocks[a]["ln_attn"])
       anchors[a] = (rwkv7_anchor(blocks[a]["attn"], x_a, cfg) if cfg["mixers"][a] == "rwkv7"
                     else linear(x_a, blocks[a]["attn"]["c_v"]))
-  x = x0
+  return anchors
+
+
+def lm_mixer_io(params: dict, cfg: dict, tokens: np.ndarray, log: Optional[list] = None):
+  """Per block i: its input x_i [B, T, C] (the residual stream) and its mixer's output h_i
+  (before the residual scale); and the final hidden states (after the head LayerNorm, before the
+  LM head). ``cfg`` and ``log`` as in :func:`lm_logits`."""
+  blocks, s = params["blocks"], cfg["residual_scale"]
+  x = x0 = embed(params, tokens)
+  anchors = value_anchors(params, cfg, x0)
+  inputs, outputs = [], []
   for i, kind in enumerate(cfg["mixers"]):
     blk = blocks[i]
-    x = x + s * attention_layer(blk["attn"], layer_norm(x, blk["ln_attn"]),
-                                anchors[anchor_layer(cfg, i)], kind, cfg, log)
+    inputs.append(x)
+    outputs.append(attention_layer(blk["attn"], layer_norm(x, blk["ln_attn"]),
+                                   anchors[anchor_layer(cfg, i)], kind, cfg, log))
+    x = x + s * outputs[-1]
     x = x + s * mlp(blk["mlp"], layer_norm(x, blk["ln_mlp"]), cfg)
-  return linear(layer_norm(x, params["ln_head"]), params["lm_head"])
+  return inputs, outputs, layer_norm(x, params["ln_head"])

@@ -38,8 +38,9 @@ IN_WINDOW_TOL = 1e-5
 
 def _source(mixers, **overrides):
   options = {"bswa": BSWAOptions(chunk_size=4, window_chunks=2, sink_rows=0)}
-  cfg = kj.presets.tiny(mixers=mixers, options=options, vocab_size=64, num_layers=len(mixers),
-                        hidden_size=32, num_heads=2, rope_dims=8, mup_base_dim=32, **overrides)
+  fields = dict(vocab_size=64, num_layers=len(mixers), hidden_size=32, num_heads=2, rope_dims=8,
+                mup_base_dim=32)
+  cfg = kj.presets.tiny(mixers=mixers, options=options, **{**fields, **overrides})
   return random_model(cfg, seed=3)
 
 
@@ -70,6 +71,67 @@ def test_conversion_keeps_parameters_and_logits_inside_the_window(mixers, layers
   np.testing.assert_allclose(out[:, :L], ref[:, :L], rtol=0, atol=IN_WINDOW_TOL)
   # Beyond the window the state is read: every later position moves.
   assert np.abs(out[:, L:] - ref[:, L:]).max(axis=(0, 2)).min() > 1e-4
+
+
+def test_new_parameters_start_at_their_literal_values_and_meanings():
+  """Each new parameter of a converted layer, by value (written out here, not read from the
+  conversion's own table), and what it means: the merge gate 1 + ELU(x W_g) is exactly 1 on any
+  input, both key temperatures exactly 1, and LN_s a plain normalization without scale or shift.
+  Layers that were not converted get nothing new."""
+  source = _source(("full", "full", "full"))
+  model = kj.convert_to_kvm(source, "0,2", KVM)
+  x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 5, 32)) * 3, jnp.float32)
+  keys = jnp.asarray(np.random.default_rng(3).normal(size=(2, 5, 16)) * 2 + 1, jnp.float32)
+  for i in (0, 2):
+    attn = model.blocks[i].attn
+    assert np.array_equal(attn.ln_s.scale[...], np.ones(16, np.float32))
+    assert np.array_equal(attn.ln_s.bias[...], np.zeros(16, np.float32))
+    assert np.array_equal(attn.key_weighting.kernel[...], np.zeros((32, 2), np.float32))
+    assert np.array_equal(attn.window_temperature[...], np.ones(2, np.float32))
+    assert np.array_equal(attn.state_temperature[...], np.ones(2, np.float32))
+    assert np.array_equal(attn.merge_gate(x), np.ones((2, 5, 2), np.float32))
+    params = attn.kvm_params()
+    assert np.array_equal(params.window_temperature, [1.0, 1.0])
+    assert np.array_equal(params.state_temperature, [1.0, 1.0])
+    plain = (keys - keys.mean(-1, keepdims=True)) / jnp.sqrt(keys.var(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(attn.ln_s(keys), plain, rtol=1e-5, atol=1e-6)
+  assert not hasattr(model.blocks[1].attn, "ln_s")
+
+
+def test_default_options_of_a_conversion():
+  """Without options a conversion takes the model's recorded kvm options (here the tiny preset's:
+  C = 8, L = 16, 4·√N rows, at least 8, one sink) with the model's rotary width and, for a bswa
+  layer, that layer's chunk geometry (chunks of 4, 2 in the window; the sink rows capped below
+  the chunk)."""
+  source = _source(("full", "bswa"), rope_dims=4)
+  assert kj.convert_to_kvm(source, "0").cfg.kvm == kj.KVMConfig(
+      chunk_size=8, window_chunks=2, sink_rows=1, rope_dims=4,
+      budget=kj.PowerLawBudget(4.0, 0.5, min_rows=8))
+  assert kj.convert_to_kvm(_source(("bswa", "bswa"), rope_dims=4), "all").cfg.kvm == kj.KVMConfig(
+      chunk_size=4, window_chunks=2, sink_rows=1, rope_dims=4,
+      budget=kj.PowerLawBudget(4.0, 0.5, min_rows=8))
+
+
+@pytest.mark.parametrize("layers", ["all", "1"])
+def test_converted_model_beyond_the_window_is_the_reference_kvm_model(layers):
+  """Beyond the window a converted model is a KVM model in every respect: its logits equal the
+  independent float64 model of tests/reference_model.py (written from docs/kvm-spec.md) run with
+  the converted parameters and options, at every position of 45 tokens (window L = 16; the state
+  grows, appends and merges, and routing must skip the sink). With its new parameters at their
+  starting values the state changes the logits there."""
+  from tests.reference_model import lm_logits
+  from tests.test_reference_model import (REL_TOL, check_kvm_coverage, reference_config,
+                                          reference_params, routing_tokens)
+  source = random_model(kj.presets.tiny(mixers="full"), seed=11)
+  model = kj.convert_to_kvm(source, layers)
+  tokens = routing_tokens(model.cfg.vocab_size)
+  log = []
+  want = lm_logits(reference_params(model), reference_config(model.cfg), tokens, log)
+  check_kvm_coverage(log, model.cfg.kvm.chunk_size)
+  got = model_logits(model, tokens)
+  np.testing.assert_allclose(got, want, rtol=0, atol=REL_TOL * np.abs(want).max())
+  L = model.cfg.kvm.window_len
+  assert np.abs(got[:, L:] - model_logits(source, tokens)[:, L:]).max() > 1e-3
 
 
 def test_conversion_keeps_value_anchors():

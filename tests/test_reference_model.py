@@ -3,7 +3,7 @@
 The oracle is written from docs/kvm-spec.md alone, so these tests pin the *semantics* of every
 piece (MLP activation, token shifts and their fallbacks, value residual, QK-LN, RoPE, residual
 scale, KVM temperatures, novelty and routing rules, the budget schedule), which the model's
-self-consistency tests (decode == forward, causality, overfitting) cannot see (issue #17).
+self-consistency tests (decode == forward, causality, overfitting) cannot see.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tests.reference_model import lm_logits
 # each matmul, LayerNorm and softmax rounds at ~6e-8 relative, and the errors of a few layers of
 # short dot products (width 64, MLP 256) add up to ~4e-7 of the largest logit on CPU. 1e-5 leaves
 # a 25x margin for other XLA versions and backends, and is still far below what a semantic slip
-# does: of 24 bugs planted in the model (issue #17), the subtlest (merge gate exp(x) instead of
+# does: of 24 bugs planted in the model, the subtlest (merge gate exp(x) instead of
 # 1 + ELU(x)) moved the worst logit by 3e-3 of max |logit|, ~300x this tolerance.
 REL_TOL = 1e-5
 # Routing decisions (append ranking, merge argmax) are discrete: float32 and float64 agree only if
@@ -64,7 +64,7 @@ def _model(mixers, overrides, seed: int = 0) -> kj.LM:
   return random_model(kj.presets.tiny(mixers=mixers, **overrides), seed)
 
 
-def _tokens(vocab: int) -> np.ndarray:
+def routing_tokens(vocab: int) -> np.ndarray:
   """Random ids, except that tokens 19 and 20 repeat token 0: in the first layer token 20's key
   then equals the sink's (same input, and its token shift reads an identical previous key; the
   rotary channels are zeroed in the state), so when chunk [16, 24) is merged (after query chunk
@@ -74,7 +74,7 @@ def _tokens(vocab: int) -> np.ndarray:
   return tokens
 
 
-def _params(model: kj.LM) -> dict:
+def reference_params(model: kj.LM) -> dict:
   """The model's parameters as nested float64 numpy dicts, ``blocks`` as a list."""
   tree = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64),
                                 nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -95,7 +95,7 @@ def _budget(budget) -> dict:
                    "SaturatingBudget only.")
 
 
-def _reference_config(cfg: kj.ModelConfig) -> dict:
+def reference_config(cfg: kj.ModelConfig) -> dict:
   """The plain config dict of :func:`tests.reference_model.lm_logits`."""
   kvm, swa, bswa = cfg.options_of("kvm"), cfg.options_of("swa"), cfg.options_of("bswa")
   ovq = cfg.options_of("ovq")
@@ -120,7 +120,7 @@ def _reference_config(cfg: kj.ModelConfig) -> dict:
                normalize_centroids=ovq.normalize_centroids, delta_rule=ovq.delta_rule))
 
 
-def _check_kvm_coverage(log: list, chunk: int) -> None:
+def check_kvm_coverage(log: list, chunk: int) -> None:
   """The case exercises every branch of the state update, far from any routing tie."""
   assert any(r["n_append"] == chunk for r in log), "no update appends a whole chunk"
   assert any(0 < r["n_append"] < chunk for r in log), "no update both appends and merges"
@@ -133,12 +133,12 @@ def _check_kvm_coverage(log: list, chunk: int) -> None:
 def test_logits_match_reference(name):
   mixers, overrides = CASES[name]
   model = _model(mixers, overrides)
-  tokens = _tokens(model.cfg.vocab_size)
+  tokens = routing_tokens(model.cfg.vocab_size)
   got = model_logits(model, tokens).astype(np.float64)
   log = []
-  want = lm_logits(_params(model), _reference_config(model.cfg), tokens, log)
+  want = lm_logits(reference_params(model), reference_config(model.cfg), tokens, log)
   if "kvm" in model.cfg.layer_mixers:
-    _check_kvm_coverage(log, model.cfg.kvm.chunk_size)
+    check_kvm_coverage(log, model.cfg.kvm.chunk_size)
   scale = np.abs(want).max()
   np.testing.assert_allclose(got, want, rtol=0, atol=REL_TOL * scale)
 
@@ -150,7 +150,8 @@ def test_reference_budget_schedule():
   (available 32), append 3 and merge 5; none after the last chunk."""
   model = _model("kvm", dict(num_layers=1))
   log = []
-  lm_logits(_params(model), _reference_config(model.cfg), _tokens(model.cfg.vocab_size), log)
+  lm_logits(reference_params(model), reference_config(model.cfg),
+            routing_tokens(model.cfg.vocab_size), log)
   per_group = [(r["n_append"], r["n_merge"]) for r in log[:3]]
   assert per_group == [(8, 0), (6, 2), (3, 5)]
   assert len(log) == 3 * B * model.cfg.kv_heads
@@ -167,5 +168,5 @@ def test_reference_matches_the_authors_model(name):
   ref = np.load(data / "reference.npz")
   model = kj.load_pretrained(data, numerics="float32", progress=False)
   want = ref["logits_float32"]
-  got = lm_logits(_params(model), _reference_config(model.cfg), ref["tokens"])
+  got = lm_logits(reference_params(model), reference_config(model.cfg), ref["tokens"])
   np.testing.assert_allclose(got, want, rtol=0, atol=REL_TOL * np.abs(want).max())

@@ -121,7 +121,7 @@ def trainable_predicate(cfg: TrainConfig, teacher_cfg=None) -> Optional[Callable
   kvm_layers = {i for i in range(model.num_layers) if model.is_kvm(i)}
   if not kvm_layers:
     raise ValueError("distill.trainable='kvm_only' trains the KVM-only parameters, but the model "
-                     f"has no kvm layers ({model.layer_mixers}).")
+                     f"has no kvm layers (mixers {model.layer_mixers}).")
 
   def kvm_only(path) -> bool:
     names = path_names(path)
