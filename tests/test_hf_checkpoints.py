@@ -41,8 +41,8 @@ FIXTURES = ("kvm_swa_saturating", "full_bswa", "kvm_power_gqa", "swa_kvm_fixed_s
 # sides round only float32 operations (observed <= 9e-7 over 14 model families); 1e-5 is the
 # project's float32 target. With their numerics both sides also round the RoPE tables and the KVM
 # readout values to bfloat16, and a float32 difference of one ulp before such a cast can flip a
-# bfloat16 rounding (2^-8 relative) in one element: observed up to 7e-5 on 4-layer models, so the
-# issue's 1e-4 is the bound there.
+# bfloat16 rounding (2^-8 relative) in one element: observed up to 7e-5 on 4-layer models, so
+# the bound there is 1e-4.
 FLOAT32_TOL = 1e-5
 AUTHORS_TOL = 1e-4
 

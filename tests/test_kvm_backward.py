@@ -7,8 +7,8 @@
 * The backward never recomputes routing: every update it traces is given its decisions.
 * No ``cond`` in the compiled scan: the schedule is static, so whether a chunk folds or appends is
   decided at trace time, never on the device.
-* One layer's backward at T = 65,536 (B=1, H=8, D=128, bf16) fits the memory the issue set,
-  measured from XLA's compiled memory analysis on this CPU.
+* One layer's backward at T = 65,536 (B=1, H=8, D=128, bf16) stays within a budget of temporaries
+  (``BACKWARD_BUDGET_GIB``), measured from XLA's compiled memory analysis on this CPU.
 """
 
 from __future__ import annotations

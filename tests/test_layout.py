@@ -8,8 +8,8 @@
 * no private name (``_x``) of one module is used by another, in the library, tests or notebooks;
 * one module reads JAX's default backend (:data:`PLATFORM_READER`); every backend decision takes
   the platform from it;
-* user-facing text stands on its own: no pointers to the internal design notes or issues, and every
-  ``docs/…`` file and section cited exists.
+* the repository's text (docs, code, tests) stands on its own: no pointers to the internal design
+  notes or issues, and every ``docs/…`` file and section cited exists.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ RANK = {"config": 0, "ops": 1, "kernels": 2, "op registry": 3, "model": 4, "task
         "train": 7, "eval": 7, "cli": 8}
 SIBLINGS = {frozenset({"train", "eval"})}  # same rank, must not import each other
 # Upward imports allowed only inside a function body, run when it is called: the top-level
-# package's ``kj.load_pretrained`` (the issue's public name) hands over to the run-directory layer
+# package's ``kj.load_pretrained`` (its public name) hands over to the run-directory layer
 # without ``import kvm_jax`` loading that layer (orbax) or forming an import cycle.
 DEFERRED = {("kvm_jax", "kvm_jax.hf.load")}
 FOLDER_NAMES = ("train", "eval", "pallas_kernels")
@@ -296,16 +296,17 @@ def test_the_checker_reports_what_it_guards_against():
 # -- documentation that stands on its own --------------------------------------------------------
 
 OUTSIDE = re.compile(r"\.\./shared|shared/design|issue[ -]?#|issue notes|closing note|spec §|"
-                     r"lands with issue")
+                     r"lands with issue|the issue's|the issue set|the brief\b")
 CITATION = re.compile(r"docs/([\w-]+\.md)(?:\W{0,3}§\s?(\d+(?:\.\d+)?))?")
 
 
 def user_facing_files():
   yield ROOT / "README.md"
   for folder in ("docs", "kvm_jax", "pallas_kernels", "train", "eval", "scripts", "notebooks",
-                 "benchmarks"):
+                 "benchmarks", "tests"):
     for f in sorted((ROOT / folder).rglob("*")):
-      if f.suffix in (".py", ".md", ".sh", ".ipynb", ".yaml") and "__pycache__" not in f.parts:
+      if f.suffix in (".py", ".md", ".sh", ".ipynb", ".yaml") and "__pycache__" not in f.parts \
+          and f != Path(__file__).resolve():  # this file spells the patterns out
         yield f
 
 

@@ -82,7 +82,7 @@ def _max_rel(a, e):
 REFERENCE = jax.jit(lambda *a: decode_attention(*a, CFG, attend=joint_attention))
 
 
-# (G, dtype, target interpreted, tiling, state dtype): every G of the brief, both dtypes, the
+# (G, dtype, target interpreted, tiling, state dtype): query heads per KV head G = 1, 3 and 4, both dtypes, the
 # three kernel bodies (plain loads; TPU scalar prefetch with clamped index maps; Triton masked
 # loads), one split and several, the readout state in float32 and in the cache's bfloat16.
 F32, BF16 = "float32", "bfloat16"
