@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -119,10 +120,13 @@ def plot(results: dict, losses: dict, path: Path) -> None:
   plt.close(fig)
 
 
+def _loss_text(loss: float) -> str:
+  return "–" if math.isnan(loss) else f"{loss:.4f}"  # NaN: no training line was logged
+
+
 def summary_report(results: dict) -> str:
   """The demo's results (``summary.json``: model name -> recall, memory, losses, time) as a
   markdown table under a line naming the task."""
-  fmt = lambda x, digits: "–" if x != x else f"{x:.{digits}f}"  # NaN: no training line logged
   lines = [f"MQAR, seq 64, 8 pairs, exact window L = {CHUNK * WINDOW_CHUNKS} tokens, chance "
            f"{1 / VALUES:.3f}", "",
            "| model | memory beyond the window | recall | in window | state only | eval loss "
@@ -130,7 +134,7 @@ def summary_report(results: dict) -> str:
   for name, r in results.items():
     lines.append(f"| {name} | {r['memory']} | {r['recall']:.3f} | {r['recall_in_window']:.3f} | "
                  f"{r['recall_state_only']:.3f} | {r['eval_loss']:.4f} | "
-                 f"{fmt(r['final_train_loss'], 4)} | {r['seconds']:.0f} |")
+                 f"{_loss_text(r['final_train_loss'])} | {r['seconds']:.0f} |")
   return "\n".join(lines) + "\n"
 
 

@@ -141,10 +141,12 @@ def _check_table_names(cls: type, owners: frozenset) -> None:
                          f"gives {owner!r} {theirs[owner]!r}; name the parameter differently.")
       holders = [k for k, names in _OWNERS.items() if owner in names]
       if what == "PARAM_GROUPS" and owner not in theirs and holders:
-        # the parameter of a registered kind is in its default group: the entry would move it
+        # a registered kind keeps this parameter in its default group; groups are looked up by
+        # name, so the entry would regroup that kind's parameter as well
         raise ValueError(f"{cls.__name__}.PARAM_GROUPS[{owner!r}] = {value!r} names a parameter "
-                         f"of the registered kind(s) {holders}, which would move to that group "
-                         "too; name the parameter differently.")
+                         f"of the registered kind(s) {holders}, which keep it in its default "
+                         "group, and would apply to their layers too; name the parameter "
+                         "differently.")
       if owner not in theirs and owner not in owners:
         unknown.append(f"{what}[{owner!r}]")
   if unknown:
