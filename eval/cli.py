@@ -45,6 +45,7 @@ from kvm_jax.eval import niah as niah_eval
 from kvm_jax.eval import position_loss as position_lib
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.model import count_params
+from kvm_jax.ops.common import current_platform
 from kvm_jax.runs import launch
 from kvm_jax.runs.directory import is_run_directory, load_trained, logits_fn
 from kvm_jax.tasks import mqar, niah, text
@@ -96,8 +97,11 @@ def evaluate_run(run: Path, args) -> list[dict[str, Any]]:
     except ValueError as e:
       raise SystemExit(f"{run}: {e}") from None
     name = run.name if budget is None else f"{run.name} @ {budget_label(budget)}"
-    results.append(evaluate_model(name, run, dataclasses.replace(cfg, model=changed.cfg), changed,
-                                  step, args, budget=budget_label(changed.cfg.kvm.budget)))
+    result = evaluate_model(name, run, dataclasses.replace(cfg, model=changed.cfg), changed,
+                            step, args, budget=budget_label(changed.cfg.kvm.budget))
+    if changes:
+      result["kvm_overrides"] = describe_kvm(changed.cfg.kvm, only=changes)
+    results.append(result)
   return results
 
 
@@ -116,7 +120,10 @@ def evaluate_model(name: str, run: Path, cfg, model, step: int, args,
   no_text = (f"model vocabulary {cfg.model.vocab_size} is smaller than the tokenizer's "
              f"{tok.vocab_size} (trained on a synthetic task, cannot read text)")
   count = lambda text: len(tok.encode(text))
+  say = (lambda what: print(f"{name}: {what}", flush=True)) if getattr(args, "verbose", False) \
+      else (lambda what: None)
   if "niah" in args.suite:
+    say("niah")
     t0 = time.perf_counter()
     if not text_ok:
       out["niah"] = {"skipped": no_text}
@@ -128,6 +135,7 @@ def evaluate_model(name: str, run: Path, cfg, model, step: int, args,
           seed=args.seed, desc=f"{name} niah")
     out["niah_seconds"] = time.perf_counter() - t0
   if "mqar" in args.suite:
+    say("mqar")
     spec = cfg.mqar if cfg.task == "mqar" else mqar.MQARSpec(
         seq_len=args.mqar_seq_len or 256, vocab_size=min(cfg.model.vocab_size, 256))
     seq_len = args.mqar_seq_len or spec.seq_len
@@ -147,6 +155,7 @@ def evaluate_model(name: str, run: Path, cfg, model, step: int, args,
     if has_kvm_layers(cfg.model):
       out["state_rows"] = state_rows_after(cfg.model.kvm, seq_len)
   if "position_loss" in args.suite:
+    say("position_loss")
     if not text_ok:
       out["position_loss"] = {"skipped": no_text}
     else:
@@ -239,6 +248,18 @@ def plot_sweep(rows: Sequence[dict], path: str) -> None:
   plt.close(fig)
 
 
+def schedule_text(res: dict) -> str:
+  """The KVM schedule a result was evaluated under, and what the command changed of it."""
+  kvm = res["kvm"]
+  text = (f"KVM schedule: budget {kvm['budget']}, window {kvm['window_chunks']} chunks of "
+          f"{kvm['chunk_size']} tokens, {kvm['sink_rows']} sink row(s), max_state_rows "
+          f"{kvm['max_state_rows']}")
+  changed = res.get("kvm_overrides")
+  if changed:
+    text += " (set for this evaluation: " + ", ".join(f"{k}={v}" for k, v in changed.items()) + ")"
+  return text
+
+
 def markdown_report(results: Sequence[dict]) -> str:
   """One row per model: NIAH score per task and length, MQAR recall, first/last-bucket NLL."""
   niah_cols = sorted({(r["task"], r["length"]) for res in results
@@ -267,6 +288,7 @@ def markdown_report(results: Sequence[dict]) -> str:
            for res in results for suite in SUITES
            if isinstance(res.get(suite), dict) and "skipped" in res[suite]]
   notes += [f"- {res['model']}: {res['note']}" for res in results if res.get("note")]
+  notes += [f"- {res['model']}: {schedule_text(res)}" for res in results if res.get("kvm")]
   table = "\n".join(lines)
   return table + ("\n\n" + "\n".join(notes) if notes else "") + "\n"
 
@@ -314,8 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--suite", type=_names(SUITES), default=list(SUITES),
                  help="comma-separated suites (default: niah,mqar,position_loss)")
   p.add_argument("--out", default=None,
-                 help="output directory for results.json/report.md (default: <first "
-                      "checkpoint>/eval)")
+                 help="output directory for results.json/report.md (default: a new folder "
+                      "<first checkpoint>/eval/<date-time> for every evaluation; an --out that "
+                      "holds an earlier evaluation is replaced, and the command says so)")
   p.add_argument("--seed", type=int, default=0, help="seed of every generated example")
   g = p.add_argument_group("several processes (a pod): every process runs the same command and "
                            "computes the same results; process 0 writes and prints them")
@@ -331,10 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
   g = p.add_argument_group("NIAH")
   g.add_argument("--niah-tasks", type=_names(niah.TASKS), default=list(niah.TASKS),
                  help="RULER tasks (default: all three single-needle tasks)")
-  g.add_argument("--niah-lengths", type=_ints, default=[4096, 8192, 16384, 32768],
-                 help="target lengths in tokens, prompt + generation (default: 4K,8K,16K,32K)")
-  g.add_argument("--niah-depths", type=int, default=40,
-                 help="needle depths per length, spread over RULER's 40 (default: 40)")
+  g.add_argument("--niah-lengths", type=_ints, default=None,
+                 help="target lengths in tokens, prompt + generation (default: the paper's "
+                      "4K,8K,16K,32K on a GPU or TPU; 512,1K,2K on a CPU, where the paper's "
+                      "take hours)")
+  g.add_argument("--niah-depths", type=int, default=None,
+                 help="needle depths per length, spread over RULER's 40 (default: 40 on a GPU "
+                      "or TPU, 5 on a CPU)")
   g.add_argument("--niah-gen-tokens", type=int, default=128,
                  help="generation budget in tokens, reserved in the length (default: 128)")
   g = p.add_argument_group("MQAR")
@@ -355,6 +381,40 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
+# NIAH sizes: the paper's (Table 2) and what a CPU evaluates in minutes.
+NIAH_SIZES = {"accelerator": ([4096, 8192, 16384, 32768], 40), "cpu": ([512, 1024, 2048], 5)}
+
+
+def resolve_niah_sizes(args, platform: str) -> None:
+  """Fills ``--niah-lengths`` / ``--niah-depths`` left unset with the platform's defaults."""
+  lengths, depths = NIAH_SIZES["cpu" if platform == "cpu" else "accelerator"]
+  args.niah_lengths = args.niah_lengths or lengths
+  args.niah_depths = args.niah_depths or depths
+
+
+def niah_plan(args) -> str:
+  """What the NIAH suite will generate, and the flags that change it."""
+  lengths = ",".join(_length_label(n) for n in args.niah_lengths)
+  count = len(args.niah_tasks) * len(args.niah_lengths) * args.niah_depths
+  return (f"niah: {len(args.niah_tasks)} tasks x lengths {lengths} x {args.niah_depths} depths = "
+          f"{count} generations of up to {args.niah_gen_tokens} tokens per model "
+          "(--niah-tasks, --niah-lengths, --niah-depths, --niah-gen-tokens change it)")
+
+
+def output_dir(args) -> Path:
+  """``--out``, or a new ``<first checkpoint>/eval/<date-time>`` folder; says when an earlier
+  evaluation there is replaced."""
+  if args.out:
+    out = Path(args.out)
+    if (out / "results.json").exists():
+      print(f"note: {out} holds an earlier evaluation; its results are replaced", flush=True)
+    return out
+  out = Path(args.checkpoint[0]) / "eval" / time.strftime("%Y%m%d-%H%M%S")
+  while out.exists():  # two evaluations in one second
+    out = out.with_name(out.name + "-1")
+  return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = build_parser()
   args, rest = parser.parse_known_args(argv)
@@ -373,14 +433,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   launch.check_flags(args)
   launch.load_plugins(args)
   launch.start(args)
+  resolve_niah_sizes(args, current_platform())
   primary = jax.process_index() == 0
+  args.verbose = primary
   runs = find_runs(args.checkpoint)
-  out_dir = Path(args.out) if args.out else Path(args.checkpoint[0]) / "eval"
+  out_dir = output_dir(args) if primary else None
+  if primary and "niah" in args.suite:
+    print(niah_plan(args), flush=True)
   results = []
   for run in runs:
     if primary:
       print(f"== {run}", flush=True)
-    results.extend(evaluate_run(run, args))
+    try:
+      results.extend(evaluate_run(run, args))
+    except ValueError as e:  # a run that cannot be read (no checkpoint, a damaged one)
+      raise SystemExit(f"kvm-eval: {e}") from None
   if not primary:
     return 0
   out_dir.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from kvm_jax.generate import generate_text
-from kvm_jax.progress import progress
+from kvm_jax.progress import ProgressReport
 from kvm_jax.tasks import niah
 
 
@@ -27,11 +27,17 @@ def run_niah(predict: Callable[[str, int], str], count_tokens: Callable[[str], i
   with the score (0–100), the number of examples and the per-depth hits. ``predict`` may be any
   function (an oracle, a model)."""
   rows = []
-  jobs = [(t, n) for t in tasks for n in lengths]
-  for task, length in progress(jobs, desc=desc):
-    examples = niah.make_examples(task, length, count_tokens, seed=seed, depths=depths,
-                                  generation_budget=generation_budget)
-    predictions = [predict(ex.prompt, length) for ex in examples]
+  jobs = [(task, length, niah.make_examples(task, length, count_tokens, seed=seed, depths=depths,
+                                             generation_budget=generation_budget))
+          for task in tasks for length in lengths]
+  report = ProgressReport(sum(len(examples) for *_, examples in jobs), desc, min_interval=1.0)
+  done = 0
+  for task, length, examples in jobs:
+    predictions = []
+    for ex in examples:  # one generation each: progress per generation, not per (task, length)
+      predictions.append(predict(ex.prompt, length))
+      done += 1
+      report.update(done, f"{task} {length}", final=done == report.bar.total)
     answers = [ex.answer for ex in examples]
     hits = niah.hits(predictions, answers)
     rows.append({"task": task, "length": length, "score": niah.score(predictions, answers),

@@ -41,11 +41,17 @@ def load_pretrained(path, dtype: str = "float32", **kwargs):
   from kvm_jax.hf.load import load_pretrained as load
   return load(path, dtype, **kwargs)
 
+def tokenizer_of(path):
+  """The tokenizer a run directory (or an authors' checkpoint directory) reads its text with:
+  :func:`kvm_jax.hf.load.tokenizer_of` (imported on first use, like :func:`load_pretrained`)."""
+  from kvm_jax.hf.load import tokenizer_of as find
+  return find(path)
+
 __all__ = [
     "KVMConfig", "FixedBudget", "PowerLawBudget", "SaturatingBudget", "CallableBudget",
     "KVMSchedule", "kvm_schedule", "state_rows_after", "KVMParams", "KVMState", "KVMCache",
     "kvm_attention", "kvm_attention_reference", "kvm_init_cache", "kvm_prefill", "kvm_decode_step",
     "KVMBackend", "resolve_kvm_backend", "current_platform",
     "ModelConfig", "LM", "count_params", "presets", "generate", "generate_text", "SamplingConfig",
-    "sample_logits", "load_pretrained", "OVQConfig", "RWKV7Options", "with_kvm", "convert_to_kvm",
+    "sample_logits", "load_pretrained", "tokenizer_of", "OVQConfig", "RWKV7Options", "with_kvm", "convert_to_kvm",
 ]

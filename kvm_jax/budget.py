@@ -125,11 +125,15 @@ class CallableBudget:
     return rows
 
 
-BudgetLike = Union[FixedBudget, PowerLawBudget, SaturatingBudget, CallableBudget, Callable[[int], int]]
+BudgetLike = Union[FixedBudget, PowerLawBudget, SaturatingBudget, CallableBudget, str,
+                   Callable[[int], int]]
 
 
 def as_budget(budget: BudgetLike) -> Budget:
-  """Normalizes a budget object or a plain ``ctx_len -> rows`` callable into a :class:`Budget`."""
+  """Normalizes a budget object, a spec string (:func:`parse_budget`: ``"sqrt:16@256"``) or a plain
+  ``ctx_len -> rows`` callable into a :class:`Budget`."""
+  if isinstance(budget, str):
+    return parse_budget(budget)
   if isinstance(budget, (FixedBudget, PowerLawBudget, SaturatingBudget, CallableBudget)):
     return budget
   if isinstance(budget, Budget):
@@ -137,8 +141,8 @@ def as_budget(budget: BudgetLike) -> Budget:
   if callable(budget):
     return CallableBudget(budget)
   raise ValueError(
-      f"budget must be FixedBudget, PowerLawBudget, SaturatingBudget or a callable ctx_len -> rows, "
-      f"got {budget!r}.")
+      f"budget must be FixedBudget, PowerLawBudget, SaturatingBudget, a spec such as 'sqrt:16@256' "
+      f"or a callable ctx_len -> rows, got {budget!r}.")
 
 
 BUDGET_SPEC_HELP = ("fixed:ROWS, sqrt:FACTOR (FACTOR·√N), pow:FACTOR:EXPONENT "

@@ -12,6 +12,7 @@ A class may read files of earlier versions through a classmethod ``upgrade_field
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 from pathlib import Path
@@ -75,6 +76,77 @@ def from_jsonable(obj: Any, classes: Iterable[type] = ()) -> Any:
     return x
 
   return build(obj)
+
+
+# The command-line spelling of config values, shown by every CLI's --help.
+VALUE_SPEC_HELP = (
+    "Values are read by the field's type: true/false, numbers, text; none for an unset optional "
+    "field; budgets as specs (" + budget_lib.BUDGET_SPEC_HELP + "); sequences as comma lists "
+    "(mixers: one name for every layer, one per layer, or a pattern repeated to the depth, e.g. "
+    "swa,kvm).")
+
+
+def parse_value(current: Any, text: str, field: str = "value") -> Any:
+  """The value of a config field (now ``current``) written as ``text`` on a command line: the
+  one spelling every CLI accepts (``kvm-train --config.FIELD``, ``kvm-eval``/``kvm-convert
+  --kvm.FIELD``; :data:`VALUE_SPEC_HELP`); a ValueError says why ``text`` is not one."""
+  if field == "budget" or isinstance(current, (budget_lib.FixedBudget, budget_lib.PowerLawBudget,
+                                               budget_lib.SaturatingBudget)):
+    return budget_lib.parse_budget(text)
+  if isinstance(current, bool):
+    if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+      raise ValueError(f"expected true or false, got {text!r}")
+    return text.lower() in ("true", "1", "yes")
+  if isinstance(current, (int, float, str)):
+    return type(current)(text)
+  if isinstance(current, tuple) or field == "mixers":
+    if text.strip()[:1] in ("(", "["):
+      return tuple(_literal(text))
+    kinds = {type(x) for x in current} if isinstance(current, tuple) else {str}
+    cast = kinds.pop() if len(kinds) == 1 and kinds <= {int, float, str} else str
+    return tuple(cast(x.strip()) for x in text.split(",") if x.strip())
+  if current is None:
+    if text.lower() == "none":
+      return None
+    try:
+      return _literal(text)
+    except ValueError:
+      return text  # an optional text field, e.g. a dtype name
+  return _literal(text)
+
+
+def flat_fields(cfg: Any) -> dict[str, Any]:
+  """``{dotted field: value}`` of a config's leaves, in field order, each value as its JSON form
+  (a list for a tuple) except a budget, which is one leaf: its spec text (``"sqrt:16@256"``)."""
+  def flat(value, prefix):
+    if isinstance(value, dict):
+      if value.get(CLASS_KEY, "").endswith("Budget"):
+        return {prefix: budget_lib.budget_label(from_jsonable(value))}
+      out = {}
+      for key, item in value.items():
+        if key != CLASS_KEY:
+          out.update(flat(item, f"{prefix}.{key}" if prefix else key))
+      return out
+    return {prefix: value}
+  return flat(to_jsonable(cfg), "")
+
+
+def value_text(value: Any) -> str:
+  """A config value as :func:`parse_value` reads it back (``--config.FIELD=<this>``)."""
+  if value is None:
+    return "none"
+  if isinstance(value, bool):
+    return "true" if value else "false"
+  if isinstance(value, (list, tuple)):
+    return ",".join(value_text(v) for v in value)
+  return str(value)
+
+
+def _literal(text: str) -> Any:
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    raise ValueError(f"cannot read {text!r} as a Python literal") from None
 
 
 def save(path: str | Path, cfg: Any) -> None:

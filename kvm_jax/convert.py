@@ -27,7 +27,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import jax.numpy as jnp
 from flax import nnx
 
-from kvm_jax.budget import BUDGET_SPEC_HELP, budget_label, parse_budget
+from kvm_jax.budget import BUDGET_SPEC_HELP, budget_label
+from kvm_jax.config_io import parse_value
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.model import LM
@@ -80,9 +81,6 @@ def kvm_options_with(options: KVMConfig, fields: Mapping[str, Any]) -> KVMConfig
   if unknown:
     raise ValueError(f"unknown KVMConfig field(s) {unknown}; the schedule fields are "
                      f"{SCHEDULE_FIELDS}.")
-  fields = dict(fields)
-  if isinstance(fields.get("budget"), str):
-    fields["budget"] = parse_budget(fields["budget"])
   try:
     return dataclasses.replace(options, **fields)
   except ValueError as e:
@@ -266,36 +264,27 @@ def new_parameter_paths(converted: LM, source: LM) -> list[tuple]:
 # -- run directories -----------------------------------------------------------------------------
 
 
-def describe_kvm(kvm: KVMConfig) -> dict:
-  """A JSON-able summary of KVM options (for records and reports)."""
-  out = {f.name: getattr(kvm, f.name) for f in dataclasses.fields(kvm)}
-  out["budget"] = budget_label(kvm.budget)
+def describe_kvm(kvm: KVMConfig, only: Optional[Sequence[str]] = None) -> dict:
+  """A JSON-able summary of KVM options (for records and reports); ``only`` keeps those fields."""
+  out = {f.name: getattr(kvm, f.name) for f in dataclasses.fields(kvm)
+         if only is None or f.name in only}
+  if "budget" in out:
+    out["budget"] = budget_label(kvm.budget)
   return out
 
 
 # -- command-line fields -------------------------------------------------------------------------
 
-_OPTIONAL = {"max_state_rows": int, "readout_value_dtype": str}
-
-
 def parse_kvm_value(field: str, text: str) -> Any:
-  """The value of KVMConfig ``field`` written as ``text`` on a command line (``--kvm.FIELD=...``):
-  a budget spec for ``budget``, ``none`` for an optional field, true/false for a flag."""
+  """The value of KVMConfig ``field`` written as ``text`` on a command line (``--kvm.FIELD=...``),
+  spelled as every CLI reads values (:data:`kvm_jax.config_io.VALUE_SPEC_HELP`: a budget spec,
+  ``none`` for an optional field, true/false for a flag)."""
   defaults = {f.name: f.default for f in dataclasses.fields(KVMConfig)}
   if field not in defaults:
     raise ValueError(f"--kvm.{field}: KVMConfig has no field {field!r}; the schedule fields are "
                      f"{', '.join(SCHEDULE_FIELDS)}.")
   try:
-    if field == "budget":
-      return parse_budget(text)
-    if field in _OPTIONAL:
-      return None if text.lower() == "none" else _OPTIONAL[field](text)
-    default = defaults[field]
-    if isinstance(default, bool):
-      if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-        raise ValueError(f"expected true or false, got {text!r}")
-      return text.lower() in ("true", "1", "yes")
-    return type(default)(text)
+    return parse_value(defaults[field], text, field)
   except ValueError as e:
     raise ValueError(f"--kvm.{field}={text}: {e}") from None
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax.numpy as jnp
 
@@ -17,6 +17,14 @@ KVM_KV_SHARING = ("window", "shared_routing")
 # name its meaning.
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "chunked", "cudnn", "splash", "tokamax")
 _DTYPES = ("float32", "bfloat16")
+
+
+def mixer_pattern(mixers: Union[str, Sequence[str]]) -> tuple[str, ...]:
+  """The kinds a ``ModelConfig.mixers`` value names, in order: ``"kvm"`` -> ``("kvm",)``,
+  ``"swa,kvm"`` (the command line's spelling) -> ``("swa", "kvm")``, a sequence as it is."""
+  if isinstance(mixers, str):
+    return tuple(m.strip() for m in mixers.split(","))
+  return tuple(mixers)
 
 
 def lora_width(width: int, multiplier: float, power: float) -> int:
@@ -40,8 +48,9 @@ class ModelConfig:
     num_layers / hidden_size / num_heads: depth, width C_model, query heads H.
     num_kv_heads: Hkv for GQA (None = H).
     head_dim / value_head_dim: D / Dv (None = hidden_size // num_heads).
-    mixers: one mixer kind per layer, or one kind for all layers: "full", "swa", "bswa", "kvm"
-      or any kind added with :func:`kvm_jax.nn.register_mixer`.
+    mixers: one mixer kind for all layers ("kvm"), one per layer, or a pattern repeated to the
+      depth (("swa", "kvm") or "swa,kvm" for the paper's hybrids): "full", "swa", "bswa", "kvm",
+      "ovq", "rwkv7" or any kind added with :func:`kvm_jax.nn.register_mixer`.
     options: ``{kind: options}``, each kind's own frozen options (a :class:`KindOptions`; a dict
       is converted): :class:`kvm_jax.KVMConfig` for ``kvm``, ``kvm_jax.nn.swa.SWAOptions``
       (window, rotary width) for ``swa``, ``kvm_jax.nn.bswa.BSWAOptions`` (chunk geometry, sinks)
@@ -116,17 +125,22 @@ class ModelConfig:
       pos(name)
     if not isinstance(self.options, KindOptions):
       object.__setattr__(self, "options", KindOptions(self.options))
-    mixers = (self.mixers,) * self.num_layers if isinstance(self.mixers, str) else tuple(self.mixers)
-    if len(mixers) != self.num_layers:
-      raise ValueError(f"ModelConfig.mixers has {len(mixers)} entries but num_layers="
-                       f"{self.num_layers}; give one mixer per layer or a single name.")
-    for m in mixers:
+    pattern = mixer_pattern(self.mixers)
+    if not pattern or self.num_layers % len(pattern):
+      raise ValueError(f"ModelConfig.mixers={self.mixers!r} has {len(pattern)} entries but "
+                       f"num_layers={self.num_layers}; give one mixer per layer, a single name, "
+                       "or a pattern whose length divides the depth (\"swa,kvm\" repeats).")
+    for m in pattern:
       try:
         options_class(m)
       except ValueError as e:
         raise ValueError(f"ModelConfig.mixers: {e}") from None
-    if not isinstance(self.mixers, str):
-      object.__setattr__(self, "mixers", mixers)  # lists become (hashable) tuples
+    mixers = pattern * (self.num_layers // len(pattern))
+    # One spelling per layout, so that configs compare equal however they were written: the
+    # shortest repeating pattern, a single name when every layer is one kind.
+    period = next(p for p in range(1, self.num_layers + 1)
+                  if self.num_layers % p == 0 and mixers == mixers[:p] * (self.num_layers // p))
+    object.__setattr__(self, "mixers", mixers[0] if period == 1 else mixers[:period])
     kv = self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
     if kv < 1 or self.num_heads % kv:
       raise ValueError(f"ModelConfig.num_kv_heads={self.num_kv_heads} must divide num_heads="
@@ -195,10 +209,10 @@ class ModelConfig:
   # Derived sizes ------------------------------------------------------------------------------
   @property
   def layer_mixers(self) -> tuple[str, ...]:
-    """One mixer name per layer (``mixers`` may be a single name for all layers)."""
-    if isinstance(self.mixers, str):
-      return (self.mixers,) * self.num_layers
-    return self.mixers
+    """One mixer name per layer (``mixers`` may be a single name for all layers, or a pattern
+    repeated to the depth)."""
+    pattern = mixer_pattern(self.mixers)
+    return pattern * (self.num_layers // len(pattern))
 
   @property
   def kv_heads(self) -> int:

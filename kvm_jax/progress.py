@@ -17,7 +17,9 @@ _WIDTH = 20
 class ProgressBar:
   """``desc [#####.....] done/total  elapsed  ETA  extra``.
 
-  ``start`` is where a resumed job begins: the ETA is extrapolated from the work done since then.
+  ``start`` is where a resumed job begins: the ETA is extrapolated from the work done since then,
+  or, once :meth:`steady_from` has marked the end of a warm-up (a first training step that also
+  compiles), from the work done after it ("ETA ?" until there is some).
   """
 
   def __init__(self, total: int, desc: str = "", start: int = 0, stream=None):
@@ -25,13 +27,27 @@ class ProgressBar:
     self.stream = stream or sys.stderr
     self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
     self.t0 = time.perf_counter()
+    self.steady: Optional[tuple[float, int]] = None
+
+  def steady_from(self, done: int) -> None:
+    """Items up to ``done`` were warm-up: the ETA extrapolates only the time after now."""
+    self.steady = (time.perf_counter(), done)
+
+  def eta(self, done: int) -> Optional[float]:
+    """Seconds left at ``done`` items (None: no steady-state item yet)."""
+    if not self.total:
+      return 0.0
+    since, first = self.steady or (self.t0, self.start)
+    if self.steady is not None and done <= first:
+      return None
+    return (time.perf_counter() - since) / max(done - first, 1) * (self.total - done)
 
   def message(self, done: int, extra: str = "") -> str:
     """The status line at ``done`` items, without the bar."""
     elapsed = time.perf_counter() - self.t0
-    rate_done = max(done - self.start, 1)
-    eta = elapsed / rate_done * (self.total - done) if self.total else 0.0
-    line = f"{self.desc} {done}/{self.total or '?'}  {elapsed:,.0f}s  ETA {eta:,.0f}s"
+    eta = self.eta(done)
+    line = (f"{self.desc} {done}/{self.total or '?'}  {elapsed:,.0f}s  ETA "
+            f"{'?' if eta is None else f'{eta:,.0f}s'}")
     return line + (f"  {extra}" if extra else "")
 
   def draw(self, done: int, extra: str = "") -> str:

@@ -130,7 +130,7 @@ def test_plugin_flag_registers_a_kind_for_the_command_line(tmp_path, subprocess_
   shown = subprocess.run(command[:3] + [f"--plugin={plugin}"] + command[3:], capture_output=True,
                          text=True, env=env, cwd=ROOT)
   assert shown.returncode == 0, shown.stderr
-  assert "mixers='wide_swa'" in shown.stdout
+  assert "model.mixers = wide_swa" in shown.stdout.splitlines()
 
 
 # What a mixer class must have, written out (not read from the registry's own list).

@@ -28,10 +28,10 @@ from tests.conftest import in_ci
 from tests.test_reports import check_demo_report
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--config=train/configs/tiny_mqar.py", "--config.steps=40", "--config.batch_size=8",
+TINY = ["--config=train/configs/tiny_mqar.py", "--config.steps=50", "--config.batch_size=8",
         "--config.mqar.seq_len=64", "--config.mqar.num_pairs=4", "--config.log_every=1",
         "--config.checkpoint_every=10", "--config.eval_every=0", "--config.warmup_steps=5"]
-STEPS = 40
+STEPS = 50
 
 
 def _lines(workdir: Path) -> dict[int, str]:
@@ -154,9 +154,9 @@ def _logged(workdir: Path, step: int, old=()) -> bool:
 
 
 def test_kill_sigterm_and_resume_are_exact(tmp_path, subprocess_environ):
-  """A run SIGKILLed after a checkpoint, resumed, stopped by SIGTERM, resumed again, ends with the
-  same losses, bitwise, as a run that was never interrupted, and each process trained only the
-  steps after the checkpoint it resumed from.
+  """A run SIGKILLed after a checkpoint, resumed, stopped by SIGTERM, resumed, stopped by Ctrl-C
+  (SIGINT), resumed again, ends with the same losses, bitwise, as a run that was never
+  interrupted, and each process trained only the steps after the checkpoint it resumed from.
 
   What tells resuming from restarting: every process start logs ``compile_s`` on its first step,
   so the line of step s+1 carries it exactly when a process began at step s; and the lines of the
@@ -191,20 +191,36 @@ def test_kill_sigterm_and_resume_are_exact(tmp_path, subprocess_environ):
   assert f"preempted: saved step {stopped_at}" in out
   assert _checkpoints(run)[-1] == stopped_at  # saved where it stopped, between periodic saves
 
+  proc = _start(run, env)  # resumes, then Ctrl-C: saves and stops like SIGTERM
+  old = set(after_term.values())
+  _wait_until(proc, lambda: _logged(run, stopped_at + 3, old), f"step {stopped_at + 3}")
+  proc.send_signal(signal.SIGINT)
+  out = proc.communicate(timeout=300)[0]
+  assert proc.returncode == 0, out[-3000:]
+  assert "interrupted: finishing this step, saving it and stopping" in out
+  assert "Traceback" not in out and "KeyboardInterrupt" not in out
+  after_int = _lines(run)
+  interrupted_at = max(after_int)
+  assert stopped_at < interrupted_at < STEPS, "the run finished before Ctrl-C"
+  assert f"preempted: saved step {interrupted_at}" in out
+  assert _checkpoints(run)[-1] == interrupted_at
+
   out = subprocess.run(_train_cmd(run), cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-  assert f"resumed from step {stopped_at}" in out.stdout
+  assert f"resumed from step {interrupted_at}" in out.stdout
   final = _lines(run)
   a, b = _losses(straight), _losses(run)
   assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
   assert all(a[s] == b[s] for s in a), {s: (a[s], b[s]) for s in a if a[s] != b[s]}  # bitwise
   starts = sorted(s for s, l in final.items() if "compile_s" in json.loads(l))
-  assert starts == [1, killed_at + 1, stopped_at + 1], starts
+  assert starts == [1, killed_at + 1, stopped_at + 1, interrupted_at + 1], starts
   for s in range(1, killed_at + 1):
     assert final[s] == after_kill[s], s
   for s in range(1, stopped_at + 1):
     assert final[s] == after_term[s], s
+  for s in range(1, interrupted_at + 1):
+    assert final[s] == after_int[s], s
 
 
 def test_mqar_examples_are_deterministic_and_well_formed():

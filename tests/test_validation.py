@@ -146,8 +146,10 @@ def _shipped_configs() -> list[str]:
 def test_shipped_configs_validate(spec):
   from kvm_jax.train.main import load_config
   cfg = load_config(str(ROOT / "train/configs" / spec))
-  if cfg.distill.stage != "none":  # distill.py: its command line names the teacher
-    cfg = dataclasses.replace(cfg, teacher="runs/teacher")
+  if cfg.distill.stage != "none":  # distill.py: its command line names the teacher, whose
+    # task (text, say) the trainer takes for task="teacher"
+    cfg = dataclasses.replace(cfg, teacher="runs/teacher",
+                              task="text" if cfg.task == "teacher" else cfg.task)
   cfg.validate()
 
 

@@ -13,6 +13,31 @@ from kvm_jax.tasks.tokenizers import tokenizer
 from kvm_jax.train import sharding
 
 
+def data_vocabulary(cfg: TrainConfig) -> tuple[str, int]:
+  """(what produces the run's token ids, how many distinct ids it can produce): the MQAR spec,
+  the NIAH or text tokenizer, or the token shards' manifest."""
+  if cfg.task == "mqar":
+    return "mqar.vocab_size", cfg.mqar.vocab_size
+  if cfg.task == "niah":
+    return (f"the NIAH tokenizer ({cfg.niah.tokenizer_file or 'bytes'})",
+            tokenizer(cfg.niah.tokenizer_file).vocab_size)
+  if cfg.data_dir:
+    return f"the token shards in data_dir={cfg.data_dir!r}", TokenShards(cfg.data_dir).vocab_size
+  return (f"the text tokenizer ({cfg.tokenizer_file or 'bytes'})",
+          tokenizer(cfg.tokenizer_file).vocab_size)
+
+
+def check_vocabulary(cfg: TrainConfig) -> None:
+  """Refuses, before anything is built or compiled, data whose ids the model cannot embed (an id
+  at or past ``model.vocab_size`` would read outside the embedding table: NaN or garbage, not an
+  error, inside a jitted step)."""
+  source, size = data_vocabulary(cfg)
+  if size > cfg.model.vocab_size:
+    raise ValueError(f"{source} produces ids up to {size - 1} but model.vocab_size="
+                     f"{cfg.model.vocab_size}: set --config.model.vocab_size={size} (or more), or "
+                     "use data tokenized for this model.")
+
+
 def task_dataset(cfg: TrainConfig, split: str):
   """The ``grain.MapDataset`` of a run's task: ``split`` "train", or "eval" (a held-out stream:
   another seed for the synthetic tasks, the first 5% of the packed windows for text)."""
@@ -22,12 +47,7 @@ def task_dataset(cfg: TrainConfig, split: str):
   if cfg.task == "niah":
     return niah.niah_dataset(seed, cfg.niah)
   if cfg.data_dir:  # token shards written by kvm-data, packed at read time
-    corpus = TokenShards(cfg.data_dir)
-    if corpus.vocab_size > cfg.model.vocab_size:
-      raise ValueError(f"data_dir={cfg.data_dir!r} was tokenized with a vocabulary of "
-                       f"{corpus.vocab_size} ids but model.vocab_size={cfg.model.vocab_size}; "
-                       "raise model.vocab_size or tokenize with the model's tokenizer.")
-    return shard_dataset(corpus, cfg.seq_len, seed, split)
+    return shard_dataset(TokenShards(cfg.data_dir), cfg.seq_len, seed, split)
   tok = tokenizer(cfg.tokenizer_file)
   if cfg.hf_dataset:
     docs = text.read_hf_documents(cfg.hf_dataset, cfg.hf_split, cfg.hf_text_field)

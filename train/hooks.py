@@ -7,8 +7,8 @@ not. ``done`` is the 1-based number of the step (as in metrics.jsonl). A hook re
 order of operations; ``train`` composes:
 
 1. :class:`Profiling`: a ``jax.profiler`` trace of steps A..B (process 0).
-2. :class:`Preemption`: SIGTERM (one process) or JAX's preemption sync point (many) ->
-   ``preempted``.
+2. :class:`Preemption`: SIGTERM or Ctrl-C (one process) or JAX's preemption sync point
+   (many) -> ``preempted``.
 3. :class:`NonFiniteGuard`: the host sync of log and checkpoint steps -> ``host``, ``skipped``.
 4. :class:`StepMetrics`: the log line's loss, gradient norm, auxiliary metrics, timing, MFU.
 5. :class:`Evaluation`: held-out metrics merged into the log line.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import sys
 import threading
 from typing import Any, Optional
 
@@ -128,29 +129,38 @@ class Profiling(Hook):
 
 
 class Preemption(Hook):
-  """Sets ``event.preempted`` when the run must save and stop. One process watches SIGTERM
-  itself; several use JAX's preemption sync point, whose notifier catches SIGTERM on any host
-  and gives every host the same step to stop at (every host calls it at every step with the
-  same step number: its contract)."""
+  """Sets ``event.preempted`` when the run must save and stop. One process watches SIGTERM and
+  SIGINT (Ctrl-C) itself: the first of either finishes the step, saves it and exits cleanly; a
+  second Ctrl-C aborts at once. Several processes use JAX's preemption sync point, whose notifier
+  catches SIGTERM on any host and gives every host the same step to stop at (every host calls it
+  at every step with the same step number: its contract); there Ctrl-C keeps its default, since a
+  stop must be agreed on by every host."""
 
   def __init__(self):
     self.many = jax.process_count() > 1
-    self.sigterm = False
-    in_main = threading.current_thread() is threading.main_thread()
-    self.previous = signal.signal(signal.SIGTERM, self._on_sigterm) \
-        if not self.many and in_main else None
+    self.stop: Optional[str] = None  # "SIGTERM" or "SIGINT", once received
+    self.previous: dict = {}
+    if not self.many and threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self.previous[sig] = signal.signal(sig, self._on_signal)
 
-  def _on_sigterm(self, *_) -> None:
-    self.sigterm = True
+  def _on_signal(self, signum, frame) -> None:
+    name = signal.Signals(signum).name
+    if name == "SIGINT" and self.stop == "SIGINT":
+      raise KeyboardInterrupt  # the second Ctrl-C: stop now, without saving
+    if name == "SIGINT":
+      print("\ninterrupted: finishing this step, saving it and stopping (Ctrl-C again aborts "
+            "at once)", file=sys.stderr, flush=True)
+    self.stop = self.stop or name
 
   def after_step(self, event: StepEvent) -> None:
     event.preempted = multihost_utils.reached_preemption_sync_point(event.done) if self.many \
-        else self.sigterm
+        else self.stop is not None
 
   def close(self) -> None:
-    if self.previous is not None:
-      signal.signal(signal.SIGTERM, self.previous)
-      self.previous = None
+    for sig, handler in self.previous.items():
+      signal.signal(sig, handler)
+    self.previous = {}
 
 
 class NonFiniteError(RuntimeError):

@@ -24,20 +24,23 @@ import jax.numpy as jnp
 from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 
+from kvm_jax.nn.model import count_params
 from kvm_jax.runs.checkpoint import Checkpointer
 from kvm_jax.runs.config import TrainConfig
-from kvm_jax.runs.directory import CHECKPOINT_DIR, save_config
+from kvm_jax.runs.directory import CHECKPOINT_DIR, config_history, save_config
+from kvm_jax.runs.resume import change_record, check_resume
 from kvm_jax.tasks.pipeline import BatchReader
 from kvm_jax.train import distill, hooks, sharding
 from kvm_jax.train.adamc import PartlyFrozen
 from kvm_jax.train.accounting import StepClock, flops_per_token, peak_flops, visible_keys
-from kvm_jax.train.data import put_batch, task_dataset
+from kvm_jax.train.data import check_vocabulary, put_batch, task_dataset
 from kvm_jax.train.evaluation import EvalSpec, eval_sums, evaluate, make_eval_step
 from kvm_jax.train.hooks import NonFiniteError, parse_profile_steps
 from kvm_jax.train.objectives import (FrozenParameters, LMObjective, Objective, loss_sums,
                                       masked_loss)
 from kvm_jax.train.start import (FINE_TUNE_FIELDS, check_workdir, fine_tuned_params,
-                                 make_optimizer, setup, with_init_model)
+                                 make_optimizer, setup, with_init_model,
+                                 with_teacher_task)
 from kvm_jax.train.step import (clip_to_norm, compile_ahead, global_norm, kernel_context,
                                 loss_and_grads, make_train_step, micro_batches)
 
@@ -64,6 +67,48 @@ def _objective_and_extra(cfg: TrainConfig, objective, teacher_cfg, optimizer, pa
   return objective, shardings, extra
 
 
+def preflight(cfg: TrainConfig, workdir):
+  """The checks a run makes before it builds, compiles or writes anything: a workdir it may
+  train in, data ids the model can embed, and a command that can resume what the workdir holds.
+  Returns :func:`check_resume`'s answer (None: nothing to resume)."""
+  check_workdir(cfg, workdir)
+  check_vocabulary(cfg)
+  return check_resume(cfg, workdir)
+
+
+def describe_run(cfg: TrainConfig, workdir) -> str:
+  """One line on what a run trains, printed before anything is built."""
+  kinds = "/".join(dict.fromkeys(cfg.model.layer_mixers))
+  return (f"{workdir}: {count_params(cfg.model)['total']:,} parameters ({kinds}), {cfg.steps} "
+          f"steps of {cfg.batch_size} x {cfg.sequence_length} tokens")
+
+
+def record_config(cfg: TrainConfig, workdir, resumed, primary: bool, verbose: bool
+                  ) -> Optional[dict]:
+  """Writes ``config.json`` (process 0) with the run's history of changed settings, announcing
+  the change when this resume (``resumed``: :func:`check_resume`'s answer) makes one; returns
+  that change's record for metrics.jsonl, or None."""
+  changed = change_record(*resumed) if resumed and resumed[1] else None
+  if changed and verbose:
+    print(f"resuming with changed settings: {', '.join(map(str, resumed[1]))} (recorded in "
+          "config.json and metrics.jsonl)", flush=True)
+  if primary:
+    history = config_history(workdir) if resumed else []
+    save_config(cfg, workdir, verbose, history + ([changed] if changed else []))
+  return changed
+
+
+def compile_first(train_step, args: tuple, verbose: bool):
+  """``compile_ahead`` of the step for ``args``, saying so (a large model compiles for
+  minutes)."""
+  if verbose:
+    print("compiling the train step...", flush=True)
+  compiled, seconds = compile_ahead(train_step, *args)
+  if verbose:
+    print(f"compiled in {seconds:.1f}s; training", flush=True)
+  return compiled, seconds
+
+
 def train(cfg: TrainConfig, workdir, *, verbose: bool = True,
           profile_steps: Optional[tuple[int, int]] = None,
           objective: Optional[Objective] = None) -> dict[str, Any]:
@@ -77,12 +122,14 @@ def train(cfg: TrainConfig, workdir, *, verbose: bool = True,
   (:mod:`kvm_jax.train.distill`); ``cfg.distill.trainable`` freezes parameters in any run.
   Raises :class:`NonFiniteError` when a step's loss or gradient is not finite and
   ``cfg.on_nonfinite == "stop"``."""
-  cfg = with_init_model(cfg, workdir)
+  cfg = with_teacher_task(with_init_model(cfg, workdir))
   cfg.validate()
   primary = jax.process_index() == 0
   verbose = verbose and primary
   workdir = epath.Path(workdir)  # save_config and the metrics writer create it (process 0)
-  check_workdir(cfg, workdir)
+  resumed = preflight(cfg, workdir)
+  if verbose:
+    print(describe_run(cfg, workdir), flush=True)
   teacher_cfg = distill.teacher_config(cfg) if cfg.teacher else None
   trainable = distill.trainable_predicate(cfg, teacher_cfg)
   graphdef, params, opt_state, optimizer, shardings = setup(cfg, trainable=trainable)
@@ -91,8 +138,7 @@ def train(cfg: TrainConfig, workdir, *, verbose: bool = True,
   reader = BatchReader(task_dataset(cfg, "train"), cfg.batch_size, rows)
   saver = hooks.Checkpointing(Checkpointer(workdir / CHECKPOINT_DIR, keep=cfg.keep_checkpoints),
                               reader, workdir, verbose)
-  if primary:
-    save_config(cfg, workdir, verbose)
+  changed = record_config(cfg, workdir, resumed, primary, verbose)
   start, params, opt_state, skipped = saver.restore(params, opt_state) or (
       0, fine_tuned_params(cfg, params, verbose), opt_state, 0)
   objective, shardings, extra = _objective_and_extra(cfg, objective, teacher_cfg, optimizer,
@@ -101,6 +147,8 @@ def train(cfg: TrainConfig, workdir, *, verbose: bool = True,
   halted = jax.device_put(jnp.zeros((), bool), NamedSharding(batch_sh.mesh, PartitionSpec()))
   clock = StepClock()
   logger = hooks.Logging(workdir, cfg.steps, start, primary, verbose)
+  if changed:
+    logger.metrics.note(**changed)
   every_step = [
       *([hooks.Profiling(profile_steps, workdir / "profile", verbose)]
         if primary and profile_steps else []),
@@ -121,8 +169,8 @@ def train(cfg: TrainConfig, workdir, *, verbose: bool = True,
       batch = put_batch(next(reader), batch_sh, rows, cfg.batch_size)
       waited, compile_s = time.perf_counter() - t0, None
       if step == start:  # compiled ahead of the first step, so its time is known exactly
-        train_step, compile_s = compile_ahead(train_step, params, opt_state, batch, halted,
-                                              *extra)
+        train_step, compile_s = compile_first(train_step, (params, opt_state, batch, halted,
+                                                           *extra), verbose)
       for hook in every_step:
         hook.before_step(step + 1)
       params, opt_state, stats = train_step(params, opt_state, batch, halted, *extra)
@@ -131,6 +179,7 @@ def train(cfg: TrainConfig, workdir, *, verbose: bool = True,
       if step == start:  # the first step warms up (allocation, autotuning): not timed
         jax.block_until_ready(stats)
         clock.restart()
+        logger.progress.steady_from(step + 1)  # the ETA extrapolates the steps after it
       event = hooks.StepEvent(step + 1, cfg, params, opt_state, stats, compile_s)
       for hook in every_step:
         hook.after_step(event)

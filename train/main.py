@@ -9,11 +9,23 @@ Flags:
                           e.g. paper.py:PRESET gives the paper recipe for any preset. Paths
                           under train/configs/ also resolve to the installed copies.
   --workdir=DIR           where checkpoints/, metrics.jsonl and tb/ go; re-running the same
-                          command on the same DIR resumes from its latest checkpoint.
+                          command on the same DIR resumes from its latest checkpoint. A command
+                          that changes the model, task, data, batch, seed or teacher of a run
+                          with checkpoints is refused before anything is written; steps, the
+                          schedule, logging, eval and checkpoint cadence, memory settings and
+                          the mesh may change (announced, and kept in config.json's history and
+                          metrics.jsonl). Ctrl-C or SIGTERM finishes the step, saves it and
+                          exits 0 (the same command resumes); a second Ctrl-C aborts at once.
   --config.FIELD=VALUE    override any config field, nested with dots
                           (e.g. --config.model.num_layers=4, --config.mqar.num_pairs=16); a
                           mixer kind's options are model.options.KIND.FIELD (e.g.
                           --config.model.options.kvm.chunk_size=128, .swa.window=512).
+                          Values as every kvm_jax CLI reads them: true/false, numbers, text,
+                          none for an unset optional field; a budget as a spec (fixed:256,
+                          sqrt:16@256, pow:4:0.75, sat:1024@1: --config.model.options.kvm
+                          .budget=sqrt:8); a sequence as a comma list; mixers as one name,
+                          one per layer, or a pattern repeated to the depth
+                          (--config.model.mixers=swa,kvm).
   --config.init_from=DIR  fine-tune: start from the newest parameters of run directory DIR (a
                           kvm-train workdir, or kvm-import's conversion of the authors' released
                           checkpoints) with a fresh optimizer and data stream. DIR's model config
@@ -26,7 +38,7 @@ Flags:
                           restored with the student's dtypes and shardings, every metrics line
                           carries kl. --config.distill.trainable=all|converted|kvm_only freezes
                           the other parameters (bitwise unchanged, no optimizer state).
-  --show-config           print the resolved config and exit.
+  --show-config           print the resolved config, one FIELD = VALUE a line, and exit.
   --resume                require a checkpoint in --workdir and continue from it (without the
                           flag a run resumes when checkpoints exist and starts fresh otherwise).
   --distributed           start multi-process JAX first (TPU pods, multi-node GPU, or several
@@ -64,7 +76,6 @@ instead); --config.grad_clip_norm clips the global gradient norm, which is logge
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import importlib.util
 import sys
@@ -73,10 +84,12 @@ from pathlib import Path
 import jax
 from etils import epath
 
+from kvm_jax import config_io
 from kvm_jax.mixer_options import KindOptions
 from kvm_jax.runs import launch
 from kvm_jax.train import memory
 from kvm_jax.train.loop import NonFiniteError, parse_profile_steps, train, with_init_model
+from kvm_jax.train.start import with_teacher_task
 
 
 INSTALLED_CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -115,43 +128,27 @@ def load_config(spec: str):
     raise SystemExit(f"--config={spec}: {e}") from None
 
 
-def _coerce(old, text: str):
-  if isinstance(old, bool):
-    if text.lower() in ("1", "true", "yes"):
-      return True
-    if text.lower() in ("0", "false", "no"):
-      return False
-    raise ValueError(f"expected a boolean, got {text!r}")
-  if isinstance(old, int):
-    return int(text)
-  if isinstance(old, float):
-    return float(text)
-  if isinstance(old, str):
-    return text
-  return ast.literal_eval(text)
-
-
 def apply_override(cfg, dotted: str, text: str):
   """Returns ``cfg`` with field ``dotted`` set from its string form (frozen dataclasses replaced;
-  in the mixers' options table, ``options.KIND.FIELD`` replaces one kind's options)."""
+  in the mixers' options table, ``options.KIND.FIELD`` replaces one kind's options). A field or
+  value that does not fit exits with a message naming the flag."""
+  try:
+    return _override(cfg, dotted, text)
+  except ValueError as e:
+    raise SystemExit(f"--config.{dotted}={text}: {e}") from None
+
+
+def _override(cfg, dotted: str, text: str):
   head, _, rest = dotted.partition(".")
   if isinstance(cfg, KindOptions):
     if not rest:
-      raise SystemExit(f"--config...options.{head}: give a field of its options, e.g. "
-                       f"options.{head}.FIELD=VALUE.")
-    try:
-      options = cfg.resolve(head)
-    except ValueError as e:
-      raise SystemExit(f"--config...options.{dotted}: {e}") from None
-    return cfg.set(head, apply_override(options, rest, text))
+      raise ValueError(f"give a field of the {head!r} options, e.g. options.{head}.FIELD=VALUE.")
+    return cfg.set(head, _override(cfg.resolve(head), rest, text))
   if not dataclasses.is_dataclass(cfg) or head not in {f.name for f in dataclasses.fields(cfg)}:
     names = sorted(f.name for f in dataclasses.fields(cfg)) if dataclasses.is_dataclass(cfg) else []
-    raise SystemExit(f"unknown config field {head!r}; known fields: {', '.join(names)}.")
+    raise ValueError(f"unknown config field {head!r}; known fields: {', '.join(names)}.")
   old = getattr(cfg, head)
-  try:
-    new = apply_override(old, rest, text) if rest else _coerce(old, text)
-  except ValueError as e:
-    raise SystemExit(f"--config.{dotted}={text}: {e}") from None
+  new = _override(old, rest, text) if rest else config_io.parse_value(old, text, head)
   return dataclasses.replace(cfg, **{head: new})
 
 
@@ -162,7 +159,8 @@ def main(argv=None) -> int:
                       help="Python config file (get_config()), or FILE:ARG (get_config(ARG)).")
   parser.add_argument("--workdir", required=True, help="run directory; resumes if it has "
                       "checkpoints.")
-  parser.add_argument("--show-config", action="store_true", help="print the config and exit.")
+  parser.add_argument("--show-config", action="store_true",
+                      help="print the resolved config, one FIELD = VALUE a line, and exit.")
   parser.add_argument("--resume", action="store_true",
                       help="fail unless --workdir holds a checkpoint to continue from.")
   launch.add_flags(parser)
@@ -193,12 +191,13 @@ def main(argv=None) -> int:
     key, value = item[len("--config."):].split("=", 1)
     cfg = apply_override(cfg, key, value)
   try:
-    cfg = with_init_model(cfg, args.workdir)
+    cfg = with_teacher_task(with_init_model(cfg, args.workdir))
     cfg.validate()
   except ValueError as e:
     raise SystemExit(f"invalid config: {e}") from None
-  if args.show_config:
-    print(cfg)
+  if args.show_config:  # one field a line, each as --config.FIELD=VALUE would set it
+    print("\n".join(f"{field} = {config_io.value_text(value)}"
+                    for field, value in config_io.flat_fields(cfg).items()))
     return 0
   if args.memory_report:
     try:
@@ -219,6 +218,10 @@ def main(argv=None) -> int:
   except NonFiniteError as e:
     print(f"kvm-train: {e}", file=sys.stderr)
     return 1
+  except KeyboardInterrupt:  # a second Ctrl-C: the first one's save did not wait for it
+    print(f"kvm-train: aborted; {args.workdir} keeps its newest finished checkpoint, from which "
+          "the same command resumes.", file=sys.stderr)
+    return 130
   except ValueError as e:  # a config that does not fit the devices or processes
     raise SystemExit(f"kvm-train: {e}") from None
   if jax.process_index() == 0:

@@ -46,16 +46,24 @@ class MetricsWriter:
     values = {k: float(v) for k, v in scalars.items()}
     record = {"step": int(step), **{k: v if math.isfinite(v) else None
                                     for k, v in values.items()}}
-    line = json.dumps(record)
+    self._append(json.dumps(record))
+    if self._tb is not None:
+      for k, v in values.items():
+        self._tb.add_scalar(k, v, step)
+
+  def _append(self, line: str) -> None:
     self._lines.append(line)
     if is_remote(self.path):  # object stores cannot append: rewrite the (small) file
       self.path.write_text("".join(l + "\n" for l in self._lines))
     else:
       with self.path.open("a") as f:
         f.write(line + "\n")
-    if self._tb is not None:
-      for k, v in values.items():
-        self._tb.add_scalar(k, v, step)
+
+  def note(self, step: int, **fields) -> None:
+    """A line that is not a step's metrics (e.g. ``config_changed`` when a run resumes with other
+    settings): ``step`` and ``fields`` as they are, JSON-encoded; no TensorBoard scalar."""
+    if self.enabled:
+      self._append(json.dumps({"step": int(step), **fields}))
 
   def close(self) -> None:
     if self._tb is not None:

@@ -17,7 +17,7 @@ from flax import nnx
 from kvm_jax.hf.load import checkpoint_kind
 from kvm_jax.nn.model import LM
 from kvm_jax.runs.checkpoint import Checkpointer, abstract_like
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.config import TEACHER_TASK, TrainConfig
 from kvm_jax.runs.directory import (CHECKPOINT_DIR, CONVERSION_RECORD, IMPORT_RECORD,
                                     is_run_directory, load_config)
 from kvm_jax.train import adamc as adamc_lib
@@ -69,6 +69,29 @@ def with_init_model(cfg: TrainConfig, workdir=None) -> TrainConfig:
     source = load_config(cfg.init_from).model
   model = dataclasses.replace(source, **{f: getattr(cfg.model, f) for f in FINE_TUNE_FIELDS})
   return dataclasses.replace(cfg, model=model)
+
+
+# What a run trains on: the task, its spec, the corpus and the tokenizer. ``TrainConfig.task =
+# "teacher"`` (the distillation configs' default) takes all of them from the teacher's run (a KL
+# compares the two models on the same ids); the text sequence length stays the student's own
+# choice (distillation usually runs past the window the teacher was trained at).
+DATA_FIELDS = ("task", "mqar", "niah", "text_files", "tokenizer_file", "hf_dataset", "hf_split",
+               "hf_text_field", "data_dir")
+
+
+def with_teacher_task(cfg: TrainConfig) -> TrainConfig:
+  """``cfg`` with ``task="teacher"`` replaced by the task and data of the teacher's run
+  (:data:`DATA_FIELDS`); ``cfg`` itself for any other task."""
+  if cfg.task != TEACHER_TASK:
+    return cfg
+  if not cfg.teacher:
+    raise ValueError("task='teacher' trains on the teacher run's task, but no teacher is set: "
+                     "give --config.teacher=RUN_DIR, or a task ('mqar', 'niah' or 'text').")
+  if not is_run_directory(cfg.teacher):
+    raise ValueError(f"teacher={cfg.teacher!r} is not a run directory (no config.json); give a "
+                     "kvm-train workdir or a kvm-import output.")
+  source = load_config(cfg.teacher)
+  return dataclasses.replace(cfg, **{f: getattr(source, f) for f in DATA_FIELDS})
 
 
 def check_workdir(cfg: TrainConfig, workdir: epath.Path) -> None:

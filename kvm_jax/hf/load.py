@@ -27,6 +27,7 @@ from kvm_jax.runs import checkpoint
 from kvm_jax.runs.config import TrainConfig
 from kvm_jax.runs.directory import (CONFIG_FILE, IMPORT_RECORD, load_config, load_trained,
                                     save_starting_point)
+from kvm_jax.tasks.tokenizers import tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -202,6 +203,27 @@ def export_run(run_dir, dest, *, step: Optional[int] = None, dtype: Optional[str
       shutil.copyfile(tok, stage / TOKENIZER_FILE)
       names.append(TOKENIZER_FILE)
   return [dest / name for name in names]
+
+
+def tokenizer_of(path):
+  """The tokenizer whose ids a model directory's model reads.
+
+  A run directory: its ``tokenizer_file`` (a NIAH run's ``niah.tokenizer_file``; kvm-import and
+  kvm-convert copy the tokenizer into the directory and record it there), or the byte tokenizer
+  when it names none (the demo's models, whose 320-id vocabulary holds the bytes). An
+  authors'-format directory: its ``tokenizer.json``. A ValueError says when there is none."""
+  if checkpoint_kind(path) == "run":
+    cfg = load_config(path)
+    name = cfg.niah.tokenizer_file if cfg.task == "niah" else cfg.tokenizer_file
+    if name and not epath.Path(name).exists():
+      raise ValueError(f"{path} records the tokenizer {name}, which does not exist (moved?); "
+                       "load it with kvm_jax.tasks.tokenizers.HFTokenizer(PATH).")
+    return tokenizer(name)
+  file = epath.Path(path) / TOKENIZER_FILE
+  if not file.exists():
+    raise ValueError(f"{path} holds no {TOKENIZER_FILE}; load the tokenizer its model was trained "
+                     "with: kvm_jax.tasks.tokenizers.HFTokenizer(PATH) (the paper's: GPT-2's).")
+  return tokenizer(str(file))
 
 
 def numerics_note(cfg: ModelConfig) -> Optional[str]:

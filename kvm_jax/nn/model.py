@@ -111,10 +111,13 @@ class LM(nnx.Module):
                               jax.nn.initializers.orthogonal(scale=0.5 * math.sqrt(V / C))))
 
   def check_tokens(self, tokens):
-    """A clear ValueError for ids that are not ``[batch, time]`` or lie outside the vocabulary
-    (the range check is skipped when the tokens are traced)."""
+    """A clear ValueError for ids that are not ``[batch, time]``, hold no token, or lie outside
+    the vocabulary (the range check is skipped when the tokens are traced)."""
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be [batch, time] int, got shape {tokens.shape}.")
+    if 0 in tokens.shape:
+      raise ValueError(f"tokens of shape {tokens.shape}: a forward pass needs at least one row "
+                       "and one token in it.")
     try:  # one device reduction and one transfer; skipped when traced
       low, top = (int(x) for x in jnp.stack([jnp.min(tokens), jnp.max(tokens)]))
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):

@@ -15,6 +15,10 @@ from kvm_jax.tasks.niah import NIAHSpec
 
 
 DISTILL_STAGES = ("none", "attention", "logits", "finetune")
+TASKS = ("mqar", "niah", "text")
+# ``TrainConfig.task`` that stands for the teacher run's task and data (resolved by the trainer,
+# kvm_jax.train.start.with_teacher_task, before the config is validated).
+TEACHER_TASK = "teacher"
 TRAINABLE = ("all", "converted", "kvm_only")
 
 
@@ -62,7 +66,9 @@ class TrainConfig:
   Attributes:
     model: the :class:`kvm_jax.ModelConfig` to train.
     task: "mqar" (synthetic recall), "niah" (RULER-style needle retrieval, loss on the answer
-      only) or "text" (packed language modelling).
+      only) or "text" (packed language modelling); "teacher" takes the task and its data fields
+      (mqar, niah, text_files, tokenizer_file, hf_*, data_dir; not seq_len) from the teacher's
+      run (the distillation configs' default).
     mqar: MQAR task shape (sequence length, vocabulary, pairs) when ``task == "mqar"``.
     niah: NIAH task (RULER task name, lengths, tokenizer) when ``task == "niah"``.
     text_files: local .txt/.jsonl files for ``task == "text"``; empty = the embedded corpus.
@@ -155,8 +161,10 @@ class TrainConfig:
     return {"mqar": self.mqar.seq_len, "niah": self.niah.seq_len}.get(self.task, self.seq_len)
 
   def validate(self) -> None:
-    if self.task not in ("mqar", "niah", "text"):
-      raise ValueError(f"task must be 'mqar', 'niah' or 'text', got {self.task!r}.")
+    if self.task not in TASKS:
+      hint = (" (it is resolved from the teacher's run before validation: give teacher=RUN_DIR)"
+              if self.task == TEACHER_TASK else "")
+      raise ValueError(f"task must be 'mqar', 'niah' or 'text', got {self.task!r}{hint}.")
     for name in ("batch_size", "steps", "log_every", "checkpoint_every", "keep_checkpoints"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
@@ -198,6 +206,5 @@ class TrainConfig:
     if self.teacher and self.distill.stage == "none":
       raise ValueError(f"teacher={self.teacher!r} is set but distill.stage='none'; choose a stage "
                        "('attention', 'logits' or 'finetune'), or clear teacher.")
-    if self.task == "mqar" and self.mqar.vocab_size > self.model.vocab_size:
-      raise ValueError(f"mqar.vocab_size={self.mqar.vocab_size} exceeds model.vocab_size="
-                       f"{self.model.vocab_size}.")
+    # The data's ids against model.vocab_size: kvm_jax.train.data.check_vocabulary (it reads
+    # tokenizers and shard manifests, which validating a config does not).

@@ -9,7 +9,8 @@ and restores its parameters; :func:`logits_fn` gives a jitted ``tokens -> logits
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+import json
+from typing import Any, Callable, Sequence
 
 import jax
 from etils import epath
@@ -25,6 +26,8 @@ from kvm_jax.tasks.mqar import MQARSpec
 from kvm_jax.tasks.niah import NIAHSpec
 
 CONFIG_FILE = "config.json"
+# The key of config.json under which a run keeps the settings its resumes changed.
+HISTORY_KEY = "history"
 CHECKPOINT_DIR = "checkpoints"
 # Written by kvm-import (kvm_jax.hf): where the parameters came from. Such a directory holds
 # parameters without an optimizer state: it is a starting point (TrainConfig.init_from), not a run
@@ -36,15 +39,28 @@ CONVERSION_RECORD = "conversion.json"
 TRAIN_CLASSES = (TrainConfig, MQARSpec, NIAHSpec, DistillSpec)
 
 
-def save_config(cfg: TrainConfig, workdir, verbose: bool = True) -> None:
+def save_config(cfg: TrainConfig, workdir, verbose: bool = True,
+                history: Sequence[dict] = ()) -> None:
   """Writes ``workdir/config.json`` so evaluation can rebuild the model from the directory alone
-  (``gs://`` paths included; on a pod only process 0 should call it)."""
+  (``gs://`` paths included; on a pod only process 0 should call it). ``history`` (the settings
+  each resume changed, :func:`kvm_jax.runs.resume.change_record`) is kept under ``"history"``."""
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   try:
-    config_io.save(epath.Path(workdir) / CONFIG_FILE, cfg)
+    data = config_io.to_jsonable(cfg)
   except ValueError as e:  # a callable budget: training still works, loading needs the config
     if verbose:
       print(f"note: {CONFIG_FILE} not written ({e}); pass the config to load_trained().")
+    return
+  if history:
+    data[HISTORY_KEY] = list(history)
+  (epath.Path(workdir) / CONFIG_FILE).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def config_history(workdir) -> list[dict]:
+  """The history ``config.json`` keeps of a run's resumes with changed settings (oldest first;
+  empty without one)."""
+  path = epath.Path(workdir) / CONFIG_FILE
+  return json.loads(path.read_text()).get(HISTORY_KEY, []) if path.exists() else []
 
 
 def save_starting_point(workdir, cfg: TrainConfig, params, data_state: dict) -> None:
@@ -65,12 +81,23 @@ def load_config(workdir) -> TrainConfig:
   if not path.exists():
     raise ValueError(f"{workdir} has no {CONFIG_FILE}: is it a kvm-train / kvm-demo run "
                      "directory (one model per directory, e.g. runs/demo/kvm-fixed)?")
-  return config_io.load(path, TRAIN_CLASSES)
+  data = json.loads(path.read_text())
+  data.pop(HISTORY_KEY, None)
+  return config_io.from_jsonable(data, TRAIN_CLASSES)
 
 
 def is_run_directory(path) -> bool:
   """Whether ``path`` holds a run's ``config.json`` (one model per run directory)."""
   return (epath.Path(path) / CONFIG_FILE).exists()
+
+
+def checkpoint_steps(workdir) -> list[int]:
+  """The steps of the checkpoints in a run directory (read from the directory names, without
+  opening anything), oldest first."""
+  folder = epath.Path(workdir) / CHECKPOINT_DIR
+  if not folder.is_dir():
+    return []
+  return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
 
 
 def default_placement():
@@ -94,6 +121,10 @@ def load_trained(workdir, step: int | None = None, cfg: TrainConfig | None = Non
   """
   workdir = epath.Path(workdir)
   cfg = load_config(workdir) if cfg is None else cfg
+  if step is None and not checkpoint_steps(workdir):
+    raise ValueError(f"{workdir} holds no checkpoint: its run stopped before its first save "
+                     f"(every checkpoint_every={cfg.checkpoint_every} steps, and at the end); "
+                     "resume it with the same kvm-train command, or give a run that saved one.")
   graphdef, abstract_params = nnx.split(nnx.eval_shape(lambda: LM(cfg.model, rngs=nnx.Rngs(0))))
   shardings = default_placement() if shardings is None else shardings
   if isinstance(shardings, jax.sharding.Sharding):
