@@ -6,8 +6,9 @@ from typing import Optional
 
 import numpy as np
 
+from kvm_jax.nn.model import documents_kinds
 from kvm_jax.runs.config import TrainConfig
-from kvm_jax.tasks import mqar, niah, text
+from kvm_jax.tasks import mqar, niah, packing, text
 from kvm_jax.tasks.shards import TokenShards, shard_dataset
 from kvm_jax.tasks.tokenizers import tokenizer
 from kvm_jax.train import sharding
@@ -47,7 +48,11 @@ def task_dataset(cfg: TrainConfig, split: str):
   if cfg.task == "niah":
     return niah.niah_dataset(seed, cfg.niah)
   if cfg.data_dir:  # token shards written by kvm-data, packed at read time
-    return shard_dataset(TokenShards(cfg.data_dir), cfg.seq_len, seed, split)
+    shards = TokenShards(cfg.data_dir)
+    if cfg.packing == "cram":
+      return shard_dataset(shards, cfg.seq_len, seed, split)
+    plan = packing.plan_rows(shards.doc_lengths, cfg.seq_len + 1, cfg.packing)
+    return packing.packed_dataset(packing.PackedRows(plan, shards.doc), seed, split)
   tok = tokenizer(cfg.tokenizer_file)
   if cfg.hf_dataset:
     docs = text.read_hf_documents(cfg.hf_dataset, cfg.hf_split, cfg.hf_text_field)
@@ -55,10 +60,29 @@ def task_dataset(cfg: TrainConfig, split: str):
     docs = text.read_documents(cfg.text_files)
   else:
     docs = text.embedded_corpus()
+  if cfg.packing != "cram":
+    ids = [np.asarray(tok.encode(d) + [tok.eos_id], np.int32) for d in docs]
+    plan = packing.plan_rows(np.array([len(x) for x in ids]), cfg.seq_len + 1, cfg.packing)
+    return packing.packed_dataset(packing.PackedRows(plan, ids.__getitem__), seed, split)
   windows = text.cram_pack(docs, tok, cfg.seq_len)
   n_eval = max(1, len(windows) // 20)
   windows = windows[n_eval:] if split == "train" else windows[:n_eval]
   return text.text_dataset(windows, tok.eos_id, seed)
+
+
+def check_packing_model(cfg: TrainConfig) -> None:
+  """A ValueError, before anything is built, when ``packing="documents"`` meets a model with
+  layers that cannot keep packed documents apart (naming them and the other packings)."""
+  if cfg.packing != "documents":
+    return
+  kinds = documents_kinds()
+  refused = sorted(set(cfg.model.layer_mixers) - set(kinds))
+  if refused:
+    raise ValueError(f"packing='documents' needs layers that take segment ids ({', '.join(kinds)}"
+                     f"); this model has {', '.join(refused)}: use packing='pad' or 'cram'.")
+  if cfg.model.kv_sharing != "none":
+    raise ValueError(f"packing='documents' does not run with cross-layer KV sharing "
+                     f"(kv_sharing={cfg.model.kv_sharing!r}): use packing='pad' or 'cram'.")
 
 
 def put_batch(batch: dict, batch_sharding, rows: Optional[np.ndarray] = None,

@@ -31,11 +31,13 @@ class EvalSpec:
   loss_slice_len: int
   compute_dtype: str
   batch_sharding: Any = None
+  documents: bool = False  # the model reads the batch's segment_ids (packing="documents")
 
   @classmethod
   def of(cls, cfg: TrainConfig, batch_sharding=None) -> "EvalSpec":
     return cls(cfg.task, cfg.model.options_of("kvm").window_len, cfg.grad_accum_steps,
-               cfg.loss_slice_len, cfg.model.compute_dtype, batch_sharding)
+               cfg.loss_slice_len, cfg.model.compute_dtype, batch_sharding,
+               cfg.packing == "documents")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -50,7 +52,8 @@ def eval_sums(graphdef, spec: EvalSpec, params, batch: dict) -> dict:
     loss, count, pred = loss_sums(graphdef, params, batch["inputs"], batch["labels"],
                                   remat="none", slice_len=spec.loss_slice_len,
                                   compute_dtype=spec.compute_dtype,
-                                  predictions=spec.task in ("mqar", "niah"))
+                                  predictions=spec.task in ("mqar", "niah"),
+                                  segment_ids=batch["segment_ids"] if spec.documents else None)
     out = {"loss_sum": loss, "tokens": count}
     labels = batch["labels"]
     valid = labels != IGNORE
@@ -97,7 +100,8 @@ def evaluate(graphdef, params, cfg: TrainConfig, batches: int, dataset=None,
   total: dict[str, int | float] = {}
   for index in range(batches):
     batch = reader.read(index)
-    batch = {k: v for k, v in batch.items() if k in ("inputs", "labels", "distance")}
+    batch = {k: v for k, v in batch.items()
+             if k in ("inputs", "labels", "distance", "segment_ids")}
     if batch_sharding is not None:
       batch = put_batch(batch, batch_sharding, rows, cfg.batch_size)
     for k, v in jax.device_get(eval_step(params, batch)).items():

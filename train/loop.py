@@ -33,7 +33,7 @@ from kvm_jax.tasks.pipeline import BatchReader
 from kvm_jax.train import distill, hooks, sharding
 from kvm_jax.train.adamc import PartlyFrozen
 from kvm_jax.train.accounting import StepClock, flops_per_token, peak_flops, visible_keys
-from kvm_jax.train.data import check_vocabulary, put_batch, task_dataset
+from kvm_jax.train.data import check_packing_model, check_vocabulary, put_batch, task_dataset
 from kvm_jax.train.evaluation import EvalSpec, eval_sums, evaluate, make_eval_step
 from kvm_jax.train.hooks import NonFiniteError, parse_profile_steps
 from kvm_jax.train.objectives import (FrozenParameters, LMObjective, Objective, loss_sums,
@@ -73,6 +73,7 @@ def preflight(cfg: TrainConfig, workdir):
   Returns :func:`check_resume`'s answer (None: nothing to resume)."""
   check_workdir(cfg, workdir)
   check_vocabulary(cfg)
+  check_packing_model(cfg)
   return check_resume(cfg, workdir)
 
 

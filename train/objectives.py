@@ -53,11 +53,13 @@ def masked_loss(logits, labels):
 
 
 def loss_sums(graphdef, params, inputs, labels, *, remat: str, slice_len: int, compute_dtype,
-              predictions: bool = False):
+              predictions: bool = False, segment_ids=None):
   """(loss sum, token count, argmax or None) of one (micro-)batch: the model's features with
-  ``remat``, then the LM head and cross-entropy over ``slice_len`` slices."""
+  ``remat`` (over packed documents with ``segment_ids``), then the LM head and cross-entropy over
+  ``slice_len`` slices."""
   model = nnx.merge(graphdef, params)
-  return sliced_loss_sums(model.features(inputs, remat), model.lm_head.kernel[...], labels,
+  features = model.features(inputs, remat, segment_ids=segment_ids)
+  return sliced_loss_sums(features, model.lm_head.kernel[...], labels,
                           compute_dtype=compute_dtype, slice_len=slice_len,
                           predictions=predictions)
 
@@ -66,21 +68,25 @@ def loss_sums(graphdef, params, inputs, labels, *, remat: str, slice_len: int, c
 class LMObjective:
   """The trainer's default objective: next-token cross-entropy summed over the micro-batch's
   labelled positions and divided by the whole batch's count, so the step's loss is the mean over
-  every labelled token of the batch. No auxiliary metrics."""
+  every labelled token of the batch. No auxiliary metrics. With ``documents`` the model reads
+  the batch's ``segment_ids`` (``packing="documents"``)."""
 
   remat: str
   slice_len: int
   compute_dtype: str
+  documents: bool = False
 
   @classmethod
   def of(cls, cfg: TrainConfig) -> "LMObjective":
-    """The objective with ``cfg``'s remat policy, loss slicing and compute dtype."""
-    return cls(cfg.remat, cfg.loss_slice_len, cfg.model.compute_dtype)
+    """The objective with ``cfg``'s remat policy, loss slicing, compute dtype and packing."""
+    return cls(cfg.remat, cfg.loss_slice_len, cfg.model.compute_dtype,
+               cfg.packing == "documents")
 
   def __call__(self, graphdef, params, batch: dict, extra: Any, total: jax.Array
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
     loss_sum = loss_sums(graphdef, params, batch["inputs"], batch["labels"], remat=self.remat,
-                         slice_len=self.slice_len, compute_dtype=self.compute_dtype)[0]
+                         slice_len=self.slice_len, compute_dtype=self.compute_dtype,
+                         segment_ids=batch["segment_ids"] if self.documents else None)[0]
     return loss_sum / total, {}
 
 

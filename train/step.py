@@ -143,6 +143,8 @@ def make_train_step(graphdef, optimizer, shardings=None, cfg: TrainConfig | None
     if cfg.on_nonfinite == "stop":
       halted = halted | ~finite
     stats = {"loss": loss, "grad_norm": norm, "finite": finite, "halted": halted, **aux}
+    if "segment_ids" in batch:  # packed rows: how much of the step is documents, not padding
+      stats["real_token_fraction"] = jnp.mean((batch["segment_ids"] != 0).astype(jnp.float32))
     return params, opt_state, stats
 
   if shardings is None:

@@ -39,6 +39,8 @@ from kvm_jax.nn.layers import (depth_ratio, float32_init, layer_norm, linear, to
 from kvm_jax.ops import attention as attn_ops
 from kvm_jax.ops.attention import RingCache
 from kvm_jax.ops.common import tree_nbytes
+from kvm_jax.ops.documents import (Documents, WindowRule, combine_partials,
+                                   document_window_partials)
 from kvm_jax.ops.rope import apply_rope, rope_tables
 
 Array = jax.Array
@@ -98,6 +100,9 @@ class AttentionFrontEnd(nnx.Module):
   PARAM_GROUPS: dict = {}
   # Per-head LayerNorms of q and k (the authors' ``qk_norm``; OVQ layers have none).
   QK_NORM: bool = True
+  # Whether ``mix_own`` takes packed documents (a ``documents=`` keyword, see
+  # :meth:`kvm_jax.nn.model.LM.__call__`): a kind without it is refused with segment_ids.
+  DOCUMENTS: bool = False
 
   @classmethod
   def mup_d_in_ratios(cls, cfg: ModelConfig) -> dict:
@@ -176,12 +181,14 @@ class AttentionFrontEnd(nnx.Module):
   def _head_norm(self, name: str, x: Array) -> Array:
     return getattr(self, name)(x) if self.QK_NORM else x
 
-  def _query_heads(self, q: Array, prev: Optional[LayerCache], dtype) -> Array:
-    """Projected queries ``[B, T, H·D]`` -> token shift, heads, LN_q: ``[B, T, H, D]``."""
+  def _query_heads(self, q: Array, prev: Optional[LayerCache], dtype,
+                   starts: Optional[Array] = None) -> Array:
+    """Projected queries ``[B, T, H·D]`` -> token shift, heads, LN_q: ``[B, T, H, D]``
+    (``starts``: documents' first tokens, where the shift restarts)."""
     cfg = self.cfg
     B, T, _ = q.shape
     if cfg.tokenshift_attention:
-      q = token_shift(q, self.x_q[...], None if prev is None else prev.last_q, "first")
+      q = token_shift(q, self.x_q[...], None if prev is None else prev.last_q, "first", starts)
     return self._head_norm("ln_q", q.reshape(B, T, cfg.num_heads, cfg.qk_head_dim)).astype(dtype)
 
   def queries(self, x: Array, positions: Array, prev: Optional[LayerCache]):
@@ -191,10 +198,11 @@ class AttentionFrontEnd(nnx.Module):
     return self._rotate(self._query_heads(q, prev, x.dtype), positions), tails
 
   def qkv(self, x: Array, v_first: Optional[Array], positions: Array,
-          prev: Optional[LayerCache]):
+          prev: Optional[LayerCache], starts: Optional[Array] = None):
     """``(q [B,T,H,D], k [B,T,Hkv,D], v [B,T,Hkv,Dv], tails)`` of a layer with its own K/V:
     value residual, then token shift of the projected q/k/v, QK-LN, RoPE. ``tails`` are the last
-    projected (pre-shift) q/k/v: the next decode step's z_{t-1}."""
+    projected (pre-shift) q/k/v: the next decode step's z_{t-1}. ``starts [B, T]``: the first
+    tokens of packed documents, where the token shift restarts."""
     cfg = self.cfg
     B, T, _ = x.shape
     q, k, v = self.c_q(x), self.c_k(x), self.c_v(x)
@@ -203,10 +211,10 @@ class AttentionFrontEnd(nnx.Module):
                             + self.v_gate2(self.v_gate1(x)).astype(jnp.float32))
       v = v + (v_first.astype(v.dtype) - v) * gate.astype(v.dtype)
     tails = (q[:, -1:], k[:, -1:], v[:, -1:])
-    q = self._query_heads(q, prev, x.dtype)
+    q = self._query_heads(q, prev, x.dtype, starts)
     if cfg.tokenshift_attention:
-      k = token_shift(k, self.x_k[...], None if prev is None else prev.last_k, "first")
-      v = token_shift(v, self.x_v[...], None if prev is None else prev.last_v, "first")
+      k = token_shift(k, self.x_k[...], None if prev is None else prev.last_k, "first", starts)
+      v = token_shift(v, self.x_v[...], None if prev is None else prev.last_v, "first", starts)
     D, Dv = cfg.qk_head_dim, cfg.v_head_dim
     k = self._head_norm("ln_k", k.reshape(B, T, cfg.kv_heads, D)).astype(x.dtype)
     v = v.reshape(B, T, cfg.kv_heads, Dv)
@@ -214,15 +222,25 @@ class AttentionFrontEnd(nnx.Module):
 
   def __call__(self, x: Array, v_first: Optional[Array], positions: Array,
                cache: Optional[LayerCache] = None, decode: bool = False,
-               shared: Optional[kv_sharing.SharedKV] = None):
+               shared: Optional[kv_sharing.SharedKV] = None, documents=None):
     """Whole sequence (``decode=False``; fills ``cache.mixer`` if a cache is given) or one token.
 
     Returns ``(output, new mixer cache, token-shift tails, exports)``; ``exports`` is what layers
-    above may read (see :class:`kv_sharing.SharedKV`).
+    above may read (see :class:`kv_sharing.SharedKV`). ``documents``: packed documents
+    (:class:`kvm_jax.ops.documents.Documents`; ``positions`` are then their own positions), for
+    a whole sequence without a cache, in a layer with its own keys and values.
     """
     prev = cache if decode else None
     mixer_cache = None if cache is None else cache.mixer
-    if self.sources is None:
+    if documents is not None:
+      if decode or cache is not None or self.sources is not None:
+        raise ValueError("segment_ids: packed documents run as whole sequences without a cache "
+                         "and without cross-layer KV sharing; prefill and decode take one "
+                         "sequence per row.")
+      q, k, v, tails = self.qkv(x, v_first, positions, prev, documents.position == 0)
+      y, mixer_cache, exports = self.mix_own(x, q, k, v, mixer_cache, decode, shared,
+                                             documents=documents)
+    elif self.sources is None:
       q, k, v, tails = self.qkv(x, v_first, positions, prev)
       y, mixer_cache, exports = self.mix_own(x, q, k, v, mixer_cache, decode, shared)
     else:
@@ -248,9 +266,23 @@ class SoftmaxAttention(AttentionFrontEnd):
   geometry."""
 
   RING: str = "full"
+  DOCUMENTS = True
 
   def ring_geometry(self) -> dict:
     return {}
+
+  def document_rule(self) -> WindowRule:
+    """Which keys of its own document a query sees (:class:`WindowRule`), for packed
+    documents."""
+    return WindowRule("causal")
+
+  def attend_documents(self, q, k, v, documents: Documents):
+    """:meth:`attend` on packed documents: each document as if alone."""
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    parts = document_window_partials(q.reshape(B, T, Hkv, H // Hkv, D), k, v, documents,
+                                     self.document_rule(), key_scale=D ** -0.5)
+    return combine_partials(parts).reshape(B, T, H, v.shape[-1]).astype(q.dtype)
 
   def init_cache(self, batch: int, max_len: int) -> Optional[RingCache]:
     if self.sources is not None:
@@ -258,8 +290,10 @@ class SoftmaxAttention(AttentionFrontEnd):
     return attn_ops.init_ring_cache(self.RING, **self.ring_geometry(),
                                     **self._cache_sizes(batch, max_len))
 
-  def mix_own(self, x, q, k, v, mixer_cache, decode, shared):
-    if decode:
+  def mix_own(self, x, q, k, v, mixer_cache, decode, shared, documents=None):
+    if documents is not None:
+      y = self.attend_documents(q, k, v, documents)
+    elif decode:
       y, mixer_cache = attn_ops.ring_decode_step(q, k, v, mixer_cache)
     else:
       y = self.attend(q, k, v)

@@ -9,6 +9,8 @@ from kvm_jax.budget import average_window_keys
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.attention import SoftmaxAttention
 from kvm_jax.ops import attention as attn_ops
+from kvm_jax.ops.documents import (WindowRule, combine_partials, document_sink_partials,
+                                   document_window_partials)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,3 +54,21 @@ class BlockSlidingWindowAttention(SoftmaxAttention):
   def ring_geometry(self):
     o = self.options
     return dict(chunk_size=o.chunk_size, window_chunks=o.window_chunks, sink_rows=o.sink_rows)
+
+  def document_rule(self):
+    o = self.options
+    return WindowRule("chunks", chunk=o.chunk_size, window_chunks=o.window_chunks)
+
+  def attend_documents(self, q, k, v, documents):
+    """The window of each document's own chunk grid, plus its first ``sink_rows`` tokens while
+    they lie before that window, in one softmax."""
+    o = self.options
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    q5 = q.reshape(B, T, Hkv, H // Hkv, D)
+    parts = [document_window_partials(q5, k, v, documents, self.document_rule(),
+                                      key_scale=D ** -0.5)]
+    if o.sink_rows:
+      parts.append(document_sink_partials(q5, k, v, documents, o.sink_rows, o.chunk_size,
+                                          o.window_chunks, key_scale=D ** -0.5))
+    return combine_partials(*parts).reshape(B, T, H, v.shape[-1]).astype(q.dtype)

@@ -33,6 +33,7 @@ class KVMAttention(AttentionFrontEnd):
 
   Options = KVMConfig
   LOGICAL_AXES = {**AttentionFrontEnd.LOGICAL_AXES, "key_weighting": ("embed", "kv_heads")}
+  DOCUMENTS = True
 
   @classmethod
   def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
@@ -99,12 +100,19 @@ class KVMAttention(AttentionFrontEnd):
       out = (y, None, *decisions)
     return out[0], out[1], (out[2] if return_routing else None)
 
-  def mix_own(self, x, q, k, v, mixer_cache, decode, shared):
+  def mix_own(self, x, q, k, v, mixer_cache, decode, shared, documents=None):
     """A storage layer: its own K/V and state, possibly following a leader's routing."""
     routing = None
     if self.routing_leader is not None:
       routing = shared.exports[self.routing_leader]["routing"]
     g, params = self.merge_gate(x), self.kvm_params()
+    if documents is not None:
+      # Each document's own id (its number in the row): the op rebuilds the same documents.
+      segment_ids = jnp.where(documents.valid, documents.index + 1, 0)
+      y, _ = kvm_attention(q, k, v, g, params, self.options, segment_ids=segment_ids,
+                           implementation=self.cfg.kvm_implementation, routing=routing,
+                           return_routing=self.exports_routing)
+      return y, None, {"k": k, "v": v, "g": g, "params": params, "cache": None}
     y, mixer_cache, decisions = self.kvm_core(q, k, v, g, params, mixer_cache, decode, routing,
                                               self.exports_routing)
     exports = {"k": k, "v": v, "g": g, "params": params, "cache": mixer_cache}

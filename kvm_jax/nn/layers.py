@@ -46,17 +46,24 @@ def layer_norm(cfg: ModelConfig, n: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
                        rngs=rngs)
 
 
-def shift_delta(z: Array, prev: Optional[Array], fallback: str) -> Array:
+def shift_delta(z: Array, prev: Optional[Array], fallback: str,
+                starts: Optional[Array] = None) -> Array:
   """``z_{t-1} - z_t`` along axis 1; z_{-1} is ``prev`` (decode), else z_0 ("first") or 0
-  ("zero")."""
+  ("zero"). ``starts [B, T]`` (packed documents): True at a document's first token, whose
+  z_{t-1} is the fallback too, as if the document were run alone."""
   if prev is None:
     prev = z[:, :1] if fallback == "first" else jnp.zeros_like(z[:, :1])
-  return jnp.concatenate([prev.astype(z.dtype), z[:, :-1]], axis=1) - z
+  delta = jnp.concatenate([prev.astype(z.dtype), z[:, :-1]], axis=1) - z
+  if starts is None:
+    return delta
+  restart = jnp.zeros_like(z) if fallback == "first" else -z
+  return jnp.where(starts[..., None], restart, delta)
 
 
-def token_shift(z: Array, mix: Array, prev: Optional[Array], fallback: str) -> Array:
+def token_shift(z: Array, mix: Array, prev: Optional[Array], fallback: str,
+                starts: Optional[Array] = None) -> Array:
   """``z + mix * (z_{t-1} - z_t)`` (:func:`shift_delta`)."""
-  return z + mix.astype(z.dtype) * shift_delta(z, prev, fallback)
+  return z + mix.astype(z.dtype) * shift_delta(z, prev, fallback, starts)
 
 
 def depth_ratio(cfg: ModelConfig, layer: int) -> float:

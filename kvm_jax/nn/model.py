@@ -19,10 +19,11 @@ from flax import nnx
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.attention import LayerCache
 from kvm_jax.nn.kv_sharing import SharedKV
-from kvm_jax.nn.registry import mixer_class
+from kvm_jax.nn.registry import mixer_class, registered_mixers
 from kvm_jax.nn.layers import (depth_ratio, float32_init, layer_norm, linear, token_shift,
                                 zeros_init)
 from kvm_jax.ops.common import tree_nbytes
+from kvm_jax.ops.documents import Documents, check_segment_ids, documents
 from kvm_jax.ops.loss import head_logits
 
 Array = jax.Array
@@ -50,9 +51,10 @@ class MLP(nnx.Module):
                                                       depth_ratio(cfg, layer) ** 4),
                                        cfg.jnp_param_dtype))
 
-  def __call__(self, x: Array, prev: Optional[Array] = None) -> Array:
+  def __call__(self, x: Array, prev: Optional[Array] = None,
+               starts: Optional[Array] = None) -> Array:
     if self.cfg.tokenshift_mlp:
-      x = token_shift(x, self.x_k[...], prev, "zero")
+      x = token_shift(x, self.x_k[...], prev, "zero", starts)
     return self.c_proj(jnp.square(jax.nn.relu(self.c_fc(x))))
 
 
@@ -68,25 +70,36 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, layer, rngs=rngs)
 
   def mix(self, x, v_first, positions, cache: Optional[LayerCache] = None, decode=False,
-          shared: Optional[SharedKV] = None):
+          shared: Optional[SharedKV] = None, documents: Optional[Documents] = None):
     """The mixer branch on the block input ``x [B, T, C]``: ``(h, mixer cache, token-shift
     tails, exports)`` with ``h = mixer(LN(x))`` before the residual scale (what attention
-    transfer matches layer by layer)."""
-    return self.attn(self.ln_attn(x).astype(x.dtype), v_first, positions, cache, decode, shared)
+    transfer matches layer by layer). ``documents``: packed documents (:meth:`LM.__call__`'s
+    ``segment_ids``), passed only to kinds that take them (``DOCUMENTS``)."""
+    x_in = self.ln_attn(x).astype(x.dtype)
+    if documents is None:
+      return self.attn(x_in, v_first, positions, cache, decode, shared)
+    if not getattr(type(self.attn), "DOCUMENTS", False):
+      raise ValueError(f"segment_ids: '{self.attn.kind}' layers do not take packed documents "
+                       f"yet (the kinds that do: {', '.join(documents_kinds())}); run such "
+                       "models on one document per row (packing 'pad').")
+    return self.attn(x_in, v_first, positions, cache, decode, shared, documents=documents)
 
   def __call__(self, x, v_first, positions, cache: Optional[LayerCache] = None, decode=False,
-               shared: Optional[SharedKV] = None):
-    x, new_cache, exports, _ = self.run(x, v_first, positions, cache, decode, shared)
+               shared: Optional[SharedKV] = None, documents: Optional[Documents] = None):
+    x, new_cache, exports, _ = self.run(x, v_first, positions, cache, decode, shared, documents)
     return x, new_cache, exports
 
   def run(self, x, v_first, positions, cache: Optional[LayerCache] = None, decode=False,
-          shared: Optional[SharedKV] = None):
+          shared: Optional[SharedKV] = None, documents: Optional[Documents] = None):
     """The block: ``(output, new cache, exports, mixer output h)``."""
     dtype = x.dtype
-    h, mixer_cache, tails, exports = self.mix(x, v_first, positions, cache, decode, shared)
+    h, mixer_cache, tails, exports = self.mix(x, v_first, positions, cache, decode, shared,
+                                              documents)
     x = x + self.cfg.scale * h
     m_in = self.ln_mlp(x).astype(dtype)
-    x = x + self.cfg.scale * self.mlp(m_in, cache.last_mlp if (decode and cache) else None)
+    starts = None if documents is None else documents.position == 0
+    x = x + self.cfg.scale * self.mlp(m_in, cache.last_mlp if (decode and cache) else None,
+                                      starts)
     new_cache = None
     if cache is not None:
       new_cache = LayerCache(mixer=mixer_cache, last_q=tails[0], last_k=tails[1], last_v=tails[2],
@@ -126,8 +139,10 @@ class LM(nnx.Module):
       bad = low if low < 0 else top
       raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size}).")
 
-  def _run(self, tokens, positions, caches, decode, remat: str = "none"):
-    """Final hidden states ``[B, T, C]`` (after the head LayerNorm, compute dtype) and caches."""
+  def _run(self, tokens, positions, caches, decode, remat: str = "none",
+           documents: Optional[Documents] = None):
+    """Final hidden states ``[B, T, C]`` (after the head LayerNorm, compute dtype) and caches.
+    ``documents``: packed documents (then ``positions`` are their positions)."""
     cfg = self.cfg
     if remat not in REMAT_POLICIES:
       raise ValueError(f"remat={remat!r} is unknown; choose from {tuple(REMAT_POLICIES)}.")
@@ -136,7 +151,7 @@ class LM(nnx.Module):
     sharing = cfg.kv_sharing != "none"
     period = layer_period(cfg)
     if remat != "none" and caches is None and period is not None:
-      x = self._scanned_blocks(x0, anchors, positions, period, REMAT_POLICIES[remat])
+      x = self._scanned_blocks(x0, anchors, positions, period, REMAT_POLICIES[remat], documents)
       return self.ln_head(x).astype(x.dtype), None
     x, new_caches, exports = x0, [], {}
     old_caches = None if caches is None else [c.mixer for c in caches]
@@ -144,12 +159,12 @@ class LM(nnx.Module):
       anchor = anchors[cfg.value_anchor(i)]
       if remat != "none" and caches is None:  # unrolled: cross-layer KV sharing
         x, exports[i] = _checkpointed_block(block, REMAT_POLICIES[remat], x, anchor, positions,
-                                            exports, sharing)
+                                            exports, sharing, documents)
         c = None
       else:
         shared = SharedKV(exports=exports, old_caches=old_caches) if sharing else None
         x, c, exports[i] = block(x, anchor, positions, None if caches is None else caches[i],
-                                 decode, shared)
+                                 decode, shared, documents)
       new_caches.append(c)
     features = self.ln_head(x).astype(x.dtype)
     return features, (None if caches is None else new_caches)
@@ -188,7 +203,7 @@ class LM(nnx.Module):
       outputs.append(h)
     return inputs, outputs, self.ln_head(x).astype(x.dtype)
 
-  def _scanned_blocks(self, x, anchors, positions, period: int, policy):
+  def _scanned_blocks(self, x, anchors, positions, period: int, policy, documents=None):
     """The blocks as a ``lax.scan`` over groups of ``period`` layers whose states are stacked
     (maxtext's scanned layers), each group rematerialized under ``policy``.
 
@@ -208,7 +223,7 @@ class LM(nnx.Module):
 
     def group(x, states):
       for graphdef, state, anchor in zip(graphdefs, states, group_anchors):
-        x = nnx.merge(graphdef, state)(x, anchor, positions, None, False, None)[0]
+        x = nnx.merge(graphdef, state)(x, anchor, positions, None, False, None, documents)[0]
       return x, None
 
     group = jax.checkpoint(group, policy=policy, prevent_cse=True)
@@ -218,17 +233,30 @@ class LM(nnx.Module):
     """The LM head: ``[..., C]`` hidden states -> float32 logits ``[..., V]``."""
     return head_logits(features, self.lm_head.kernel[...], self.cfg.compute_dtype)
 
-  def features(self, tokens: Array, remat: str = "none") -> Array:
+  def features(self, tokens: Array, remat: str = "none", *,
+               segment_ids: Optional[Array] = None) -> Array:
     """Final hidden states ``[B, T, C]`` of a whole sequence (head LayerNorm applied; the LM head
     not): what a loss over slices of the sequence (:func:`kvm_jax.ops.loss.sliced_loss_sums`)
-    consumes. ``remat`` is one of :data:`REMAT_POLICIES`."""
+    consumes. ``remat`` is one of :data:`REMAT_POLICIES`; ``segment_ids`` as in
+    :meth:`__call__`."""
     self.check_tokens(tokens)
-    positions = jnp.arange(tokens.shape[1])[None]
-    return self._run(tokens, positions, None, False, remat)[0]
+    if segment_ids is None:
+      positions = jnp.arange(tokens.shape[1])[None]
+      return self._run(tokens, positions, None, False, remat)[0]
+    check_segment_ids(segment_ids, tokens.shape, "LM")
+    docs = documents(segment_ids)
+    return self._run(tokens, docs.position, None, False, remat, docs)[0]
 
-  def __call__(self, tokens: Array, remat: str = "none") -> Array:
-    """Logits ``[B, T, V]`` (float32) of a whole sequence."""
-    return self.logits(self.features(tokens, remat))
+  def __call__(self, tokens: Array, remat: str = "none", *,
+               segment_ids: Optional[Array] = None) -> Array:
+    """Logits ``[B, T, V]`` (float32) of a whole sequence.
+
+    ``segment_ids [B, T]`` (int, 0 = padding; each maximal run of one nonzero id is a document):
+    rows of packed documents. Every document's logits are those of the document run alone
+    (positions, token shift, windows and states restart at its first token); padding positions
+    give finite logits that no document sees (leave them out of the loss). Without it the rows
+    are single sequences, exactly as before."""
+    return self.logits(self.features(tokens, remat, segment_ids=segment_ids))
 
   def init_cache(self, batch: int, max_len: int) -> list[LayerCache]:
     cfg = self.cfg
@@ -279,18 +307,25 @@ def layer_period(cfg: ModelConfig):
   return None
 
 
-def _checkpointed_block(block: Block, policy, x, v_first, positions, exports, sharing: bool):
+def _checkpointed_block(block: Block, policy, x, v_first, positions, exports, sharing: bool,
+                        documents: Optional[Documents] = None):
   """``block`` on a whole sequence under ``jax.checkpoint(policy)``: (x, exports). The block runs
   as a pure function of its split state."""
   graphdef, state = nnx.split(block)
 
-  def run(state, x, v_first, positions, exports):
+  def run(state, x, v_first, positions, exports, documents):
     shared = SharedKV(exports=exports) if sharing else None
-    y, _, out = nnx.merge(graphdef, state)(x, v_first, positions, None, False, shared)
+    y, _, out = nnx.merge(graphdef, state)(x, v_first, positions, None, False, shared, documents)
     return y, (out if sharing else {})  # exports are read only by cross-layer KV sharing
 
   return jax.checkpoint(run, policy=policy, prevent_cse=True)(state, x, v_first, positions,
-                                                              exports if sharing else {})
+                                                              exports if sharing else {},
+                                                              documents)
+
+
+def documents_kinds() -> list[str]:
+  """The registered mixer kinds that take packed documents (``DOCUMENTS = True``)."""
+  return [kind for kind, cls in registered_mixers().items() if getattr(cls, "DOCUMENTS", False)]
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:

@@ -10,6 +10,7 @@ import numpy as np
 
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.attention import SoftmaxAttention
+from kvm_jax.ops.documents import WindowRule
 from kvm_jax.ops.attention_api import causal_attention
 
 
@@ -51,3 +52,6 @@ class SlidingWindowAttention(SoftmaxAttention):
 
   def ring_geometry(self):
     return dict(window=self.options.window)
+
+  def document_rule(self):
+    return WindowRule("sliding", window=self.options.window)

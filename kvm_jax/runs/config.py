@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvm_jax.tasks.packing import check_packing
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.model import REMAT_POLICIES
 from kvm_jax.tasks.mqar import MQARSpec
@@ -73,6 +74,11 @@ class TrainConfig:
     niah: NIAH task (RULER task name, lengths, tokenizer) when ``task == "niah"``.
     text_files: local .txt/.jsonl files for ``task == "text"``; empty = the embedded corpus.
     seq_len: training sequence length (text; MQAR uses ``mqar.seq_len``).
+    packing: how text documents become rows (:mod:`kvm_jax.tasks.packing`): "cram" (the paper's
+      training rows: a row's state runs from one document into the next), "pad" (one document
+      per row from its first token, truncated or padded: the paper's validation rows) or
+      "documents" (whole documents packed with segment ids, each computed as if alone; needs
+      layers that take them).
     batch_size: sequences per step (global, split over the data axis of the mesh).
     steps: optimizer steps; warmup_steps: linear warm-up steps of the schedule.
     learning_rate / weight_decay: peak lr and wd of AdamC (wd follows lr, docs/kvm-spec.md §8).
@@ -121,6 +127,7 @@ class TrainConfig:
   niah: NIAHSpec = dataclasses.field(default_factory=NIAHSpec)
   text_files: tuple = ()
   seq_len: int = 256
+  packing: str = "cram"
   batch_size: int = 16
   steps: int = 1000
   warmup_steps: int = 100
@@ -189,6 +196,10 @@ class TrainConfig:
                        f"{self.grad_clip_norm}.")
     if self.on_nonfinite not in ("stop", "skip"):
       raise ValueError(f"on_nonfinite={self.on_nonfinite!r}; choose 'stop' or 'skip'.")
+    check_packing(self.packing)
+    if self.packing != "cram" and self.task != "text":
+      raise ValueError(f"packing={self.packing!r} packs text documents, but task={self.task!r} "
+                       "makes its own rows; set task='text' or packing='cram'.")
     if self.data_dir and self.task != "text":
       raise ValueError(f"data_dir={self.data_dir!r} is a text corpus but task={self.task!r}; set "
                        "task='text' or clear data_dir.")

@@ -41,8 +41,10 @@ from kvm_jax.kernels.readout import joint_attention_heads_pallas, joint_attentio
 from kvm_jax.kernels.sharding import ShardAxes, current_shard_axes, kernel_sharding  # noqa: F401
 from kvm_jax.kernels.update import update_state_pallas
 from kvm_jax.ops.common import current_platform, is_concrete
+from kvm_jax.ops.documents import check_segment_ids
 from kvm_jax.ops.kvm import decode
 from kvm_jax.ops.kvm.decode import KVMCache, check_against_cache
+from kvm_jax.ops.kvm.documents import kvm_attention_documents
 from kvm_jax.ops.kvm.scan import XLA_OPS, ChunkOps, kvm_attention_scan, source_layout_for
 from kvm_jax.ops.kvm.state import KVMParams, row_update_for, validate_inputs
 
@@ -208,7 +210,7 @@ def resolve_implementation(implementation: str, cfg: KVMConfig, readout: str = "
 def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
                   cfg: KVMConfig, *, implementation: str = "xla", remat: bool = True,
                   routing=None, return_routing: bool = False, readout: str = "auto",
-                  kernel_config: Optional[KernelConfig] = None):
+                  kernel_config: Optional[KernelConfig] = None, segment_ids=None):
   """KVM attention over a whole sequence (prefill / training forward), jit-compiled.
 
   Args:
@@ -228,16 +230,39 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
       softmax over [state ; window]; "auto" uses tokamax only where it was measured faster.
     kernel_config: the Pallas kernels' configuration (default: for this machine); see
       :func:`resolve_kvm_backend`, which decides all of these (call it to see what runs).
+    segment_ids: ``[B, T]`` int, 0 = padding, each maximal run of one nonzero id one document:
+      every document's outputs are those of the document run alone (its own chunk grid, budget,
+      state and window; docs/kvm-spec.md §12). Runs on the XLA path
+      (:mod:`kvm_jax.ops.kvm.documents`); shared routing is not available with it.
   Returns:
     ``y [B, T, H, Dv]`` in q's dtype, and the final :class:`KVMState` (float32, capacity = the
-    number of rows the schedule reaches at T).
+    number of rows the schedule reaches at T). With ``segment_ids``: the state of each row's last
+    document, ``num_rows`` per row ``[B]``.
   """
   validate_inputs(q, k, v, merge_gate, params, cfg)
+  if segment_ids is not None:
+    return _kvm_documents(q, k, v, merge_gate, params, cfg, segment_ids, implementation, remat,
+                          routing, return_routing)
   be = resolve_kvm_backend(cfg, implementation=implementation, readout=readout,
                            kernel_config=kernel_config)
   return kvm_attention_scan(q, k, v, merge_gate, params, cfg=cfg, ops=be.chunk_ops(),
                             remat=remat, row_update=be.row_update, routing=routing,
                             return_routing=return_routing, source_layout=be.source_layout)
+
+
+def _kvm_documents(q, k, v, merge_gate, params, cfg, segment_ids, implementation, remat,
+                   routing, return_routing):
+  """:func:`kvm_attention` with ``segment_ids``: checks what the document path supports."""
+  check_segment_ids(segment_ids, q.shape[:2], "kvm_attention")
+  if routing is not None or return_routing:
+    raise ValueError("kvm_attention: shared routing (routing=, return_routing=) is not available "
+                     "with segment_ids; run shared-routing models on unpacked rows.")
+  if implementation not in ("xla", "auto"):
+    raise ValueError(f"kvm_attention: segment_ids runs on implementation='xla' (the Pallas "
+                     f"kernels take whole rows), got implementation={implementation!r}.")
+  be = resolve_kvm_backend(cfg, implementation="xla")
+  return kvm_attention_documents(q, k, v, merge_gate, params, segment_ids, cfg=cfg,
+                                 row_update=be.row_update, remat=remat)
 
 
 def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,

@@ -337,12 +337,21 @@ def row_adder(row_update: str):
   raise ValueError(f"row_update must be 'auto' or one of {ROW_UPDATES}, got {row_update!r}.")
 
 
+def per_row(count, ndim: int) -> Array:
+  """A row count, one for the batch (a scalar) or one per batch row (``[B]``: packed documents),
+  shaped to broadcast against a batch-first array of ``ndim`` dimensions (a scalar stays one)."""
+  count = jnp.asarray(count)
+  return count if count.ndim == 0 else count.reshape(count.shape + (1,) * (ndim - 1))
+
+
 def novelty_scores(k_bar: Array, read: Array, num_rows: Array) -> Array:
   """Max over rows ``[0, num_rows)`` of ``k_bar · read`` per token (float32, HIGHEST).
 
-  ``k_bar [B, Hkv, C, D]``, ``read [B, Hkv, R, D]`` -> ``[B, Hkv, C]``."""
+  ``k_bar [B, Hkv, C, D]``, ``read [B, Hkv, R, D]`` -> ``[B, Hkv, C]``; ``num_rows`` a scalar or
+  per batch row ``[B]``."""
   sim = jnp.einsum("bhcd,bhrd->bhcr", k_bar, read, precision=jax.lax.Precision.HIGHEST)
-  return jnp.max(jnp.where(jnp.arange(read.shape[2]) < num_rows, sim, -jnp.inf), axis=-1)
+  return jnp.max(jnp.where(jnp.arange(read.shape[2]) < per_row(num_rows, 4), sim, -jnp.inf),
+                 axis=-1)
 
 
 def merge_targets(k_gated: Array, read: Array, first_row: int, stop_row: Array | int) -> Array:
@@ -358,7 +367,8 @@ def merge_targets(k_gated: Array, read: Array, first_row: int, stop_row: Array |
   if full:
     return (first_argmax(logits) + first_row).astype(jnp.int32)
   row = jnp.arange(read.shape[2])
-  return first_argmax(jnp.where((row >= first_row) & (row < stop_row), logits, -jnp.inf))
+  return first_argmax(jnp.where((row >= first_row) & (row < per_row(stop_row, 4)), logits,
+                                -jnp.inf))
 
 
 class RoutingOps(NamedTuple):
@@ -387,7 +397,8 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
     state: current state, ``num_rows`` valid rows.
     overflow_k / overflow_v / overflow_g: ``[B, C, Hkv, D]`` / ``[B, C, Hkv, Dv]`` /
       ``[B, C, Hkv]``, the chunk leaving the exact window (head-major with ``head_major``).
-    n_append: int32 scalar from the static schedule (may be traced).
+    n_append: int32 scalar from the static schedule (may be traced); with packed documents
+      ``[B]``, one per batch row, as is then ``state.num_rows``.
     row_update: how rows are accumulated (:data:`ROW_UPDATES`): the KVM op passes the choice of
       its backend resolver; "auto" applies :func:`row_update_for` to this machine's platform.
     read_keys: optional LN_s(state.keys) already computed for the readout; saves recomputing it
@@ -428,13 +439,14 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
       # Novelty: max similarity of the ungated prepared key to the valid pre-append rows (sinks
       # too); the n_append least similar tokens take rows m, m+1, ... in token order.
       novelty = routing_ops.novelty(jax.lax.stop_gradient(rows.k_bar), old_read, m)  # [B,Hkv,C]
-      is_append = _ranks_ascending(novelty) < n_append
-      dest = jnp.where(is_append, m + jnp.cumsum(is_append, axis=-1) - 1, R).astype(jnp.int32)
+      is_append = _ranks_ascending(novelty) < per_row(n_append, 3)
+      dest = jnp.where(is_append, per_row(m, 3) + jnp.cumsum(is_append, axis=-1) - 1,
+                       R).astype(jnp.int32)
       keys, values, radius = _add_appended(state.keys, state.values, state.radius, dest, rows,
                                            add_rows)
       # With nothing appended the rows are unchanged and routing reads the readout's LN_s keys
       # (the same values the authors route against), not a second LayerNorm of equal keys.
-      new_read = jnp.where(n_append > 0,
+      new_read = jnp.where(per_row(n_append, 4) > 0,
                            layer_norm(jax.lax.stop_gradient(keys), params.ln_scale,
                                       params.ln_bias, cfg.ln_eps), old_read)
     else:

@@ -1,0 +1,252 @@
+"""KVM over packed documents: every document computed as if it were run alone (``segment_ids``).
+
+A KVM layer's output depends on where each chunk starts (docs/kvm-spec.md §12): a document run
+alone starts its own chunk grid at its first token, its budget counts its own tokens, its state
+starts as its own first chunk, and its window never reaches into the previous document. With
+documents packed at arbitrary offsets the chunk grids of a row's documents do not line up with
+each other, so the computation is split along the joint softmax into two parts that do:
+
+* **the exact window** of every query, in the row's own layout: attention over the keys of the
+  query's document in its chunk-aligned window (:class:`kvm_jax.ops.documents.WindowRule`
+  ``"chunks"`` on document positions), key temperature τ_f. For a document no longer than the
+  window (``window_chunks · chunk_size`` tokens) this is everything: such a query sees no state.
+* **the state**, only for queries at document position ``>= window_chunks · chunk_size``: one
+  ``lax.scan`` over *state steps*, each a query chunk of one document on that document's own grid
+  (its first query at a multiple of ``chunk_size``), gathered from the row. A row's steps come in
+  row order, so a document's steps are consecutive: the first resets the state to the document's
+  first chunk, each step attends its queries to the valid rows, then folds the document chunk that
+  leaves the window with the budget the schedule gives that chunk index. The number of appends is
+  read per row from the static schedule (it depends only on the chunk index within the document,
+  docs/kvm-spec.md §12), so rows and their counts are per batch row.
+
+The two parts' partial sums join in one softmax (:func:`kvm_jax.ops.documents.combine_partials`).
+Steps per row are at most ``ceil(T / chunk_size) - window_chunks`` (every step takes one chunk of
+a document longer than the window past its first ``window_chunks``), so shapes stay static.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvm_jax.budget import kvm_schedule
+from kvm_jax.config import KVMConfig
+from kvm_jax.ops.common import MASKED, matmul_operand, precision_for
+from kvm_jax.ops.documents import (Documents, Partials, WindowRule, combine_partials,
+                                   document_window_partials, documents)
+from kvm_jax.ops.kvm.state import (KVMParams, KVMState, per_row, state_readout, temperatures,
+                                   token_rows, update_state)
+
+Array = jax.Array
+
+
+def state_steps(docs: Documents, cfg: KVMConfig, num_steps: int) -> Array:
+  """The first query token (row index) of every state step, ``[B, num_steps]`` int32, in row
+  order; ``T`` where a row has fewer steps. A step starts at each document position
+  ``p >= window_chunks · chunk_size`` with ``p % chunk_size == 0``."""
+  B, T = docs.position.shape
+  C, L = cfg.chunk_size, cfg.chunk_size * cfg.window_chunks
+  begins = docs.valid & (docs.position >= L) & (docs.position % C == 0)
+  rank = jnp.where(begins, jnp.cumsum(begins, axis=1) - 1, num_steps)    # num_steps: dropped
+  rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+  t = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+  return jnp.full((B, num_steps), T, jnp.int32).at[rows, rank].set(t, mode="drop")
+
+
+def max_state_steps(seq_len: int, cfg: KVMConfig) -> int:
+  """The most state steps a row of ``seq_len`` tokens can hold, whatever its documents: a
+  document of length ``n > L`` (``L = window_chunks · chunk_size``) has ``ceil(n / C) - nb`` of
+  them, and these sum to less than ``seq_len / C - nb + 1`` over documents sharing a row."""
+  return max(0, -(-seq_len // cfg.chunk_size) - cfg.window_chunks)
+
+
+def _rows_of(x: Array, first: Array, size: int) -> Array:
+  """``x[b, first[b] : first[b] + size]`` for every row ``b`` (``x [B, T, ...]``, ``first [B]``;
+  the caller pads ``x`` so the slices stay inside)."""
+  return jax.vmap(lambda row, f: jax.lax.dynamic_slice_in_dim(row, f, size, 0))(x, first)
+
+
+def _state_partials(q: Array, keys: Array, values: Array, valid: Array, temp: Array,
+                    value_dtype) -> tuple:
+  """Partial softmax sums of queries ``q [B, Cq, Hkv, G, D]`` over state rows (readout keys
+  ``[B, Hkv, R, D]``, values ``[B, Hkv, R, Dv]`` or per query head ``[B, Hkv, G, R, Dv]``);
+  ``valid [B, R]`` marks the rows each batch row sees; ``temp [Hkv, G]`` the key scale. Keys are
+  scaled in float32 and cast to the queries' dtype, values and probabilities to ``value_dtype``
+  (the window values'), as in the joint readout (:func:`kvm_jax.ops.common.joint_attention`)."""
+  dtype, precision = q.dtype, precision_for(q.dtype)
+  scaled = (keys.astype(jnp.float32)[:, :, None] * temp[None, :, :, None, None]).astype(dtype)
+  s = jnp.einsum("bqhgd,bhgrd->bhgqr", matmul_operand(q), matmul_operand(scaled),
+                 precision=precision, preferred_element_type=jnp.float32)
+  s = jnp.where(valid[:, None, None, None, :], s, MASKED)
+  top = jax.lax.stop_gradient(jnp.max(s, axis=-1))
+  p = jnp.exp(s - top[..., None])
+  spec = "bhgqr,bhgrv->bhgqv" if values.ndim == 5 else "bhgqr,bhrv->bhgqv"
+  acc = jnp.einsum(spec, matmul_operand(p.astype(value_dtype)),
+                   matmul_operand(values.astype(value_dtype)), precision=precision,
+                   preferred_element_type=jnp.float32)
+  move = lambda x: jnp.moveaxis(x, 3, 1)  # noqa: E731  -> [B, Cq, Hkv, G, ...]
+  return move(top), move(jnp.sum(p, axis=-1)), move(acc)
+
+
+def _select(pick: Array, new, old):
+  """Per batch row, ``new`` where ``pick [B]`` else ``old`` (pytrees of batch-first arrays)."""
+  return jax.tree_util.tree_map(lambda a, b: jnp.where(per_row(pick, a.ndim), a, b), new, old)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "row_update", "remat"))
+def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
+                            segment_ids: Array, cfg: KVMConfig, row_update: str = "auto",
+                            remat: bool = True):
+  """KVM over the documents of ``segment_ids [B, T]``; see :func:`kvm_jax.kvm_attention` for the
+  other arguments (inputs are not re-validated here).
+
+  Returns ``y [B, T, H, Dv]`` in ``q``'s dtype (padding positions: each token attending to itself
+  alone) and the state of each row's last document as run alone (:class:`KVMState` with
+  ``num_rows`` per row, ``[B]``; capacity: the rows the schedule reaches at ``T``). ``remat``:
+  the backward pass keeps the state every ~sqrt(steps) steps and recomputes the rest.
+  """
+  B, T, H, D = q.shape
+  Hkv, Dv = k.shape[2], v.shape[-1]
+  G = H // Hkv
+  C, nb = cfg.chunk_size, cfg.window_chunks
+  docs = documents(segment_ids)
+  state_temp, window_temp = temperatures(params, cfg, Hkv)
+  scale = 1.0 / math.sqrt(D)
+  q5 = q.reshape(B, T, Hkv, G, D)
+  window = document_window_partials(q5, k, v, docs, WindowRule("chunks", chunk=C, window_chunks=nb),
+                                    key_scale=window_temp * scale, block=min(C, 128))
+  sched = kvm_schedule(cfg, T)
+  R = sched.final_rows
+  num_steps = max_state_steps(T, cfg)
+  state = _last_document_start_state(k, v, merge_gate, docs, params, cfg, R)
+  if num_steps == 0:
+    y = combine_partials(window)
+    return y.reshape(B, T, H, Dv).astype(q.dtype), state
+
+  # Every gather below reads at most C rows past a position < T: pad C zeros once.
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, C)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+  q_p, k_p, v_p, g_p = pad(q5), pad(k), pad(v), pad(merge_gate)
+  start_p, length_p = pad(docs.start), pad(docs.length)
+  n_append = jnp.asarray(sched.n_append, jnp.int32)
+  steps = state_steps(docs, cfg, num_steps)                              # [B, num_steps]
+  zero = empty_rows(B, Hkv, R, D, Dv)
+
+  def step(carry, first):
+    state_arrays, num_rows = carry
+    exists = first < T
+    at = jnp.minimum(first, T)
+    doc_start = jnp.take_along_axis(start_p, at[:, None], 1)[:, 0]
+    doc_len = jnp.take_along_axis(length_p, at[:, None], 1)[:, 0]
+    c = jnp.where(exists, (at - doc_start) // C, nb)                      # chunk in the document
+    # The document's first step: its state is its own first chunk (docs/kvm-spec.md §6.5).
+    fresh = token_rows(_rows_of(k_p, doc_start, C), _rows_of(v_p, doc_start, C),
+                       _rows_of(g_p, doc_start, C), params, cfg)
+    fresh = tuple(jnp.pad(x, [(0, 0), (0, 0), (0, R - C)] + [(0, 0)] * (x.ndim - 3))
+                  for x in fresh)
+    reset = exists & (c == nb)
+    state_arrays = _select(reset, fresh, state_arrays)
+    num_rows = jnp.where(reset, C, num_rows)
+    state = KVMState(*state_arrays, num_rows=num_rows)
+    read_keys, read_values = state_readout(state, params, cfg, G)
+    valid_rows = jnp.arange(R)[None, :] < num_rows[:, None]
+    parts = _state_partials(_rows_of(q_p, at, C), read_keys, read_values, valid_rows,
+                            state_temp * scale, v.dtype)
+    # Fold the document chunk leaving the window, if the document goes on past this chunk.
+    folds = exists & ((c + 1) * C < doc_len)
+    leaving = doc_start + (c - nb + 1) * C
+    appended = jnp.where(folds, n_append[jnp.clip(c, 0, len(sched.n_append) - 1)], 0)
+    new = update_state(state, _rows_of(k_p, leaving, C), _rows_of(v_p, leaving, C),
+                       _rows_of(g_p, leaving, C), appended, params, cfg, row_update,
+                       read_keys=read_keys)
+    state_arrays = _select(folds, (new.keys, new.values, new.radius), state_arrays)
+    num_rows = jnp.where(folds, new.num_rows, num_rows)
+    # Queries of this step: the chunk's tokens that belong to the document.
+    in_doc = exists[:, None] & (at[:, None] + jnp.arange(C)[None] < doc_start[:, None]
+                                + doc_len[:, None])
+    where = jnp.where(in_doc, at[:, None] + jnp.arange(C)[None], T)     # T: dropped
+    return (state_arrays, num_rows), (parts, where)
+
+  carry0 = ((zero.keys, zero.values, zero.radius), jnp.zeros((B,), jnp.int32))
+  xs = jnp.moveaxis(steps, 1, 0)
+  if remat:
+    (final_arrays, final_rows), (parts, where) = _scan_in_blocks(step, carry0, xs)
+  else:
+    (final_arrays, final_rows), (parts, where) = jax.lax.scan(step, carry0, xs)
+
+  # Scatter the steps' partial sums back to their tokens; a token without state sees none.
+  top, total, acc = parts                                                # [S, B, C, Hkv, G, ...]
+  rows = jnp.broadcast_to(jnp.arange(B)[None, :, None], where.shape)
+  state_part = Partials(
+      jnp.full((B, T, Hkv, G), MASKED, jnp.float32).at[rows, where].set(top, mode="drop"),
+      jnp.zeros((B, T, Hkv, G), jnp.float32).at[rows, where].set(total, mode="drop"),
+      jnp.zeros((B, T, Hkv, G, Dv), jnp.float32).at[rows, where].set(acc, mode="drop"))
+  y = combine_partials(window, state_part).reshape(B, T, H, Dv).astype(q.dtype)
+
+  # The final state of each row's last document: what its last step left when it is long enough
+  # to have steps, else its first rows (already in ``state``).
+  last_is_long = _last_document_length(docs) > nb * C
+  final = KVMState(*final_arrays, num_rows=final_rows)
+  return y, _select(last_is_long, final, state)
+
+
+def empty_rows(batch: int, kv_heads: int, rows: int, head_dim: int, value_dim: int) -> KVMState:
+  """Zero state arrays with a zero row count per batch row."""
+  return KVMState(keys=jnp.zeros((batch, kv_heads, rows, head_dim), jnp.float32),
+                  values=jnp.zeros((batch, kv_heads, rows, value_dim), jnp.float32),
+                  radius=jnp.zeros((batch, kv_heads, rows), jnp.float32),
+                  num_rows=jnp.zeros((batch,), jnp.int32))
+
+
+def _last_document_length(docs: Documents) -> Array:
+  """``[B]`` length of each row's last document (0 for a row of padding only)."""
+  T = docs.valid.shape[1]
+  last = T - 1 - jnp.argmax(docs.valid[:, ::-1], axis=1)
+  length = jnp.take_along_axis(docs.length, last[:, None], 1)[:, 0]
+  return jnp.where(jnp.any(docs.valid, axis=1), length, 0)
+
+
+def _last_document_start_state(k, v, g, docs: Documents, params, cfg: KVMConfig,
+                               capacity: int) -> KVMState:
+  """The state a row's last document has before any fold: its first ``min(n, chunk_size)``
+  tokens as rows (zero rows past them), ``num_rows [B]``."""
+  B, T = docs.valid.shape
+  C = cfg.chunk_size
+  n = _last_document_length(docs)
+  last = T - 1 - jnp.argmax(docs.valid[:, ::-1], axis=1)
+  first = jnp.take_along_axis(docs.start, last[:, None], 1)[:, 0]
+  width = min(C, T, capacity)
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, width)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+  keys, values, radius = token_rows(_rows_of(pad(k), first, width), _rows_of(pad(v), first, width),
+                                    _rows_of(pad(g), first, width), params, cfg)
+  rows = jnp.minimum(n, width)
+  keep = jnp.arange(width)[None, None, :] < rows[:, None, None]
+  keys, values = (jnp.where(keep[..., None], x, 0.0) for x in (keys, values))
+  radius = jnp.where(keep, radius, 0.0)
+  grow = lambda x: jnp.pad(  # noqa: E731
+      x, [(0, 0), (0, 0), (0, capacity - width)] + [(0, 0)] * (x.ndim - 3))
+  return KVMState(grow(keys), grow(values), grow(radius), num_rows=rows.astype(jnp.int32))
+
+
+def _scan_in_blocks(step, carry, xs):
+  """``lax.scan(step, carry, xs)`` whose backward pass keeps the carry only every ~sqrt(steps)
+  steps: the steps are cut into blocks, each block one rematerialized inner scan (a trailing
+  partial block is padded with steps past the row, which change nothing)."""
+  n = xs.shape[0]
+  block = max(1, math.isqrt(n - 1) + 1)
+  blocks = -(-n // block)
+  if blocks * block != n:
+    # Padding steps point past every row (first >= T): no query, no fold, no reset.
+    fill = jnp.iinfo(jnp.int32).max // 2
+    xs = jnp.concatenate([xs, jnp.full((blocks * block - n, *xs.shape[1:]), fill, xs.dtype)])
+
+  @jax.checkpoint
+  def run_block(carry, block_xs):
+    return jax.lax.scan(step, carry, block_xs)
+
+  carry, ys = jax.lax.scan(run_block, carry, xs.reshape(blocks, block, *xs.shape[1:]))
+  ys = jax.tree_util.tree_map(lambda y: y.reshape(blocks * block, *y.shape[2:])[:n], ys)
+  return carry, ys

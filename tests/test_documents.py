@@ -1,0 +1,266 @@
+"""Packed documents (``segment_ids``): every document's outputs, final state and gradients equal
+those of the document run alone.
+
+The alone runs are independent of the packed path: the KVM op without ``segment_ids`` (the chunked
+scan, itself checked against the Python oracle in test_kvm_equivalence.py) and, for the window
+attention, float64 numpy softmax written from the rule's definition. Tolerances are float32
+rounding: the packed path splits KVM's one softmax into a window part and a state part and joins
+them (a few ulps), so 2e-5 relative RMS for outputs and states, 1e-4 for gradients
+(``kvm_jax.ops.kvm.cases.TOLERANCE``); a discrete difference (a row, a window slot or a routing
+decision of another document) is O(1).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvm_jax as kj
+from tests.conftest import forward, in_ci, make_model
+from kvm_jax.budget import FixedBudget, PowerLawBudget, SaturatingBudget
+from kvm_jax.config import KVMConfig
+from kvm_jax.ops.documents import WindowRule, document_attention, documents
+from kvm_jax.ops.kvm.cases import TOLERANCE, random_inputs, random_params, rel_rms
+from kvm_jax.ops.kvm.documents import max_state_steps, state_steps
+
+OUT_TOL, GRAD_TOL = TOLERANCE["float32"]["output"], TOLERANCE["float32"]["grad"]
+
+# C = 4, window = 2 chunks (L = 8): documents of 1, C-1, C, C+1 tokens, one just past the window
+# (9), past several folds (13) and past the budgets' growth steps (22, 30); boundaries fall
+# mid-chunk everywhere; padding (negative entries) in front, between and after documents. Row 1 is
+# one document after padding with as many state steps as a row of T tokens can hold (every slot of
+# the static bound used). ``reuse_ids`` numbers documents 1, 2, 1, 2, ... in every row.
+T = 64
+LAYOUT = ([1, 3, 4, 5, 9, 13, -7, 22],
+          [-3, 61],
+          [13, 22, -1, 5, 9, 4, 3, 1, -6],
+          [9, 22, 30, -3])
+TINY = dict(chunk_size=4, window_chunks=2, rope_dims=2)
+
+
+def segment_ids_of(layout, seq_len: int, reuse_ids: bool = False) -> np.ndarray:
+  """``[B, seq_len]`` ids from per-row document lengths (negative: that many padding tokens)."""
+  seg = np.zeros((len(layout), seq_len), np.int32)
+  for b, lengths in enumerate(layout):
+    t = 0
+    for i, n in enumerate(lengths):
+      if n > 0:
+        seg[b, t:t + n] = (1 + i % 2) if reuse_ids else 1 + i
+      t += abs(n)
+    assert t == seq_len, (b, t)
+  return seg
+
+
+def spans(layout):
+  """``(row, first token, length)`` of every document."""
+  for b, lengths in enumerate(layout):
+    t = 0
+    for n in lengths:
+      if n > 0:
+        yield b, t, n
+      t += abs(n)
+
+
+def test_documents_by_hand():
+  seg = np.array([[0, 5, 5, 5, 2, 2, 0, 0, 5, 5],
+                  [7, 7, 7, 7, 7, 7, 7, 7, 7, 7]], np.int32)
+  d = jax.tree_util.tree_map(np.asarray, documents(jnp.asarray(seg)))
+  np.testing.assert_array_equal(d.valid[0], seg[0] != 0)
+  # row 0: pad | 5 5 5 | 2 2 | pad | pad | 5 5  -> documents 0..5 (padding tokens are their own)
+  np.testing.assert_array_equal(d.index[0], [0, 1, 1, 1, 2, 2, 3, 4, 5, 5])
+  np.testing.assert_array_equal(d.start[0], [0, 1, 1, 1, 4, 4, 6, 7, 8, 8])
+  np.testing.assert_array_equal(d.position[0], [0, 0, 1, 2, 0, 1, 0, 0, 0, 1])
+  np.testing.assert_array_equal(d.length[0], [1, 3, 3, 3, 2, 2, 1, 1, 2, 2])
+  np.testing.assert_array_equal(d.position[1], np.arange(10))
+  np.testing.assert_array_equal(d.length[1], np.full(10, 10))
+
+
+def _window_alone(q, k, v, rule: WindowRule, scale: float) -> np.ndarray:
+  """float64 softmax attention of one document alone, the rule spelled out per query."""
+  n, H, _ = q.shape
+  G = H // k.shape[1]
+  out = np.zeros((n, H, v.shape[-1]))
+  for p in range(n):
+    if rule.kind == "causal":
+      keys = range(0, p + 1)
+    elif rule.kind == "sliding":
+      keys = range(max(0, p - rule.window + 1), p + 1)
+    else:
+      keys = range(max(0, (p // rule.chunk - rule.window_chunks + 1) * rule.chunk), p + 1)
+    keys = list(keys)
+    for h in range(H):
+      s = np.array([q[p, h] @ k[j, h // G] for j in keys]) * scale
+      w = np.exp(s - s.max())
+      out[p, h] = (w / w.sum()) @ v[keys, h // G]
+  return out
+
+
+@pytest.mark.parametrize("rule", [WindowRule("causal"), WindowRule("sliding", window=5),
+                                  WindowRule("chunks", chunk=4, window_chunks=2)],
+                         ids=lambda r: r.kind)
+def test_document_attention_is_each_document_alone(rule):
+  seg = segment_ids_of(LAYOUT, T, reuse_ids=True)
+  q, k, v, _ = random_inputs(3, len(LAYOUT), T, 4, 2, 8, 6)
+  y = np.asarray(document_attention(q, k, v, jnp.asarray(seg), rule, block=16), np.float64)
+  q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+  for b, t, n in spans(LAYOUT):
+    want = _window_alone(q64[b, t:t + n], k64[b, t:t + n], v64[b, t:t + n], rule, 8 ** -0.5)
+    assert rel_rms(y[b, t:t + n], want) < OUT_TOL, (b, t, n)
+  assert np.all(np.isfinite(y))  # padding tokens too
+
+
+def _kvm_inputs(B, H=2, Hkv=1, seed=0):
+  q, k, v, g = random_inputs(seed, B, T, H, Hkv, 8, 6)
+  return q, k, v, g, random_params(seed, 8, H)
+
+
+BUDGETS = {"fixed": dict(budget=FixedBudget(4), sink_rows=1),
+           "sqrt": dict(budget=PowerLawBudget(3.0, 0.5, min_rows=4), sink_rows=1),
+           "sat_no_sink_gqa": dict(budget=SaturatingBudget(12, min_rows=1), sink_rows=0)}
+
+
+# The fixed budget's code path (no appends) is also the other budgets' once they stop growing.
+@pytest.mark.parametrize("name", in_ci(list(BUDGETS), {"sqrt", "sat_no_sink_gqa"}))
+def test_kvm_documents_are_each_document_alone(name):
+  cfg = KVMConfig(**TINY, **BUDGETS[name])
+  H, Hkv = (4, 2) if "gqa" in name else (2, 1)
+  q, k, v, g, params = _kvm_inputs(len(LAYOUT), H, Hkv)
+  seg = jnp.asarray(segment_ids_of(LAYOUT, T, reuse_ids=True))
+  y, state = kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg)
+  assert y.shape == q.shape[:3] + (6,) and y.dtype == q.dtype
+  assert np.all(np.isfinite(np.asarray(y)))
+  last = {}
+  for b, t, n in spans(LAYOUT):
+    part = lambda x: x[b:b + 1, t:t + n]  # noqa: E731
+    y_alone, s_alone = kj.kvm_attention(part(q), part(k), part(v), part(g), params, cfg)
+    assert rel_rms(y[b:b + 1, t:t + n], y_alone) < OUT_TOL, (b, t, n)
+    last[b] = s_alone
+  for b, s_alone in last.items():  # the state of each row's last document
+    rows = int(s_alone.num_rows)
+    assert int(state.num_rows[b]) == rows
+    for got, want in ((state.keys, s_alone.keys), (state.values, s_alone.values),
+                      (state.radius, s_alone.radius)):
+      assert rel_rms(got[b, :, :rows], want[0, :, :rows]) < OUT_TOL, b
+
+
+@pytest.mark.parametrize("remat", [True, False], ids=["remat", "plain"])
+def test_kvm_document_gradients_are_the_sum_of_each_document_alone(remat):
+  cfg = KVMConfig(**TINY, **BUDGETS["sqrt"])
+  layout = ([9, 20, 3, -2, 30], [-3, 30, 9, 20, -2])  # four lengths: four compiled backwards
+  q, k, v, g, params = _kvm_inputs(2)
+  seg = jnp.asarray(segment_ids_of(layout, T))
+  w = jax.random.normal(jax.random.PRNGKey(5), q.shape[:3] + (6,))
+  real = (seg != 0)[..., None, None]
+
+  def packed(*args):
+    y, _ = kj.kvm_attention(*args, cfg, segment_ids=seg, remat=remat)
+    return jnp.sum(jnp.where(real, y * w, 0.0))
+
+  got = jax.grad(packed, argnums=(0, 1, 2, 3, 4))(q, k, v, g, params)
+  want = [np.zeros(x.shape) for x in (q, k, v, g)]
+  want_params = jax.tree_util.tree_map(lambda p: np.zeros(p.shape), params)
+  for b, t, n in spans(layout):
+    def alone(qs, ks, vs, gs, p, b=b, t=t, n=n):
+      y, _ = kj.kvm_attention(qs, ks, vs, gs, p, cfg, remat=False)  # plain autodiff: one more path
+      return jnp.sum(y * w[b:b + 1, t:t + n])
+    part = lambda x: x[b:b + 1, t:t + n]  # noqa: E731
+    grads = jax.grad(alone, argnums=(0, 1, 2, 3, 4))(part(q), part(k), part(v), part(g), params)
+    for acc, grad in zip(want, grads[:4]):
+      acc[b:b + 1, t:t + n] += np.asarray(grad)
+    want_params = jax.tree_util.tree_map(lambda a, x: a + np.asarray(x), want_params, grads[4])
+  for name, a, e in zip("qkvg", got[:4], want):
+    assert rel_rms(a, e) < GRAD_TOL, name
+  for a, e in zip(jax.tree_util.tree_leaves(got[4]), jax.tree_util.tree_leaves(want_params)):
+    assert rel_rms(a, e) < GRAD_TOL
+
+
+def test_padding_changes_nothing_and_stays_finite():
+  cfg = KVMConfig(**TINY, **BUDGETS["sqrt"])
+  q, k, v, g, params = _kvm_inputs(len(LAYOUT))
+  seg = jnp.asarray(segment_ids_of(LAYOUT, T))
+  pad = (seg == 0)
+  noise = lambda x, s: jnp.where(pad.reshape(pad.shape + (1,) * (x.ndim - 2)),  # noqa: E731
+                                 100.0 * jax.random.normal(jax.random.PRNGKey(s), x.shape), x)
+  y1, s1 = kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg)
+  g2 = jnp.where(pad[..., None], 1.0 + jnp.abs(noise(g, 4)), g)
+  y2, s2 = kj.kvm_attention(noise(q, 1), noise(k, 2), noise(v, 3), g2, params, cfg,
+                            segment_ids=seg)
+  real = ~np.asarray(pad)
+  np.testing.assert_array_equal(np.asarray(y1)[real], np.asarray(y2)[real])
+  assert np.all(np.isfinite(np.asarray(y2)))
+  for a, b in zip(jax.tree_util.tree_leaves(s1), jax.tree_util.tree_leaves(s2)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_state_steps_fit_the_static_bound():
+  """Every state step (a chunk of a document past its window, on the document's own grid) gets a
+  slot: the count never exceeds ``max_state_steps``, which one document filling the row reaches."""
+  cfg = KVMConfig(**TINY, budget=FixedBudget(4))
+  rng = np.random.default_rng(0)
+  layouts = [[T]] + [list(rng.multinomial(T, np.ones(k) / k)) for k in (2, 3, 5, 8)]
+  layouts = [[n for n in lens if n] for lens in layouts]
+  seg = jnp.asarray(segment_ids_of(layouts, T))
+  bound = max_state_steps(T, cfg)
+  steps = np.asarray(state_steps(documents(seg), cfg, bound + 4))
+  for b, lengths in enumerate(layouts):
+    expected = sum(max(0, -(-n // 4) - 2) for n in lengths)  # chunks past the 2-chunk window
+    assert (steps[b] < T).sum() == expected <= bound
+  assert (steps[0] < T).sum() == bound
+
+
+def test_document_arguments_are_checked():
+  cfg = KVMConfig(**TINY, budget=FixedBudget(4))
+  q, k, v, g, params = _kvm_inputs(2)
+  seg = jnp.ones((2, T), jnp.int32)
+  with pytest.raises(ValueError, match=r"segment_ids must have shape \(2, 64\)"):
+    kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg[:, :10])
+  with pytest.raises(ValueError, match="must be integers"):
+    kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg.astype(jnp.float32))
+  with pytest.raises(ValueError, match="must be >= 0"):
+    kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=-seg)
+  with pytest.raises(ValueError, match="implementation='xla'"):
+    kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg, implementation="pallas")
+  with pytest.raises(ValueError, match="shared routing"):
+    kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg, return_routing=True)
+
+
+# -- the model -----------------------------------------------------------------------------------
+# tiny: C = 8, window 2 chunks (L = 16), swa window 12, bswa 8 x 2 with one sink. Documents of 1
+# token, inside the window (9), just past it (17) and past several budget growth steps (30), with
+# boundaries mid-chunk and padding between and after; the chunk-edge lengths are the op's tests.
+MODEL_T = 64
+MODEL_LAYOUT = ([1, 9, -3, 30, 17, -4], [-2, 17, 30, 9, -6])
+MODEL_MIXERS = {"kvm": "kvm", "hybrid": ("full", "swa", "bswa", "kvm")}
+
+
+packed_forward = nnx.jit(lambda model, tokens, seg: model(tokens, segment_ids=seg))
+
+
+@pytest.mark.parametrize("name", list(MODEL_MIXERS))
+def test_model_documents_are_each_document_alone(name):
+  mixers = MODEL_MIXERS[name]
+  model = make_model(mixers, num_layers=len(mixers) if isinstance(mixers, tuple) else 2)
+  assert model.cfg.tokenshift_attention and model.cfg.tokenshift_mlp and model.cfg.value_residual
+  seg = jnp.asarray(segment_ids_of(MODEL_LAYOUT, MODEL_T))
+  tokens = jax.random.randint(jax.random.PRNGKey(7), seg.shape, 0, model.cfg.vocab_size)
+  logits = packed_forward(model, tokens, seg)
+  assert np.all(np.isfinite(np.asarray(logits)))
+  for b, t, n in spans(MODEL_LAYOUT):
+    alone = forward(model, tokens[b:b + 1, t:t + n])
+    assert rel_rms(logits[b:b + 1, t:t + n], alone) < OUT_TOL, (b, t, n)
+  # Padding tokens change nothing.
+  other = jnp.where(seg == 0, (tokens + 17) % model.cfg.vocab_size, tokens)
+  np.testing.assert_array_equal(np.asarray(packed_forward(model, other, seg))[np.asarray(seg) != 0],
+                                np.asarray(logits)[np.asarray(seg) != 0])
+
+
+def test_model_refuses_documents_where_it_cannot_keep_them_apart():
+  model = make_model(("swa", "ovq"))
+  tokens = jnp.zeros((1, 16), jnp.int32)
+  with pytest.raises(ValueError, match="'ovq' layers do not take packed documents"):
+    model(tokens, segment_ids=jnp.ones((1, 16), jnp.int32))
+  with pytest.raises(ValueError, match=r"segment_ids must have shape \(1, 16\)"):
+    make_model("kvm")(tokens, segment_ids=jnp.ones((1, 8), jnp.int32))
