@@ -233,7 +233,8 @@ def test_document_arguments_are_checked():
 # boundaries mid-chunk and padding between and after; the chunk-edge lengths are the op's tests.
 MODEL_T = 64
 MODEL_LAYOUT = ([1, 9, -3, 30, 17, -4], [-2, 17, 30, 9, -6])
-MODEL_MIXERS = {"kvm": "kvm", "hybrid": ("full", "swa", "bswa", "kvm")}
+MODEL_MIXERS = {"kvm": "kvm", "hybrid": ("full", "swa", "bswa", "kvm"),
+                "rwkv7_ovq": ("rwkv7", "ovq")}  # RWKV-7 first: it makes the value anchor
 
 
 packed_forward = nnx.jit(lambda model, tokens, seg: model(tokens, segment_ids=seg))
@@ -258,9 +259,95 @@ def test_model_documents_are_each_document_alone(name):
 
 
 def test_model_refuses_documents_where_it_cannot_keep_them_apart():
-  model = make_model(("swa", "ovq"))
+  model = make_model("swa", num_layers=4, kv_sharing="fusedkv_lite")
   tokens = jnp.zeros((1, 16), jnp.int32)
-  with pytest.raises(ValueError, match="'ovq' layers do not take packed documents"):
-    model(tokens, segment_ids=jnp.ones((1, 16), jnp.int32))
+  docs = documents(jnp.ones((1, 16), jnp.int32))
+  x = jnp.zeros((1, 16, model.cfg.hidden_size))
+  with pytest.raises(ValueError, match="without cross-layer KV sharing"):  # a reconstruction layer
+    model.blocks[3].attn(x, x, docs.position, None, False, None, documents=docs)
   with pytest.raises(ValueError, match=r"segment_ids must have shape \(1, 16\)"):
     make_model("kvm")(tokens, segment_ids=jnp.ones((1, 8), jnp.int32))
+
+
+def test_rwkv7_documents_are_each_document_alone():
+  """The chunked RWKV-7 recurrence with ``segment_ids``: outputs and gradients of every document
+  as if alone, boundaries anywhere in its chunks (L = 8), the final state the last document's."""
+  from kvm_jax.ops.rwkv7.chunked import rwkv7_recurrence
+  layout = ([1, 9, 8, -2, 17, 27], [-5, 17, 9, 1, 8, 24])  # six lengths: six compiled backwards
+  B, H, K, V = 2, 2, 4, 3
+  keys = jax.random.split(jax.random.PRNGKey(0), 6)
+  r, k, kk, a = (jax.random.normal(keys[i], (B, T, H, K)) for i in range(4))
+  w = -jnp.exp(-jax.nn.softplus(-jax.random.normal(keys[4], (B, T, H, K))) - 0.5)
+  v = jax.random.normal(keys[5], (B, T, H, V))
+  kk = kk / jnp.linalg.norm(kk, axis=-1, keepdims=True)
+  inputs = (r, w, k, v, -kk, kk * jax.nn.sigmoid(a))
+  seg = jnp.asarray(segment_ids_of(layout, T))
+  weights = jax.random.normal(jax.random.PRNGKey(9), (B, T, H, V))
+  real = (seg != 0)[..., None, None]
+
+  def packed(*x):
+    o, h = rwkv7_recurrence(*x, chunk_size=8, segment_ids=seg)
+    return jnp.sum(jnp.where(real, o * weights, 0.0)), (o, h)
+
+  grads, (o, h) = jax.grad(packed, argnums=tuple(range(6)), has_aux=True)(*inputs)
+  for b, t, n in spans(layout):
+    part = lambda x: x[b:b + 1, t:t + n]  # noqa: E731
+
+    def alone(*x, b=b, t=t, n=n):
+      o, h = rwkv7_recurrence(*x, chunk_size=8)
+      return jnp.sum(o * weights[b:b + 1, t:t + n]), (o, h)
+
+    g_alone, (o_alone, h_alone) = jax.grad(alone, argnums=tuple(range(6)), has_aux=True)(
+        *map(part, inputs))
+    assert rel_rms(o[b:b + 1, t:t + n], o_alone) < OUT_TOL, (b, t, n)
+    for got, want in zip(grads, g_alone):
+      # Against the whole gradient's scale: a one-token document's gradient with respect to its
+      # decay and removal is exactly 0 alone, and a few ulps of others' rounding when packed.
+      error = np.sqrt(np.mean((np.asarray(got[b:b + 1, t:t + n]) - np.asarray(want)) ** 2))
+      assert error < GRAD_TOL * np.sqrt(np.mean(np.asarray(got) ** 2)), (b, t, n)
+  assert rel_rms(h[1], h_alone[0]) < OUT_TOL  # row 1 ends with its last document
+
+
+# The delta-rule case also scores with count bias; the plain running means run nightly.
+@pytest.mark.parametrize("cfg", in_ci([dict(), dict(delta_rule=True, normalize_centroids=True)],
+                                      {"delta"}, ids=lambda c: "delta" if c else "plain"),
+                         ids=lambda c: "delta" if c else "plain")
+def test_ovq_documents_are_each_document_alone(cfg):
+  """OVQ with ``segment_ids``: each document's outputs and gradients as if alone (chunk 4,
+  dictionary of up to 6 centroids, documents of 1 to 27 tokens, boundaries mid-chunk)."""
+  from kvm_jax.ops.ovq import ovq_attention
+  from kvm_jax.ops.ovq.config import OVQConfig
+  from kvm_jax.ops.ovq.documents import ovq_attention_documents
+  cfg = OVQConfig(chunk_size=4, max_centroids=6, **cfg)
+  layout = ([1, 9, 8, -2, 17, 27], [-5, 17, 9, 1, 8, 24])
+  B, H = 2, 2
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  q, k = (unit(jax.random.normal(keys[i], (B, T, H, 8))) for i in range(2))
+  v = jax.random.normal(keys[2], (B, T, H, 6))
+  beta = jnp.array([0.7, 1.3])
+  seg = jnp.asarray(segment_ids_of(layout, T))
+  weights = jax.random.normal(jax.random.PRNGKey(9), v.shape)
+  real = (seg != 0)[..., None, None]
+
+  def packed(q, k, v, beta):
+    y = ovq_attention_documents(q, k, v, beta, seg, cfg)
+    return jnp.sum(jnp.where(real, y * weights, 0.0)), y
+
+  grads, y = jax.grad(packed, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, beta)
+  beta_grad = np.zeros(2)
+  for b, t, n in spans(layout):
+    part = lambda x: x[b:b + 1, t:t + n]  # noqa: E731
+
+    def alone(q, k, v, beta, b=b, t=t, n=n):
+      y, _ = ovq_attention(q, k, v, beta, cfg)
+      return jnp.sum(y * weights[b:b + 1, t:t + n]), y
+
+    g_alone, y_alone = jax.grad(alone, argnums=(0, 1, 2, 3), has_aux=True)(
+        part(q), part(k), part(v), beta)
+    assert rel_rms(y[b:b + 1, t:t + n], y_alone) < OUT_TOL, (b, t, n)
+    for got, want in zip(grads[:3], g_alone[:3]):
+      error = np.sqrt(np.mean((np.asarray(got[b:b + 1, t:t + n]) - np.asarray(want)) ** 2))
+      assert error < GRAD_TOL * np.sqrt(np.mean(np.asarray(got) ** 2)), (b, t, n)
+    beta_grad += np.asarray(g_alone[3])
+  assert rel_rms(grads[3], beta_grad) < GRAD_TOL

@@ -127,7 +127,8 @@ def test_packing_is_checked(tmp_path):
     dataclasses.replace(_cfg(tmp_path, packing="pad"), task="mqar").validate()
   from kvm_jax import presets
   cfg = dataclasses.replace(_cfg(tmp_path, packing="documents"),
-                            model=presets.tiny(mixers=("swa", "ovq")))
-  with pytest.raises(ValueError, match="this model has ovq: use packing='pad' or 'cram'"):
+                            model=presets.tiny(mixers="swa", num_layers=4,
+                                               kv_sharing="fusedkv_lite"))
+  with pytest.raises(ValueError, match="does not run with cross-layer KV sharing"):
     check_packing_model(cfg)
   check_packing_model(dataclasses.replace(cfg, packing="pad"))  # one document per row: any model

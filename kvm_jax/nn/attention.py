@@ -151,9 +151,11 @@ class AttentionFrontEnd(nnx.Module):
                             init=float32_init(jax.nn.initializers.orthogonal(scale=0.1)))
 
   # -- the front end -----------------------------------------------------------------------------
-  def anchor_value(self, x_normed: Array, cache: Optional[LayerCache] = None) -> Array:
+  def anchor_value(self, x_normed: Array, cache: Optional[LayerCache] = None,
+                   documents=None) -> Array:
     """``v_first`` = c_v(ln_attn(x0)) when this is an anchor layer (``cache``: the layer's cache
-    in a decode step, unused here)."""
+    in a decode step, unused here; ``documents``: packed documents, nothing to do for a
+    per-token projection)."""
     return self.c_v(x_normed)
 
   def init_tails(self, batch: int) -> tuple:

@@ -147,7 +147,7 @@ class LM(nnx.Module):
     if remat not in REMAT_POLICIES:
       raise ValueError(f"remat={remat!r} is unknown; choose from {tuple(REMAT_POLICIES)}.")
     x0 = self.embed(tokens)
-    anchors = self.value_anchors(x0, caches if decode else None)
+    anchors = self.value_anchors(x0, caches if decode else None, documents)
     sharing = cfg.kv_sharing != "none"
     period = layer_period(cfg)
     if remat != "none" and caches is None and period is not None:
@@ -173,15 +173,19 @@ class LM(nnx.Module):
     """The blocks' first input ``x0 [B, T, C]`` (embedding and its LayerNorm, compute dtype)."""
     return self.ln_emb(self.wte(tokens)).astype(self.cfg.jnp_compute_dtype)
 
-  def value_anchors(self, x0: Array, caches=None) -> dict[int, Array]:
+  def value_anchors(self, x0: Array, caches=None,
+                    documents: Optional[Documents] = None) -> dict[int, Array]:
     """``{anchor layer: v_first}``, the value-residual anchors computed from ``x0`` (``caches``:
-    a decode step's, which a mixer's anchor may read)."""
+    a decode step's, which a mixer's anchor may read; ``documents``: packed documents, for the
+    kinds that take them: an anchor may shift tokens)."""
     cfg = self.cfg
     anchors = {}
     for layer in sorted({cfg.value_anchor(i) for i in range(cfg.num_layers)}):
       block = self.blocks[layer]
+      kw = ({"documents": documents}
+            if documents is not None and getattr(type(block.attn), "DOCUMENTS", False) else {})
       anchors[layer] = block.attn.anchor_value(block.ln_attn(x0).astype(x0.dtype),
-                                               None if caches is None else caches[layer])
+                                               None if caches is None else caches[layer], **kw)
     return anchors
 
   def mixer_io(self, tokens: Array) -> tuple[list[Array], list[Array], Array]:

@@ -20,6 +20,7 @@ from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.attention import AttentionFrontEnd
 from kvm_jax.ops.ovq.config import OVQConfig
 from kvm_jax.ops.ovq.decode import OVQCache, ovq_decode_step, ovq_init_cache, ovq_prefill
+from kvm_jax.ops.ovq.documents import ovq_attention_documents
 from kvm_jax.ops.ovq.scan import ovq_attention
 
 Array = jax.Array
@@ -37,6 +38,7 @@ class OVQAttention(AttentionFrontEnd):
 
   Options = OVQConfig
   QK_NORM = False
+  DOCUMENTS = True
 
   @classmethod
   def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
@@ -57,9 +59,13 @@ class OVQAttention(AttentionFrontEnd):
     return ovq_init_cache(self.options, batch=batch, heads=cfg.num_heads,
                           head_dim=cfg.qk_head_dim, value_dim=cfg.v_head_dim, max_len=max_len)
 
-  def mix_own(self, x, q, k, v, mixer_cache, decode, shared):
+  def mix_own(self, x, q, k, v, mixer_cache, decode, shared, documents=None):
     q, k = l2_normalize(q), l2_normalize(k)
     beta = self.beta[...]
+    if documents is not None:  # each document alone (the front end refuses caches with them)
+      segment_ids = jnp.where(documents.valid, documents.index + 1, 0)
+      y = ovq_attention_documents(q, k, v, beta, segment_ids, self.options)
+      return y, None, {"k": k, "v": v}
     if decode:
       y, mixer_cache = ovq_decode_step(q, k, v, beta, self.options, mixer_cache)
     elif mixer_cache is not None:

@@ -128,6 +128,7 @@ class RWKV7TimeMix(nnx.Module):
                   "g1": ("embed", "lora"), "g2": ("lora", "heads"),
                   "r_k": (None, None)}
   PARAM_GROUPS: dict = {}
+  DOCUMENTS = True  # packed documents: the shift and the recurrence restart at each one
 
   @classmethod
   def mup_d_in_ratios(cls, cfg: ModelConfig) -> dict:
@@ -190,28 +191,39 @@ class RWKV7TimeMix(nnx.Module):
   def init_tails(self, batch: int) -> tuple:
     return (None, None, None)  # the shift history lives in the mixer cache
 
-  def _shifted(self, x: Array, prev: Optional[Array]) -> dict[str, Array]:
-    """``x_•`` of each projection ``[B, T, C]``."""
+  def _shifted(self, x: Array, prev: Optional[Array],
+               starts: Optional[Array] = None) -> dict[str, Array]:
+    """``x_•`` of each projection ``[B, T, C]`` (``starts``: packed documents' first tokens, where
+    the shift restarts)."""
     if not self.cfg.tokenshift_attention:
       return {name: x for name in SHIFTS}
-    delta = shift_delta(x, prev, "zero")
+    delta = shift_delta(x, prev, "zero", starts)
     return {name: x + delta * getattr(self, f"x_{name}")[...].astype(x.dtype) for name in SHIFTS}
 
-  def anchor_value(self, x_normed: Array, cache=None) -> Array:
-    """``v_first`` = W_v x_v of this (the first) layer."""
+  def anchor_value(self, x_normed: Array, cache=None, documents=None) -> Array:
+    """``v_first`` = W_v x_v of this (the first) layer (``documents``: packed documents)."""
     prev = None if cache is None else cache.mixer.last_input
-    return self.value(self._shifted(x_normed, prev)["v"])
+    starts = None if documents is None else documents.position == 0
+    return self.value(self._shifted(x_normed, prev, starts)["v"])
 
   def __call__(self, x: Array, v_first: Array, positions: Array, cache=None, decode=False,
-               shared=None):
+               shared=None, documents=None):
     """Whole sequence (``decode=False``; fills the cache when one is given) or one token.
-    Returns ``(output, new mixer cache, token-shift tails (none), exports (none))``."""
+    Returns ``(output, new mixer cache, token-shift tails (none), exports (none))``.
+    ``documents``: packed documents (whole sequences without a cache), each computed alone."""
     del positions, shared
     cfg = self.cfg
     B, T, C = x.shape
     H, N = cfg.num_heads, cfg.qk_head_dim
     mixer_cache = None if cache is None else cache.mixer
-    xs = self._shifted(x, mixer_cache.last_input if decode else None)
+    segment_ids = starts = None
+    if documents is not None:
+      if decode or cache is not None:
+        raise ValueError("segment_ids: packed documents run as whole sequences without a cache; "
+                         "prefill and decode take one sequence per row.")
+      segment_ids = jnp.where(documents.valid, documents.index + 1, 0)
+      starts = documents.position == 0
+    xs = self._shifted(x, mixer_cache.last_input if decode else None, starts)
     f32 = lambda y: y.astype(jnp.float32)
     heads = lambda y: y.reshape(B, T, H, N)
     r = self.receptance(xs["r"])
@@ -232,7 +244,8 @@ class RWKV7TimeMix(nnx.Module):
       y, state = rwkv7_step(*(z[:, 0] for z in inputs), mixer_cache.state)
       y, length = y[:, None], mixer_cache.length + 1
     else:
-      y, state = rwkv7_recurrence(*inputs, chunk_size=self.options.chunk_size)
+      y, state = rwkv7_recurrence(*inputs, chunk_size=self.options.chunk_size,
+                                  segment_ids=segment_ids)
       length = jnp.asarray(T, jnp.int32)
     if mixer_cache is not None:
       last = x[:, -1:].astype(mixer_cache.last_input.dtype)

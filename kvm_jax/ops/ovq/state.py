@@ -5,7 +5,8 @@ chunk's tokens into the dictionary (assignment, counts, running means).
 Shapes are head-major, float32: queries ``[B, H, n, D]`` (already multiplied by ``beta·√D``),
 keys ``[B, H, n, D]``, values ``[B, H, n, Dv]``; the dictionary holds ``R`` rows, of which the
 first ``size`` exist (``size`` may be traced: the decode step serves every position with one
-program). Rows at or past ``size`` are zero and masked out.
+program; with packed documents one per batch row, ``[B]``). Rows at or past ``size`` are zero and
+masked out.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvm_jax.ops.kvm.state import row_adder, safe_l2_norm
+from kvm_jax.ops.kvm.state import per_row, row_adder, safe_l2_norm
 from kvm_jax.ops.ovq.config import OVQConfig
 
 Array = jax.Array
@@ -63,7 +64,7 @@ def dictionary_scores(queries: Array, state: OVQState, size, count_bias: bool):
   ``count_bias``) and the mask of the rows that exist ``[1, 1, 1, R]``."""
   R = state.keys.shape[2]
   scores = jnp.einsum("bhnd,bhrd->bhnr", queries, state.keys, precision=_HI)
-  exists = (jnp.arange(R) < size)[None, None, None, :]
+  exists = jnp.arange(R) < per_row(size, 4)  # [R] (one size) or [B, 1, 1, R] (one per row)
   if count_bias:
     counts = state.counts[:, :, None, :]
     scores = scores + jnp.log(jnp.where(counts > 0, counts, 1.0))
@@ -115,11 +116,12 @@ def assignments(keys: Array, state: OVQState, size, num_new) -> Array:
     sim = jnp.full(keys.shape[:3] + (1,), -jnp.inf)
   else:
     sim = jnp.einsum("bhnd,bhrd->bhnr", keys, dict_keys, precision=_HI)
-    sim = jnp.where(jnp.arange(R) < size, sim, -jnp.inf)
+    sim = jnp.where(jnp.arange(R) < per_row(size, 4), sim, -jnp.inf)
   nearest = jnp.argmax(sim, axis=-1).astype(jnp.int32)
   best = jnp.max(sim, axis=-1)
   like_first = jnp.einsum("bhnd,bhd->bhn", keys, keys[:, :, 0], precision=_HI)
   like_first = jnp.where(jnp.arange(n) == 0, jnp.inf, like_first)
+  size, num_new = per_row(size, 3), per_row(num_new, 3)
   empty = size == 0
   nearest = jnp.where(empty, 0, nearest)
   score = jnp.where(empty, like_first, best)

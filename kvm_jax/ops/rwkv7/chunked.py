@@ -31,6 +31,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from kvm_jax.ops.documents import documents
+
 Array = jax.Array
 _HI = jax.lax.Precision.HIGHEST
 # The longest chunk whose decay factors float32 holds for RWKV-7's decays (|w| < e^-½): within a
@@ -94,9 +96,15 @@ def _solve_bwd(residuals, dU):
 solve_unit_lower.defvjp(_solve_fwd, _solve_bwd)
 
 
-def _intra_chunk(r, w, k, v, a, b):
+def _intra_chunk(r, w, k, v, a, b, docs=None):
   """The parts of every chunk that do not depend on the state entering it (all ``[..., L, ·]``,
-  float32; leading axes are chunks, batch, heads)."""
+  float32; leading axes are chunks, batch, heads).
+
+  ``docs``: packed documents, ``(same [..., L, L], carries [..., L, 1], last [..., L, 1])``
+  (float 0/1): token pairs of one document, tokens whose document began before the chunk (they
+  read the entering state) and tokens of the chunk's last document (they make the leaving one).
+  Masking the pair matrices by document splits the chunk's triangular system into one per
+  document, which is each document's recurrence started from zero."""
   L = w.shape[-2]
   g = jnp.cumsum(w, axis=-2)                     # log decay from the chunk's start through t
   g_before = g - w                               # ... through t - 1
@@ -112,20 +120,30 @@ def _intra_chunk(r, w, k, v, a, b):
   A_ak = jnp.where(strict, dot(a_rel, k_rel), 0.0)
   M_rb = jnp.where(causal, dot(r_rel, b_rel), 0.0)
   M_rk = jnp.where(causal, dot(r_rel, k_rel), 0.0)
-  rhs = jnp.concatenate([a * jnp.exp(g_before),
-                         jnp.einsum("...ts,...sv->...tv", A_ak, v, precision=_HI)], axis=-1)
-  solved = solve_unit_lower(A_ab, rhs)
+  reads_state = a * jnp.exp(g_before)
+  r_decayed = r * jnp.exp(g)
   K = w.shape[-1]
   to_end = jnp.exp(g_last - g)                   # decay from t to the chunk's end (<= 1)
+  b_to_end, k_to_end, decay = b * to_end, k * to_end, jnp.exp(g_last)[..., 0, :]
+  if docs is not None:
+    same, carries, last = docs
+    A_ab, A_ak, M_rb, M_rk = (x * same for x in (A_ab, A_ak, M_rb, M_rk))
+    reads_state, r_decayed = reads_state * carries, r_decayed * carries
+    b_to_end, k_to_end = b_to_end * last, k_to_end * last
+    decay = decay * carries[..., -1, :]          # the entering state survives only if one
+                                                 # document spans the whole chunk
+  rhs = jnp.concatenate([reads_state,
+                         jnp.einsum("...ts,...sv->...tv", A_ak, v, precision=_HI)], axis=-1)
+  solved = solve_unit_lower(A_ab, rhs)
   return dict(
       u_from_state=solved[..., :K],              # U = u_from_state @ h_0 + u_own
       u_own=solved[..., K:],
-      r_decayed=r * jnp.exp(g),
+      r_decayed=r_decayed,
       M_rb=M_rb,
       o_own=jnp.einsum("...ts,...sv->...tv", M_rk, v, precision=_HI),
-      decay=jnp.exp(g_last)[..., 0, :],          # [..., K]
-      b_to_end=b * to_end,
-      k_to_end=k * to_end, v=v)
+      decay=decay,                               # [..., K]
+      b_to_end=b_to_end,
+      k_to_end=k_to_end, v=v)
 
 
 def _chunk_step(h, chunk):
@@ -138,10 +156,30 @@ def _chunk_step(h, chunk):
   return h, o
 
 
+def _document_masks(segment_ids: Array, T: int, L: int):
+  """The ``docs`` of :func:`_intra_chunk` for ``segment_ids [B, T]``, chunked like the inputs
+  (``[N, B, 1, L, ·]``). Tokens padded after T continue the last token's document (they change
+  no state)."""
+  d = documents(segment_ids)
+  pad = -T % L
+  edge = lambda x: jnp.pad(x, [(0, 0), (0, pad)], mode="edge")  # noqa: E731
+  index, start = edge(d.index), edge(d.start)
+  B, Tp = index.shape
+  N = Tp // L
+  index = jnp.transpose(index.reshape(B, N, L), (1, 0, 2))[:, :, None]          # [N, B, 1, L]
+  start = jnp.transpose(start.reshape(B, N, L), (1, 0, 2))[:, :, None]
+  chunk_start = (jnp.arange(N) * L)[:, None, None, None]
+  same = (index[..., :, None] == index[..., None, :]).astype(jnp.float32)
+  # The row's first document reads the initial state; every other document starts from zero.
+  carries = ((start < chunk_start) | (start == 0)).astype(jnp.float32)[..., None]
+  last = (index == index[..., -1:]).astype(jnp.float32)[..., None]
+  return same, carries, last
+
+
 @functools.partial(jax.jit, static_argnames=("chunk_size",))
 def rwkv7_recurrence(r: Array, w: Array, k: Array, v: Array, a: Array, b: Array,
-                     initial_state: Optional[Array] = None, chunk_size: int = 64
-                     ) -> tuple[Array, Array]:
+                     initial_state: Optional[Array] = None, chunk_size: int = 64,
+                     segment_ids: Optional[Array] = None) -> tuple[Array, Array]:
   """The RWKV-7 recurrence of :func:`rwkv7_recurrence_reference`, chunk-parallel.
 
   Args:
@@ -151,6 +189,10 @@ def rwkv7_recurrence(r: Array, w: Array, k: Array, v: Array, a: Array, b: Array,
       sequential depth falls with larger chunks, the work within a chunk grows as L². The decay
       factors reach e^±(L/2 · max|w|): with decays stronger than RWKV-7's (|w| < e^-½) keep
       L·max|w| below about 170.
+    segment_ids: ``[B, T]`` int, packed documents (0 = padding, each maximal run of one nonzero
+      id a document): the state restarts from zero at every document's first token, so each
+      document's outputs are its own alone (``initial_state`` then reaches only a document that
+      begins the row). The final state is the one after the row's last token.
 
   Returns:
     ``o [B, T, H, Dv]`` in ``v``'s dtype and the final state ``[B, H, Dk, Dv]`` float32.
@@ -162,11 +204,17 @@ def rwkv7_recurrence(r: Array, w: Array, k: Array, v: Array, a: Array, b: Array,
   B, T, H, K = r.shape
   V = v.shape[-1]
   L = chunk_size
+  if segment_ids is not None:
+    # Padding tokens become no-ops (no decay, no key, no removal), so that what they hold
+    # cannot reach the decay factors their chunk shares with its documents, even by rounding.
+    real = (segment_ids != 0)[:, :, None, None]
+    w, k, a, b = (jnp.where(real, x, 0.0) for x in (w, k, a, b))
   pad = -T % L
   if pad:  # w = 0 (no decay) and a = b = k = 0 leave the state unchanged through the padding
     widen = lambda x: jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)])
     r, w, k, v, a, b = map(widen, (r, w, k, v, a, b))
-  parts = _intra_chunk(*map(lambda x: _chunked(x, L), (r, w, k, v, a, b)))
+  docs = None if segment_ids is None else _document_masks(segment_ids, T, L)
+  parts = _intra_chunk(*map(lambda x: _chunked(x, L), (r, w, k, v, a, b)), docs)
   h = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None
        else initial_state.astype(jnp.float32))
   # The step is rematerialized in the backward pass: only the state entering each chunk is kept.
