@@ -146,7 +146,9 @@ def test_kvm_documents_are_each_document_alone(name):
       assert rel_rms(got[b, :, :rows], want[0, :, :rows]) < OUT_TOL, b
 
 
-@pytest.mark.parametrize("remat", [True, False], ids=["remat", "plain"])
+# remat=False differs only in running the same step function as one scan instead of blocks.
+@pytest.mark.parametrize("remat", in_ci([True, False], {"remat"}, ids=lambda r: "remat" if r else
+                                        "plain"), ids=lambda r: "remat" if r else "plain")
 def test_kvm_document_gradients_are_the_sum_of_each_document_alone(remat):
   cfg = KVMConfig(**TINY, **BUDGETS["sqrt"])
   layout = ([9, 20, 3, -2, 30], [-3, 30, 9, 20, -2])  # four lengths: four compiled backwards
@@ -269,11 +271,16 @@ def test_model_refuses_documents_where_it_cannot_keep_them_apart():
     make_model("kvm")(tokens, segment_ids=jnp.ones((1, 8), jnp.int32))
 
 
+# Four lengths (four compiled backwards per op): 1 token, 9 and 17 (mid-chunk boundaries for chunks
+# of 4 and 8) and 32; the last document of row 1 ends the row.
+RECURRENT_LAYOUT = ([1, 9, 17, -5, 32], [-5, 17, 9, 1, 32])
+
+
 def test_rwkv7_documents_are_each_document_alone():
   """The chunked RWKV-7 recurrence with ``segment_ids``: outputs and gradients of every document
   as if alone, boundaries anywhere in its chunks (L = 8), the final state the last document's."""
   from kvm_jax.ops.rwkv7.chunked import rwkv7_recurrence
-  layout = ([1, 9, 8, -2, 17, 27], [-5, 17, 9, 1, 8, 24])  # six lengths: six compiled backwards
+  layout = RECURRENT_LAYOUT
   B, H, K, V = 2, 2, 4, 3
   keys = jax.random.split(jax.random.PRNGKey(0), 6)
   r, k, kk, a = (jax.random.normal(keys[i], (B, T, H, K)) for i in range(4))
@@ -314,12 +321,12 @@ def test_rwkv7_documents_are_each_document_alone():
                          ids=lambda c: "delta" if c else "plain")
 def test_ovq_documents_are_each_document_alone(cfg):
   """OVQ with ``segment_ids``: each document's outputs and gradients as if alone (chunk 4,
-  dictionary of up to 6 centroids, documents of 1 to 27 tokens, boundaries mid-chunk)."""
+  dictionary of up to 6 centroids, documents of 1 to 32 tokens, boundaries mid-chunk)."""
   from kvm_jax.ops.ovq import ovq_attention
   from kvm_jax.ops.ovq.config import OVQConfig
   from kvm_jax.ops.ovq.documents import ovq_attention_documents
   cfg = OVQConfig(chunk_size=4, max_centroids=6, **cfg)
-  layout = ([1, 9, 8, -2, 17, 27], [-5, 17, 9, 1, 8, 24])
+  layout = RECURRENT_LAYOUT
   B, H = 2, 2
   unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
   keys = jax.random.split(jax.random.PRNGKey(0), 3)

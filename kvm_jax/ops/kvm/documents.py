@@ -64,7 +64,7 @@ def max_state_steps(seq_len: int, cfg: KVMConfig) -> int:
   return max(0, -(-seq_len // cfg.chunk_size) - cfg.window_chunks)
 
 
-def _rows_of(x: Array, first: Array, size: int) -> Array:
+def rows_of(x: Array, first: Array, size: int) -> Array:
   """``x[b, first[b] : first[b] + size]`` for every row ``b`` (``x [B, T, ...]``, ``first [B]``;
   the caller pads ``x`` so the slices stay inside)."""
   return jax.vmap(lambda row, f: jax.lax.dynamic_slice_in_dim(row, f, size, 0))(x, first)
@@ -92,7 +92,7 @@ def _state_partials(q: Array, keys: Array, values: Array, valid: Array, temp: Ar
   return move(top), move(jnp.sum(p, axis=-1)), move(acc)
 
 
-def _select(pick: Array, new, old):
+def select_rows(pick: Array, new, old):
   """Per batch row, ``new`` where ``pick [B]`` else ``old`` (pytrees of batch-first arrays)."""
   return jax.tree_util.tree_map(lambda a, b: jnp.where(per_row(pick, a.ndim), a, b), new, old)
 
@@ -143,26 +143,26 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
     doc_len = jnp.take_along_axis(length_p, at[:, None], 1)[:, 0]
     c = jnp.where(exists, (at - doc_start) // C, nb)                      # chunk in the document
     # The document's first step: its state is its own first chunk (docs/kvm-spec.md §6.5).
-    fresh = token_rows(_rows_of(k_p, doc_start, C), _rows_of(v_p, doc_start, C),
-                       _rows_of(g_p, doc_start, C), params, cfg)
+    fresh = token_rows(rows_of(k_p, doc_start, C), rows_of(v_p, doc_start, C),
+                       rows_of(g_p, doc_start, C), params, cfg)
     fresh = tuple(jnp.pad(x, [(0, 0), (0, 0), (0, R - C)] + [(0, 0)] * (x.ndim - 3))
                   for x in fresh)
     reset = exists & (c == nb)
-    state_arrays = _select(reset, fresh, state_arrays)
+    state_arrays = select_rows(reset, fresh, state_arrays)
     num_rows = jnp.where(reset, C, num_rows)
     state = KVMState(*state_arrays, num_rows=num_rows)
     read_keys, read_values = state_readout(state, params, cfg, G)
     valid_rows = jnp.arange(R)[None, :] < num_rows[:, None]
-    parts = _state_partials(_rows_of(q_p, at, C), read_keys, read_values, valid_rows,
+    parts = _state_partials(rows_of(q_p, at, C), read_keys, read_values, valid_rows,
                             state_temp * scale, v.dtype)
     # Fold the document chunk leaving the window, if the document goes on past this chunk.
     folds = exists & ((c + 1) * C < doc_len)
     leaving = doc_start + (c - nb + 1) * C
     appended = jnp.where(folds, n_append[jnp.clip(c, 0, len(sched.n_append) - 1)], 0)
-    new = update_state(state, _rows_of(k_p, leaving, C), _rows_of(v_p, leaving, C),
-                       _rows_of(g_p, leaving, C), appended, params, cfg, row_update,
+    new = update_state(state, rows_of(k_p, leaving, C), rows_of(v_p, leaving, C),
+                       rows_of(g_p, leaving, C), appended, params, cfg, row_update,
                        read_keys=read_keys)
-    state_arrays = _select(folds, (new.keys, new.values, new.radius), state_arrays)
+    state_arrays = select_rows(folds, (new.keys, new.values, new.radius), state_arrays)
     num_rows = jnp.where(folds, new.num_rows, num_rows)
     # Queries of this step: the chunk's tokens that belong to the document.
     in_doc = exists[:, None] & (at[:, None] + jnp.arange(C)[None] < doc_start[:, None]
@@ -173,7 +173,7 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
   carry0 = ((zero.keys, zero.values, zero.radius), jnp.zeros((B,), jnp.int32))
   xs = jnp.moveaxis(steps, 1, 0)
   if remat:
-    (final_arrays, final_rows), (parts, where) = _scan_in_blocks(step, carry0, xs)
+    (final_arrays, final_rows), (parts, where) = scan_in_blocks(step, carry0, xs)
   else:
     (final_arrays, final_rows), (parts, where) = jax.lax.scan(step, carry0, xs)
 
@@ -190,7 +190,7 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
   # to have steps, else its first rows (already in ``state``).
   last_is_long = _last_document_length(docs) > nb * C
   final = KVMState(*final_arrays, num_rows=final_rows)
-  return y, _select(last_is_long, final, state)
+  return y, select_rows(last_is_long, final, state)
 
 
 def empty_rows(batch: int, kv_heads: int, rows: int, head_dim: int, value_dim: int) -> KVMState:
@@ -220,8 +220,8 @@ def _last_document_start_state(k, v, g, docs: Documents, params, cfg: KVMConfig,
   first = jnp.take_along_axis(docs.start, last[:, None], 1)[:, 0]
   width = min(C, T, capacity)
   pad = lambda x: jnp.pad(x, [(0, 0), (0, width)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-  keys, values, radius = token_rows(_rows_of(pad(k), first, width), _rows_of(pad(v), first, width),
-                                    _rows_of(pad(g), first, width), params, cfg)
+  keys, values, radius = token_rows(rows_of(pad(k), first, width), rows_of(pad(v), first, width),
+                                    rows_of(pad(g), first, width), params, cfg)
   rows = jnp.minimum(n, width)
   keep = jnp.arange(width)[None, None, :] < rows[:, None, None]
   keys, values = (jnp.where(keep[..., None], x, 0.0) for x in (keys, values))
@@ -231,7 +231,7 @@ def _last_document_start_state(k, v, g, docs: Documents, params, cfg: KVMConfig,
   return KVMState(grow(keys), grow(values), grow(radius), num_rows=rows.astype(jnp.int32))
 
 
-def _scan_in_blocks(step, carry, xs):
+def scan_in_blocks(step, carry, xs):
   """``lax.scan(step, carry, xs)`` whose backward pass keeps the carry only every ~sqrt(steps)
   steps: the steps are cut into blocks, each block one rematerialized inner scan (a trailing
   partial block is padded with steps past the row, which change nothing)."""

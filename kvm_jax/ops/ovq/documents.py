@@ -26,7 +26,7 @@ import numpy as np
 from kvm_jax.ops.common import MASKED
 from kvm_jax.ops.documents import (Partials, WindowRule, combine_partials,
                                    document_window_partials, documents)
-from kvm_jax.ops.kvm.documents import _rows_of, _scan_in_blocks, _select
+from kvm_jax.ops.kvm.documents import rows_of, scan_in_blocks, select_rows
 from kvm_jax.ops.ovq.config import OVQConfig
 from kvm_jax.ops.ovq.state import dictionary_scores, empty_state, fold
 
@@ -84,13 +84,13 @@ def ovq_attention_documents(q: Array, k: Array, v: Array, beta: Array, segment_i
     doc_start = jnp.take_along_axis(start_p, at[:, None], 1)[:, 0]
     doc_len = jnp.take_along_axis(length_p, at[:, None], 1)[:, 0]
     c = jnp.where(exists, (at - doc_start) // C, 1)
-    state = _select(exists & (c == 1), fresh, state)
+    state = select_rows(exists & (c == 1), fresh, state)
     before = sizes_j[jnp.clip(c - 1, 0, len(sizes) - 1)]
     after = sizes_j[jnp.clip(c, 0, len(sizes) - 1)]
-    prev_k, prev_v = heads(_rows_of(k_p, at - C, C)), heads(_rows_of(v_p, at - C, C))
+    prev_k, prev_v = heads(rows_of(k_p, at - C, C)), heads(rows_of(v_p, at - C, C))
     folded = fold(state, prev_k, prev_v, prev_k * scale4, before, after - before, cfg, row_update)
-    state = _select(exists, folded, state)
-    scores, visible = dictionary_scores(heads(_rows_of(q_p, at, C)), state, after,
+    state = select_rows(exists, folded, state)
+    scores, visible = dictionary_scores(heads(rows_of(q_p, at, C)), state, after,
                                         cfg.count_bias)
     scores = jnp.where(visible, scores, MASKED)                                # [B, H, C, R]
     top = jax.lax.stop_gradient(jnp.max(scores, axis=-1))
@@ -102,7 +102,7 @@ def ovq_attention_documents(q: Array, k: Array, v: Array, beta: Array, segment_i
     where = jnp.where(in_doc, at[:, None] + jnp.arange(C)[None], T)
     return state, ((move(top), move(jnp.sum(p, axis=-1)), move(acc)), where)
 
-  _, (parts, where) = _scan_in_blocks(step, fresh, jnp.moveaxis(steps, 1, 0))
+  _, (parts, where) = scan_in_blocks(step, fresh, jnp.moveaxis(steps, 1, 0))
   top, total, acc = parts
   b = jnp.broadcast_to(jnp.arange(B)[None, :, None], where.shape)
   dictionary = Partials(
