@@ -31,7 +31,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig

@@ -62,8 +62,7 @@ def ovq_attention_documents(q: Array, k: Array, v: Array, beta: Array, segment_i
     return combine_partials(own).reshape(B, T, H, Dv).astype(v.dtype)
 
   sizes = np.asarray(cfg.dictionary_sizes(T), np.int32)                   # rows before chunk c
-  R = int(sizes[-1]) if len(sizes) else 0
-  R = max(R, cfg.capacity(T))
+  R = cfg.capacity(T)
   pad = lambda x: jnp.pad(x, [(0, 0), (0, C)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
   heads = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, n, H, d] -> [B, H, n, d]
   q_p, k_p, v_p = pad(qs), pad(kf), pad(vf)
