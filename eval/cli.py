@@ -8,9 +8,12 @@
 * **niah** — RULER single-needle S1 / S2-style / S3-style (``kvm_jax.tasks.niah``) at each
   ``--niah-lengths`` and ``--niah-depths`` needle depths, greedy generation, RULER's string-match
   score (0–100);
-* **mqar** — MQAR recall per number of pairs, split by whether the queried key is inside the exact
-  window or only in the compressed state (``kvm_jax.eval.mqar``);
-* **position_loss** — mean NLL per ``--position-bucket`` tokens over long local documents
+* **mqar** — MQAR recall per number of pairs, split by whether the queried key is inside the
+  model's longest exact window (its own: an swa model's window, a KVM model's ``L``; reported) or
+  only in a compressed state (``kvm_jax.eval.mqar``);
+* **position_loss** — the text loss of held-out documents (the paper's validation by default:
+  documents of at least 4096 characters, each from its first token over its first 4096 tokens;
+  ``--packing`` pad / documents / cram) and its mean per ``--position-bucket`` positions
   (``kvm_jax.eval.position_loss``), plotted with one curve per model;
 
 and writes ``results.json`` (everything, per depth and per bucket) and ``report.md`` (one row per
@@ -45,6 +48,7 @@ from kvm_jax.eval import niah as niah_eval
 from kvm_jax.eval import position_loss as position_lib
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.model import count_params
+from kvm_jax.nn.registry import exact_window
 from kvm_jax.ops.common import current_platform
 from kvm_jax.runs import launch
 from kvm_jax.runs.directory import is_run_directory, load_trained, logits_fn
@@ -59,10 +63,19 @@ SUITES = ("niah", "mqar", "position_loss")
 # ----------------------------------------------------------------------------------------------
 
 
-def reference_window(model_cfg: ModelConfig) -> int:
-  """The exact-window length that splits MQAR recall into in-window / state-only (the KVM window;
-  for the baselines of the default job it is the same length, so their rows line up)."""
-  return model_cfg.options_of("kvm").window_len
+def mqar_window(model_cfg: ModelConfig) -> tuple[Optional[int], str]:
+  """Where MQAR recall splits into in-window / state-only for this model, and how to name it:
+  the longest exact window of its layers (:func:`kvm_jax.nn.registry.exact_window`), so that
+  "state only" means no layer still holds the queried key exactly. None: a full-attention layer
+  sees every key, and every answer counts as in-window."""
+  try:
+    window = exact_window(model_cfg)
+  except ValueError as e:
+    raise SystemExit(f"kvm-eval mqar: {e}") from None
+  kinds = "/".join(sorted(set(model_cfg.layer_mixers)))
+  if window is None:
+    return None, f"none (a full-attention layer sees every key; {kinds})"
+  return window, f"{window} tokens (the longest exact window of its {kinds} layers)"
 
 
 def find_runs(paths: Sequence[str]) -> list[Path]:
@@ -146,12 +159,14 @@ def evaluate_model(name: str, run: Path, cfg, model, step: int, args,
         pairs.append(n)
       except ValueError as e:
         bad.append(f"{n}: {e}")
+    window, window_text = mqar_window(cfg.model)
     rows = mqar_eval.mqar_recall(logits_fn(model), seq_len=seq_len,
                                 vocab_size=spec.vocab_size, pairs=pairs,
-                                window=reference_window(cfg.model), seed=args.seed + 10_000,
-                                batches=args.mqar_batches, batch_size=args.mqar_batch_size)
-    out["mqar"] = {"seq_len": seq_len, "vocab_size": spec.vocab_size,
-                   "window": reference_window(cfg.model), "rows": rows, "skipped_pairs": bad}
+                                window=seq_len + 1 if window is None else window,
+                                seed=args.seed + 10_000, batches=args.mqar_batches,
+                                batch_size=args.mqar_batch_size)
+    out["mqar"] = {"seq_len": seq_len, "vocab_size": spec.vocab_size, "window": window,
+                   "window_note": window_text, "rows": rows, "skipped_pairs": bad}
     if has_kvm_layers(cfg.model):
       out["state_rows"] = state_rows_after(cfg.model.kvm, seq_len)
   if "position_loss" in args.suite:
@@ -161,10 +176,20 @@ def evaluate_model(name: str, run: Path, cfg, model, step: int, args,
     else:
       docs = (text.read_documents(args.text_files) if args.text_files
               else text.embedded_corpus())
-      windows = position_lib.long_documents(docs, tok, args.position_context, args.position_docs)
-      curve = position_lib.position_nll(logits_fn(model), windows, args.position_bucket)
-      out["position_loss"] = {"bucket": args.position_bucket, "documents": int(len(windows)),
-                              "nll": [float(x) for x in curve]}
+      try:
+        token_docs = position_lib.eval_documents(docs, tok, args.position_context,
+                                                 args.position_docs, args.text_min_chars)
+      except ValueError as e:
+        raise SystemExit(f"kvm-eval position_loss: {e}") from None
+      try:
+        loss = position_lib.text_loss(logits_fn(model), token_docs, args.position_context,
+                                      args.position_bucket, args.packing, tok.eos_id)
+      except ValueError as e:  # e.g. "documents" on a model whose layers share K/V
+        out["position_loss"] = {"skipped": f"{args.packing} packing: {e}"}
+      else:
+        out["position_loss"] = dict(loss, bucket=args.position_bucket,
+                                    context=args.position_context,
+                                    min_chars=args.text_min_chars)
   return out
 
 
@@ -198,7 +223,7 @@ def sweep_rows(results: Sequence[dict]) -> list[dict]:
         "recall_in_window": _mean(r["recall_in_window"] for r in mq),
         "recall_state_only": _mean(r["recall_state_only"] for r in mq),
         "answer_nll": _mean(r.get("answer_nll") for r in mq),
-        "text_nll": _mean(pos["nll"]) if "nll" in pos else float("nan")})
+        "text_nll": pos.get("text_nll", float("nan"))})
   return rows
 
 
@@ -270,7 +295,7 @@ def markdown_report(results: Sequence[dict]) -> str:
   header = ["model", "mixers", "params"]
   header += [f"NIAH-{_SHORT[t]} {_length_label(n)}" for t, n in niah_cols]
   header += [f"MQAR {p} pairs (all / state-only)" for p in mqar_pairs]
-  header += ["NLL first bucket", "NLL last bucket"]
+  header += ["text NLL", "NLL first bucket", "NLL last bucket"]
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   fmt = lambda x: "–" if x is None or (isinstance(x, float) and np.isnan(x)) else f"{x:.3f}"
   for res in results:
@@ -282,13 +307,23 @@ def markdown_report(results: Sequence[dict]) -> str:
     row += [f"{fmt(mq[p]['recall'])} / {fmt(mq[p]['recall_state_only'])}" if p in mq else "–"
             for p in mqar_pairs]
     pos = res.get("position_loss") or {}
-    row += [fmt(pos["nll"][0]), fmt(pos["nll"][-1])] if "nll" in pos else ["–", "–"]
+    row += ([fmt(pos["text_nll"]), fmt(pos["nll"][0]), fmt(pos["nll"][-1])] if "nll" in pos
+            else ["–", "–", "–"])
     lines.append("| " + " | ".join(row) + " |")
   notes = [f"- {res['model']}: {suite} skipped — {res[suite]['skipped']}"
            for res in results for suite in SUITES
            if isinstance(res.get(suite), dict) and "skipped" in res[suite]]
   notes += [f"- {res['model']}: {res['note']}" for res in results if res.get("note")]
   notes += [f"- {res['model']}: {schedule_text(res)}" for res in results if res.get("kvm")]
+  notes += [f"- {res['model']}: MQAR state-only = queried key farther back than "
+            f"{res['mqar']['window_note']}" for res in results if "window_note" in
+            (res.get("mqar") or {})]
+  notes += [f"- {res['model']}: text NLL over {res['position_loss']['tokens']} tokens of "
+            f"{res['position_loss']['documents']} documents of >= "
+            f"{res['position_loss']['min_chars']} characters (first "
+            f"{res['position_loss']['context'] + 1} tokens each), "
+            f"{res['position_loss']['packing']} packing" for res in results
+            if "nll" in (res.get("position_loss") or {})]
   table = "\n".join(lines)
   return table + ("\n\n" + "\n".join(notes) if notes else "") + "\n"
 
@@ -375,7 +410,17 @@ def build_parser() -> argparse.ArgumentParser:
                  help="tokens per document scored (default: 4096)")
   g.add_argument("--position-bucket", type=int, default=1024,
                  help="bucket size in tokens (default: 1024, as in the paper)")
-  g.add_argument("--position-docs", type=int, default=8, help="documents averaged")
+  g.add_argument("--position-docs", type=int, default=8,
+                 help="held-out documents scored (the first N long enough; default 8)")
+  g.add_argument("--text-min-chars", type=int, default=position_lib.PAPER_MIN_CHARS,
+                 help="score only documents of at least this many characters (default 4096, "
+                 "the paper's validation)")
+  g.add_argument("--packing", choices=("pad", "documents", "cram"), default="pad",
+                 help="how documents fill rows for the text loss: 'pad' (default, the paper's "
+                 "validation: each document alone from its first token), 'documents' (packed "
+                 "with segment ids; equals 'pad' exactly, in fewer rows), 'cram' (concatenated, "
+                 "as the authors train: state and window carry across documents; positions are "
+                 "row positions)")
   g.add_argument("--text-files", nargs="*", default=(),
                  help="local .txt/.jsonl documents (default: the embedded corpus)")
   return p
@@ -427,6 +472,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   for name in ("niah_gen_tokens", "mqar_batches", "mqar_batch_size", "position_docs"):
     if getattr(args, name) < 1:
       raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+  if args.text_min_chars < 0:
+    raise SystemExit(f"--text-min-chars must be >= 0, got {args.text_min_chars}.")
   if args.position_context % args.position_bucket:
     raise SystemExit(f"--position-context {args.position_context} is not a multiple of "
                      f"--position-bucket {args.position_bucket}.")
@@ -463,7 +510,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   curves = {r["model"]: r["position_loss"]["nll"] for r in results
             if "nll" in (r.get("position_loss") or {})}
   if curves:
-    position_lib.plot(curves, args.position_bucket, str(out_dir / "position_loss.png"))
+    position_lib.plot(curves, args.position_bucket, str(out_dir / "position_loss.png"),
+                      args.packing)
   print("\n" + report)
   plots = ([str(out_dir / "position_loss.png")] if curves else []) + (
       [str(out_dir / "budget_sweep.png")] if args.budget_sweep else [])

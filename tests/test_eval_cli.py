@@ -55,18 +55,25 @@ def test_markdown_report_layout():
   results = [
       {"model": "kvm-a", "mixers": ["kvm", "kvm"], "parameters": 1_500_000,
        "niah": [{"task": "niah_single_1", "length": 4096, "score": 37.5}],
-       "mqar": {"rows": [{"pairs": 8, "recall": 0.5, "recall_state_only": 0.25}]},
-       "position_loss": {"nll": [3.0, 2.5, 2.25]}},
+       "mqar": {"rows": [{"pairs": 8, "recall": 0.5, "recall_state_only": 0.25}],
+                "window_note": "32 tokens (the longest exact window of its kvm layers)"},
+       "position_loss": {"nll": [3.0, 2.5, 2.25], "text_nll": 2.625, "tokens": 12000,
+                         "documents": 3, "min_chars": 4096, "context": 4096,
+                         "packing": "pad"}},
       {"model": "tiny", "mixers": ["full"], "parameters": 20_000,
        "niah": {"skipped": "vocab"}, "mqar": {"rows": []}, "position_loss": {"skipped": "vocab"}},
   ]
   assert cli.markdown_report(results) == (
-      "| model | mixers | params | NIAH-S1 4K | MQAR 8 pairs (all / state-only) | NLL first bucket "
-      "| NLL last bucket |\n"
-      "|---|---|---|---|---|---|---|\n"
-      "| kvm-a | kvm | 1.50M | 37.5 | 0.500 / 0.250 | 3.000 | 2.250 |\n"
-      "| tiny | full | 0.02M | skipped | – | – | – |\n\n"
-      "- tiny: niah skipped — vocab\n- tiny: position_loss skipped — vocab\n")
+      "| model | mixers | params | NIAH-S1 4K | MQAR 8 pairs (all / state-only) | text NLL "
+      "| NLL first bucket | NLL last bucket |\n"
+      "|---|---|---|---|---|---|---|---|\n"
+      "| kvm-a | kvm | 1.50M | 37.5 | 0.500 / 0.250 | 2.625 | 3.000 | 2.250 |\n"
+      "| tiny | full | 0.02M | skipped | – | – | – | – |\n\n"
+      "- tiny: niah skipped — vocab\n- tiny: position_loss skipped — vocab\n"
+      "- kvm-a: MQAR state-only = queried key farther back than 32 tokens (the longest exact "
+      "window of its kvm layers)\n"
+      "- kvm-a: text NLL over 12000 tokens of 3 documents of >= 4096 characters (first 4097 "
+      "tokens each), pad packing\n")
 
 
 @pytest.mark.parametrize("name", sorted(kj.presets.PRESETS))
@@ -184,6 +191,17 @@ def test_kvm_eval_end_to_end(run_dir, baseline_runs, tmp_path, capsys):
       "| kvm-tiny", "| ovq-swa-tiny", "| rwkv7-tiny"]
   assert report_rows[3].startswith("| ovq-swa-tiny | ovq/swa |")
   assert report_rows[4].startswith("| rwkv7-tiny | rwkv7 |")
+  # MQAR splits at each model's own longest exact window, named in the report.
+  cfg_of = lambda name: load_trained(workdir.parent / name)[0].model  # noqa: E731
+  assert by_name["kvm-tiny"]["mqar"]["window"] == cfg_of("kvm-tiny").kvm.window_len
+  ovq_swa = cfg_of("ovq-swa-tiny")
+  assert by_name["ovq-swa-tiny"]["mqar"]["window"] == max(
+      ovq_swa.options_of("swa").window, ovq_swa.options_of("ovq").chunk_size)
+  assert by_name["rwkv7-tiny"]["mqar"]["window"] == 0  # no exact window: all state-only
+  assert all(r["answers_in_window"] == 0 for r in by_name["rwkv7-tiny"]["mqar"]["rows"])
+  for name in by_name:
+    assert f"- {name}: MQAR state-only = queried key farther back than " \
+        f"{by_name[name]['mqar']['window_note']}" in (out / "report.md").read_text()
   res = by_name["kvm-tiny"]
   assert res["model"] == "kvm-tiny" and res["step"] == 3
   assert [r["length"] for r in res["niah"]] == [512] and res["niah"][0]["examples"] == 2
@@ -197,12 +215,12 @@ def test_kvm_eval_end_to_end(run_dir, baseline_runs, tmp_path, capsys):
   nll = res["position_loss"]["nll"]
   assert "\n".join(report_rows[:3]) == (
       "| model | mixers | params | NIAH-S1 512 | MQAR 2 pairs (all / state-only) "
-      "| MQAR 4 pairs (all / state-only) | NLL first bucket | NLL last bucket |\n"
-      "|---|---|---|---|---|---|---|---|\n"
+      "| MQAR 4 pairs (all / state-only) | text NLL | NLL first bucket | NLL last bucket |\n"
+      "|---|---|---|---|---|---|---|---|---|\n"
       f"| kvm-tiny | kvm | {res['parameters'] / 1e6:.2f}M | {res['niah'][0]['score']:.1f} "
       f"| {mq[2]['recall']:.3f} / {mq[2]['recall_state_only']:.3f} "
       f"| {mq[4]['recall']:.3f} / {mq[4]['recall_state_only']:.3f} "
-      f"| {nll[0]:.3f} | {nll[-1]:.3f} |")
+      f"| {res['position_loss']['text_nll']:.3f} | {nll[0]:.3f} | {nll[-1]:.3f} |")
   assert (out / "report.md").read_text() in capsys.readouterr().out
   check_eval_report((out / "report.md").read_text(), results)  # every cell against results.json
 

@@ -315,3 +315,16 @@ def test_command_line_overrides_reach_a_kinds_options():
     apply_override(cfg, "model.options.nope.window", "3")
   with pytest.raises(SystemExit, match="unknown config field 'windw'"):
     apply_override(cfg, "model.options.swa.windw", "3")
+
+
+def test_exact_window_is_the_longest_exact_reach_of_any_layer():
+  """MQAR's in-window / state-only split (kvm-eval): written out from TINY_OPTIONS (kvm 2 chunks
+  of 8, swa 12, bswa 2 chunks of 8, ovq chunks of 8); full attention reaches every key, RWKV-7
+  none."""
+  want = {("kvm",): 16, ("swa",): 12, ("bswa",): 16, ("ovq",): 8, ("rwkv7",): 0,
+          ("full",): None, ("swa", "ovq"): 12, ("rwkv7", "ovq"): 8, ("kvm", "full"): None,
+          ("swa", "kvm"): 16}
+  for mixers, window in want.items():
+    assert registry.exact_window(kj.presets.tiny(mixers=",".join(mixers))) == window, mixers
+  cfg = kj.presets.tiny(mixers="swa", options={"swa": SWAOptions(window=40)})
+  assert registry.exact_window(cfg) == 40

@@ -104,6 +104,8 @@ def check_eval_report(report: str, results: list[dict]) -> None:
         every, state_only = cell.split(" / ")
         assert_cell(every, mq[0]["recall"], what)
         assert_cell(state_only, mq[0]["recall_state_only"], what)
+      elif column == "text NLL":
+        assert_cell(cell, (res.get("position_loss") or {}).get("text_nll"), what)
       elif column in ("NLL first bucket", "NLL last bucket"):
         nll = (res.get("position_loss") or {}).get("nll")
         assert_cell(cell, None if nll is None else nll[0 if "first" in column else -1], what)
@@ -118,7 +120,7 @@ def check_sweep_report(report: str, results: list[dict]) -> None:
   assert len(table) == len(results)
   for row, res in zip(table, results):
     mq = (res.get("mqar") or {}).get("rows", [])
-    nll = (res.get("position_loss") or {}).get("nll")
+    text_nll = (res.get("position_loss") or {}).get("text_nll")
     want = {"run": Path(res["run"]).name,
             "budget": res.get("budget") or "– (no kvm layers)",
             "state rows": res.get("state_rows"),
@@ -126,7 +128,7 @@ def check_sweep_report(report: str, results: list[dict]) -> None:
             "in window": _mean(r["recall_in_window"] for r in mq),
             "state only": _mean(r["recall_state_only"] for r in mq),
             "MQAR answer NLL": _mean(r.get("answer_nll") for r in mq),
-            "text NLL": float(np.mean(nll)) if nll else None}
+            "text NLL": text_nll}
     assert set(row) == set(want)
     for column, cell in row.items():
       assert_cell(cell, want[column], (res["model"], res.get("budget"), column))
@@ -147,7 +149,9 @@ def _eval_result(model, mixers, parameters, seed, budget=None, state_rows=None, 
   res["mqar"] = {"rows": [{"pairs": p, **{k: float(rng.uniform()) for k in (
       "recall", "recall_in_window", "recall_state_only")}, "answer_nll": float(rng.uniform(1, 5))}
       for p in (8, 2)]}
-  res["position_loss"] = {"nll": [float(x) for x in rng.uniform(1, 6, 4)]}
+  res["position_loss"] = {"nll": [float(x) for x in rng.uniform(1, 6, 4)],
+                          "text_nll": float(rng.uniform(1, 6)), "tokens": 1000 + seed,
+                          "documents": 3, "min_chars": 4096, "context": 4096, "packing": "pad"}
   return res
 
 

@@ -4,6 +4,7 @@ baseline: 256-token chunks, 3 chunks, no sink); its decode cache is a window-siz
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from kvm_jax.budget import average_window_keys
 from kvm_jax.model_config import ModelConfig
@@ -40,6 +41,12 @@ class BlockSlidingWindowAttention(SoftmaxAttention):
 
   Options = BSWAOptions
   RING = "bswa"
+
+  @classmethod
+  def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
+    """The block window's span, ``window_chunks · chunk_size`` (sinks aside)."""
+    options = cfg.options_of(cfg.layer_mixers[layer])
+    return options.window_chunks * options.chunk_size
 
   @classmethod
   def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:

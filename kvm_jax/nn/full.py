@@ -4,6 +4,7 @@ cache is a ``max_len`` ring (:class:`kvm_jax.ops.attention.RingCache`)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.attention import SoftmaxAttention
@@ -21,6 +22,11 @@ class FullAttention(SoftmaxAttention):
 
   Options = FullOptions
   RING = "full"
+
+  @classmethod
+  def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
+    """None: every earlier key is attended exactly."""
+    return None
 
   @classmethod
   def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:

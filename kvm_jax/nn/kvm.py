@@ -36,6 +36,12 @@ class KVMAttention(AttentionFrontEnd):
   DOCUMENTS = True
 
   @classmethod
+  def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
+    """Keys at distance below this are attended exactly: the window ``L = window_chunks ·
+    chunk_size`` (beyond it, a key lives on only as part of a state row)."""
+    return cfg.options_of(cfg.layer_mixers[layer]).window_len
+
+  @classmethod
   def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
     """The exact window plus the state rows of the schedule at each chunk."""
     return average_visible_keys(cfg.options_of(cfg.layer_mixers[layer]), seq_len)

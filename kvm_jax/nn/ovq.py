@@ -11,6 +11,8 @@ alternates with full-RoPE SWA-256 (``kvm_jax.presets.ovq_swa_120m``).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,6 +41,11 @@ class OVQAttention(AttentionFrontEnd):
   Options = OVQConfig
   QK_NORM = False
   DOCUMENTS = True
+
+  @classmethod
+  def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
+    """Keys at distance below this are attended exactly: the query's own chunk."""
+    return cfg.options_of(cfg.layer_mixers[layer]).chunk_size
 
   @classmethod
   def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:

@@ -23,6 +23,8 @@ The built-in kinds are registered when :mod:`kvm_jax.nn` is imported: ``full``
 
 from __future__ import annotations
 
+from typing import Optional
+
 from flax import nnx
 
 from kvm_jax import mixer_options
@@ -188,6 +190,24 @@ def keys_per_query(cfg: ModelConfig, seq_len: int) -> tuple[float, ...]:
   """Per layer, the keys a query attends to averaged over a ``seq_len``-token sequence."""
   return tuple(float(mixer_class(kind).keys_per_query(cfg, layer, seq_len))
                for layer, kind in enumerate(cfg.layer_mixers))
+
+
+def exact_window(cfg: ModelConfig) -> Optional[int]:
+  """The longest distance at which some layer of ``cfg`` still attends a key exactly (each kind's
+  ``exact_window``): None when a layer sees every earlier key (full attention), 0 when none keeps
+  any (RWKV-7 alone). MQAR splits recall here: a key farther back can be recalled only through a
+  compressed state. A ValueError names a kind that does not say its window."""
+  reach = 0
+  for layer, kind in enumerate(cfg.layer_mixers):
+    method = getattr(mixer_class(kind), "exact_window", None)
+    if method is None:
+      raise ValueError(f"mixer kind {kind!r} does not say its exact window (a classmethod "
+                       "exact_window(cfg, layer) -> int | None).")
+    window = method(cfg, layer)
+    if window is None:
+      return None
+    reach = max(reach, int(window))
+  return reach
 
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int) -> tuple[int, ...]:

@@ -137,6 +137,11 @@ class RWKV7TimeMix(nnx.Module):
             for name, (m, p) in LORAS.items()}
 
   @classmethod
+  def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
+    """0: no key is kept exactly; every token lives on only in the recurrent state."""
+    return 0
+
+  @classmethod
   def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
     """The recurrence costs about 9·Dk·Dv FLOPs per token and head (state update and readout),
     what attention spends on 9·Dv/4 keys (4·D FLOPs each): independent of the position."""

@@ -42,6 +42,11 @@ class SlidingWindowAttention(SoftmaxAttention):
   RING = "swa"
 
   @classmethod
+  def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
+    """Keys at distance below the window are attended; none beyond it."""
+    return cfg.options_of(cfg.layer_mixers[layer]).window
+
+  @classmethod
   def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
     window = cfg.options_of(cfg.layer_mixers[layer]).window
     return float(np.mean(np.minimum(np.arange(1, seq_len + 1, dtype=np.float64), window)))

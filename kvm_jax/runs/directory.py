@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 from etils import epath
@@ -140,20 +140,27 @@ def load_trained(workdir, step: int | None = None, cfg: TrainConfig | None = Non
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def forward_logits(graphdef, params, tokens: jax.Array) -> jax.Array:
-  """Logits ``[B, T, V]`` (float32) of ``nnx.merge(graphdef, params)`` on ``tokens [B, T]``,
-  jitted once per shape."""
-  return nnx.merge(graphdef, params)(tokens)
+def forward_logits(graphdef, params, tokens: jax.Array,
+                   segment_ids: Optional[jax.Array] = None) -> jax.Array:
+  """Logits ``[B, T, V]`` (float32) of ``nnx.merge(graphdef, params)`` on ``tokens [B, T]``
+  (with ``segment_ids [B, T]``: packed documents, each computed as if alone), jitted once per
+  shape."""
+  return nnx.merge(graphdef, params)(tokens, segment_ids=segment_ids)
 
 
-def logits_fn(model) -> Callable[[jax.Array], jax.Array]:
-  """``tokens [B, T] -> logits [B, T, V]`` of an ``nnx`` model, jitted once per shape.
+def logits_fn(model) -> Callable[..., jax.Array]:
+  """``(tokens [B, T], segment_ids=None) -> logits [B, T, V]`` of an ``nnx`` model, jitted once
+  per shape.
 
   With parameters spanning processes (a pod), every process passes the same tokens and gets the
   same logits back, replicated so that each can read them."""
   graphdef, params = nnx.split(model)
   mesh = pod_mesh(params)
   if mesh is None:
-    return lambda tokens: forward_logits(graphdef, params, tokens)
-  return lambda tokens: replicate_on(mesh, forward_logits(graphdef, params,
-                                                          replicate_on(mesh, tokens)))
+    return lambda tokens, segment_ids=None: forward_logits(graphdef, params, tokens, segment_ids)
+
+  def replicated(tokens, segment_ids=None):
+    segment_ids = None if segment_ids is None else replicate_on(mesh, segment_ids)
+    return replicate_on(mesh, forward_logits(graphdef, params, replicate_on(mesh, tokens),
+                                             segment_ids))
+  return replicated

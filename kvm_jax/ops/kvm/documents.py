@@ -117,7 +117,7 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
   scale = 1.0 / math.sqrt(D)
   q5 = q.reshape(B, T, Hkv, G, D)
   window = document_window_partials(q5, k, v, docs, WindowRule("chunks", chunk=C, window_chunks=nb),
-                                    key_scale=window_temp * scale, block=min(C, 128))
+                                    key_scale=window_temp * scale, block=min(C, 256))
   sched = kvm_schedule(cfg, T)
   R = sched.final_rows
   num_steps = max_state_steps(T, cfg)
@@ -131,6 +131,13 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
   q_p, k_p, v_p, g_p = pad(q5), pad(k), pad(v), pad(merge_gate)
   start_p, length_p = pad(docs.start), pad(docs.length)
   n_append = jnp.asarray(sched.n_append, jnp.int32)
+  # What the schedule fixes for every fold a step can make (chunk c in [nb, num_chunks - 1)):
+  # whether any appends, and the row count after it when that is one number. The plain scan
+  # specializes its runs the same way (no novelty ranking, no row mask).
+  fold_chunks = range(nb, max(nb, sched.num_chunks - 1))
+  may_append = any(sched.n_append[c] > 0 for c in fold_chunks)
+  rows_after = {sched.rows_before[c] + sched.n_append[c] for c in fold_chunks}
+  rows_after = rows_after.pop() if len(rows_after) == 1 else None
   steps = state_steps(docs, cfg, num_steps)                              # [B, num_steps]
   zero = empty_rows(B, Hkv, R, D, Dv)
 
@@ -160,7 +167,7 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
     appended = jnp.where(folds, n_append[jnp.clip(c, 0, len(sched.n_append) - 1)], 0)
     new = update_state(state, rows_of(k_p, leaving, C), rows_of(v_p, leaving, C),
                        rows_of(g_p, leaving, C), appended, params, cfg, row_update,
-                       read_keys=read_keys)
+                       read_keys=read_keys, may_append=may_append, rows_after=rows_after)
     state_arrays = select_rows(folds, (new.keys, new.values, new.radius), state_arrays)
     num_rows = jnp.where(folds, new.num_rows, num_rows)
     # Queries of this step: the chunk's tokens that belong to the document.
