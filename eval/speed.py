@@ -51,6 +51,7 @@ from flax import nnx
 
 import kvm_jax as kj
 from kvm_jax.config import KVM_IMPLEMENTATIONS
+from kvm_jax.eval import documents_speed
 from kvm_jax.eval.timing import (full_attention_impl, median_ms, time_full_decode,
                                  time_kvm_decode, time_ovq_decode, time_rwkv7_decode)
 from kvm_jax.generate import prefill_logits, sample_step
@@ -388,6 +389,16 @@ def decode_bytes_cell(row: dict, arm: str) -> str:
   return f"{cell} / {minimum:,.0f} ({measured / minimum:.1f}x)"
 
 
+def _lengths(text: str) -> list[int]:
+  try:
+    values = [int(x) for x in text.split(",") if x]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated lengths, got {text!r}") from None
+  if not values or min(values) < 1:
+    raise argparse.ArgumentTypeError(f"expected positive lengths, got {text!r}")
+  return values
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="kvm-bench", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -423,6 +434,17 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--readout-anchor", action="store_true",
                  help="also time one chunk's readout (XLA, Pallas, and tokamax's attention as the "
                       "anchor when installed: pip install 'kvm_jax[tokamax]') per T and budget")
+  g = p.add_argument_group("packed documents (segment_ids); --documents runs only these tables")
+  g.add_argument("--documents", action="store_true",
+                 help="time the KVM op with segment ids against without, a documents train step "
+                 "against cram, and real tokens/s of documents against pad packing (ratios "
+                 "measured in interleaved rounds)")
+  g.add_argument("--doc-lengths", type=_lengths, default=[4096, 16384], metavar="T,...",
+                 help="row lengths of the op comparison (default: 4096,16384)")
+  g.add_argument("--doc-median", type=int, default=600,
+                 help="median document length of the log-normal mix (default: 600 tokens)")
+  g.add_argument("--doc-step-len", type=int, default=4096,
+                 help="row length of the train-step comparison (default: 4096)")
   p.add_argument("--json", default=None, help="write all measurements to this JSON file")
   p.add_argument("--plot", default=None, help="write a PNG of ms vs T to this path")
   return p
@@ -432,6 +454,18 @@ def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   if args.paper:
     args.batch, args.heads, args.head_dim, args.dtype = 8, 32, 128, "bfloat16"
+  if args.documents:
+    if args.doc_median < 1 or args.doc_step_len < 2:
+      raise SystemExit(f"--doc-median must be >= 1 and --doc-step-len >= 2, got "
+                       f"{args.doc_median} and {args.doc_step_len}.")
+    print(f"{jax.devices()[0].device_kind} ({kj.current_platform()}), jax {jax.__version__}",
+          flush=True)
+    measured = documents_speed.run(args)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump({"setup": {k: v for k, v in vars(args).items()}, "documents": measured}, f,
+                  indent=2)
+    return 0
   args.budgets = [b for b in args.budgets.split(",") if b]
   for b in args.budgets:
     if b not in BUDGETS:

@@ -12,6 +12,8 @@ decision of another document) is O(1).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -256,6 +258,55 @@ def test_model_documents_are_each_document_alone(name):
   other = jnp.where(seg == 0, (tokens + 17) % model.cfg.vocab_size, tokens)
   np.testing.assert_array_equal(np.asarray(packed_forward(model, other, seg))[np.asarray(seg) != 0],
                                 np.asarray(logits)[np.asarray(seg) != 0])
+
+
+def test_bf16_documents_are_as_close_to_alone_as_bf16_is_to_float32():
+  """bfloat16 activations: each packed document's logits stay as close to the document alone (in
+  bfloat16) as bfloat16 itself is to float32 on that document. The packed path sums its softmax
+  in other blocks than the alone run, so bf16 rounding differs, but never by more than bf16's own
+  error (within 2x; a state or window leak moves logits by O(1))."""
+  model = make_model(("swa", "kvm"), num_layers=2, compute_dtype="bfloat16")
+  exact = make_model(("swa", "kvm"), num_layers=2)
+  layout = ([-3, 30, 17, -14],)      # past the window and the budget's growth steps; mid-chunk
+  seg = jnp.asarray(segment_ids_of(layout, MODEL_T))
+  tokens = jax.random.randint(jax.random.PRNGKey(8), seg.shape, 0, model.cfg.vocab_size)
+  logits = packed_forward(model, tokens, seg)
+  for b, t, n in spans(layout):
+    alone = forward(model, tokens[b:b + 1, t:t + n])
+    bf16_error = rel_rms(alone, forward(exact, tokens[b:b + 1, t:t + n]))
+    assert 0 < bf16_error < 0.1, (t, n, bf16_error)
+    packed_error = rel_rms(logits[b:b + 1, t:t + n], alone)
+    assert packed_error <= 2 * bf16_error, (t, n, packed_error, bf16_error)
+
+
+# Logits with segment_ids unset, written by the tree before documents existed (commit 2e2c846) with
+# exactly the models and tokens of ``_none_path_logits`` below.
+NONE_PATH_FIXTURE = Path(__file__).parent / "data" / "documents" / "none_path_logits.npz"
+NONE_PATH_MODELS = {"kvm": dict(mixers="kvm"),
+                    "softmax_kvm": dict(mixers="full,swa,bswa,kvm", num_layers=4),
+                    "rwkv7_ovq": dict(mixers="rwkv7,ovq"),
+                    "fusedkv": dict(mixers="kvm", num_layers=4, kv_sharing="fusedkv")}
+
+
+def _none_path_logits(name: str, tokens) -> np.ndarray:
+  model = make_model(**NONE_PATH_MODELS[name], seed=7)
+  graphdef, params = nnx.split(model)
+  return np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, jnp.asarray(tokens)))
+
+
+@pytest.mark.parametrize("name", list(NONE_PATH_MODELS))
+def test_without_segment_ids_logits_are_bitwise_those_before_documents(name):
+  """Documents add code paths, not changes: with ``segment_ids`` unset every kind computes
+  bit for bit what it computed before (same jax and platform as the fixture; elsewhere XLA's own
+  rounding differs, and the logits must agree to float32 rounding)."""
+  fixture = np.load(NONE_PATH_FIXTURE)
+  logits = _none_path_logits(name, fixture["tokens"])
+  same_build = (str(fixture["jax_version"]) == jax.__version__
+                and str(fixture["platform"]) == jax.devices()[0].platform)
+  if same_build:
+    np.testing.assert_array_equal(logits, fixture[name])
+  else:
+    np.testing.assert_allclose(logits, fixture[name], rtol=1e-5, atol=1e-6)
 
 
 def test_model_refuses_documents_where_it_cannot_keep_them_apart():
