@@ -237,15 +237,23 @@ MODEL_T = 64
 MODEL_LAYOUT = ([1, 9, -3, 30, 17, -4], [-2, 17, 30, 9, -6])
 MODEL_MIXERS = {"kvm": "kvm", "hybrid": ("full", "swa", "bswa", "kvm"),
                 "rwkv7_ovq": ("rwkv7", "ovq")}  # RWKV-7 first: it makes the value anchor
+# Cross-layer KV sharing (layers 2 and 3 read layers 0 and 1's K/V): bswa layers fold the
+# sources into one attention (FusedKV); kvm layers fuse the window and keep their own state.
+MODEL_SHARING = {"fusedkv_bswa": dict(mixers="bswa", kv_sharing="fusedkv"),
+                 "fusedkv_kvm": dict(mixers="kvm", kv_sharing="fusedkv")}
 
 
 packed_forward = nnx.jit(lambda model, tokens, seg: model(tokens, segment_ids=seg))
 
 
-@pytest.mark.parametrize("name", list(MODEL_MIXERS))
+@pytest.mark.parametrize("name", list(MODEL_MIXERS) + list(MODEL_SHARING))
 def test_model_documents_are_each_document_alone(name):
-  mixers = MODEL_MIXERS[name]
-  model = make_model(mixers, num_layers=len(mixers) if isinstance(mixers, tuple) else 2)
+  if name in MODEL_SHARING:
+    model = make_model(num_layers=4, **MODEL_SHARING[name])
+    assert model.cfg.kv_sources(3) is not None and model.cfg.kv_sources(1) is None
+  else:
+    mixers = MODEL_MIXERS[name]
+    model = make_model(mixers, num_layers=len(mixers) if isinstance(mixers, tuple) else 2)
   assert model.cfg.tokenshift_attention and model.cfg.tokenshift_mlp and model.cfg.value_residual
   seg = jnp.asarray(segment_ids_of(MODEL_LAYOUT, MODEL_T))
   tokens = jax.random.randint(jax.random.PRNGKey(7), seg.shape, 0, model.cfg.vocab_size)
@@ -310,12 +318,17 @@ def test_without_segment_ids_logits_are_bitwise_those_before_documents(name):
 
 
 def test_model_refuses_documents_where_it_cannot_keep_them_apart():
-  model = make_model("swa", num_layers=4, kv_sharing="fusedkv_lite")
   tokens = jnp.zeros((1, 16), jnp.int32)
-  docs = documents(jnp.ones((1, 16), jnp.int32))
-  x = jnp.zeros((1, 16, model.cfg.hidden_size))
-  with pytest.raises(ValueError, match="without cross-layer KV sharing"):  # a reconstruction layer
-    model.blocks[3].attn(x, x, docs.position, None, False, None, documents=docs)
+  seg = jnp.ones((1, 16), jnp.int32)
+  shared_routing = make_model("kvm", num_layers=4, kv_sharing="fusedkv",
+                              kvm_kv_sharing="shared_routing")
+  with pytest.raises(ValueError, match="shared.routing"):
+    shared_routing(tokens, segment_ids=seg)
+  model = make_model("kvm")
+  with pytest.raises(ValueError, match="without a cache"):
+    model.blocks[0].attn(jnp.zeros((1, 16, model.cfg.hidden_size)), None,
+                         documents(seg).position, model.init_cache(1, 16)[0], False,
+                         documents=documents(seg))
   with pytest.raises(ValueError, match=r"segment_ids must have shape \(1, 16\)"):
     make_model("kvm")(tokens, segment_ids=jnp.ones((1, 8), jnp.int32))
 

@@ -127,8 +127,10 @@ def test_packing_is_checked(tmp_path):
     dataclasses.replace(_cfg(tmp_path, packing="pad"), task="mqar").validate()
   from kvm_jax import presets
   cfg = dataclasses.replace(_cfg(tmp_path, packing="documents"),
-                            model=presets.tiny(mixers="swa", num_layers=4,
-                                               kv_sharing="fusedkv_lite"))
-  with pytest.raises(ValueError, match="does not run with cross-layer KV sharing"):
+                            model=presets.tiny(mixers="kvm", num_layers=4, kv_sharing="fusedkv",
+                                               kvm_kv_sharing="shared_routing"))
+  with pytest.raises(ValueError, match="does not run with kvm_kv_sharing='shared_routing'"):
     check_packing_model(cfg)
+  check_packing_model(dataclasses.replace(  # window-only fusion keeps documents apart
+      cfg, model=dataclasses.replace(cfg.model, kvm_kv_sharing="window")))
   check_packing_model(dataclasses.replace(cfg, packing="pad"))  # one document per row: any model

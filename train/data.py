@@ -80,9 +80,11 @@ def check_packing_model(cfg: TrainConfig) -> None:
   if refused:
     raise ValueError(f"packing='documents' needs layers that take segment ids ({', '.join(kinds)}"
                      f"); this model has {', '.join(refused)}: use packing='pad' or 'cram'.")
-  if cfg.model.kv_sharing != "none":
-    raise ValueError(f"packing='documents' does not run with cross-layer KV sharing "
-                     f"(kv_sharing={cfg.model.kv_sharing!r}): use packing='pad' or 'cram'.")
+  if cfg.model.kv_sharing != "none" and cfg.model.kvm_kv_sharing == "shared_routing" and any(
+      cfg.model.is_kvm(i) for i in range(cfg.model.num_layers)):
+    raise ValueError("packing='documents' does not run with kvm_kv_sharing='shared_routing' "
+                     "(one routing replayed over whole rows): use kvm_kv_sharing='window', or "
+                     "packing='pad' or 'cram'.")
 
 
 def put_batch(batch: dict, batch_sharding, rows: Optional[np.ndarray] = None,

@@ -115,7 +115,10 @@ def memory_report(cfg: TrainConfig, mesh=None) -> MemoryReport:
                                 sharding=shardings[2])
   halted = jax.ShapeDtypeStruct((), jnp.bool_, sharding=NamedSharding(mesh, PartitionSpec()))
   step = loop.make_train_step(graphdef, optimizer, shardings, cfg)
-  compiled = step.lower(params, opt_state, {"inputs": tokens, "labels": tokens}, halted).compile()
+  batch = {"inputs": tokens, "labels": tokens}
+  if cfg.packing == "documents":  # packed rows also carry their documents' segment ids
+    batch["segment_ids"] = tokens
+  compiled = step.lower(params, opt_state, batch, halted).compile()
   m = compiled.memory_analysis()
   return MemoryReport(arguments=m.argument_size_in_bytes, temporaries=m.temp_size_in_bytes,
                       outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,

@@ -193,11 +193,13 @@ class AttentionFrontEnd(nnx.Module):
       q = token_shift(q, self.x_q[...], None if prev is None else prev.last_q, "first", starts)
     return self._head_norm("ln_q", q.reshape(B, T, cfg.num_heads, cfg.qk_head_dim)).astype(dtype)
 
-  def queries(self, x: Array, positions: Array, prev: Optional[LayerCache]):
-    """Queries ``[B, T, H, D]`` and the token-shift tails of a reconstruction layer."""
+  def queries(self, x: Array, positions: Array, prev: Optional[LayerCache],
+              starts: Optional[Array] = None):
+    """Queries ``[B, T, H, D]`` and the token-shift tails of a reconstruction layer
+    (``starts [B, T]``: packed documents' first tokens, where the shift restarts)."""
     q = self.c_q(x)
     tails = (q[:, -1:], None, None)
-    return self._rotate(self._query_heads(q, prev, x.dtype), positions), tails
+    return self._rotate(self._query_heads(q, prev, x.dtype, starts), positions), tails
 
   def qkv(self, x: Array, v_first: Optional[Array], positions: Array,
           prev: Optional[LayerCache], starts: Optional[Array] = None):
@@ -235,13 +237,19 @@ class AttentionFrontEnd(nnx.Module):
     prev = cache if decode else None
     mixer_cache = None if cache is None else cache.mixer
     if documents is not None:
-      if decode or cache is not None or self.sources is not None:
-        raise ValueError("segment_ids: packed documents run as whole sequences without a cache "
-                         "and without cross-layer KV sharing; prefill and decode take one "
-                         "sequence per row.")
-      q, k, v, tails = self.qkv(x, v_first, positions, prev, documents.position == 0)
-      y, mixer_cache, exports = self.mix_own(x, q, k, v, mixer_cache, decode, shared,
-                                             documents=documents)
+      if decode or cache is not None:
+        raise ValueError("segment_ids: packed documents run as whole sequences without a cache; "
+                         "prefill and decode take one sequence per row.")
+      starts = documents.position == 0
+      if self.sources is None:
+        q, k, v, tails = self.qkv(x, v_first, positions, prev, starts)
+        y, mixer_cache, exports = self.mix_own(x, q, k, v, mixer_cache, decode, shared,
+                                               documents=documents)
+      else:
+        q, tails = self.queries(x, positions, prev, starts)
+        y, mixer_cache = self.mix_reconstructed(x, q, mixer_cache, decode, shared,
+                                                documents=documents)
+        exports = {}
     elif self.sources is None:
       q, k, v, tails = self.qkv(x, v_first, positions, prev)
       y, mixer_cache, exports = self.mix_own(x, q, k, v, mixer_cache, decode, shared)
@@ -278,12 +286,14 @@ class SoftmaxAttention(AttentionFrontEnd):
     documents."""
     return WindowRule("causal")
 
-  def attend_documents(self, q, k, v, documents: Documents):
-    """:meth:`attend` on packed documents: each document as if alone."""
+  def attend_documents(self, q, k, v, documents: Documents, scale=None):
+    """:meth:`attend` on packed documents: each document as if alone (``scale``: the softmax
+    scale, default ``D ** -0.5``)."""
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     parts = document_window_partials(q.reshape(B, T, Hkv, H // Hkv, D), k, v, documents,
-                                     self.document_rule(), key_scale=D ** -0.5)
+                                     self.document_rule(),
+                                     key_scale=D ** -0.5 if scale is None else scale)
     return combine_partials(parts).reshape(B, T, H, v.shape[-1]).astype(q.dtype)
 
   def init_cache(self, batch: int, max_len: int) -> Optional[RingCache]:
@@ -303,5 +313,5 @@ class SoftmaxAttention(AttentionFrontEnd):
         mixer_cache = attn_ops.ring_prefill(k, v, mixer_cache)
     return y, mixer_cache, {"k": k, "v": v}
 
-  def mix_reconstructed(self, x, q, mixer_cache, decode, shared):
-    return kv_sharing.mix_folded(self, q, shared, decode), None
+  def mix_reconstructed(self, x, q, mixer_cache, decode, shared, documents=None):
+    return kv_sharing.mix_folded(self, q, shared, decode, documents), None

@@ -66,16 +66,17 @@ class BlockSlidingWindowAttention(SoftmaxAttention):
     o = self.options
     return WindowRule("chunks", chunk=o.chunk_size, window_chunks=o.window_chunks)
 
-  def attend_documents(self, q, k, v, documents):
+  def attend_documents(self, q, k, v, documents, scale=None):
     """The window of each document's own chunk grid, plus its first ``sink_rows`` tokens while
     they lie before that window, in one softmax."""
     o = self.options
     B, T, H, D = q.shape
+    key_scale = D ** -0.5 if scale is None else scale
     Hkv = k.shape[2]
     q5 = q.reshape(B, T, Hkv, H // Hkv, D)
     parts = [document_window_partials(q5, k, v, documents, self.document_rule(),
-                                      key_scale=D ** -0.5)]
+                                      key_scale=key_scale)]
     if o.sink_rows:
       parts.append(document_sink_partials(q5, k, v, documents, o.sink_rows, o.chunk_size,
-                                          o.window_chunks, key_scale=D ** -0.5))
+                                          o.window_chunks, key_scale=key_scale))
     return combine_partials(*parts).reshape(B, T, H, v.shape[-1]).astype(q.dtype)

@@ -76,9 +76,10 @@ def without_window_kv(cache):
   return dataclasses.replace(cache, window_keys=None, window_values=None)
 
 
-def mix_folded(layer, q, shared: SharedKV, decode: bool):
+def mix_folded(layer, q, shared: SharedKV, decode: bool, documents=None):
   """full/swa/bswa reconstruction layer: one attention over the sources stacked along the head
-  dim, queries folded with the key weights, value slices weighted after (never a fused K/V)."""
+  dim, queries folded with the key weights, value slices weighted after (never a fused K/V);
+  over packed ``documents``, each document's own keys (the layer's ``attend_documents``)."""
   ks, vs, key_w, value_w = source_weights(layer)
   ex = shared.exports
   keys = kv_fusion.stack_sources([ex[j]["k"] for j in ks])
@@ -95,18 +96,24 @@ def mix_folded(layer, q, shared: SharedKV, decode: bool):
         sink_keys=kv_fusion.stack_sources([c.sink_keys for c in kc]),
         sink_values=kv_fusion.stack_sources([c.sink_values for c in vc]))
     y, _ = ring_decode_step(q, keys, values, view, scale=scale)
+  elif documents is not None:
+    y = layer.attend_documents(q, keys, values, documents, scale=scale)
   else:
     y = layer.attend(q, keys, values, scale=scale)
   return kv_fusion.unfold_output(y, value_w) if layer.fused else y
 
 
-def mix_kvm_window_fusion(layer, x, q, shared: SharedKV, mixer_cache, decode: bool):
+def mix_kvm_window_fusion(layer, x, q, shared: SharedKV, mixer_cache, decode: bool,
+                          documents=None):
   """kvm reconstruction layer, window-only fusion: the window keys/values are fused from the
   sources on demand; the compressed state is this layer's own, built from the fused per-token
-  K/V with this layer's merge gates (states of different layers are not row-aligned)."""
+  K/V with this layer's merge gates (states of different layers are not row-aligned). Over
+  packed ``documents`` (no cache), each document as if alone."""
   ks, vs, key_w, value_w = source_weights(layer)
   ex, fuse = shared.exports, kv_fusion.materialize
   k, v = fuse([ex[j]["k"] for j in ks], key_w), fuse([ex[j]["v"] for j in vs], value_w)
+  if documents is not None:
+    return layer.kvm_documents(q, k, v, layer.merge_gate(x), layer.kvm_params(), documents), None
   view = None
   if mixer_cache is not None:
     kc, vc = [shared.old_caches[j] for j in ks], [shared.old_caches[j] for j in vs]

@@ -106,6 +106,15 @@ class KVMAttention(AttentionFrontEnd):
       out = (y, None, *decisions)
     return out[0], out[1], (out[2] if return_routing else None)
 
+  def kvm_documents(self, q, k, v, g, params, documents, routing=None):
+    """The KVM op over packed documents (each as if alone): ``y [B, T, H, Dv]``."""
+    # Each document's own id (its number in the row): the op rebuilds the same documents.
+    segment_ids = jnp.where(documents.valid, documents.index + 1, 0)
+    y, _ = kvm_attention(q, k, v, g, params, self.options, segment_ids=segment_ids,
+                         implementation=self.cfg.kvm_implementation, routing=routing,
+                         return_routing=self.exports_routing)
+    return y
+
   def mix_own(self, x, q, k, v, mixer_cache, decode, shared, documents=None):
     """A storage layer: its own K/V and state, possibly following a leader's routing."""
     routing = None
@@ -113,12 +122,8 @@ class KVMAttention(AttentionFrontEnd):
       routing = shared.exports[self.routing_leader]["routing"]
     g, params = self.merge_gate(x), self.kvm_params()
     if documents is not None:
-      # Each document's own id (its number in the row): the op rebuilds the same documents.
-      segment_ids = jnp.where(documents.valid, documents.index + 1, 0)
-      y, _ = kvm_attention(q, k, v, g, params, self.options, segment_ids=segment_ids,
-                           implementation=self.cfg.kvm_implementation, routing=routing,
-                           return_routing=self.exports_routing)
-      return y, None, {"k": k, "v": v, "g": g, "params": params, "cache": None}
+      return self.kvm_documents(q, k, v, g, params, documents, routing), None, {
+          "k": k, "v": v, "g": g, "params": params, "cache": None}
     y, mixer_cache, decisions = self.kvm_core(q, k, v, g, params, mixer_cache, decode, routing,
                                               self.exports_routing)
     exports = {"k": k, "v": v, "g": g, "params": params, "cache": mixer_cache}
@@ -126,7 +131,11 @@ class KVMAttention(AttentionFrontEnd):
       exports["routing"] = decisions
     return y, mixer_cache, exports
 
-  def mix_reconstructed(self, x, q, mixer_cache, decode, shared):
+  def mix_reconstructed(self, x, q, mixer_cache, decode, shared, documents=None):
     if self.shares_state:
+      if documents is not None:
+        raise ValueError("segment_ids: kvm_kv_sharing='shared_routing' replays one routing over "
+                         "whole rows and cannot keep packed documents apart; use "
+                         "kvm_kv_sharing='window' (or packing 'pad'/'cram').")
       return kv_sharing.mix_kvm_shared_state(self, q, shared, decode), None
-    return kv_sharing.mix_kvm_window_fusion(self, x, q, shared, mixer_cache, decode)
+    return kv_sharing.mix_kvm_window_fusion(self, x, q, shared, mixer_cache, decode, documents)
