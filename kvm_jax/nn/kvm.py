@@ -109,7 +109,7 @@ class KVMAttention(AttentionFrontEnd):
   def kvm_documents(self, q, k, v, g, params, documents, routing=None):
     """The KVM op over packed documents (each as if alone): ``y [B, T, H, Dv]``."""
     # Each document's own id (its number in the row): the op rebuilds the same documents.
-    segment_ids = jnp.where(documents.valid, documents.index + 1, 0)
+    segment_ids = documents.segment_ids()
     y, _ = kvm_attention(q, k, v, g, params, self.options, segment_ids=segment_ids,
                          implementation=self.cfg.kvm_implementation, routing=routing,
                          return_routing=self.exports_routing)

@@ -70,7 +70,7 @@ class OVQAttention(AttentionFrontEnd):
     q, k = l2_normalize(q), l2_normalize(k)
     beta = self.beta[...]
     if documents is not None:  # each document alone (the front end refuses caches with them)
-      segment_ids = jnp.where(documents.valid, documents.index + 1, 0)
+      segment_ids = documents.segment_ids()
       y = ovq_attention_documents(q, k, v, beta, segment_ids, self.options)
       return y, None, {"k": k, "v": v}
     if decode:

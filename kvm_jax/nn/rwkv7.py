@@ -226,7 +226,7 @@ class RWKV7TimeMix(nnx.Module):
       if decode or cache is not None:
         raise ValueError("segment_ids: packed documents run as whole sequences without a cache; "
                          "prefill and decode take one sequence per row.")
-      segment_ids = jnp.where(documents.valid, documents.index + 1, 0)
+      segment_ids = documents.segment_ids()
       starts = documents.position == 0
     xs = self._shifted(x, mixer_cache.last_input if decode else None, starts)
     f32 = lambda y: y.astype(jnp.float32)

@@ -16,6 +16,11 @@ their outputs are finite and no document ever sees them (the loss masks them out
 document and to a window rule on document positions (full causal, sliding window, or KVM's and
 BSWA's chunk-aligned window), returned as un-normalized partial sums, so that another set of keys
 (KVM's state, BSWA's sinks) can join the same softmax (:func:`combine_partials`).
+
+The recurrent document paths (KVM's state steps, OVQ's dictionary steps) share three helpers:
+:func:`rows_of` gathers each row's slice at its own offset, :func:`select_rows` keeps a step's
+result only in the rows it applies to, and :func:`scan_in_blocks` is a ``lax.scan`` whose backward
+pass keeps the carry every ~sqrt(steps) steps.
 """
 
 from __future__ import annotations
@@ -52,6 +57,11 @@ class Documents(NamedTuple):
   position: Array
   length: Array
   valid: Array
+
+  def segment_ids(self) -> Array:
+    """``[B, T]`` int32 ids that describe these documents again (each document's number in its
+    row plus one, 0 on padding): what an op that takes ``segment_ids`` rebuilds them from."""
+    return jnp.where(self.valid, self.index + 1, 0)
 
 
 def check_segment_ids(segment_ids, shape: tuple[int, int], where: str) -> None:
@@ -267,3 +277,41 @@ def document_sink_partials(q: Array, k: Array, v: Array, docs: Documents, sink_r
   acc = jnp.einsum("bqhgs,bqshv->bqhgv", matmul_operand(p.astype(v.dtype)), matmul_operand(sink_v),
                    precision=precision_for(q.dtype), preferred_element_type=jnp.float32)
   return Partials(top, jnp.sum(p, axis=-1), acc)
+
+
+# ----------------------------------------------------------------------------------------------
+# Scans over per-row steps (shared by the KVM and OVQ document paths)
+# ----------------------------------------------------------------------------------------------
+
+
+def rows_of(x: Array, first: Array, size: int) -> Array:
+  """``x[b, first[b] : first[b] + size]`` for every row ``b`` (``x [B, T, ...]``, ``first [B]``;
+  the caller pads ``x`` so the slices stay inside)."""
+  return jax.vmap(lambda row, f: jax.lax.dynamic_slice_in_dim(row, f, size, 0))(x, first)
+
+
+def select_rows(pick: Array, new, old):
+  """Per batch row, ``new`` where ``pick [B]`` else ``old`` (pytrees of batch-first arrays)."""
+  shaped = lambda a: pick.reshape(pick.shape + (1,) * (a.ndim - 1))  # noqa: E731
+  return jax.tree_util.tree_map(lambda a, b: jnp.where(shaped(a), a, b), new, old)
+
+
+def scan_in_blocks(step, carry, xs):
+  """``lax.scan(step, carry, xs)`` whose backward pass keeps the carry only every ~sqrt(steps)
+  steps: the steps are cut into blocks, each block one rematerialized inner scan (a trailing
+  partial block is padded with steps past the row, which change nothing)."""
+  n = xs.shape[0]
+  block = max(1, math.isqrt(n - 1) + 1)
+  blocks = -(-n // block)
+  if blocks * block != n:
+    # Padding steps point past every row (first >= T): no query, no fold, no reset.
+    fill = jnp.iinfo(jnp.int32).max // 2
+    xs = jnp.concatenate([xs, jnp.full((blocks * block - n, *xs.shape[1:]), fill, xs.dtype)])
+
+  @jax.checkpoint
+  def run_block(carry, block_xs):
+    return jax.lax.scan(step, carry, block_xs)
+
+  carry, ys = jax.lax.scan(run_block, carry, xs.reshape(blocks, block, *xs.shape[1:]))
+  ys = jax.tree_util.tree_map(lambda y: y.reshape(blocks * block, *y.shape[2:])[:n], ys)
+  return carry, ys

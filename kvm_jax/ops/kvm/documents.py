@@ -36,8 +36,9 @@ from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig
 from kvm_jax.ops.common import MASKED, matmul_operand, precision_for
 from kvm_jax.ops.documents import (Documents, Partials, WindowRule, combine_partials,
-                                   document_window_partials, documents)
-from kvm_jax.ops.kvm.state import (KVMParams, KVMState, per_row, state_readout, temperatures,
+                                   document_window_partials, documents, rows_of,
+                                   scan_in_blocks, select_rows)
+from kvm_jax.ops.kvm.state import (KVMParams, KVMState, state_readout, temperatures,
                                    token_rows, update_state)
 
 Array = jax.Array
@@ -63,10 +64,6 @@ def max_state_steps(seq_len: int, cfg: KVMConfig) -> int:
   return max(0, -(-seq_len // cfg.chunk_size) - cfg.window_chunks)
 
 
-def rows_of(x: Array, first: Array, size: int) -> Array:
-  """``x[b, first[b] : first[b] + size]`` for every row ``b`` (``x [B, T, ...]``, ``first [B]``;
-  the caller pads ``x`` so the slices stay inside)."""
-  return jax.vmap(lambda row, f: jax.lax.dynamic_slice_in_dim(row, f, size, 0))(x, first)
 
 
 def _state_partials(q: Array, keys: Array, values: Array, valid: Array, temp: Array,
@@ -91,9 +88,6 @@ def _state_partials(q: Array, keys: Array, values: Array, valid: Array, temp: Ar
   return move(top), move(jnp.sum(p, axis=-1)), move(acc)
 
 
-def select_rows(pick: Array, new, old):
-  """Per batch row, ``new`` where ``pick [B]`` else ``old`` (pytrees of batch-first arrays)."""
-  return jax.tree_util.tree_map(lambda a, b: jnp.where(per_row(pick, a.ndim), a, b), new, old)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "row_update", "remat"))
@@ -235,24 +229,3 @@ def _last_document_start_state(k, v, g, docs: Documents, params, cfg: KVMConfig,
   grow = lambda x: jnp.pad(  # noqa: E731
       x, [(0, 0), (0, 0), (0, capacity - width)] + [(0, 0)] * (x.ndim - 3))
   return KVMState(grow(keys), grow(values), grow(radius), num_rows=rows.astype(jnp.int32))
-
-
-def scan_in_blocks(step, carry, xs):
-  """``lax.scan(step, carry, xs)`` whose backward pass keeps the carry only every ~sqrt(steps)
-  steps: the steps are cut into blocks, each block one rematerialized inner scan (a trailing
-  partial block is padded with steps past the row, which change nothing)."""
-  n = xs.shape[0]
-  block = max(1, math.isqrt(n - 1) + 1)
-  blocks = -(-n // block)
-  if blocks * block != n:
-    # Padding steps point past every row (first >= T): no query, no fold, no reset.
-    fill = jnp.iinfo(jnp.int32).max // 2
-    xs = jnp.concatenate([xs, jnp.full((blocks * block - n, *xs.shape[1:]), fill, xs.dtype)])
-
-  @jax.checkpoint
-  def run_block(carry, block_xs):
-    return jax.lax.scan(step, carry, block_xs)
-
-  carry, ys = jax.lax.scan(run_block, carry, xs.reshape(blocks, block, *xs.shape[1:]))
-  ys = jax.tree_util.tree_map(lambda y: y.reshape(blocks * block, *y.shape[2:])[:n], ys)
-  return carry, ys

@@ -25,8 +25,8 @@ import numpy as np
 
 from kvm_jax.ops.common import MASKED
 from kvm_jax.ops.documents import (Partials, WindowRule, combine_partials,
-                                   document_window_partials, documents)
-from kvm_jax.ops.kvm.documents import rows_of, scan_in_blocks, select_rows
+                                   document_window_partials, documents, rows_of, scan_in_blocks,
+                                   select_rows)
 from kvm_jax.ops.ovq.config import OVQConfig
 from kvm_jax.ops.ovq.state import dictionary_scores, empty_state, fold
 
