@@ -405,9 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="sequence length (default: the run's MQAR length, 256 for text runs)")
   g.add_argument("--mqar-batches", type=int, default=4, help="batches per pair count")
   g.add_argument("--mqar-batch-size", type=int, default=16, help="sequences per batch")
-  g = p.add_argument_group("position-wise loss")
+  g = p.add_argument_group("text loss and position-wise loss (suite position_loss)")
   g.add_argument("--position-context", type=int, default=4096,
-                 help="tokens per document scored (default: 4096)")
+                 help="positions scored per document: each is cut to its first N + 1 tokens "
+                 "(default: 4096, the paper's validation)")
   g.add_argument("--position-bucket", type=int, default=1024,
                  help="bucket size in tokens (default: 1024, as in the paper)")
   g.add_argument("--position-docs", type=int, default=8,
