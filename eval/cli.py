@@ -184,7 +184,7 @@ def evaluate_model(name: str, run: Path, cfg, model, step: int, args,
       try:
         loss = position_lib.text_loss(logits_fn(model), token_docs, args.position_context,
                                       args.position_bucket, args.packing, tok.eos_id)
-      except ValueError as e:  # e.g. "documents" on a model whose layers share K/V
+      except ValueError as e:  # e.g. "documents" on a model with shared KVM routing
         out["position_loss"] = {"skipped": f"{args.packing} packing: {e}"}
       else:
         out["position_loss"] = dict(loss, bucket=args.position_bucket,
