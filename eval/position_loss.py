@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kvm_jax.ops.documents import documents
 from kvm_jax.progress import progress
 from kvm_jax.tasks.labels import IGNORE
 from kvm_jax.tasks.packing import PackedRows, check_packing, packed_example, plan_rows
@@ -110,13 +111,9 @@ def scored_rows(token_docs: Sequence[np.ndarray], context: int, packing: str,
   examples = [packed_example(*rows.row(k)) for k in range(len(rows))]
   stack = lambda key: np.stack([e[key] for e in examples]).astype(np.int32)  # noqa: E731
   inputs, labels, segments = stack("inputs"), stack("labels"), stack("segment_ids")
-  # Position within the document: distance from the start of the token's run of one id.
-  t = np.arange(context)
-  begins = np.concatenate([np.ones((len(inputs), 1), bool),
-                           segments[:, 1:] != segments[:, :-1]], axis=1)
-  start = np.maximum.accumulate(np.where(begins, t, 0), axis=1)
-  return ScoredRows(inputs, labels, segments if packing == "documents" else None,
-                    (t - start).astype(np.int32), packing)
+  positions = np.asarray(documents(segments).position, np.int32)  # within each document
+  return ScoredRows(inputs, labels, segments if packing == "documents" else None, positions,
+                    packing)
 
 
 def document_loss(logits_fn: Callable[..., jax.Array], rows: ScoredRows,
