@@ -141,7 +141,9 @@ def _block_ranges(state_bias, window_bias, blocks: ReadoutBlocks):
   """``[query blocks, 4]`` int32: the state row bound and the window block range each query
   block needs (from the masks: rows/slots with bias 0 are visible)."""
   n_q = blocks.queries_padded // blocks.queries
-  visible_state = state_bias[0] > MASKED / 2                                    # [Rp]
+  # One bound for every batch row and head: the most rows any of them sees (the bias masks the
+  # rest of a row with fewer).
+  visible_state = jnp.any(state_bias > MASKED / 2, axis=(0, 1, 2))              # [Rp]
   state_end = jnp.max(jnp.where(visible_state, jnp.arange(visible_state.shape[0]) + 1, 0))
   n_k = window_bias.shape[1] // blocks.window
   seen = (window_bias > MASKED / 2).reshape(n_q, blocks.queries, n_k,
@@ -166,7 +168,6 @@ def _forward(q, state_keys, state_values, state_bias, window_keys, window_values
   ranges = _block_ranges(state_bias, window_bias, blocks)
   per_head = lambda *tail: pl.BlockSpec((None, None, *tail), lambda b, h, i: (b, h, 0, 0))
   rows_of = lambda *tail: pl.BlockSpec((None, None, BM, *tail), lambda b, h, i: (b, h, i, 0))
-  whole = lambda *shape: pl.BlockSpec(shape, lambda b, h, i: (0,) * len(shape))
   row_mask = pl.BlockSpec((BM, W), lambda b, h, i: (i, 0))
   row_scale = pl.BlockSpec((None, BM, 1), lambda b, h, i: (h, i, 0))
   kernel = functools.partial(_readout_kernel, state_block=blocks.state,
@@ -175,7 +176,7 @@ def _forward(q, state_keys, state_values, state_bias, window_keys, window_values
       kernel,
       grid=(B, Hkv, GT // BM),
       in_specs=[backend.scalar_bounds_spec(kc, ranges.shape), rows_of(D), per_head(R, D),
-                per_head(R, Dv), whole(1, R), per_head(W, D), per_head(W, Dv), row_mask,
+                per_head(R, Dv), per_head(1, R), per_head(W, D), per_head(W, Dv), row_mask,
                 row_scale, row_scale],
       out_specs=[rows_of(Dv), rows_of(1)],
       out_shape=[jax.ShapeDtypeStruct((B, Hkv, GT, Dv), q.dtype),
@@ -197,7 +198,8 @@ def fused_readout(q, state_keys, state_values, state_bias, window_keys, window_v
   Args:
     q: ``[B, Hkv, G·Tq, D]`` queries, row ``g·Tq + i``.
     state_keys / state_values: ``[B, Hkv, R, D]`` / ``[B, Hkv, R, Dv]`` readout rows, float32.
-    state_bias: ``[1, R]`` float32, 0 for visible rows and ``MASKED`` otherwise.
+    state_bias: ``[B, Hkv, 1, R]`` float32, 0 for the rows each batch row sees and ``MASKED``
+      otherwise (a row count per batch row: packed documents).
     window_keys / window_values: ``[B, Hkv, W, D]`` / ``[B, Hkv, W, Dv]``.
     window_bias: ``[G·Tq, W]`` float32 additive mask (causal, in-sequence; the same for every
       head of a group).
@@ -293,7 +295,13 @@ def joint_attention_heads_pallas(q, state_keys, state_values, state_valid, windo
     per_row = jnp.repeat(t.astype(jnp.float32) * scale, Tp, axis=1)          # [Hkv, G·Tp]
     return pad(per_row, 1, GTp, 1.0)[..., None]
 
-  state_bias = jnp.where(jnp.broadcast_to(state_valid, (Tq, R))[:1], 0.0, MASKED)
+  # One state mask per batch row: the queries of a row see the same rows (the rows of a packed
+  # document's state differ from row to row, ``state_valid [B, 1, 1, ·, R]``).
+  if np.ndim(state_valid) > 2:
+    rows_seen = jnp.broadcast_to(state_valid, (B, 1, 1, Tq, R))[:, :, :, 0]     # [B, 1, 1, R]
+  else:
+    rows_seen = jnp.broadcast_to(state_valid, (Tq, R))[None, None, :1]          # [1, 1, 1, R]
+  state_bias = jnp.broadcast_to(jnp.where(rows_seen, 0.0, MASKED), (B, Hkv, 1, R))
   window_bias = jnp.where(jnp.broadcast_to(window_valid, (Tq, W)), 0.0, MASKED)
   window_bias = pad(pad(window_bias, 0, Tp), 1, Wp, MASKED)
   window_bias = pad(jnp.tile(window_bias, (G, 1)), 0, GTp, MASKED)
@@ -301,9 +309,9 @@ def joint_attention_heads_pallas(q, state_keys, state_values, state_valid, windo
   window_bias = window_bias.at[G * Tp:, 0].set(0.0)
   args = (qh, pad(state_keys.astype(q.dtype), 2, Rp),
           pad(state_values.astype(window_values.dtype), 2, Rp),
-          pad(state_bias.astype(jnp.float32), 1, Rp, MASKED), wk, wv,
+          pad(state_bias.astype(jnp.float32), 3, Rp, MASKED), wk, wv,
           window_bias.astype(jnp.float32), rows(state_temp), rows(window_temp))
   y, _ = per_shard(lambda *a: fused_readout(*a, kc), args,
-                   ("bh", "bh", "bh", "r", "bh", "bh", "r", "h", "h"), ("bh", "bh"), B, Hkv,
+                   ("bh", "bh", "bh", "bh", "bh", "bh", "r", "h", "h"), ("bh", "bh"), B, Hkv,
                    kc.shard_axes)
   return y[:, :, :G * Tp].reshape(B, Hkv, G, Tp, -1)[:, :, :, :Tq].astype(jnp.float32)

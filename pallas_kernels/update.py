@@ -104,7 +104,11 @@ def add_rows_working_set(C, R, X, platform) -> backend.WorkingSet:
 
 def _scores_kernel(bounds_ref, x_ref, rows_ref, out_ref, *, row_block: int, argmax: bool,
                    kc: backend.KernelConfig):
-  lo, hi = bounds_ref[0, 0], bounds_ref[0, 1]
+  if _bounds_in_smem(kc):  # the whole [b·h·2] array: this program's pair
+    at = (pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)) * 2
+    lo, hi = bounds_ref[at], bounds_ref[at + 1]
+  else:                    # this program's [1, 2] block
+    lo, hi = bounds_ref[0, 0], bounds_ref[0, 1]
   x = x_ref[...].astype(jnp.float32)                          # [tokens, D]
   tokens = x.shape[0]
   precision = kc.matmul_precision(jnp.float32)
@@ -133,24 +137,39 @@ def _scores_kernel(bounds_ref, x_ref, rows_ref, out_ref, *, row_block: int, argm
   out_ref[...] = arg if argmax else best
 
 
+def _bounds_in_smem(kc: backend.KernelConfig) -> bool:
+  """Row bounds are loop bounds: in scalar memory on TPU (one flat array, as Mosaic's scalar
+  memory wants it), else a block per program."""
+  return kc.platform == "tpu" and not kc.interpret
+
+
 def _scores(x, rows, lo, hi, argmax: bool, kc: backend.KernelConfig):
   """``[B, Hkv, C]``: max or first argmax over rows ``[lo, hi)`` of ``x [B,Hkv,C,D] · rows
-  [B,Hkv,R,D]`` (float32)."""
+  [B,Hkv,R,D]`` (float32). ``lo`` / ``hi``: scalars, or ``[B]`` (one range per batch row: packed
+  documents, whose states have their own row counts)."""
   B, Hkv, C, D = x.shape
   R = rows.shape[2]
   blocks = routing_blocks(C, R, kc.platform, kc.interpret)
   kc.check_sizes(chunk_size=C, head_dim=D)
   rows = backend.pad_axis(rows.astype(jnp.float32), 2, blocks.rows_padded)
-  bounds = jnp.stack([jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)]).reshape(1, 2)
+  per_row = lambda x: jnp.broadcast_to(  # noqa: E731
+      jnp.asarray(x, jnp.int32).reshape(-1, 1), (B, Hkv))
+  bounds = jnp.stack([per_row(lo), per_row(hi)], axis=-1)                      # [B, Hkv, 2]
   kernel = functools.partial(_scores_kernel, row_block=blocks.rows, argmax=argmax, kc=kc)
   T = blocks.tokens
 
   def call(bounds, x, rows):
     b, h = x.shape[:2]
+    if _bounds_in_smem(kc):
+      from jax.experimental.pallas import tpu as pltpu
+      bounds, bounds_spec = bounds.reshape(-1), pl.BlockSpec(memory_space=pltpu.SMEM)
+    else:
+      bounds = bounds[:, :, None]                                               # [b, h, 1, 2]
+      bounds_spec = pl.BlockSpec((None, None, 1, 2), lambda b, h, i: (b, h, 0, 0))
     return pl.pallas_call(
         kernel,
         grid=(b, h, C // T),
-        in_specs=[backend.scalar_bounds_spec(kc, (1, 2)),
+        in_specs=[bounds_spec,
                   pl.BlockSpec((None, None, T, D), lambda b, h, i: (b, h, i, 0)),
                   pl.BlockSpec((None, None, blocks.rows_padded, D), lambda b, h, i: (b, h, 0, 0))],
         out_specs=pl.BlockSpec((None, None, T, 1), lambda b, h, i: (b, h, i, 0)),
@@ -160,7 +179,7 @@ def _scores(x, rows, lo, hi, argmax: bool, kc: backend.KernelConfig):
         name="kvm_route_argmax" if argmax else "kvm_route_novelty",
     )(bounds, x.astype(jnp.float32), rows)
 
-  out = per_shard(call, (bounds, x, rows), ("r", "bh", "bh"), "bh", B, Hkv, kc.shard_axes)
+  out = per_shard(call, (bounds, x, rows), ("bh", "bh", "bh"), "bh", B, Hkv, kc.shard_axes)
   return out[..., 0]
 
 

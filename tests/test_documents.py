@@ -114,6 +114,51 @@ def test_document_attention_is_each_document_alone(rule):
   assert np.all(np.isfinite(y))  # padding tokens too
 
 
+def _dense_documents(q, k, v, seg, window):
+  """Dense softmax attention under the ``[B, T, T]`` mask of the documents (same document,
+  causal, within ``window``), each padding token its own document: the yardstick."""
+  index = np.asarray(documents(jnp.asarray(seg)).index)
+  t = np.arange(seg.shape[1])
+  mask = (index[:, :, None] == index[:, None, :]) & (t[None, None, :] <= t[None, :, None])
+  if window is not None:
+    mask &= t[None, None, :] > t[None, :, None] - window
+  G = q.shape[2] // k.shape[2]
+  kk, vv = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, kk, precision="highest") / np.sqrt(q.shape[-1])
+  p = jax.nn.softmax(jnp.where(mask[:, None], s, -1e30), axis=-1)
+  return jnp.einsum("bhqk,bkhd->bqhd", p, vv, precision="highest")
+
+
+@pytest.mark.parametrize("implementation", ["splash", "chunked"])
+def test_attention_backends_keep_documents_apart(implementation):
+  """``causal_attention(..., segment_ids=)``: splash (its Pallas TPU kernel, interpreted here)
+  takes the documents as its own segment ids; the other backends run the document window path.
+  Outputs and gradients equal the float64 rule of each document alone; every padding token sees
+  only itself (it equals its own value)."""
+  from kvm_jax.ops.attention_api import causal_attention
+  layout = ([5, 60, -3, 130, 58], [-2, 127, 1, 126])        # T = 256 (splash: multiples of 128)
+  seg = segment_ids_of(layout, 256)
+  q, k, v, _ = random_inputs(4, 2, 256, 4, 2, 16, 16)
+  w = jax.random.normal(jax.random.PRNGKey(1), q.shape)
+  for window in (None, 48):
+    rule = WindowRule("causal") if window is None else WindowRule("sliding", window=window)
+    run = lambda q, k, v: causal_attention(  # noqa: E731
+        q, k, v, window=window, implementation=implementation, segment_ids=jnp.asarray(seg))
+    y, grads = jax.value_and_grad(lambda *a: jnp.sum(run(*a) * w), argnums=(0, 1, 2))(q, k, v)
+    y = np.asarray(run(q, k, v), np.float64)
+    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+    for b, t, n in spans(layout):
+      want = _window_alone(q64[b, t:t + n], k64[b, t:t + n], v64[b, t:t + n], rule, 16 ** -0.5)
+      assert rel_rms(y[b, t:t + n], want) < OUT_TOL, (window, b, t, n)
+    pad = seg == 0
+    np.testing.assert_allclose(y[pad], np.repeat(np.asarray(v, np.float64), 2, axis=2)[pad],
+                               rtol=1e-5, atol=1e-6)
+    want_grads = jax.grad(lambda *a: jnp.sum(_dense_documents(*a, seg, window) * w),
+                          argnums=(0, 1, 2))(q, k, v)
+    for name, a, e in zip("qkv", grads, want_grads):
+      assert rel_rms(a, e) < GRAD_TOL, (window, name)
+
+
 def _kvm_inputs(B, H=2, Hkv=1, seed=0):
   q, k, v, g = random_inputs(seed, B, T, H, Hkv, 8, 6)
   return q, k, v, g, random_params(seed, 8, H)
@@ -179,6 +224,36 @@ def test_kvm_document_gradients_are_the_sum_of_each_document_alone(remat):
     assert rel_rms(a, e) < GRAD_TOL
 
 
+def test_pallas_documents_are_each_document_alone_and_route_as_xla():
+  """The Pallas kernels (interpret mode) in the document steps: per batch row state row counts in
+  the readout's mask and the routing kernels' row bounds. Outputs and the last documents' states
+  equal each document run alone (on the XLA scan), and equal the XLA document path's, whose
+  routing decisions (as the states' rows show) the kernels reproduce; gradients equal XLA's."""
+  cfg = KVMConfig(**TINY, **BUDGETS["sat_no_sink_gqa"])  # appends (novelty kernel) and merges
+  layout = ([1, 3, 5, 9, -2, 22, 22], [-3, 30, 9, 4, 18])
+  q, k, v, g, params = _kvm_inputs(2, H=4, Hkv=2, seed=1)
+  seg = jnp.asarray(segment_ids_of(layout, T))
+  y, state = kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg, implementation="pallas")
+  y_xla, state_xla = kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg)
+  assert rel_rms(y, y_xla) < OUT_TOL
+  np.testing.assert_array_equal(np.asarray(state.num_rows), np.asarray(state_xla.num_rows))
+  for b, t, n in spans(layout):
+    part = lambda x: x[b:b + 1, t:t + n]  # noqa: E731
+    y_alone, s_alone = kj.kvm_attention(part(q), part(k), part(v), part(g), params, cfg)
+    assert rel_rms(y[b:b + 1, t:t + n], y_alone) < OUT_TOL, (b, t, n)
+  rows = int(s_alone.num_rows)  # row 1's last document (18 tokens: past its first fold)
+  assert int(state.num_rows[1]) == rows
+  assert rel_rms(state.keys[1, :, :rows], s_alone.keys[0, :, :rows]) < OUT_TOL
+
+  w = jax.random.normal(jax.random.PRNGKey(5), y.shape)
+  loss = lambda impl: lambda *a: jnp.sum(  # noqa: E731
+      kj.kvm_attention(*a, cfg, segment_ids=seg, implementation=impl)[0] * w)
+  grads = [jax.grad(loss(impl), argnums=(0, 1, 2, 3))(q, k, v, g, params)
+           for impl in ("pallas", "xla")]
+  for name, a, e in zip("qkvg", *grads):
+    assert rel_rms(a, e) < GRAD_TOL, name
+
+
 def test_padding_changes_nothing_and_stays_finite():
   cfg = KVMConfig(**TINY, **BUDGETS["sqrt"])
   q, k, v, g, params = _kvm_inputs(len(LAYOUT))
@@ -223,8 +298,8 @@ def test_document_arguments_are_checked():
     kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg.astype(jnp.float32))
   with pytest.raises(ValueError, match="must be >= 0"):
     kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=-seg)
-  with pytest.raises(ValueError, match="implementation='xla'"):
-    kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg, implementation="pallas")
+  with pytest.raises(ValueError, match="readout='own'"):
+    kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg, readout="tokamax")
   with pytest.raises(ValueError, match="shared routing"):
     kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg, return_routing=True)
 

@@ -14,6 +14,7 @@ from kvm_jax.kernels import backend
 from kvm_jax.kernels.readout import fused_readout
 from kvm_jax.kernels.update import update_state_pallas
 from kvm_jax.ops.kvm.api import chunk_ops
+from kvm_jax.ops.kvm.documents import kvm_attention_documents
 from kvm_jax.ops.kvm.cases import (TOLERANCE, random_inputs, random_params, rel_rms, select,
                                    valid_rows)
 from kvm_jax.ops.kvm.scan import XLA_OPS, kvm_attention_scan
@@ -64,20 +65,21 @@ def test_kernel_vjps_match_xla(name):
     assert rel_rms(b, a) < TOLERANCE[dtype]["grad"], n
 
 
-@pytest.mark.parametrize("shape", [(1, 2, 2, 8, 12, 16, 16), (1, 1, 2, 128, 256, 256, 16)],
+@pytest.mark.parametrize("shape", [(2, 2, 2, 8, 12, 16, 16), (1, 1, 2, 128, 256, 256, 16)],
                          ids=["one_block", "blocked"])
 def test_readout_kernel_log_sum_exp_and_masks(shape):
   """The kernel's LSE equals logsumexp over the visible [state ; window] scores computed
   densely, and masked rows/slots get no weight. "blocked": 2 query blocks x 2 state blocks x 2
-  window blocks of 128, so the online softmax really streams."""
+  window blocks of 128, so the online softmax really streams. "one_block": two batch rows that see
+  7 and 5 state rows (packed documents' per-row masks)."""
   B, Hkv, G, Tq, R, W, D = shape
   ks = jax.random.split(jax.random.PRNGKey(0), 6)
   q = jax.random.normal(ks[0], (B, Hkv, G * Tq, D))
   sk, sv = jax.random.normal(ks[1], (B, Hkv, R, D)), jax.random.normal(ks[2], (B, Hkv, R, D))
   wk, wv = jax.random.normal(ks[3], (B, Hkv, W, D)), jax.random.normal(ks[4], (B, Hkv, W, D))
-  state_ok = np.arange(R) < (7 if R < 100 else 200)
+  state_ok = np.arange(R)[None] < (7 - 2 * np.arange(B)[:, None] if R < 100 else 200)  # [B, R]
   window_ok = np.arange(W)[None, :] <= W - Tq + np.arange(Tq)[:, None]
-  sbias = jnp.where(state_ok, 0.0, -1e30)[None]
+  sbias = jnp.broadcast_to(jnp.where(state_ok, 0.0, -1e30)[:, None, None], (B, Hkv, 1, R))
   wbias = jnp.tile(jnp.where(window_ok, 0.0, -1e30), (G, 1))
   scale = jnp.full((Hkv, G * Tq, 1), 0.25)
   kc = backend.KernelConfig("cpu", interpret=True)
@@ -195,6 +197,32 @@ def test_kernels_lower_for_accelerators(platform, rows, heads, dtype):
     jax.jit(grad).trace(*args).lower(lowering_platforms=(platform,))
 
 
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_document_kernels_lower_for_accelerators(platform):
+  """Packed documents on the kernels (a state mask per batch row in the readout, row bounds per
+  batch row in the routing kernels) lower for TPU and GPU at the paper's operator shapes with a
+  budget that appends rows (the novelty kernel runs), forward and backward."""
+  cfg = kj.KVMConfig(**PAPER, budget=kj.FixedBudget(1024))
+  B, T, H, Hkv, D = 2, 4096, 8, 4, 128
+  spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
+  args = (spec(B, T, H, D), spec(B, T, Hkv, D), spec(B, T, Hkv, D), spec(B, T, Hkv, dt=jnp.float32),
+          kj.KVMParams.init(D, H), spec(B, T, dt=jnp.int32))
+  ops = chunk_ops("pallas", target=platform, interpret=False)
+  f = lambda q, k, v, g, p, seg: kvm_attention_documents(  # noqa: E731
+      q, k, v, g, p, seg, cfg=cfg, ops=ops)[0]
+  with lowering_for(platform):
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  kernels = ["kvm_fused_readout", "kvm_route_novelty", "kvm_route_argmax", "kvm_add_rows"]
+  if platform == "tpu":
+    assert text.count("tpu_custom_call") >= len(kernels)
+  else:
+    for name in kernels:
+      assert name in text, name
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  with lowering_for(platform):
+    jax.jit(grad).trace(*args).lower(lowering_platforms=(platform,))
+
+
 def test_gpu_target_rejects_non_power_of_two_chunks():
   cfg = kj.KVMConfig(chunk_size=24, window_chunks=2, rope_dims=8, budget=kj.FixedBudget(24))
   q, k, v, g = random_inputs(0, 1, 100, 2, 2, 16, 16)
@@ -219,6 +247,7 @@ def test_kernels_run_per_shard_under_a_mesh(subprocess_environ):
       from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
       from kvm_jax.ops.kvm.api import chunk_ops, kernel_sharding
       from kvm_jax.ops.kvm.cases import random_inputs, random_params, rel_rms
+      from kvm_jax.ops.kvm.documents import kvm_attention_documents
       from kvm_jax.ops.kvm.scan import XLA_OPS, kvm_attention_scan
       cfg = kj.KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1, rope_dims=8,
                          budget=kj.PowerLawBudget(4.0, 0.5, min_rows=8))
@@ -241,8 +270,15 @@ def test_kernels_run_per_shard_under_a_mesh(subprocess_environ):
         y = f(qs, ks, vs, gs)
         assert "manual" in f.lower(qs, ks, vs, gs).as_text()  # shard_map: manual sharding
         grad = jax.jit(jax.grad(lambda q: loss(pallas, q, ks, vs, gs)))(qs)
+        # Packed documents: the routing kernels' row bounds are per batch row, split with it.
+        seg = jnp.asarray([[1] * 20 + [2] * 25] * 2 + [[0] * 3 + [3] * 42] * 2, jnp.int32)
+        segs = jax.device_put(seg, NamedSharding(mesh, P(("data", "fsdp"), None)))
+        docs = jax.jit(lambda *a: kvm_attention_documents(*a, params, segs, cfg=cfg,
+                                                          ops=pallas)[0])(qs, ks, vs, gs)
+      docs_ref = kvm_attention_documents(q, k, v, g, params, seg, cfg=cfg)[0]
       assert y.sharding.spec == P(("data", "fsdp"), None, "tensor"), y.sharding
       assert rel_rms(y, ref) < 2e-5 and rel_rms(grad, ref_grad) < 1e-4
+      assert rel_rms(docs, docs_ref) < 2e-5
       print("OK")
   """)
   # The suite's fast compilation and shared compilation cache, 8 host devices.

@@ -55,6 +55,13 @@ class SlidingWindowAttention(SoftmaxAttention):
     return causal_attention(q, k, v, window=self.options.window, scale=scale,
                             implementation=self.cfg.attention_implementation)
 
+  def attend_documents(self, q, k, v, documents, scale=None):
+    """Packed documents through the layer's backend (splash natively; the others on the document
+    window path, see :func:`kvm_jax.ops.attention_api.causal_attention`)."""
+    return causal_attention(q, k, v, window=self.options.window, scale=scale,
+                            implementation=self.cfg.attention_implementation,
+                            segment_ids=documents.segment_ids())
+
   def ring_geometry(self):
     return dict(window=self.options.window)
 

@@ -44,6 +44,7 @@ from kvm_jax.model_config import ATTENTION_IMPLEMENTATIONS
 from kvm_jax.ops import attention as dense
 from kvm_jax.ops.chunked_attention import DEFAULT_BLOCK, chunked_attention
 from kvm_jax.ops.common import current_platform, import_tokamax
+from kvm_jax.ops.documents import WindowRule, check_segment_ids, document_attention, documents
 
 Array = jax.Array
 
@@ -124,7 +125,8 @@ def runs_pallas(implementation: str, platform: Optional[str] = None) -> bool:
 
 def causal_attention(q: Array, k: Array, v: Array, *, window: Optional[int] = None,
                      scale: Optional[float] = None, implementation: str = "auto",
-                     interpret: Optional[bool] = None) -> Array:
+                     interpret: Optional[bool] = None,
+                     segment_ids: Optional[Array] = None) -> Array:
   """Causal attention of ``q`` over ``k``/``v`` (``window``: the last ``window`` tokens only).
 
   Args:
@@ -133,11 +135,25 @@ def causal_attention(q: Array, k: Array, v: Array, *, window: Optional[int] = No
     scale: softmax scale, default ``1/sqrt(D)``.
     implementation: one of :data:`kvm_jax.model_config.ATTENTION_IMPLEMENTATIONS`.
     interpret: run a Pallas kernel (splash) in interpret mode; default: off on TPU only.
+    segment_ids: optional ``[B, T]`` int packed documents (0 = padding, each run of one nonzero
+      id a document; :mod:`kvm_jax.ops.documents`): every query sees only keys of its own
+      document, so each document gets what it would get alone (each padding token sees itself).
+      Splash takes them natively (its ``SegmentIds``). ``jax.nn.dot_product_attention`` (xla,
+      cudnn) and tokamax's public API take only dense ``[T, T]`` masks, which would cost O(T²)
+      memory, so those implementations, and chunked, run the document window path instead
+      (:func:`kvm_jax.ops.documents.document_attention`: blocks of queries against the keys in
+      reach, plain XLA, O(T · (block + window)) memory).
   Returns:
     ``[B, T, H, Dv]`` in ``q.dtype``.
   """
   be = resolve_attention_backend(implementation, q, interpret=interpret)
   impl = be.implementation
+  if segment_ids is not None:
+    check_segment_ids(segment_ids, q.shape[:2], "causal_attention")
+    if impl == "splash":
+      return _splash(q, k, v, window, scale, be, segment_ids=segment_ids)
+    rule = WindowRule("causal") if window is None else WindowRule("sliding", window=window)
+    return document_attention(q, k, v, segment_ids, rule, scale=scale)
   if impl in ("xla", "cudnn"):  # jax.nn.dot_product_attention's own two implementations
     if window is None:
       return dense.full_attention(q, k, v, scale=scale, implementation=impl)
@@ -156,8 +172,10 @@ def _tokamax(q, k, v, window, scale):
                                        scale=scale)
 
 
-def _splash(q, k, v, window, scale, be: AttentionBackend):
-  """Splash attention: the MQA kernel per (batch row, KV head) over its group of query heads."""
+def _splash(q, k, v, window, scale, be: AttentionBackend, segment_ids=None):
+  """Splash attention: the MQA kernel per (batch row, KV head) over its group of query heads.
+  ``segment_ids``: packed documents, as splash's own ``SegmentIds`` (one id per document and
+  per padding token, so that a padding token sees only itself)."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
   B, T, H, D = q.shape
@@ -173,10 +191,22 @@ def _splash(q, k, v, window, scale, be: AttentionBackend):
   qh = jnp.moveaxis((q * scale).astype(q.dtype).reshape(B, T, Hkv, G, D), 1, 3)  # [B,Hkv,G,T,D]
   kh, vh = jnp.moveaxis(k, 1, 2), jnp.moveaxis(v, 1, 2)                           # [B,Hkv,T,·]
 
-  def run(qh, kh, vh):
-    kernel = splash.make_splash_mqa(splash.MultiHeadMask([one] * G), block_sizes=blocks,
-                                    head_shards=1, q_seq_shards=1, interpret=be.interpret)
-    return (jax.vmap(jax.vmap(kernel))(qh, kh, vh),)                              # [B,Hkv,G,T,Dv]
+  def kernel():
+    return splash.make_splash_mqa(splash.MultiHeadMask([one] * G), block_sizes=blocks,
+                                  head_shards=1, q_seq_shards=1, interpret=be.interpret)
 
-  out, = per_shard(run, (qh, kh, vh), ("bh", "bh", "bh"), ("bh",), B, Hkv, be.shard_axes)
+  def run(qh, kh, vh):
+    return (jax.vmap(jax.vmap(kernel()))(qh, kh, vh),)                         # [B,Hkv,G,T,Dv]
+
+  def run_documents(qh, kh, vh, ids):
+    call = kernel()
+    one_head = lambda q, k, v, i: call(q, k, v, segment_ids=splash.SegmentIds(q=i, kv=i))  # noqa: E731
+    return (jax.vmap(jax.vmap(one_head))(qh, kh, vh, ids),)
+
+  if segment_ids is None:
+    out, = per_shard(run, (qh, kh, vh), ("bh", "bh", "bh"), ("bh",), B, Hkv, be.shard_axes)
+  else:
+    ids = jnp.broadcast_to(documents(segment_ids).index[:, None], (B, Hkv, T))    # [B,Hkv,T]
+    out, = per_shard(run_documents, (qh, kh, vh, ids), ("bh",) * 4, ("bh",), B, Hkv,
+                     be.shard_axes)
   return jnp.moveaxis(out, 3, 1).reshape(B, T, H, Dv).astype(q.dtype)

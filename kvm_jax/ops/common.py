@@ -127,7 +127,8 @@ def joint_attention(q: Array, state_keys: Array, state_values: Array, state_vali
     q: ``[B, Tq, Hkv, G, D]`` queries (query head h = kv·G + g).
     state_keys / state_values: ``[B, Hkv, R, D]`` / ``[B, Hkv, R, Dv]`` readout state (float32);
       values may also be per query head, ``[B, Hkv, G, R, Dv]``.
-    state_valid: bool ``[Tq, R]`` (or broadcastable), which rows each query sees.
+    state_valid: bool ``[Tq, R]`` (or broadcastable), which rows each query sees; or per batch
+      row, ``[B, 1, 1, Tq | 1, R]`` (packed documents: each row's state has its own row count).
     window_keys / window_values: ``[B, W, Hkv, D]`` / ``[B, W, Hkv, Dv]``.
     window_valid: bool ``[Tq, W]`` (or broadcastable), the causal/window mask.
     state_temp / window_temp: float32 ``[Hkv, G]`` key temperatures.
@@ -172,8 +173,9 @@ def joint_attention_heads(q: Array, state_keys: Array, state_values: Array, stat
                          axis=3).astype(dtype)                                 # [B,Hkv,G,R+W,D]
   s = jnp.einsum("bhgqd,bhgkd->bhgqk", mm(q), mm(keys), precision=precision,
                  preferred_element_type=f32)
-  valid = jnp.concatenate([jnp.broadcast_to(state_valid, (Tq, R)),
-                           jnp.broadcast_to(window_valid, (Tq, W))], axis=1)
+  lead = np.broadcast_shapes(np.shape(state_valid)[:-2], np.shape(window_valid)[:-2])
+  valid = jnp.concatenate([jnp.broadcast_to(state_valid, lead + (Tq, R)),
+                           jnp.broadcast_to(window_valid, lead + (Tq, W))], axis=-1)
   s = jnp.where(valid, s, MASKED)
   p = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
   denom = jnp.sum(p, axis=-1, keepdims=True)                                   # [B,Hkv,G,Tq,1]
@@ -209,8 +211,10 @@ def _joint_attention_one_query(q, state_keys, state_values, state_valid, window_
                        precision=precision, preferred_element_type=f32) * scale(state_temp)
   s_window = jnp.einsum("bhgqd,bhwd->bhgqw", mm(q), mm(window_keys.astype(dtype)),
                         precision=precision, preferred_element_type=f32) * scale(window_temp)
-  s_state = jnp.where(jnp.broadcast_to(state_valid, (Tq, R)), s_state, MASKED)
-  s_window = jnp.where(jnp.broadcast_to(window_valid, (Tq, W)), s_window, MASKED)
+  s_state = jnp.where(jnp.broadcast_to(state_valid, np.shape(state_valid)[:-2] + (Tq, R)),
+                      s_state, MASKED)
+  s_window = jnp.where(jnp.broadcast_to(window_valid, np.shape(window_valid)[:-2] + (Tq, W)),
+                       s_window, MASKED)
   row_max = jax.lax.stop_gradient(jnp.maximum(jnp.max(s_state, axis=-1, keepdims=True),
                                               jnp.max(s_window, axis=-1, keepdims=True)))
   p_state, p_window = jnp.exp(s_state - row_max), jnp.exp(s_window - row_max)

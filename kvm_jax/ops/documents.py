@@ -168,7 +168,8 @@ def combine_partials(*parts: Partials) -> Array:
 
 
 def document_window_partials(q: Array, k: Array, v: Array, docs: Documents, rule: WindowRule, *,
-                             key_scale: Array | float = 1.0, block: int = 128) -> Partials:
+                             key_scale: Array | float = 1.0, block: int = 128,
+                             queries: Optional[Array] = None) -> Partials:
   """Softmax attention of every query over the keys of its own document that ``rule`` lets it
   see, as :class:`Partials`.
 
@@ -183,6 +184,10 @@ def document_window_partials(q: Array, k: Array, v: Array, docs: Documents, rule
     block: queries per block. Each block scores a slab of ``block + reach`` keys (the whole row
       before it for the causal rule), so memory is ``O(T · (block + reach))`` scores at most and
       the backward pass recomputes each block (``jax.checkpoint``).
+    queries: optional bool ``[B, T]``, the queries whose partials the caller reads (KVM: those
+      before their document's state). A block of queries holding none of them, in any row, is
+      skipped (``lax.cond``) and gives max ``MASKED``, sum 1 and values 0 there: finite, with
+      zero gradients, for a caller that selects other outputs at those queries.
   Returns:
     :class:`Partials` of shape ``[B, T, Hkv, G(, Dv)]``; every valid or padding query sees at
     least its own key.
@@ -230,7 +235,17 @@ def document_window_partials(q: Array, k: Array, v: Array, docs: Documents, rule
     move = lambda x: jnp.moveaxis(x, 3, 1)  # noqa: E731
     return move(top), move(jnp.sum(p, axis=-1)), move(acc)
 
-  top, total, acc = jax.lax.map(jax.checkpoint(one_block), jnp.arange(n, dtype=jnp.int32))
+  def skipped(i):
+    del i
+    return (jnp.full((B, block, Hkv, G), MASKED, jnp.float32),
+            jnp.ones((B, block, Hkv, G), jnp.float32),
+            jnp.zeros((B, block, Hkv, G, v.shape[-1]), jnp.float32))
+
+  body = one_block
+  if queries is not None:
+    wanted = jnp.any(pad_time(queries, 0, pad_q).reshape(B, n, block), axis=(0, 2))   # [n]
+    body = lambda i: jax.lax.cond(wanted[i], one_block, skipped, i)  # noqa: E731
+  top, total, acc = jax.lax.map(jax.checkpoint(body), jnp.arange(n, dtype=jnp.int32))
   unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(B, n * block, *x.shape[3:])[:, :T]  # noqa: E731
   return Partials(unblock(top), unblock(total), unblock(acc))
 

@@ -232,8 +232,9 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
       :func:`resolve_kvm_backend`, which decides all of these (call it to see what runs).
     segment_ids: ``[B, T]`` int, 0 = padding, each maximal run of one nonzero id one document:
       every document's outputs are those of the document run alone (its own chunk grid, budget,
-      state and window; docs/kvm-spec.md §12). Runs on the XLA path
-      (:mod:`kvm_jax.ops.kvm.documents`); shared routing is not available with it.
+      state and window; docs/kvm-spec.md §12), on either implementation
+      (:mod:`kvm_jax.ops.kvm.documents`); shared routing and the tokamax readout are not
+      available with it.
   Returns:
     ``y [B, T, H, Dv]`` in q's dtype, and the final :class:`KVMState` (float32, capacity = the
     number of rows the schedule reaches at T). With ``segment_ids``: the state of each row's last
@@ -242,7 +243,7 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
   validate_inputs(q, k, v, merge_gate, params, cfg)
   if segment_ids is not None:
     return _kvm_documents(q, k, v, merge_gate, params, cfg, segment_ids, implementation, remat,
-                          routing, return_routing)
+                          routing, return_routing, readout, kernel_config)
   be = resolve_kvm_backend(cfg, implementation=implementation, readout=readout,
                            kernel_config=kernel_config)
   return kvm_attention_scan(q, k, v, merge_gate, params, cfg=cfg, ops=be.chunk_ops(),
@@ -251,18 +252,20 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
 
 
 def _kvm_documents(q, k, v, merge_gate, params, cfg, segment_ids, implementation, remat,
-                   routing, return_routing):
+                   routing, return_routing, readout, kernel_config):
   """:func:`kvm_attention` with ``segment_ids``: checks what the document path supports."""
   check_segment_ids(segment_ids, q.shape[:2], "kvm_attention")
   if routing is not None or return_routing:
     raise ValueError("kvm_attention: shared routing (routing=, return_routing=) is not available "
                      "with segment_ids; run shared-routing models on unpacked rows.")
-  if implementation not in ("xla", "auto"):
-    raise ValueError(f"kvm_attention: segment_ids runs on implementation='xla' (the Pallas "
-                     f"kernels take whole rows), got implementation={implementation!r}.")
-  be = resolve_kvm_backend(cfg, implementation="xla")
+  if readout == "tokamax":
+    raise ValueError("kvm_attention: readout='tokamax' takes one state mask for the whole batch, "
+                     "and packed documents give every batch row its own state rows; use "
+                     "readout='own' (or 'auto') with segment_ids.")
+  be = resolve_kvm_backend(cfg, implementation=implementation, readout="own",
+                           kernel_config=kernel_config)
   return kvm_attention_documents(q, k, v, merge_gate, params, segment_ids, cfg=cfg,
-                                 row_update=be.row_update, remat=remat)
+                                 ops=be.chunk_ops(), row_update=be.row_update, remat=remat)
 
 
 def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,

@@ -4,22 +4,24 @@ A KVM layer's output depends on where each chunk starts (docs/kvm-spec.md §12):
 alone starts its own chunk grid at its first token, its budget counts its own tokens, its state
 starts as its own first chunk, and its window never reaches into the previous document. With
 documents packed at arbitrary offsets the chunk grids of a row's documents do not line up with
-each other, so the computation is split along the joint softmax into two parts that do:
+each other, so the queries split by document position ``p`` (``L = window_chunks · chunk_size``):
 
-* **the exact window** of every query, in the row's own layout: attention over the keys of the
-  query's document in its chunk-aligned window (:class:`kvm_jax.ops.documents.WindowRule`
-  ``"chunks"`` on document positions), key temperature τ_f. For a document no longer than the
-  window (``window_chunks · chunk_size`` tokens) this is everything: such a query sees no state.
-* **the state**, only for queries at document position ``>= window_chunks · chunk_size``: one
-  ``lax.scan`` over *state steps*, each a query chunk of one document on that document's own grid
-  (its first query at a multiple of ``chunk_size``), gathered from the row. A row's steps come in
-  row order, so a document's steps are consecutive: the first resets the state to the document's
-  first chunk, each step attends its queries to the valid rows, then folds the document chunk that
-  leaves the window with the budget the schedule gives that chunk index. The number of appends is
-  read per row from the static schedule (it depends only on the chunk index within the document,
-  docs/kvm-spec.md §12), so rows and their counts are per batch row.
+* **the front**, ``p < L``: a query sees no state, only the keys of its own document in its
+  window (:class:`kvm_jax.ops.documents.WindowRule` ``"chunks"`` on document positions, key
+  temperature τ_f), computed in the row's own layout by
+  :func:`kvm_jax.ops.documents.document_window_partials`, which skips the blocks of queries that
+  hold no front query.
+* **the state steps**, ``p >= L``: one ``lax.scan`` over steps, each a query chunk of one document
+  on that document's own grid (its first query at a multiple of ``chunk_size``), gathered from the
+  row with its window (the ``window_chunks`` chunks ending with it, all inside the document). A
+  step is exactly one chunk of the plain scan (:mod:`kvm_jax.ops.kvm.scan`): the joint readout
+  over [state ; window] and the fold of the chunk leaving the window, both through the same
+  :class:`~kvm_jax.ops.kvm.scan.ChunkOps` (XLA or the Pallas kernels), with each batch row's own
+  state row count. A row's steps come in row order, so a document's steps are consecutive: the
+  first resets the state to the document's first chunk. The number of appends is read per row
+  from the static schedule (it depends only on the chunk index within the document,
+  docs/kvm-spec.md §12).
 
-The two parts' partial sums join in one softmax (:func:`kvm_jax.ops.documents.combine_partials`).
 Steps per row are at most ``ceil(T / chunk_size) - window_chunks`` (every step takes one chunk of
 a document longer than the window past its first ``window_chunks``), so shapes stay static.
 """
@@ -34,12 +36,13 @@ import jax.numpy as jnp
 
 from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig
-from kvm_jax.ops.common import MASKED, matmul_operand, precision_for
-from kvm_jax.ops.documents import (Documents, Partials, WindowRule, combine_partials,
+from kvm_jax.ops.common import window_mask
+from kvm_jax.ops.documents import (Documents, WindowRule, combine_partials,
                                    document_window_partials, documents, rows_of,
                                    scan_in_blocks, select_rows)
+from kvm_jax.ops.kvm.scan import XLA_OPS, ChunkOps
 from kvm_jax.ops.kvm.state import (KVMParams, KVMState, state_readout, temperatures,
-                                   token_rows, update_state)
+                                   token_rows)
 
 Array = jax.Array
 
@@ -64,38 +67,13 @@ def max_state_steps(seq_len: int, cfg: KVMConfig) -> int:
   return max(0, -(-seq_len // cfg.chunk_size) - cfg.window_chunks)
 
 
-
-
-def _state_partials(q: Array, keys: Array, values: Array, valid: Array, temp: Array,
-                    value_dtype) -> tuple:
-  """Partial softmax sums of queries ``q [B, Cq, Hkv, G, D]`` over state rows (readout keys
-  ``[B, Hkv, R, D]``, values ``[B, Hkv, R, Dv]`` or per query head ``[B, Hkv, G, R, Dv]``);
-  ``valid [B, R]`` marks the rows each batch row sees; ``temp [Hkv, G]`` the key scale. Keys are
-  scaled in float32 and cast to the queries' dtype, values and probabilities to ``value_dtype``
-  (the window values'), as in the joint readout (:func:`kvm_jax.ops.common.joint_attention`)."""
-  dtype, precision = q.dtype, precision_for(q.dtype)
-  scaled = (keys.astype(jnp.float32)[:, :, None] * temp[None, :, :, None, None]).astype(dtype)
-  s = jnp.einsum("bqhgd,bhgrd->bhgqr", matmul_operand(q), matmul_operand(scaled),
-                 precision=precision, preferred_element_type=jnp.float32)
-  s = jnp.where(valid[:, None, None, None, :], s, MASKED)
-  top = jax.lax.stop_gradient(jnp.max(s, axis=-1))
-  p = jnp.exp(s - top[..., None])
-  spec = "bhgqr,bhgrv->bhgqv" if values.ndim == 5 else "bhgqr,bhrv->bhgqv"
-  acc = jnp.einsum(spec, matmul_operand(p.astype(value_dtype)),
-                   matmul_operand(values.astype(value_dtype)), precision=precision,
-                   preferred_element_type=jnp.float32)
-  move = lambda x: jnp.moveaxis(x, 3, 1)  # noqa: E731  -> [B, Cq, Hkv, G, ...]
-  return move(top), move(jnp.sum(p, axis=-1)), move(acc)
-
-
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "row_update", "remat"))
+@functools.partial(jax.jit, static_argnames=("cfg", "ops", "row_update", "remat"))
 def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
-                            segment_ids: Array, cfg: KVMConfig, row_update: str = "auto",
-                            remat: bool = True):
+                            segment_ids: Array, cfg: KVMConfig, ops: ChunkOps = XLA_OPS,
+                            row_update: str = "auto", remat: bool = True):
   """KVM over the documents of ``segment_ids [B, T]``; see :func:`kvm_jax.kvm_attention` for the
-  other arguments (inputs are not re-validated here).
+  other arguments (inputs are not re-validated here). ``ops``: the per-chunk readout and fold
+  (:class:`~kvm_jax.ops.kvm.scan.ChunkOps`, time-major form), as the plain scan runs them.
 
   Returns ``y [B, T, H, Dv]`` in ``q``'s dtype (padding positions: each token attending to itself
   alone) and the state of each row's last document as run alone (:class:`KVMState` with
@@ -108,17 +86,18 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
   C, nb = cfg.chunk_size, cfg.window_chunks
   docs = documents(segment_ids)
   state_temp, window_temp = temperatures(params, cfg, Hkv)
-  scale = 1.0 / math.sqrt(D)
   q5 = q.reshape(B, T, Hkv, G, D)
+  front = docs.position < nb * C                    # padding too: a document of one token
   window = document_window_partials(q5, k, v, docs, WindowRule("chunks", chunk=C, window_chunks=nb),
-                                    key_scale=window_temp * scale, block=min(C, 256))
+                                    key_scale=window_temp / math.sqrt(D), block=min(C, 256),
+                                    queries=front)
+  y_front = combine_partials(window).reshape(B, T, H, Dv).astype(q.dtype)
   sched = kvm_schedule(cfg, T)
   R = sched.final_rows
   num_steps = max_state_steps(T, cfg)
   state = _last_document_start_state(k, v, merge_gate, docs, params, cfg, R)
   if num_steps == 0:
-    y = combine_partials(window)
-    return y.reshape(B, T, H, Dv).astype(q.dtype), state
+    return y_front, state
 
   # Every gather below reads at most C rows past a position < T: pad C zeros once.
   pad = lambda x: jnp.pad(x, [(0, 0), (0, C)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
@@ -134,6 +113,7 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
   rows_after = rows_after.pop() if len(rows_after) == 1 else None
   steps = state_steps(docs, cfg, num_steps)                              # [B, num_steps]
   zero = empty_rows(B, Hkv, R, D, Dv)
+  causal = window_mask(nb, C, nb)                                        # [C, nb·C], static
 
   def step(carry, first):
     state_arrays, num_rows = carry
@@ -152,39 +132,38 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
     num_rows = jnp.where(reset, C, num_rows)
     state = KVMState(*state_arrays, num_rows=num_rows)
     read_keys, read_values = state_readout(state, params, cfg, G)
-    valid_rows = jnp.arange(R)[None, :] < num_rows[:, None]
-    parts = _state_partials(rows_of(q_p, at, C), read_keys, read_values, valid_rows,
-                            state_temp * scale, v.dtype)
+    # The window: the nb chunks ending with this one, inside the document since c >= nb; its
+    # first chunk is the one that leaves the window after this step.
+    leaving = jnp.maximum(at - (nb - 1) * C, 0)
+    win_k, win_v = rows_of(k_p, leaving, nb * C), rows_of(v_p, leaving, nb * C)
+    valid_rows = (jnp.arange(R)[None, :] < num_rows[:, None])[:, None, None, None, :]
+    y = ops.attend(rows_of(q_p, at, C), read_keys, read_values, valid_rows, win_k, win_v,
+                   causal, state_temp, window_temp)                    # [B, C, Hkv, G, Dv] f32
     # Fold the document chunk leaving the window, if the document goes on past this chunk.
     folds = exists & ((c + 1) * C < doc_len)
-    leaving = doc_start + (c - nb + 1) * C
     appended = jnp.where(folds, n_append[jnp.clip(c, 0, len(sched.n_append) - 1)], 0)
-    new = update_state(state, rows_of(k_p, leaving, C), rows_of(v_p, leaving, C),
-                       rows_of(g_p, leaving, C), appended, params, cfg, row_update,
-                       read_keys=read_keys, may_append=may_append, rows_after=rows_after)
+    new = ops.update(state, win_k[:, :C], win_v[:, :C], rows_of(g_p, leaving, C), appended,
+                     params, cfg, row_update, read_keys, may_append=may_append,
+                     rows_after=rows_after)
     state_arrays = select_rows(folds, (new.keys, new.values, new.radius), state_arrays)
     num_rows = jnp.where(folds, new.num_rows, num_rows)
     # Queries of this step: the chunk's tokens that belong to the document.
     in_doc = exists[:, None] & (at[:, None] + jnp.arange(C)[None] < doc_start[:, None]
                                 + doc_len[:, None])
     where = jnp.where(in_doc, at[:, None] + jnp.arange(C)[None], T)     # T: dropped
-    return (state_arrays, num_rows), (parts, where)
+    return (state_arrays, num_rows), (y.reshape(B, C, H, Dv).astype(q.dtype), where)
 
   carry0 = ((zero.keys, zero.values, zero.radius), jnp.zeros((B,), jnp.int32))
   xs = jnp.moveaxis(steps, 1, 0)
   if remat:
-    (final_arrays, final_rows), (parts, where) = scan_in_blocks(step, carry0, xs)
+    (final_arrays, final_rows), (ys, where) = scan_in_blocks(step, carry0, xs)
   else:
-    (final_arrays, final_rows), (parts, where) = jax.lax.scan(step, carry0, xs)
+    (final_arrays, final_rows), (ys, where) = jax.lax.scan(step, carry0, xs)
 
-  # Scatter the steps' partial sums back to their tokens; a token without state sees none.
-  top, total, acc = parts                                                # [S, B, C, Hkv, G, ...]
+  # Every query past its document's front is in exactly one step: scatter the steps' outputs
+  # over the front's.
   rows = jnp.broadcast_to(jnp.arange(B)[None, :, None], where.shape)
-  state_part = Partials(
-      jnp.full((B, T, Hkv, G), MASKED, jnp.float32).at[rows, where].set(top, mode="drop"),
-      jnp.zeros((B, T, Hkv, G), jnp.float32).at[rows, where].set(total, mode="drop"),
-      jnp.zeros((B, T, Hkv, G, Dv), jnp.float32).at[rows, where].set(acc, mode="drop"))
-  y = combine_partials(window, state_part).reshape(B, T, H, Dv).astype(q.dtype)
+  y = y_front.at[rows, where].set(ys, mode="drop")
 
   # The final state of each row's last document: what its last step left when it is long enough
   # to have steps, else its first rows (already in ``state``).
