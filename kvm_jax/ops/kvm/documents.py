@@ -4,23 +4,26 @@ A KVM layer's output depends on where each chunk starts (docs/kvm-spec.md §12):
 alone starts its own chunk grid at its first token, its budget counts its own tokens, its state
 starts as its own first chunk, and its window never reaches into the previous document. With
 documents packed at arbitrary offsets the chunk grids of a row's documents do not line up with
-each other, so the queries split by document position ``p`` (``L = window_chunks · chunk_size``):
+each other. The queries split by document position ``p`` (``L = window_chunks · chunk_size``):
+before ``L`` a query sees only its window; from ``L`` on it also sees the document's state, which
+**state steps** build: one ``lax.scan`` over steps, each a query chunk of one document on that
+document's own grid (its first query at a multiple of ``chunk_size``, ``p >= L``), gathered from
+the row. A row's steps come in row order, so a document's steps are consecutive: the first resets
+the state to the document's first chunk, each step reads the state out and then folds the
+document's chunk leaving the window, through the per-chunk operations of the plain scan
+(:class:`~kvm_jax.ops.kvm.scan.ChunkOps`) with each batch row's own state row count and its
+number of appends from the static schedule (which depends only on the chunk index within the
+document). How a step's queries join state and window depends on the implementation:
 
-* **the front**, ``p < L``: a query sees no state, only the keys of its own document in its
-  window (:class:`kvm_jax.ops.documents.WindowRule` ``"chunks"`` on document positions, key
-  temperature τ_f), computed in the row's own layout by
-  :func:`kvm_jax.ops.documents.document_window_partials`, which skips the blocks of queries that
-  hold no front query.
-* **the state steps**, ``p >= L``: one ``lax.scan`` over steps, each a query chunk of one document
-  on that document's own grid (its first query at a multiple of ``chunk_size``), gathered from the
-  row with its window (the ``window_chunks`` chunks ending with it, all inside the document). A
-  step is exactly one chunk of the plain scan (:mod:`kvm_jax.ops.kvm.scan`): the joint readout
-  over [state ; window] and the fold of the chunk leaving the window, both through the same
-  :class:`~kvm_jax.ops.kvm.scan.ChunkOps` (XLA or the Pallas kernels), with each batch row's own
-  state row count. A row's steps come in row order, so a document's steps are consecutive: the
-  first resets the state to the document's first chunk. The number of appends is read per row
-  from the static schedule (it depends only on the chunk index within the document,
-  docs/kvm-spec.md §12).
+* **Pallas** (the kernels' readout is one softmax over [state ; window]): a step is exactly a
+  chunk of the plain scan, its window the ``window_chunks`` chunks ending with it (all inside the
+  document). Only the front (``p < L``) is computed in the row's own layout
+  (:func:`kvm_jax.ops.documents.document_window_partials`, which skips the blocks of queries that
+  hold no front query), and the steps' outputs are written over it.
+* **XLA**: every query's window is scored in the row's own layout (key temperature τ_f), the steps
+  score only the state, and the two partial sums join in one softmax
+  (:func:`kvm_jax.ops.documents.combine_partials`). On CPU this measured faster, forward and
+  backward, than gathering each step's window into a joint readout.
 
 Steps per row are at most ``ceil(T / chunk_size) - window_chunks`` (every step takes one chunk of
 a document longer than the window past its first ``window_chunks``), so shapes stay static.
@@ -36,8 +39,8 @@ import jax.numpy as jnp
 
 from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig
-from kvm_jax.ops.common import window_mask
-from kvm_jax.ops.documents import (Documents, WindowRule, combine_partials,
+from kvm_jax.ops.common import MASKED, matmul_operand, precision_for, window_mask
+from kvm_jax.ops.documents import (Documents, Partials, WindowRule, combine_partials,
                                    document_window_partials, documents, rows_of,
                                    scan_in_blocks, select_rows)
 from kvm_jax.ops.kvm.scan import XLA_OPS, ChunkOps
@@ -67,6 +70,28 @@ def max_state_steps(seq_len: int, cfg: KVMConfig) -> int:
   return max(0, -(-seq_len // cfg.chunk_size) - cfg.window_chunks)
 
 
+def _state_partials(q: Array, keys: Array, values: Array, valid: Array, temp: Array,
+                    value_dtype) -> tuple:
+  """Partial softmax sums of queries ``q [B, Cq, Hkv, G, D]`` over state rows (readout keys
+  ``[B, Hkv, R, D]``, values ``[B, Hkv, R, Dv]`` or per query head ``[B, Hkv, G, R, Dv]``);
+  ``valid [B, R]`` marks the rows each batch row sees; ``temp [Hkv, G]`` the key scale. Keys are
+  scaled in float32 and cast to the queries' dtype, values and probabilities to ``value_dtype``
+  (the window values'), as in the joint readout (:func:`kvm_jax.ops.common.joint_attention`)."""
+  dtype, precision = q.dtype, precision_for(q.dtype)
+  scaled = (keys.astype(jnp.float32)[:, :, None] * temp[None, :, :, None, None]).astype(dtype)
+  s = jnp.einsum("bqhgd,bhgrd->bhgqr", matmul_operand(q), matmul_operand(scaled),
+                 precision=precision, preferred_element_type=jnp.float32)
+  s = jnp.where(valid[:, None, None, None, :], s, MASKED)
+  top = jax.lax.stop_gradient(jnp.max(s, axis=-1))
+  p = jnp.exp(s - top[..., None])
+  spec = "bhgqr,bhgrv->bhgqv" if values.ndim == 5 else "bhgqr,bhrv->bhgqv"
+  acc = jnp.einsum(spec, matmul_operand(p.astype(value_dtype)),
+                   matmul_operand(values.astype(value_dtype)), precision=precision,
+                   preferred_element_type=jnp.float32)
+  move = lambda x: jnp.moveaxis(x, 3, 1)  # noqa: E731  -> [B, Cq, Hkv, G, ...]
+  return move(top), move(jnp.sum(p, axis=-1)), move(acc)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "ops", "row_update", "remat"))
 def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
                             segment_ids: Array, cfg: KVMConfig, ops: ChunkOps = XLA_OPS,
@@ -86,11 +111,17 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
   C, nb = cfg.chunk_size, cfg.window_chunks
   docs = documents(segment_ids)
   state_temp, window_temp = temperatures(params, cfg, Hkv)
+  scale = 1.0 / math.sqrt(D)
   q5 = q.reshape(B, T, Hkv, G, D)
+  # The kernels compute a step's readout as one softmax over [state ; window] (the plain scan's
+  # chunk), so the window part is needed only for the front (document position < L). XLA scores
+  # the window of every query in the row's layout and only the state in the steps, which
+  # measured faster on CPU, forward and backward (docs/kvm-spec.md §12).
+  joint = ops.kernel is not None
   front = docs.position < nb * C                    # padding too: a document of one token
   window = document_window_partials(q5, k, v, docs, WindowRule("chunks", chunk=C, window_chunks=nb),
-                                    key_scale=window_temp / math.sqrt(D), block=min(C, 256),
-                                    queries=front)
+                                    key_scale=window_temp * scale, block=min(C, 256),
+                                    queries=front if joint else None)
   y_front = combine_partials(window).reshape(B, T, H, Dv).astype(q.dtype)
   sched = kvm_schedule(cfg, T)
   R = sched.final_rows
@@ -135,10 +166,17 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
     # The window: the nb chunks ending with this one, inside the document since c >= nb; its
     # first chunk is the one that leaves the window after this step.
     leaving = jnp.maximum(at - (nb - 1) * C, 0)
-    win_k, win_v = rows_of(k_p, leaving, nb * C), rows_of(v_p, leaving, nb * C)
-    valid_rows = (jnp.arange(R)[None, :] < num_rows[:, None])[:, None, None, None, :]
-    y = ops.attend(rows_of(q_p, at, C), read_keys, read_values, valid_rows, win_k, win_v,
-                   causal, state_temp, window_temp)                    # [B, C, Hkv, G, Dv] f32
+    width = nb * C if joint else C                   # XLA reads only the chunk it folds
+    win_k, win_v = rows_of(k_p, leaving, width), rows_of(v_p, leaving, width)
+    valid_rows = jnp.arange(R)[None, :] < num_rows[:, None]             # [B, R]
+    if joint:
+      y = ops.attend(rows_of(q_p, at, C), read_keys, read_values,
+                     valid_rows[:, None, None, None, :], win_k, win_v, causal, state_temp,
+                     window_temp)                                      # [B, C, Hkv, G, Dv] f32
+      out = y.reshape(B, C, H, Dv).astype(q.dtype)
+    else:
+      out = _state_partials(rows_of(q_p, at, C), read_keys, read_values, valid_rows,
+                            state_temp * scale, v.dtype)
     # Fold the document chunk leaving the window, if the document goes on past this chunk.
     folds = exists & ((c + 1) * C < doc_len)
     appended = jnp.where(folds, n_append[jnp.clip(c, 0, len(sched.n_append) - 1)], 0)
@@ -151,19 +189,27 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
     in_doc = exists[:, None] & (at[:, None] + jnp.arange(C)[None] < doc_start[:, None]
                                 + doc_len[:, None])
     where = jnp.where(in_doc, at[:, None] + jnp.arange(C)[None], T)     # T: dropped
-    return (state_arrays, num_rows), (y.reshape(B, C, H, Dv).astype(q.dtype), where)
+    return (state_arrays, num_rows), (out, where)
 
   carry0 = ((zero.keys, zero.values, zero.radius), jnp.zeros((B,), jnp.int32))
   xs = jnp.moveaxis(steps, 1, 0)
   if remat:
-    (final_arrays, final_rows), (ys, where) = scan_in_blocks(step, carry0, xs)
+    (final_arrays, final_rows), (outs, where) = scan_in_blocks(step, carry0, xs)
   else:
-    (final_arrays, final_rows), (ys, where) = jax.lax.scan(step, carry0, xs)
+    (final_arrays, final_rows), (outs, where) = jax.lax.scan(step, carry0, xs)
 
   # Every query past its document's front is in exactly one step: scatter the steps' outputs
-  # over the front's.
+  # over the front's, or join their state partials with the window's in one softmax.
   rows = jnp.broadcast_to(jnp.arange(B)[None, :, None], where.shape)
-  y = y_front.at[rows, where].set(ys, mode="drop")
+  if joint:
+    y = y_front.at[rows, where].set(outs, mode="drop")
+  else:
+    top, total, acc = outs                                             # [S, B, C, Hkv, G, ...]
+    state_part = Partials(
+        jnp.full((B, T, Hkv, G), MASKED, jnp.float32).at[rows, where].set(top, mode="drop"),
+        jnp.zeros((B, T, Hkv, G), jnp.float32).at[rows, where].set(total, mode="drop"),
+        jnp.zeros((B, T, Hkv, G, Dv), jnp.float32).at[rows, where].set(acc, mode="drop"))
+    y = combine_partials(window, state_part).reshape(B, T, H, Dv).astype(q.dtype)
 
   # The final state of each row's last document: what its last step left when it is long enough
   # to have steps, else its first rows (already in ``state``).
