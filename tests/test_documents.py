@@ -3,7 +3,10 @@ those of the document run alone.
 
 The alone runs are independent of the packed path: the KVM op without ``segment_ids`` (the chunked
 scan, itself checked against the Python oracle in test_kvm_equivalence.py) and, for the window
-attention, float64 numpy softmax written from the rule's definition. Tolerances are float32
+attention, float64 numpy softmax written from the rule's definition. Every document runs alone as
+a row of its own followed by filler (``alone_rows``): each kind is causal, so the outputs at the
+document's positions are those of the document alone, and one compiled program serves every
+length; final states are compared with runs at the document's own length. Tolerances are float32
 rounding: the packed path splits KVM's one softmax into a window part and a state part and joins
 them (a few ulps), so 2e-5 relative RMS for outputs and states, 1e-4 for gradients
 (``kvm_jax.ops.kvm.cases.TOLERANCE``); a discrete difference (a row, a window slot or a routing
@@ -64,6 +67,27 @@ def spans(layout):
       if n > 0:
         yield b, t, n
       t += abs(n)
+
+
+def alone_rows(layout, *arrays, fills=None):
+  """Every document of ``layout`` as a row of its own, from its first token, followed by
+  ``fill`` (default 0) up to the longest document: ``(spans, [N, width, ...] per array)``.
+
+  Every mixer kind is causal, so the outputs at a document's positions depend only on its own
+  tokens: row i gives document i run alone there, and its gradient with respect to those tokens
+  is the alone run's when the loss reads only those positions. One compiled program then serves
+  every document length."""
+  docs = list(spans(layout))
+  width = max(n for _, _, n in docs)
+  fills = fills or [0] * len(arrays)
+  out = []
+  for x, fill in zip(arrays, fills):
+    x = np.asarray(x)
+    rows = np.full((len(docs), width) + x.shape[2:], fill, x.dtype)
+    for i, (b, t, n) in enumerate(docs):
+      rows[i, :n] = x[b, t:t + n]
+    out.append(jnp.asarray(rows))
+  return docs, out
 
 
 def test_documents_by_hand():
@@ -179,13 +203,14 @@ def test_kvm_documents_are_each_document_alone(name):
   y, state = kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg)
   assert y.shape == q.shape[:3] + (6,) and y.dtype == q.dtype
   assert np.all(np.isfinite(np.asarray(y)))
-  last = {}
-  for b, t, n in spans(LAYOUT):
+  docs, inputs = alone_rows(LAYOUT, q, k, v, g, fills=[0, 0, 0, 1])
+  y_alone, _ = kj.kvm_attention(*inputs, params, cfg)
+  for i, (b, t, n) in enumerate(docs):
+    assert rel_rms(y[b, t:t + n], y_alone[i, :n]) < OUT_TOL, (b, t, n)
+  last = {b: (t, n) for b, t, n in docs}
+  for b, (t, n) in last.items():  # the state of each row's last document, run at its length
     part = lambda x: x[b:b + 1, t:t + n]  # noqa: E731
-    y_alone, s_alone = kj.kvm_attention(part(q), part(k), part(v), part(g), params, cfg)
-    assert rel_rms(y[b:b + 1, t:t + n], y_alone) < OUT_TOL, (b, t, n)
-    last[b] = s_alone
-  for b, s_alone in last.items():  # the state of each row's last document
+    _, s_alone = kj.kvm_attention(part(q), part(k), part(v), part(g), params, cfg)
     rows = int(s_alone.num_rows)
     assert int(state.num_rows[b]) == rows
     for got, want in ((state.keys, s_alone.keys), (state.values, s_alone.values),
@@ -196,7 +221,7 @@ def test_kvm_documents_are_each_document_alone(name):
 @pytest.mark.parametrize("remat", [True, False], ids=["remat", "plain"])
 def test_kvm_document_gradients_are_the_sum_of_each_document_alone(remat):
   cfg = KVMConfig(**TINY, **BUDGETS["sqrt"])
-  layout = ([9, 20, 3, -2, 30], [-3, 30, 9, 20, -2])  # four lengths: four compiled backwards
+  layout = ([9, 20, 3, -2, 30], [-3, 30, 9, 20, -2])
   q, k, v, g, params = _kvm_inputs(2)
   seg = jnp.asarray(segment_ids_of(layout, T))
   w = jax.random.normal(jax.random.PRNGKey(5), q.shape[:3] + (6,))
@@ -207,17 +232,19 @@ def test_kvm_document_gradients_are_the_sum_of_each_document_alone(remat):
     return jnp.sum(jnp.where(real, y * w, 0.0))
 
   got = jax.grad(packed, argnums=(0, 1, 2, 3, 4))(q, k, v, g, params)
+  docs, (q1, k1, v1, g1, w1, real1) = alone_rows(layout, q, k, v, g, w, seg != 0,
+                                                 fills=[0, 0, 0, 1, 0, False])
+
+  def alone(qs, ks, vs, gs, p):
+    y, _ = kj.kvm_attention(qs, ks, vs, gs, p, cfg, remat=False)  # plain autodiff: one more path
+    return jnp.sum(jnp.where(real1[..., None, None], y * w1, 0.0))
+
+  grads = jax.grad(alone, argnums=(0, 1, 2, 3, 4))(q1, k1, v1, g1, params)
   want = [np.zeros(x.shape) for x in (q, k, v, g)]
-  want_params = jax.tree_util.tree_map(lambda p: np.zeros(p.shape), params)
-  for b, t, n in spans(layout):
-    def alone(qs, ks, vs, gs, p, b=b, t=t, n=n):
-      y, _ = kj.kvm_attention(qs, ks, vs, gs, p, cfg, remat=False)  # plain autodiff: one more path
-      return jnp.sum(y * w[b:b + 1, t:t + n])
-    part = lambda x: x[b:b + 1, t:t + n]  # noqa: E731
-    grads = jax.grad(alone, argnums=(0, 1, 2, 3, 4))(part(q), part(k), part(v), part(g), params)
+  for i, (b, t, n) in enumerate(docs):
     for acc, grad in zip(want, grads[:4]):
-      acc[b:b + 1, t:t + n] += np.asarray(grad)
-    want_params = jax.tree_util.tree_map(lambda a, x: a + np.asarray(x), want_params, grads[4])
+      acc[b, t:t + n] += np.asarray(grad[i, :n])
+  want_params = grads[4]
   for name, a, e in zip("qkvg", got[:4], want):
     assert rel_rms(a, e) < GRAD_TOL, name
   for a, e in zip(jax.tree_util.tree_leaves(got[4]), jax.tree_util.tree_leaves(want_params)):
@@ -237,11 +264,14 @@ def test_pallas_documents_are_each_document_alone_and_route_as_xla():
   y_xla, state_xla = kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg)
   assert rel_rms(y, y_xla) < OUT_TOL
   np.testing.assert_array_equal(np.asarray(state.num_rows), np.asarray(state_xla.num_rows))
-  for b, t, n in spans(layout):
-    part = lambda x: x[b:b + 1, t:t + n]  # noqa: E731
-    y_alone, s_alone = kj.kvm_attention(part(q), part(k), part(v), part(g), params, cfg)
-    assert rel_rms(y[b:b + 1, t:t + n], y_alone) < OUT_TOL, (b, t, n)
-  rows = int(s_alone.num_rows)  # row 1's last document (18 tokens: past its first fold)
+  docs, inputs = alone_rows(layout, q, k, v, g, fills=[0, 0, 0, 1])
+  y_alone, _ = kj.kvm_attention(*inputs, params, cfg)
+  for i, (b, t, n) in enumerate(docs):
+    assert rel_rms(y[b, t:t + n], y_alone[i, :n]) < OUT_TOL, (b, t, n)
+  b, t, n = docs[-1]  # row 1's last document (18 tokens: past its first fold), at its length
+  part = lambda x: x[b:b + 1, t:t + n]  # noqa: E731
+  _, s_alone = kj.kvm_attention(part(q), part(k), part(v), part(g), params, cfg)
+  rows = int(s_alone.num_rows)
   assert int(state.num_rows[1]) == rows
   assert rel_rms(state.keys[1, :, :rows], s_alone.keys[0, :, :rows]) < OUT_TOL
 
@@ -334,9 +364,10 @@ def test_model_documents_are_each_document_alone(name):
   tokens = jax.random.randint(jax.random.PRNGKey(7), seg.shape, 0, model.cfg.vocab_size)
   logits = packed_forward(model, tokens, seg)
   assert np.all(np.isfinite(np.asarray(logits)))
-  for b, t, n in spans(MODEL_LAYOUT):
-    alone = forward(model, tokens[b:b + 1, t:t + n])
-    assert rel_rms(logits[b:b + 1, t:t + n], alone) < OUT_TOL, (b, t, n)
+  docs, (rows,) = alone_rows(MODEL_LAYOUT, tokens)
+  alone = forward(model, rows)
+  for i, (b, t, n) in enumerate(docs):
+    assert rel_rms(logits[b, t:t + n], alone[i, :n]) < OUT_TOL, (b, t, n)
   # Padding tokens change nothing.
   other = jnp.where(seg == 0, (tokens + 17) % model.cfg.vocab_size, tokens)
   np.testing.assert_array_equal(np.asarray(packed_forward(model, other, seg))[np.asarray(seg) != 0],
@@ -354,11 +385,12 @@ def test_bf16_documents_are_as_close_to_alone_as_bf16_is_to_float32():
   seg = jnp.asarray(segment_ids_of(layout, MODEL_T))
   tokens = jax.random.randint(jax.random.PRNGKey(8), seg.shape, 0, model.cfg.vocab_size)
   logits = packed_forward(model, tokens, seg)
-  for b, t, n in spans(layout):
-    alone = forward(model, tokens[b:b + 1, t:t + n])
-    bf16_error = rel_rms(alone, forward(exact, tokens[b:b + 1, t:t + n]))
+  docs, (rows,) = alone_rows(layout, tokens)
+  alone, alone_exact = forward(model, rows), forward(exact, rows)
+  for i, (b, t, n) in enumerate(docs):
+    bf16_error = rel_rms(alone[i, :n], alone_exact[i, :n])
     assert 0 < bf16_error < 0.1, (t, n, bf16_error)
-    packed_error = rel_rms(logits[b:b + 1, t:t + n], alone)
+    packed_error = rel_rms(logits[b, t:t + n], alone[i, :n])
     assert packed_error <= 2 * bf16_error, (t, n, packed_error, bf16_error)
 
 
@@ -434,22 +466,24 @@ def test_rwkv7_documents_are_each_document_alone():
     return jnp.sum(jnp.where(real, o * weights, 0.0)), (o, h)
 
   grads, (o, h) = jax.grad(packed, argnums=tuple(range(6)), has_aux=True)(*inputs)
-  for b, t, n in spans(layout):
-    part = lambda x: x[b:b + 1, t:t + n]  # noqa: E731
+  docs, (*alone_inputs, w1, real1) = alone_rows(layout, *inputs, weights, seg != 0)
 
-    def alone(*x, b=b, t=t, n=n):
-      o, h = rwkv7_recurrence(*x, chunk_size=8)
-      return jnp.sum(o * weights[b:b + 1, t:t + n]), (o, h)
+  def alone(*x):
+    o, h = rwkv7_recurrence(*x, chunk_size=8)
+    return jnp.sum(jnp.where(real1[..., None, None], o * w1, 0.0)), (o, h)
 
-    g_alone, (o_alone, h_alone) = jax.grad(alone, argnums=tuple(range(6)), has_aux=True)(
-        *map(part, inputs))
-    assert rel_rms(o[b:b + 1, t:t + n], o_alone) < OUT_TOL, (b, t, n)
+  g_alone, (o_alone, h_alone) = jax.grad(alone, argnums=tuple(range(6)), has_aux=True)(
+      *alone_inputs)
+  for i, (b, t, n) in enumerate(docs):
+    assert rel_rms(o[b, t:t + n], o_alone[i, :n]) < OUT_TOL, (b, t, n)
     for got, want in zip(grads, g_alone):
       # Against the whole gradient's scale: a one-token document's gradient with respect to its
       # decay and removal is exactly 0 alone, and a few ulps of others' rounding when packed.
-      error = np.sqrt(np.mean((np.asarray(got[b:b + 1, t:t + n]) - np.asarray(want)) ** 2))
+      error = np.sqrt(np.mean((np.asarray(got[b, t:t + n]) - np.asarray(want[i, :n])) ** 2))
       assert error < GRAD_TOL * np.sqrt(np.mean(np.asarray(got) ** 2)), (b, t, n)
-  assert rel_rms(h[1], h_alone[0]) < OUT_TOL  # row 1 ends with its last document
+  # Row 1 ends with its last document, the longest (its alone row has no fill after it).
+  assert docs[-1][0] == 1 and docs[-1][2] == o_alone.shape[1]
+  assert rel_rms(h[1], h_alone[-1]) < OUT_TOL
 
 
 # The delta-rule case also scores with count bias; the plain running means run nightly.
@@ -479,19 +513,18 @@ def test_ovq_documents_are_each_document_alone(cfg):
     return jnp.sum(jnp.where(real, y * weights, 0.0)), y
 
   grads, y = jax.grad(packed, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, beta)
-  beta_grad = np.zeros(2)
-  for b, t, n in spans(layout):
-    part = lambda x: x[b:b + 1, t:t + n]  # noqa: E731
+  # Fill after each document with ones: nonzero queries and keys, whatever the op does with them.
+  docs, (q1, k1, v1, w1, real1) = alone_rows(layout, q, k, v, weights, seg != 0,
+                                             fills=[1, 1, 0, 0, False])
 
-    def alone(q, k, v, beta, b=b, t=t, n=n):
-      y, _ = ovq_attention(q, k, v, beta, cfg)
-      return jnp.sum(y * weights[b:b + 1, t:t + n]), y
+  def alone(q, k, v, beta):
+    y, _ = ovq_attention(q, k, v, beta, cfg)
+    return jnp.sum(jnp.where(real1[..., None, None], y * w1, 0.0)), y
 
-    g_alone, y_alone = jax.grad(alone, argnums=(0, 1, 2, 3), has_aux=True)(
-        part(q), part(k), part(v), beta)
-    assert rel_rms(y[b:b + 1, t:t + n], y_alone) < OUT_TOL, (b, t, n)
+  g_alone, y_alone = jax.grad(alone, argnums=(0, 1, 2, 3), has_aux=True)(q1, k1, v1, beta)
+  for i, (b, t, n) in enumerate(docs):
+    assert rel_rms(y[b, t:t + n], y_alone[i, :n]) < OUT_TOL, (b, t, n)
     for got, want in zip(grads[:3], g_alone[:3]):
-      error = np.sqrt(np.mean((np.asarray(got[b:b + 1, t:t + n]) - np.asarray(want)) ** 2))
+      error = np.sqrt(np.mean((np.asarray(got[b, t:t + n]) - np.asarray(want[i, :n])) ** 2))
       assert error < GRAD_TOL * np.sqrt(np.mean(np.asarray(got) ** 2)), (b, t, n)
-    beta_grad += np.asarray(g_alone[3])
-  assert rel_rms(grads[3], beta_grad) < GRAD_TOL
+  assert rel_rms(grads[3], g_alone[3]) < GRAD_TOL

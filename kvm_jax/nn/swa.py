@@ -10,7 +10,6 @@ import numpy as np
 
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.attention import SoftmaxAttention
-from kvm_jax.ops.documents import WindowRule
 from kvm_jax.ops.attention_api import causal_attention
 
 
@@ -64,6 +63,3 @@ class SlidingWindowAttention(SoftmaxAttention):
 
   def ring_geometry(self):
     return dict(window=self.options.window)
-
-  def document_rule(self):
-    return WindowRule("sliding", window=self.options.window)
