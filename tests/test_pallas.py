@@ -162,6 +162,19 @@ def test_implementation_choices():
 PAPER = dict(chunk_size=256, window_chunks=2, sink_rows=1, rope_dims=64)
 
 
+def _assert_lowers(f, args, platform: str, kernels: list, text: str) -> None:
+  """``text`` (``f`` lowered for ``platform``) calls the named kernels (Mosaic: one
+  ``tpu_custom_call`` each at least; Triton: by name), and ``f``'s backward lowers too."""
+  if platform == "tpu":
+    assert text.count("tpu_custom_call") >= len(kernels)
+  else:
+    for name in kernels:
+      assert name in text, name
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  with lowering_for(platform):
+    jax.jit(grad).trace(*args).lower(lowering_platforms=(platform,))
+
+
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize("rows, heads, dtype", [
     (256, (32, 32), "bfloat16"), (1024, (32, 8), "float32"), (4096, (32, 8), "bfloat16"),
@@ -187,14 +200,7 @@ def test_kernels_lower_for_accelerators(platform, rows, heads, dtype):
   kernels = ["kvm_fused_readout", "kvm_route_argmax", "kvm_add_rows"]
   kernels += ["kvm_route_novelty"] if any(kj.kvm_schedule(cfg, T).n_append) else []
   assert (rows > 256) == ("kvm_route_novelty" in kernels)
-  if platform == "tpu":
-    assert text.count("tpu_custom_call") >= len(kernels)
-  else:
-    for name in kernels:
-      assert name in text, name
-  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
-  with lowering_for(platform):
-    jax.jit(grad).trace(*args).lower(lowering_platforms=(platform,))
+  _assert_lowers(f, args, platform, kernels, text)
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
@@ -213,14 +219,7 @@ def test_document_kernels_lower_for_accelerators(platform):
   with lowering_for(platform):
     text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
   kernels = ["kvm_fused_readout", "kvm_route_novelty", "kvm_route_argmax", "kvm_add_rows"]
-  if platform == "tpu":
-    assert text.count("tpu_custom_call") >= len(kernels)
-  else:
-    for name in kernels:
-      assert name in text, name
-  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
-  with lowering_for(platform):
-    jax.jit(grad).trace(*args).lower(lowering_platforms=(platform,))
+  _assert_lowers(f, args, platform, kernels, text)
 
 
 def test_gpu_target_rejects_non_power_of_two_chunks():
