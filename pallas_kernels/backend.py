@@ -60,10 +60,16 @@ def tpu_vmem(pipelined, scratch) -> int:
           + sum(tpu_bytes(s, d) for s, d in scratch))
 
 
+def bounds_in_scalar_memory(kc: "KernelConfig") -> bool:
+  """Whether a kernel's loop bounds live in scalar memory (compiled for TPU, where loop bounds
+  are scalars) rather than in a block of their own."""
+  return kc.platform == "tpu" and not kc.interpret
+
+
 def scalar_bounds_spec(kc: "KernelConfig", shape):
-  """A small int32 bounds array: scalar memory on TPU (loop bounds are scalars there), else one
+  """A small int32 bounds array: scalar memory on TPU (:func:`bounds_in_scalar_memory`), else one
   whole-array block (grid ``(b, h, i)``)."""
-  if kc.platform == "tpu" and not kc.interpret:
+  if bounds_in_scalar_memory(kc):
     from jax.experimental.pallas import tpu as pltpu
     return pl.BlockSpec(memory_space=pltpu.SMEM)
   return pl.BlockSpec(shape, lambda b, h, i: (0, 0))

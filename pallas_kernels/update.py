@@ -104,7 +104,7 @@ def add_rows_working_set(C, R, X, platform) -> backend.WorkingSet:
 
 def _scores_kernel(bounds_ref, x_ref, rows_ref, out_ref, *, row_block: int, argmax: bool,
                    kc: backend.KernelConfig):
-  if _bounds_in_smem(kc):  # the whole [b·h·2] array: this program's pair
+  if backend.bounds_in_scalar_memory(kc):  # one flat [b·h·2] array: this program's pair
     at = (pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)) * 2
     lo, hi = bounds_ref[at], bounds_ref[at + 1]
   else:                    # this program's [1, 2] block
@@ -137,12 +137,6 @@ def _scores_kernel(bounds_ref, x_ref, rows_ref, out_ref, *, row_block: int, argm
   out_ref[...] = arg if argmax else best
 
 
-def _bounds_in_smem(kc: backend.KernelConfig) -> bool:
-  """Row bounds are loop bounds: in scalar memory on TPU (one flat array, as Mosaic's scalar
-  memory wants it), else a block per program."""
-  return kc.platform == "tpu" and not kc.interpret
-
-
 def _scores(x, rows, lo, hi, argmax: bool, kc: backend.KernelConfig):
   """``[B, Hkv, C]``: max or first argmax over rows ``[lo, hi)`` of ``x [B,Hkv,C,D] · rows
   [B,Hkv,R,D]`` (float32). ``lo`` / ``hi``: scalars, or ``[B]`` (one range per batch row: packed
@@ -160,7 +154,7 @@ def _scores(x, rows, lo, hi, argmax: bool, kc: backend.KernelConfig):
 
   def call(bounds, x, rows):
     b, h = x.shape[:2]
-    if _bounds_in_smem(kc):
+    if backend.bounds_in_scalar_memory(kc):
       from jax.experimental.pallas import tpu as pltpu
       bounds, bounds_spec = bounds.reshape(-1), pl.BlockSpec(memory_space=pltpu.SMEM)
     else:

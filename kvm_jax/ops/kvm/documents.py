@@ -122,13 +122,13 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
   window = document_window_partials(q5, k, v, docs, WindowRule("chunks", chunk=C, window_chunks=nb),
                                     key_scale=window_temp * scale, block=min(C, 256),
                                     queries=front if joint else None)
-  y_front = combine_partials(window).reshape(B, T, H, Dv).astype(q.dtype)
+  window_only = lambda: combine_partials(window).reshape(B, T, H, Dv).astype(q.dtype)  # noqa: E731
   sched = kvm_schedule(cfg, T)
   R = sched.final_rows
   num_steps = max_state_steps(T, cfg)
   state = _last_document_start_state(k, v, merge_gate, docs, params, cfg, R)
   if num_steps == 0:
-    return y_front, state
+    return window_only(), state
 
   # Every gather below reads at most C rows past a position < T: pad C zeros once.
   pad = lambda x: jnp.pad(x, [(0, 0), (0, C)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
@@ -202,7 +202,7 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
   # over the front's, or join their state partials with the window's in one softmax.
   rows = jnp.broadcast_to(jnp.arange(B)[None, :, None], where.shape)
   if joint:
-    y = y_front.at[rows, where].set(outs, mode="drop")
+    y = window_only().at[rows, where].set(outs, mode="drop")
   else:
     top, total, acc = outs                                             # [S, B, C, Hkv, G, ...]
     state_part = Partials(
