@@ -29,7 +29,8 @@ from kvm_jax.budget import FixedBudget, PowerLawBudget, SaturatingBudget
 from kvm_jax.config import KVMConfig
 from kvm_jax.ops.documents import WindowRule, document_attention, documents
 from kvm_jax.ops.kvm.cases import TOLERANCE, random_inputs, random_params, rel_rms
-from kvm_jax.ops.kvm.documents import max_state_steps, state_steps
+from kvm_jax.ops.kvm.document_scan import aligned_layout, layout_chunks
+from kvm_jax.ops.kvm.documents import kvm_attention_documents, max_state_steps, state_steps
 
 OUT_TOL, GRAD_TOL = TOLERANCE["float32"]["output"], TOLERANCE["float32"]["grad"]
 
@@ -207,8 +208,13 @@ def test_kvm_documents_are_each_document_alone(name):
   y_alone, _ = kj.kvm_attention(*inputs, params, cfg)
   for i, (b, t, n) in enumerate(docs):
     assert rel_rms(y[b, t:t + n], y_alone[i, :n]) < OUT_TOL, (b, t, n)
+  _assert_last_states_alone(docs, state, q, k, v, g, params, cfg)
+
+
+def _assert_last_states_alone(docs, state, q, k, v, g, params, cfg):
+  """The packed state of each row equals its last document's run alone at its own length."""
   last = {b: (t, n) for b, t, n in docs}
-  for b, (t, n) in last.items():  # the state of each row's last document, run at its length
+  for b, (t, n) in last.items():
     part = lambda x: x[b:b + 1, t:t + n]  # noqa: E731
     _, s_alone = kj.kvm_attention(part(q), part(k), part(v), part(g), params, cfg)
     rows = int(s_alone.num_rows)
@@ -218,8 +224,10 @@ def test_kvm_documents_are_each_document_alone(name):
       assert rel_rms(got[b, :, :rows], want[0, :, :rows]) < OUT_TOL, b
 
 
-@pytest.mark.parametrize("remat", [True, False], ids=["remat", "plain"])
-def test_kvm_document_gradients_are_the_sum_of_each_document_alone(remat):
+@pytest.mark.parametrize("path", ["aligned", "steps"])
+def test_kvm_document_gradients_are_the_sum_of_each_document_alone(path):
+  """Both document paths (the XLA op takes "aligned"; "steps" is the kernels' and a one-chunk
+  window's, here on the XLA operations)."""
   cfg = KVMConfig(**TINY, **BUDGETS["sqrt"])
   layout = ([9, 20, 3, -2, 30], [-3, 30, 9, 20, -2])
   q, k, v, g, params = _kvm_inputs(2)
@@ -228,7 +236,7 @@ def test_kvm_document_gradients_are_the_sum_of_each_document_alone(remat):
   real = (seg != 0)[..., None, None]
 
   def packed(*args):
-    y, _ = kj.kvm_attention(*args, cfg, segment_ids=seg, remat=remat)
+    y, _ = kvm_attention_documents(*args, seg, cfg=cfg, path=path)
     return jnp.sum(jnp.where(real, y * w, 0.0))
 
   got = jax.grad(packed, argnums=(0, 1, 2, 3, 4))(q, k, v, g, params)
@@ -249,6 +257,40 @@ def test_kvm_document_gradients_are_the_sum_of_each_document_alone(remat):
     assert rel_rms(a, e) < GRAD_TOL, name
   for a, e in zip(jax.tree_util.tree_leaves(got[4]), jax.tree_util.tree_leaves(want_params)):
     assert rel_rms(a, e) < GRAD_TOL
+
+
+def test_aligned_layout_by_hand():
+  """C = 4, window 2 chunks: a document longer than (2 - 1)·4 + 1 = 5 tokens starts at a chunk
+  of the layout, after the empty slots it needs; any other follows directly (padding tokens are
+  documents of one token). Tokens: A 0-2, B 3-8 (6: aligned), pad 9, C 10-11, D 12-20 (9:
+  aligned), E 21-25 (5: not), F 26-32 (7: aligned), pad 33. Slots: A 0-2, B 4-9, pad 10, C 11-12,
+  D 16-24, E 25-29, F 32-38, pad 39; each chunk is its first token and how many follow."""
+  cfg = KVMConfig(**TINY, budget=FixedBudget(4))
+  seg = segment_ids_of(([3, 6, -1, 2, 9, 5, 7, -1],), 34)
+  layout = aligned_layout(documents(jnp.asarray(seg)), cfg)
+  assert layout_chunks(34, cfg) == 13                  # 34 tokens + 3 slots for each of 5 docs
+  empty = [34] * 3                                     # the front chunk; chunks past the row
+  np.testing.assert_array_equal(
+      layout.offset[0], [34, 0, 3, 7, 11, 12, 16, 20, 24, 26, 30] + empty)
+  np.testing.assert_array_equal(layout.count[0], [0, 3, 4, 4, 1, 4, 4, 4, 2, 4, 4, 0, 0, 0])
+
+
+def test_documents_filling_the_layout_are_each_alone():
+  """Documents one token past the aligned threshold: each takes two chunks of the layout for 6
+  tokens, the worst case the layout's capacity covers (its unused chunks are skipped). Row 1
+  ends with a document of whole chunks (16 tokens: no fold after its last chunk)."""
+  cfg = KVMConfig(**TINY, **BUDGETS["sqrt"])
+  layout = ([6] * 10 + [-4], [-1, 6, 6, 3, 6, 6, 6, 6, 6, 16, -2])
+  q, k, v, g, params = _kvm_inputs(2)
+  seg = jnp.asarray(segment_ids_of(layout, T))
+  used = np.asarray(aligned_layout(documents(seg), cfg).count > 0).sum(axis=1)
+  assert used.tolist() == [21, 21] and layout_chunks(T, cfg) == 24
+  y, state = kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg)
+  docs, inputs = alone_rows(layout, q, k, v, g, fills=[0, 0, 0, 1])
+  y_alone, _ = kj.kvm_attention(*inputs, params, cfg)
+  for i, (b, t, n) in enumerate(docs):
+    assert rel_rms(y[b, t:t + n], y_alone[i, :n]) < OUT_TOL, (b, t, n)
+  _assert_last_states_alone(docs, state, q, k, v, g, params, cfg)
 
 
 def test_pallas_documents_are_each_document_alone_and_route_as_xla():

@@ -4,29 +4,28 @@ A KVM layer's output depends on where each chunk starts (docs/kvm-spec.md §12):
 alone starts its own chunk grid at its first token, its budget counts its own tokens, its state
 starts as its own first chunk, and its window never reaches into the previous document. With
 documents packed at arbitrary offsets the chunk grids of a row's documents do not line up with
-each other. The queries split by document position ``p`` (``L = window_chunks · chunk_size``):
-before ``L`` a query sees only its window; from ``L`` on it also sees the document's state, which
-**state steps** build: one ``lax.scan`` over steps, each a query chunk of one document on that
-document's own grid (its first query at a multiple of ``chunk_size``, ``p >= L``), gathered from
-the row. A row's steps come in row order, so a document's steps are consecutive: the first resets
-the state to the document's first chunk, each step reads the state out and then folds the
-document's chunk leaving the window, through the per-chunk operations of the plain scan
-(:class:`~kvm_jax.ops.kvm.scan.ChunkOps`) with each batch row's own state row count and its
-number of appends from the static schedule (which depends only on the chunk index within the
-document). How a step's queries join state and window depends on the implementation:
+each other. Two paths make them line up (:func:`document_path_for` picks one):
 
-* **Pallas** (the kernels' readout is one softmax over [state ; window]): a step is exactly a
-  chunk of the plain scan, its window the ``window_chunks`` chunks ending with it (all inside the
-  document). Only the front (``p < L``) is computed in the row's own layout
-  (:func:`kvm_jax.ops.documents.document_window_partials`, which skips the blocks of queries that
-  hold no front query), and the steps' outputs are written over it.
-* **XLA**: every query's window is scored in the row's own layout (key temperature τ_f), the steps
-  score only the state, and the two partial sums join in one softmax
-  (:func:`kvm_jax.ops.documents.combine_partials`). On CPU this measured faster, forward and
-  backward, than gathering each step's window into a joint readout.
-
-Steps per row are at most ``ceil(T / chunk_size) - window_chunks`` (every step takes one chunk of
-a document longer than the window past its first ``window_chunks``), so shapes stay static.
+* **aligned** (XLA, ``window_chunks >= 2``; :mod:`kvm_jax.ops.kvm.document_scan`): the rows are
+  read through a layout in which every document longer than ``(window_chunks - 1)·C + 1``
+  tokens starts at a chunk, and the plain scan's chunk loop runs on it, with its
+  stored-decision backward pass. A chunk's masks and each row's fold or reset come from the
+  documents' positions.
+* **steps** (the Pallas kernels, whose window mask is one for the batch; and a one-chunk
+  window, whose layout could need ``chunk_size / 2`` times the row): the queries split by
+  document position ``p`` (``L = window_chunks · chunk_size``). Before ``L`` a query sees only its
+  window, computed in the row's own layout
+  (:func:`kvm_jax.ops.documents.document_window_partials`, skipping blocks of queries with no
+  such query). From ``L`` on it also sees the document's state, which **state steps** build:
+  one ``lax.scan`` over steps, each a query chunk of one document on that document's own grid
+  (its first query at a multiple of ``chunk_size``, ``p >= L``), gathered from the row with its
+  window. A row's steps come in row order, so a document's steps are consecutive: the first
+  resets the state to the document's first chunk, each step is a chunk of the plain scan (one
+  softmax over [state ; window], then the fold of the chunk leaving the window) through
+  :class:`~kvm_jax.ops.kvm.scan.ChunkOps`, with each batch row's own state row count and its
+  appends from the static schedule (which depends only on the chunk index within the
+  document). Steps per row are at most ``ceil(T / chunk_size) - window_chunks``, so shapes stay
+  static; the backward pass is autodiff, keeping the carry every ~sqrt(steps) steps.
 """
 
 from __future__ import annotations
@@ -39,10 +38,11 @@ import jax.numpy as jnp
 
 from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig
-from kvm_jax.ops.common import MASKED, matmul_operand, precision_for, window_mask
-from kvm_jax.ops.documents import (Documents, Partials, WindowRule, combine_partials,
+from kvm_jax.ops.common import window_mask
+from kvm_jax.ops.documents import (Documents, WindowRule, combine_partials,
                                    document_window_partials, documents, rows_of,
                                    scan_in_blocks, select_rows)
+from kvm_jax.ops.kvm.document_scan import kvm_attention_scan_documents
 from kvm_jax.ops.kvm.scan import XLA_OPS, ChunkOps
 from kvm_jax.ops.kvm.state import (KVMParams, KVMState, state_readout, temperatures,
                                    token_rows)
@@ -70,32 +70,23 @@ def max_state_steps(seq_len: int, cfg: KVMConfig) -> int:
   return max(0, -(-seq_len // cfg.chunk_size) - cfg.window_chunks)
 
 
-def _state_partials(q: Array, keys: Array, values: Array, valid: Array, temp: Array,
-                    value_dtype) -> tuple:
-  """Partial softmax sums of queries ``q [B, Cq, Hkv, G, D]`` over state rows (readout keys
-  ``[B, Hkv, R, D]``, values ``[B, Hkv, R, Dv]`` or per query head ``[B, Hkv, G, R, Dv]``);
-  ``valid [B, R]`` marks the rows each batch row sees; ``temp [Hkv, G]`` the key scale. Keys are
-  scaled in float32 and cast to the queries' dtype, values and probabilities to ``value_dtype``
-  (the window values'), as in the joint readout (:func:`kvm_jax.ops.common.joint_attention`)."""
-  dtype, precision = q.dtype, precision_for(q.dtype)
-  scaled = (keys.astype(jnp.float32)[:, :, None] * temp[None, :, :, None, None]).astype(dtype)
-  s = jnp.einsum("bqhgd,bhgrd->bhgqr", matmul_operand(q), matmul_operand(scaled),
-                 precision=precision, preferred_element_type=jnp.float32)
-  s = jnp.where(valid[:, None, None, None, :], s, MASKED)
-  top = jax.lax.stop_gradient(jnp.max(s, axis=-1))
-  p = jnp.exp(s - top[..., None])
-  spec = "bhgqr,bhgrv->bhgqv" if values.ndim == 5 else "bhgqr,bhrv->bhgqv"
-  acc = jnp.einsum(spec, matmul_operand(p.astype(value_dtype)),
-                   matmul_operand(values.astype(value_dtype)), precision=precision,
-                   preferred_element_type=jnp.float32)
-  move = lambda x: jnp.moveaxis(x, 3, 1)  # noqa: E731  -> [B, Cq, Hkv, G, ...]
-  return move(top), move(jnp.sum(p, axis=-1)), move(acc)
+#: How the document path runs: "aligned" (the plain scan on a chunk-aligned layout), "steps" (a
+#: scan over each row's state steps) or "auto" (:func:`document_path_for`).
+DOCUMENT_PATHS = ("auto", "aligned", "steps")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ops", "row_update", "remat"))
+def document_path_for(cfg: KVMConfig, ops: ChunkOps) -> str:
+  """"aligned" for the XLA operations with ``window_chunks >= 2``; "steps" for the kernels (their
+  window mask is one causal mask for the batch, and the aligned layout needs one per row) and for
+  a one-chunk window (where any document longer than one token would start at a chunk of the
+  layout, which could then need ``chunk_size / 2`` times the row's slots)."""
+  return "aligned" if ops.kernel is None and cfg.window_chunks >= 2 else "steps"
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ops", "row_update", "remat", "path"))
 def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
                             segment_ids: Array, cfg: KVMConfig, ops: ChunkOps = XLA_OPS,
-                            row_update: str = "auto", remat: bool = True):
+                            row_update: str = "auto", remat: bool = True, path: str = "auto"):
   """KVM over the documents of ``segment_ids [B, T]``; see :func:`kvm_jax.kvm_attention` for the
   other arguments (inputs are not re-validated here). ``ops``: the per-chunk readout and fold
   (:class:`~kvm_jax.ops.kvm.scan.ChunkOps`, time-major form), as the plain scan runs them.
@@ -110,18 +101,24 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
   G = H // Hkv
   C, nb = cfg.chunk_size, cfg.window_chunks
   docs = documents(segment_ids)
+  if path not in DOCUMENT_PATHS:
+    raise ValueError(f"path must be one of {DOCUMENT_PATHS}, got {path!r}.")
+  if path == "auto":
+    path = document_path_for(cfg, ops)
+  if path == "aligned":
+    y, final = kvm_attention_scan_documents(q, k, v, merge_gate, params, docs, cfg, ops=ops,
+                                            row_update=row_update)
+    short = _last_document_start_state(k, v, merge_gate, docs, params, cfg, final.capacity)
+    return y, select_rows(_last_document_length(docs) > nb * C, final, short)
   state_temp, window_temp = temperatures(params, cfg, Hkv)
   scale = 1.0 / math.sqrt(D)
   q5 = q.reshape(B, T, Hkv, G, D)
-  # The kernels compute a step's readout as one softmax over [state ; window] (the plain scan's
-  # chunk), so the window part is needed only for the front (document position < L). XLA scores
-  # the window of every query in the row's layout and only the state in the steps, which
-  # measured faster on CPU, forward and backward (docs/kvm-spec.md §12).
-  joint = ops.kernel is not None
+  # A step's readout is one softmax over [state ; window] (the plain scan's chunk), so the
+  # window alone is needed only for the front (document position < L).
   front = docs.position < nb * C                    # padding too: a document of one token
   window = document_window_partials(q5, k, v, docs, WindowRule("chunks", chunk=C, window_chunks=nb),
                                     key_scale=window_temp * scale, block=min(C, 256),
-                                    queries=front if joint else None)
+                                    queries=front)
   window_only = lambda: combine_partials(window).reshape(B, T, H, Dv).astype(q.dtype)  # noqa: E731
   sched = kvm_schedule(cfg, T)
   R = sched.final_rows
@@ -166,17 +163,12 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
     # The window: the nb chunks ending with this one, inside the document since c >= nb; its
     # first chunk is the one that leaves the window after this step.
     leaving = jnp.maximum(at - (nb - 1) * C, 0)
-    width = nb * C if joint else C                   # XLA reads only the chunk it folds
-    win_k, win_v = rows_of(k_p, leaving, width), rows_of(v_p, leaving, width)
+    win_k, win_v = rows_of(k_p, leaving, nb * C), rows_of(v_p, leaving, nb * C)
     valid_rows = jnp.arange(R)[None, :] < num_rows[:, None]             # [B, R]
-    if joint:
-      y = ops.attend(rows_of(q_p, at, C), read_keys, read_values,
-                     valid_rows[:, None, None, None, :], win_k, win_v, causal, state_temp,
-                     window_temp)                                      # [B, C, Hkv, G, Dv] f32
-      out = y.reshape(B, C, H, Dv).astype(q.dtype)
-    else:
-      out = _state_partials(rows_of(q_p, at, C), read_keys, read_values, valid_rows,
-                            state_temp * scale, v.dtype)
+    y = ops.attend(rows_of(q_p, at, C), read_keys, read_values,
+                   valid_rows[:, None, None, None, :], win_k, win_v, causal, state_temp,
+                   window_temp)                                        # [B, C, Hkv, G, Dv] f32
+    out = y.reshape(B, C, H, Dv).astype(q.dtype)
     # Fold the document chunk leaving the window, if the document goes on past this chunk.
     folds = exists & ((c + 1) * C < doc_len)
     appended = jnp.where(folds, n_append[jnp.clip(c, 0, len(sched.n_append) - 1)], 0)
@@ -198,18 +190,10 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
   else:
     (final_arrays, final_rows), (outs, where) = jax.lax.scan(step, carry0, xs)
 
-  # Every query past its document's front is in exactly one step: scatter the steps' outputs
-  # over the front's, or join their state partials with the window's in one softmax.
+  # Every query past its document's front is in exactly one step: the steps' outputs go over
+  # the front's.
   rows = jnp.broadcast_to(jnp.arange(B)[None, :, None], where.shape)
-  if joint:
-    y = window_only().at[rows, where].set(outs, mode="drop")
-  else:
-    top, total, acc = outs                                             # [S, B, C, Hkv, G, ...]
-    state_part = Partials(
-        jnp.full((B, T, Hkv, G), MASKED, jnp.float32).at[rows, where].set(top, mode="drop"),
-        jnp.zeros((B, T, Hkv, G), jnp.float32).at[rows, where].set(total, mode="drop"),
-        jnp.zeros((B, T, Hkv, G, Dv), jnp.float32).at[rows, where].set(acc, mode="drop"))
-    y = combine_partials(window, state_part).reshape(B, T, H, Dv).astype(q.dtype)
+  y = window_only().at[rows, where].set(outs, mode="drop")
 
   # The final state of each row's last document: what its last step left when it is long enough
   # to have steps, else its first rows (already in ``state``).

@@ -187,6 +187,10 @@ class _Plan:
   block: int            # chunks between stored states in the backward pass (about sqrt(chunks))
   out_dtype: Any
   time_major: bool      # sources in the caller's time-major layout (see SOURCE_LAYOUTS)
+  rows_after: Optional[int] = None  # rows after every fold, when one number (documents' scan)
+  # Another per-chunk function with :func:`_chunk`'s contract plus one argument, the chunk's
+  # extra sources (packed documents: ``kvm_jax.ops.kvm.document_scan``); None: :func:`_chunk`.
+  chunk_fn: Optional[Callable] = None
 
   @property
   def q_time(self) -> int:
@@ -397,11 +401,12 @@ def _chunk(plan: _Plan, run: Run, params: KVMParams, state: KVMState, c, base: i
 
 def _scan_chunks(plan: _Plan, run: Run, params, state, first, count: int, base, k_lead: int,
                  q_src, k_src, v_src, g_src, routing=None, remat_chunks: bool = False,
-                 out=None):
+                 out=None, extra=None):
   """Chunks ``first .. first + count - 1`` of ``run`` (``first`` may be traced, ``count`` is
   static) in one ``lax.scan``; ``base`` and ``k_lead`` place the sources (:func:`_chunk`).
   ``routing``: decisions to apply, ``[count, B, Hkv, C]`` each, or None to compute them.
 
+  ``extra``: what ``plan.chunk_fn`` takes besides :func:`_chunk`'s arguments.
   ``out``: None, or an output buffer ``[B, ·, H, Dv]`` whose row 0
   is chunk ``base``'s first time step; each chunk writes its rows into it in place.
   Returns ``(state, y, decisions)``: ``y`` is the updated ``out``, or (without one) the chunks'
@@ -413,6 +418,9 @@ def _scan_chunks(plan: _Plan, run: Run, params, state, first, count: int, base, 
   unrolled = isinstance(first, int) and isinstance(base, int) and not run.visible
 
   def one(state, routing_c, c):
+    if plan.chunk_fn is not None:
+      return plan.chunk_fn(plan, run, params, state, c, base, k_lead, q_src, k_src, v_src, g_src,
+                           routing_c, extra)
     return _chunk(plan, run, params, state, c, base, k_lead, q_src, k_src, v_src, g_src,
                   routing_c)
 

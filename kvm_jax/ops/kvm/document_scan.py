@@ -1,0 +1,422 @@
+"""KVM over packed documents as the plain chunk scan on a chunk-aligned layout.
+
+A KVM layer's output depends on where each chunk starts (docs/kvm-spec.md §12): a document run
+alone starts its own chunk grid at its first token. The rows' tokens are therefore read through
+a **layout**: the same tokens in the same order, with fewer than ``chunk_size`` empty slots
+inserted in front of every document longer than ``(window_chunks - 1)·C + 1`` tokens, so that it
+starts at a chunk of the layout (:func:`aligned_layout`). Every document with a state (longer
+than the window) is among them, so its chunks are layout chunks; a shorter document lies inside
+one span of ``window_chunks`` layout chunks wherever it starts, so its window needs no grid. On
+this layout the plain scan's chunk loop runs as it is (:mod:`kvm_jax.ops.kvm.scan`: blocks of
+about sqrt(chunks) chunks, the backward pass replaying stored routing decisions), with one
+different per-chunk function (:func:`_document_chunk`): masks from document positions, and a
+fold, a reset or nothing per batch row.
+
+Nothing of the layout's size is materialized. Every layout chunk holds one contiguous run of a
+row's tokens (the empty slots come after it), so a chunk is one slice of the row at a per-row
+offset (:class:`DocumentLayout`), gathered when its block runs. A block without a token is
+skipped: the layout's capacity covers the worst case of alignment padding (about twice the row
+for two window chunks), and rows use little of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kvm_jax.budget import kvm_schedule
+from kvm_jax.config import KVMConfig
+from kvm_jax.ops.documents import Documents
+from kvm_jax.ops.kvm.scan import (XLA_OPS, ChunkOps, Run, _blocks, _Plan, _scan_chunks, _slice,
+                                  _window)
+from kvm_jax.ops.kvm.state import KVMParams, KVMState, state_readout, temperatures, token_rows
+
+Array = jax.Array
+
+
+class DocumentLayout(NamedTuple):
+  """Where the chunks of a chunk-aligned layout of packed rows come from.
+
+  Chunk tables are ``[B, window_chunks - 1 + nC]`` int32: ``window_chunks - 1`` empty chunks in
+  front (the window of the first chunks reaches there), then the layout's ``nC`` chunks. Token
+  tables are ``[B, T]`` int32.
+
+  Attributes:
+    offset: the row's first token in each chunk (``T`` for an empty chunk).
+    count: the chunk's tokens (the rest of its slots are empty).
+    document: per token, its document's number in the row plus one.
+    position: per token, its position in its document.
+    length: per token, its document's length.
+  """
+
+  offset: Array
+  count: Array
+  document: Array
+  position: Array
+  length: Array
+
+
+def aligned_threshold(cfg: KVMConfig) -> int:
+  """Documents longer than this start at a chunk of the layout; a shorter one lies inside one
+  span of ``window_chunks`` layout chunks wherever it starts (offset < C, length <= (nb-1)·C + 1)."""
+  return (cfg.window_chunks - 1) * cfg.chunk_size + 1
+
+
+def layout_chunks(seq_len: int, cfg: KVMConfig) -> int:
+  """Chunks of the layout for rows of ``seq_len`` tokens: every token, plus fewer than
+  ``chunk_size`` empty slots in front of each aligned document (at most
+  ``seq_len // (threshold + 1)`` of them)."""
+  C = cfg.chunk_size
+  aligned = seq_len // (aligned_threshold(cfg) + 1)
+  return -(-(seq_len + (C - 1) * aligned) // C)
+
+
+def aligned_layout(docs: Documents, cfg: KVMConfig) -> DocumentLayout:
+  """The :class:`DocumentLayout` of packed rows (``docs`` of ``[B, T]``; padding tokens are
+  documents of one token, kept in place).
+
+  A token's slot is its index plus the empty slots inserted before it. Where an aligned
+  document lands depends only on where the previous aligned one started, so no sequential pass
+  is needed: the padding in front of an aligned document starting at token ``t`` is
+  ``(t_prev - t) mod C``, ``t_prev`` the previous aligned document's first token (0 for the
+  first), and the slots are ``t`` plus the running sum of these."""
+  B, T = docs.valid.shape
+  C, nb = cfg.chunk_size, cfg.window_chunks
+  t = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+  aligned = (docs.position == 0) & (docs.length > aligned_threshold(cfg))
+  latest = jax.lax.cummax(jnp.where(aligned, t, 0), axis=1)
+  previous = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), latest[:, :-1]], axis=1)
+  slot = t + jnp.cumsum(jnp.where(aligned, (previous - t) % C, 0), axis=1)   # increasing
+  starts = jnp.arange(layout_chunks(T, cfg) + 1, dtype=jnp.int32) * C
+  bounds = jax.vmap(lambda s: jnp.searchsorted(s, starts, side="left"))(slot)
+  bounds = bounds.astype(jnp.int32)                          # [B, nC + 1]: first token >= chunk
+  front = lambda x, fill: jnp.pad(x, [(0, 0), (nb - 1, 0)], constant_values=fill)  # noqa: E731
+  tokens = lambda x: x.astype(jnp.int32)  # noqa: E731
+  return DocumentLayout(offset=front(bounds[:, :-1], T),
+                        count=front(bounds[:, 1:] - bounds[:, :-1], 0),
+                        document=tokens(docs.index + 1), position=tokens(docs.position),
+                        length=tokens(docs.length))
+
+
+def _chunk_rows(x: Array, offsets: Array, C: int) -> Array:
+  """``[B, n·C, ...]``: chunk ``i`` of row ``b`` is ``x[b, offsets[b, i] : + C]``, rows past the
+  end of ``x`` reading its last row. Gathered row by row: a slice of ``C`` rows would be moved
+  back inside ``x`` at its end, and padding ``x`` would copy it."""
+  index = jnp.minimum(offsets[:, :, None] + jnp.arange(C, dtype=offsets.dtype),
+                      x.shape[1] - 1).reshape(x.shape[0], -1)
+  return jax.vmap(lambda row, i: jnp.take(row, i, axis=0, mode="clip"))(x, index)
+
+
+def _slots_filled(counts: Array, C: int) -> Array:
+  """``[B, n·C]`` bool: which slots of ``n`` chunks holding ``counts [B, n]`` tokens are filled."""
+  return (jnp.arange(C)[None, None, :] < counts[:, :, None]).reshape(counts.shape[0], -1)
+
+
+def _add_chunks(buffer: Array, rows: Array, offsets: Array, counts: Array, C: int) -> Array:
+  """``buffer [B, T + C, ...]`` plus the filled slots of ``rows [B, n·C, ...]`` (chunk ``i`` at
+  ``offsets[:, i]``), chunk by chunk (a chunk's empty tail overlaps the next chunk's tokens)."""
+  filled = _slots_filled(counts, C).reshape(rows.shape[:2] + (1,) * (rows.ndim - 2))
+  rows = jnp.where(filled, rows, 0).astype(buffer.dtype)
+
+  def add(row, piece, o):
+    return jax.lax.dynamic_update_slice_in_dim(
+        row, jax.lax.dynamic_slice_in_dim(row, o, C, 0) + piece, o, 0)
+
+  for i in range(offsets.shape[1]):
+    buffer = jax.vmap(add)(buffer, rows[:, i * C:(i + 1) * C], offsets[:, i])
+  return buffer
+
+
+def _block_sources(plan: _Plan, first, count: int, sources, layout: DocumentLayout):
+  """Chunks ``first .. first + count - 1`` of the layout gathered from the rows, placed as the
+  scan's backward blocks are: queries ``[B, count·C, Hkv, G, D]`` from chunk ``first``, keys,
+  values and gates ``[B, (count + nb - 1)·C, ...]`` and the slots' ``(document, position,
+  length)`` from ``overlap`` slots before it (an empty slot: document 0). An empty slot holds a
+  copy of some token: no query of a document sees it and no fold reads it."""
+  C, nb = plan.cfg.chunk_size, plan.cfg.window_chunks
+  q, k, v, g = sources
+  table = lambda x: jax.lax.dynamic_slice_in_dim(x, first, count + nb - 1, 1)  # noqa: E731
+  offsets, counts = table(layout.offset), table(layout.count)
+  filled = _slots_filled(counts, C)
+  numbers = tuple(jnp.where(filled, _chunk_rows(x, offsets, C), 0)
+                  for x in (layout.document, layout.position, layout.length))
+  blocks = (_chunk_rows(q, offsets[:, nb - 1:], C),) + tuple(
+      _chunk_rows(x, offsets, C) for x in (k, v, g))
+  return blocks, numbers
+
+
+def _holds_tokens(plan: _Plan, layout: DocumentLayout, first, count: int) -> Array:
+  counts = jax.lax.dynamic_slice_in_dim(layout.count, first + plan.cfg.window_chunks - 1, count, 1)
+  return jnp.any(counts > 0)
+
+
+def _document_chunk(plan: _Plan, run: Run, params: KVMParams, state: KVMState, c,
+                    base: int | Array, k_lead: int, q_src, k_src, v_src, g_src, routing_c,
+                    numbers):
+  """Layout chunk ``c`` (the contract of :func:`kvm_jax.ops.kvm.scan._chunk`, time-major
+  sources) with per-row document structure: ``numbers`` = the slots' ``(document, position,
+  length)``, ``[B, ·]`` each, placed like ``k_src``.
+
+  A query sees the keys of its own document that the block-window rule on document positions
+  allows (documents are contiguous, so that is one run of window slots: from its document's
+  start or its block window's first chunk, to itself), and the state from document position
+  ``window_chunks·C`` on. The chunk leaving the window decides each row's fold: the first chunk
+  of a document longer than the window resets the state to its tokens (docs/kvm-spec.md §6.5);
+  a later one is folded in, with the schedule's appends for that chunk of the document, if the
+  document goes on past this chunk; otherwise the state stays."""
+  cfg, ops = plan.cfg, plan.ops
+  C, nb, R = cfg.chunk_size, cfg.window_chunks, plan.capacity
+  L = C * nb
+  B, _, Hkv, G = plan.dims(q_src)
+  win_start = (c - base) * C + k_lead - plan.overlap
+  document, pos, length = (_window(x, win_start, nb * C, 1)[0] for x in numbers)   # [B, W]
+  q_pos = pos[:, -C:]
+  q_c = _slice(q_src, (c - base) * C, C, 1)
+  win_k, _ = _window(k_src, win_start, nb * C, 1)
+  win_v, _ = _window(v_src, win_start, nb * C, 1)
+  state_keys, state_values = state_readout(state, params, cfg, G)
+  state_temp, window_temp = temperatures(params, cfg, Hkv)
+  W = pos.shape[1]
+  q_slot = W - C + jnp.arange(C)                                               # [C]
+  first_visible = q_slot[None] - q_pos + jnp.maximum(0, (q_pos // C - nb + 1) * C)   # [B, C]
+  slot = jnp.arange(W)
+  window_valid = ((slot[None, None, :] >= first_visible[:, :, None])
+                  & (slot[None, :] <= q_slot[:, None])[None])                 # [B, C, W]
+  state_rows = jnp.where(q_pos >= L, state.num_rows[:, None], 0)              # [B, C]
+  state_valid = jnp.arange(R)[None, None, :] < state_rows[:, :, None]         # [B, C, R]
+  y = ops.attend(q_c, state_keys, state_values, state_valid[:, None, None], win_k, win_v,
+                 window_valid[:, None, None], state_temp, window_temp)
+  y = y.reshape(B, C, Hkv * G, y.shape[-1]).astype(plan.out_dtype)
+  none = jnp.full((B, Hkv, C), R, jnp.int32)
+  if not run.update:
+    return state, y, (none, none)
+  # The chunk leaving the window: the first chunk of a long document, or a later one.
+  leaving_pos, leaving_len = pos[:, 0], length[:, 0]
+  long = (document[:, 0] > 0) & (leaving_pos % C == 0) & (leaving_len > L)
+  reset = long & (leaving_pos == 0)
+  folds = long & (leaving_pos >= C) & (leaving_pos + L < leaving_len)
+  chunk = jnp.clip(leaving_pos // C + nb - 1, 0, len(plan.n_append) - 1)   # in the document
+  n_append = jnp.where(folds, jnp.asarray(plan.n_append, jnp.int32)[chunk], 0)
+  leaving_k, leaving_v = win_k[:, :C], win_v[:, :C]
+  leaving_g = _slice(g_src, win_start, C, 1)
+  new, decisions = ops.update(state, leaving_k, leaving_v, leaving_g, n_append, params, cfg,
+                              plan.row_update, state_keys, routing=routing_c,
+                              return_routing=True, may_append=run.may_append,
+                              rows_after=plan.rows_after)
+  fresh = token_rows(leaving_k, leaving_v, leaving_g, params, cfg)
+  fresh = tuple(jnp.pad(x, [(0, 0), (0, 0), (0, R - C)] + [(0, 0)] * (x.ndim - 3))
+                for x in fresh)
+
+  def pick(where, a, b):
+    return jnp.where(where.reshape(where.shape + (1,) * (a.ndim - 1)), a, b)
+
+  arrays = tuple(pick(folds, n, pick(reset, f, o))
+                 for n, f, o in zip((new.keys, new.values, new.radius), fresh,
+                                    (state.keys, state.values, state.radius)))
+  rows = jnp.where(folds, new.num_rows, jnp.where(reset, C, state.num_rows))
+  return KVMState(*arrays, num_rows=rows), y, decisions
+
+
+def _state(arrays) -> KVMState:
+  keys, values, radius, num_rows = arrays
+  return KVMState(keys=keys, values=values, radius=radius, num_rows=num_rows)
+
+
+def _arrays(state: KVMState) -> tuple:
+  return (state.keys, state.values, state.radius, state.num_rows)
+
+
+def _pieces(plan: _Plan) -> list[tuple[Run, int, int]]:
+  """The blocks of the scan, in order: ``(run, first chunk, chunks)``; a run's full blocks are
+  ``(run, None, full)`` (one ``lax.scan``)."""
+  out = []
+  for run in plan.runs:
+    full, left = _blocks(plan, run)
+    if full:
+      out.append((run, None, full))
+    if left:
+      out.append((run, run.start + full * plan.block, left))
+  return out
+
+
+def _forward(plan: _Plan, params, state0, sources, layout: DocumentLayout):
+  """The layout's chunks, block by block: ``((y [B, T + C, H, Dv] (rows past T: scrap), final
+  state arrays with row
+  counts, decisions), block start states)``; every block gathers its own chunks and a block
+  without a token is skipped."""
+  C, S = plan.cfg.chunk_size, plan.block
+  q = sources[0]
+  B, _, Hkv, G = plan.dims(q)
+  # C rows past the row: a chunk's empty tail is written there at the end of the row
+  out = jnp.zeros((B, q.shape[1] + C, Hkv * G, sources[2].shape[-1]), plan.out_dtype)
+
+  def piece(run, state, out, first, count):
+    def compute(state):
+      blocks, numbers = _block_sources(plan, first, count, sources, layout)
+      return _scan_chunks(plan, run, params, state, first, count, first, plan.overlap, *blocks,
+                          extra=numbers)
+
+    def skip(state):
+      none = jnp.full((count, B, Hkv, C), plan.capacity, jnp.int32)
+      return state, jnp.zeros((count, B, C, Hkv * G, out.shape[-1]), out.dtype), (none, none)
+
+    # The output is written outside the cond: passed through one, the buffer would be copied.
+    state, ys, d = jax.lax.cond(_holds_tokens(plan, layout, first, count), compute, skip, state)
+    y = jnp.moveaxis(ys, 0, 1).reshape(B, count * C, *ys.shape[3:])
+    chunks = lambda x: jax.lax.dynamic_slice_in_dim(  # noqa: E731
+        x, first + plan.cfg.window_chunks - 1, count, 1)
+    return state, _add_chunks(out, y, chunks(layout.offset), chunks(layout.count), C), d
+
+  state = _state(state0 + (jnp.zeros((B,), jnp.int32),))      # no document has rows yet
+  decisions, block_states = [], []
+  for run, first, count in _pieces(plan):
+    if first is None:
+      def block(carry, j, run=run):
+        state, out = carry
+        state_in = _arrays(state)
+        state, out, d = piece(run, state, out, run.start + j * S, S)
+        return (state, out), (state_in, d)
+
+      (state, out), (starts, d) = jax.lax.scan(block, (state, out),
+                                               jnp.arange(count, dtype=jnp.int32))
+      decisions.append(tuple(x.reshape(count * S, *x.shape[2:]) for x in d))
+    else:
+      starts = _arrays(state)
+      state, out, d = piece(run, state, out, first, count)
+      decisions.append(d)
+    block_states.append(starts)
+  decisions = tuple(jnp.concatenate([d[i] for d in decisions], axis=0) for i in range(2))
+  return (out, _arrays(state), decisions), tuple(block_states)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scan(plan: _Plan, params, state0, sources, layout: DocumentLayout):
+  return _forward(plan, params, state0, sources, layout)[0][:2]
+
+
+def _scan_fwd(plan, params, state0, sources, layout):
+  (out, final, decisions), block_states = _forward(plan, params, state0, sources, layout)
+  return (out, final), (params, sources, layout, block_states, decisions)
+
+
+def _scan_bwd(plan, residuals, cotangents):
+  """Blocks in reverse, as the plain scan's backward pass (decisions replayed), each gathering
+  its chunks and adding its tokens' gradients at their offsets; an empty block is skipped."""
+  params, sources, layout, block_states, decisions = residuals
+  dy, d_final = cotangents
+  cfg = plan.cfg
+  C, S, nb, overlap = cfg.chunk_size, plan.block, cfg.window_chunks, plan.overlap
+  f32 = jnp.float32
+  q, k, v, g = sources
+  heads0 = tuple(jnp.zeros((x.shape[0], overlap, *x.shape[2:]), f32) for x in (k, v, g))
+  carry = (tuple(x.astype(f32) for x in d_final[:3]), heads0,
+           jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, f32), params),
+           tuple(jnp.zeros((x.shape[0], x.shape[1] + C, *x.shape[2:]), f32) for x in sources))
+
+  def block_grad(carry, first, count: int, run: Run, state_in, given):
+    def compute(carry):
+      d_state, heads, dparams, grads = carry
+      blocks, numbers = _block_sources(plan, first, count, sources, layout)
+      chunks = lambda x: jax.lax.dynamic_slice_in_dim(x, first + nb - 1, count, 1)  # noqa: E731
+      offsets, counts = chunks(layout.offset), chunks(layout.count)
+      # An empty slot's query sees only its own key, so the cotangent it reads here (another
+      # token's) reaches only its own value row, which _add_chunks drops.
+      dy_blk = _chunk_rows(dy, offsets, C)                                # [B, count·C, H, Dv]
+      B, _, H, Dv = dy_blk.shape
+      num_rows = state_in[3]
+
+      def f(state_arrays, params, *blocks):
+        state, y, _ = _scan_chunks(plan, run, params, _state(state_arrays + (num_rows,)), first,
+                                   count, first, overlap, *blocks, given, remat_chunks=True,
+                                   extra=numbers)
+        return y, (state.keys, state.values, state.radius)
+
+      _, vjp = jax.vjp(f, state_in[:3], params, *blocks)
+      d_in, dp, dq_b, dk_b, dv_b, dg_b = vjp(
+          (jnp.moveaxis(dy_blk.reshape(B, count, C, H, Dv), 1, 0), d_state))
+      # A key row belongs to nb windows: the block's first overlap rows are carried into the
+      # block before it, and its own rows are complete (plain scan's backward pass).
+      own, new_heads = [dq_b], []
+      for grad, head in zip((dk_b, dv_b, dg_b), heads):
+        grad = grad.astype(f32)
+        grad = jnp.concatenate([grad[:, :count * C], grad[:, count * C:] + head], axis=1)
+        own.append(grad[:, overlap:])
+        new_heads.append(grad[:, :overlap])
+      grads = tuple(_add_chunks(acc, piece, offsets, counts, C) for acc, piece in zip(grads, own))
+      dparams = jax.tree_util.tree_map(lambda a, b: a + b.astype(f32), dparams, dp)
+      return (tuple(x.astype(f32) for x in d_in), tuple(new_heads), dparams, grads)
+
+    def skip(carry):
+      # An empty block's slots get no gradient, and nothing of the later block reaches them.
+      d_state, heads, dparams, grads = carry
+      return (d_state, tuple(jnp.zeros_like(h) for h in heads), dparams, grads)
+
+    return jax.lax.cond(_holds_tokens(plan, layout, first, count), compute, skip, carry)
+
+  pieces = _pieces(plan)
+  done = sum(count * (S if first is None else 1) for _, first, count in pieces)
+  for (run, first, count), starts in reversed(list(zip(pieces, block_states))):
+    if first is None:
+      done -= count * S
+
+      def step(carry, x, run=run):
+        j, state_in = x
+        first = run.start + j * S
+        given = tuple(jax.lax.dynamic_slice_in_dim(d, first, S, 0) for d in decisions)
+        return block_grad(carry, first, S, run, state_in, given), None
+
+      carry, _ = jax.lax.scan(step, carry, (jnp.arange(count, dtype=jnp.int32), starts),
+                              reverse=True)
+    else:
+      done -= count
+      carry = block_grad(carry, first, count, run, starts,
+                         tuple(d[first:first + count] for d in decisions))
+  d_state, _, dparams, grads = carry
+  grads = tuple(gr[:, :x.shape[1]].astype(x.dtype) for gr, x in zip(grads, sources))
+  dparams = jax.tree_util.tree_map(lambda gr, p: gr.astype(p.dtype), dparams, params)
+  return dparams, d_state, grads, None
+
+
+_scan.defvjp(_scan_fwd, _scan_bwd)
+
+
+def kvm_attention_scan_documents(q: Array, k: Array, v: Array, merge_gate: Array,
+                                 params: KVMParams, docs: Documents, cfg: KVMConfig,
+                                 ops: ChunkOps = XLA_OPS, row_update: str = "auto"):
+  """KVM over the documents of packed rows through the chunk-aligned layout.
+
+  ``q [B, T, H, D]``, ``k`` / ``v`` / ``merge_gate`` as in :func:`kvm_jax.kvm_attention`;
+  ``docs``: :func:`kvm_jax.ops.documents.documents` of the rows. ``ops`` must be plain XLA
+  functions (the masks are per batch row). The backward pass keeps the state every ~sqrt(chunks)
+  chunks, whatever ``remat`` says elsewhere. Returns ``(y [B, T, H, Dv], state)``: the state the
+  last document longer than the window left in each row, ``num_rows [B]`` (0 in a row without
+  one)."""
+  B, T, H, D = q.shape
+  Hkv, Dv = k.shape[2], v.shape[-1]
+  C, nb = cfg.chunk_size, cfg.window_chunks
+  nC = layout_chunks(T, cfg)
+  sched = kvm_schedule(cfg, T)          # a document is at most a row: its chunks' appends
+  R = sched.final_rows
+  fold_chunks = range(nb, max(nb, sched.num_chunks - 1))
+  rows_after = {sched.rows_before[c] + sched.n_append[c] for c in fold_chunks}
+  runs = ((Run(0, nb - 1, False, False, False),) if nb > 1 else ()) + (
+      Run(nb - 1, nC, True, True, any(sched.n_append[c] > 0 for c in fold_chunks)),)
+  plan = _Plan(cfg=cfg, ops=ops, row_update=row_update, runs=runs,
+               n_append=tuple(sched.n_append), rows_before=tuple(sched.rows_before),
+               num_chunks=nC, initial_rows=0, capacity=R,
+               # ~sqrt of the chunks the tokens fill, not of the capacity: a block is also the
+               # unit in which empty slots are skipped
+               block=max(1, math.isqrt(sched.num_chunks - 1) + 1), out_dtype=jnp.dtype(q.dtype),
+               time_major=True, chunk_fn=_document_chunk,
+               rows_after=rows_after.pop() if len(rows_after) == 1 else None)
+  layout = aligned_layout(docs, cfg)
+  sources = (q.reshape(B, T, Hkv, H // Hkv, D), k, v, merge_gate)
+  f32 = jnp.float32
+  state0 = (jnp.zeros((B, Hkv, R, D), f32), jnp.zeros((B, Hkv, R, Dv), f32),
+            jnp.zeros((B, Hkv, R), f32))
+  y, (keys, values, radius, num_rows) = _scan(plan, params, state0, sources, layout)
+  return y[:, :T], KVMState(keys=keys, values=values, radius=radius, num_rows=num_rows)
