@@ -224,6 +224,7 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
     remat: the memory-lean backward pass: states kept every ~sqrt(T/C) chunks plus each chunk's
       routing decisions, blocks replayed in reverse with those decisions (memory
       O(sqrt(T/C) · R) for one more forward pass); False: plain autodiff through the scan.
+      With ``segment_ids`` on XLA (the aligned layout) the lean pass is always taken.
     routing / return_routing: apply given per-chunk routing decisions / also return the applied
       ones (shared routing across layers; see :func:`kvm_jax.ops.kvm.scan.kvm_attention_scan`).
     readout: "auto", "own" or "tokamax" (:data:`KVM_READOUTS`): who computes each chunk's

@@ -172,7 +172,7 @@ def schedule_runs(sched, max_runs: int = 8) -> tuple[Run, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class ScanPlan:
   """Everything static about one call (hashable: a ``custom_vjp`` non-differentiable argument)."""
 
   cfg: KVMConfig
@@ -259,7 +259,7 @@ def _as_bits(x: Array) -> Array:
   slice or update, and its float normalization would convert the *whole* loop-invariant or
   loop-carried array to float32 around every access (a sequence-sized float32 copy per array,
   ~1 GiB at T = 65,536 in the backward pass). A bitcast has no derivative: only values that are
-  not differentiated go through it bare (see :func:`_slice`)."""
+  not differentiated go through it bare (see :func:`slice_time`)."""
   return jax.lax.bitcast_convert_type(x, jnp.uint16) if _is_16bit_float(x) else x
 
 
@@ -267,7 +267,7 @@ def _from_bits(x: Array, dtype) -> Array:
   return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
 
 
-def _slice(x: Array, start, size: int, axis: int = 1) -> Array:
+def slice_time(x: Array, start, size: int, axis: int = 1) -> Array:
   """``x[start : start + size]`` along ``axis`` (``start`` may be traced). Differentiable; 16-bit
   floats are sliced as bits (:func:`_as_bits`), and so is their cotangent placed."""
   if _is_16bit_float(x):
@@ -321,16 +321,16 @@ _slice_bits.defvjp(_slice_bits_fwd, _slice_bits_bwd)
 _update_slice_bits.defvjp(_update_slice_bits_fwd, _update_slice_bits_bwd)
 
 
-def _window(x: Array, start, size: int, axis: int) -> tuple[Array, int]:
+def window_slice(x: Array, start, size: int, axis: int) -> tuple[Array, int]:
   """``(x[max(start, 0) : start + size], slots cut off before row 0)`` along ``axis``. A static
   negative ``start`` (a front chunk, whose window reaches before the sequence) keeps only the
   rows that exist; a traced ``start`` is never negative (only chunks past the front have one)."""
   if isinstance(start, int) and start < 0:
     return jax.lax.slice_in_dim(x, 0, start + size, axis=axis), -start
-  return _slice(x, start, size, axis), 0
+  return slice_time(x, start, size, axis), 0
 
 
-def _chunk(plan: _Plan, run: Run, params: KVMParams, state: KVMState, c, base: int | Array,
+def _chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState, c, base: int | Array,
            k_lead: int, q_src, k_src, v_src, g_src, routing_c):
   """Query chunk ``c`` (absolute index, may be traced) attends and, if its run folds, folds the
   chunk leaving the window.
@@ -351,10 +351,10 @@ def _chunk(plan: _Plan, run: Run, params: KVMParams, state: KVMState, c, base: i
   C, nb, R = cfg.chunk_size, cfg.window_chunks, plan.capacity
   qt, kt = plan.q_time, plan.kv_time
   B, _, Hkv, G = plan.dims(q_src)
-  q_c = _slice(q_src, (c - base) * C, C, qt)
+  q_c = slice_time(q_src, (c - base) * C, C, qt)
   win_start = (c - base) * C + k_lead - plan.overlap
-  win_k, before = _window(k_src, win_start, nb * C, kt)
-  win_v, _ = _window(v_src, win_start, nb * C, kt)
+  win_k, before = window_slice(k_src, win_start, nb * C, kt)
+  win_v, _ = window_slice(v_src, win_start, nb * C, kt)
   # [B, C, Hkv, G, ·] and [B, W, Hkv, ·], or [B, Hkv, G, C, ·] and [B, Hkv, W, ·]
   attend = ops.attend if plan.time_major else ops.attend_heads
   # The front (no state seen, nothing folded) needs no readout of the state.
@@ -390,7 +390,7 @@ def _chunk(plan: _Plan, run: Run, params: KVMParams, state: KVMState, c, base: i
   if not run.update:
     return state, y, (none, none)
   overflow = lambda x: jax.lax.slice_in_dim(x, 0, C, axis=kt)  # noqa: E731
-  overflow_g = _slice(g_src, win_start, C, kt)
+  overflow_g = slice_time(g_src, win_start, C, kt)
   n_append = jnp.asarray(plan.n_append, jnp.int32)[c]
   state, decisions = ops.update(state, overflow(win_k), overflow(win_v), overflow_g, n_append,
                                 params, cfg, plan.row_update, state_keys, routing=routing_c,
@@ -399,7 +399,7 @@ def _chunk(plan: _Plan, run: Run, params: KVMParams, state: KVMState, c, base: i
   return state, y, decisions
 
 
-def _scan_chunks(plan: _Plan, run: Run, params, state, first, count: int, base, k_lead: int,
+def scan_chunks(plan: ScanPlan, run: Run, params, state, first, count: int, base, k_lead: int,
                  q_src, k_src, v_src, g_src, routing=None, remat_chunks: bool = False,
                  out=None, extra=None):
   """Chunks ``first .. first + count - 1`` of ``run`` (``first`` may be traced, ``count`` is
@@ -462,19 +462,19 @@ def _routing_slice(routing, start: int, stop: int):
   return None if routing is None else tuple(r[start:stop] for r in routing)
 
 
-def _output_buffer(plan: _Plan, q_src, v_src) -> Array:
+def _output_buffer(plan: ScanPlan, q_src, v_src) -> Array:
   """The zero output ``[B, num_chunks·C, H, Dv]`` the chunks write into."""
   B, Tp, Hkv, G = plan.dims(q_src)
   return jnp.zeros((B, Tp, Hkv * G, v_src.shape[-1]), plan.out_dtype)
 
 
-def _forward(plan: _Plan, params, state0, q_p, k_p, v_p, g_p, routing):
+def _forward(plan: ScanPlan, params, state0, q_p, k_p, v_p, g_p, routing):
   """The whole sequence, run by run: ``(y [B, nC·C, H, Dv], state arrays, decisions)``."""
   state = _state(state0, plan.initial_rows)
   out = _output_buffer(plan, q_p, v_p)
   decisions = []
   for run in plan.runs:
-    state, out, d = _scan_chunks(plan, run, params, state, run.start, run.length, 0, 0, q_p, k_p,
+    state, out, d = scan_chunks(plan, run, params, state, run.start, run.length, 0, 0, q_p, k_p,
                                  v_p, g_p, _routing_slice(routing, run.start, run.stop), out=out)
     decisions.append(d)
   decisions = tuple(jnp.concatenate([d[i] for d in decisions], axis=0) for i in range(2))
@@ -486,17 +486,17 @@ def _forward(plan: _Plan, params, state0, q_p, k_p, v_p, g_p, routing):
 # ----------------------------------------------------------------------------------------------
 
 
-def _blocks(plan: _Plan, run: Run) -> tuple[int, int]:
+def plan_blocks(plan: ScanPlan, run: Run) -> tuple[int, int]:
   """(full blocks, leftover chunks) of ``run`` at ``plan.block`` chunks per block. The causal
   front (at most ``window_chunks`` chunks, no state) is one leftover piece, so its chunk indices
-  stay static (see :func:`_scan_chunks`)."""
+  stay static (see :func:`scan_chunks`)."""
   if not run.visible:
     return 0, run.length
   return run.length // plan.block, run.length % plan.block
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _forward_checkpointed(plan: _Plan, params, state0, q_p, k_p, v_p, g_p, routing):
+def _forward_checkpointed(plan: ScanPlan, params, state0, q_p, k_p, v_p, g_p, routing):
   return _forward(plan, params, state0, q_p, k_p, v_p, g_p, routing)
 
 
@@ -508,7 +508,7 @@ def _forward_checkpointed_fwd(plan, params, state0, q_p, k_p, v_p, g_p, routing)
   out = _output_buffer(plan, q_p, v_p)
   decisions, block_states = [], []
   for run in plan.runs:
-    full, left = _blocks(plan, run)
+    full, left = plan_blocks(plan, run)
     if full:
       def block(carry, j, run=run):
         state, out = carry
@@ -516,7 +516,7 @@ def _forward_checkpointed_fwd(plan, params, state0, q_p, k_p, v_p, g_p, routing)
         given = None if routing is None else tuple(
             jax.lax.dynamic_slice_in_dim(r, first, S, 0) for r in routing)
         state_in = (state.keys, state.values, state.radius)
-        state, out, d = _scan_chunks(plan, run, params, state, first, S, 0, 0, q_p, k_p, v_p,
+        state, out, d = scan_chunks(plan, run, params, state, first, S, 0, 0, q_p, k_p, v_p,
                                      g_p, given, out=out)
         return (state, out), (state_in, d)
 
@@ -529,7 +529,7 @@ def _forward_checkpointed_fwd(plan, params, state0, q_p, k_p, v_p, g_p, routing)
     if left:
       first = run.start + full * S
       block_states.append((state.keys, state.values, state.radius))
-      state, out, d = _scan_chunks(plan, run, params, state, first, left, 0, 0, q_p, k_p, v_p,
+      state, out, d = scan_chunks(plan, run, params, state, first, left, 0, 0, q_p, k_p, v_p,
                                    g_p, _routing_slice(routing, first, run.stop), out=out)
       decisions.append(d)
     else:
@@ -540,9 +540,9 @@ def _forward_checkpointed_fwd(plan, params, state0, q_p, k_p, v_p, g_p, routing)
 
 
 def _block_sources(x: Array, start, size: int, axis: int) -> Array:
-  """:func:`_window` with the rows before the sequence start zero-padded back in front (the
+  """:func:`window_slice` with the rows before the sequence start zero-padded back in front (the
   first block, whose window overlap reaches before the sequence)."""
-  part, before = _window(x, start, size, axis)
+  part, before = window_slice(x, start, size, axis)
   return jnp.pad(part, [(0, 0)] * axis + [(before, 0)] + [(0, 0)] * (x.ndim - axis - 1))
 
 
@@ -567,7 +567,7 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
 
   def block_grad(carry, first, count: int, run: Run, state_in, dy_blk, given):
     d_state, heads, dparams = carry
-    q_blk = _slice(q_p, first * C, count * C, QT)
+    q_blk = slice_time(q_p, first * C, count * C, QT)
     k_blk, v_blk, g_blk = (_block_sources(x, first * C - overlap, count * C + overlap, T)
                            for x in (k_p, v_p, g_p))
     num_rows = jnp.asarray(plan.rows_before, jnp.int32)[first]
@@ -576,7 +576,7 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
     dy_chunks = jnp.moveaxis(dy_blk.reshape(B, count, C, H, Dv), 1, 0)
 
     def f(state_arrays, params, q_blk, k_blk, v_blk, g_blk):
-      state, y, _ = _scan_chunks(plan, run, params, _state(state_arrays, num_rows), first,
+      state, y, _ = scan_chunks(plan, run, params, _state(state_arrays, num_rows), first,
                                  count, first, overlap, q_blk, k_blk, v_blk, g_blk, given,
                                  remat_chunks=True)
       return y, (state.keys, state.values, state.radius)
@@ -599,7 +599,7 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
   pieces = []  # per block, latest first: (dq, dk, dv, dg) over its chunks' rows
   for r in reversed(range(len(plan.runs))):
     run = plan.runs[r]
-    full, left = _blocks(plan, run)
+    full, left = plan_blocks(plan, run)
     starts, left_state = block_states[2 * r], block_states[2 * r + 1]
     if left:
       first = run.start + full * S
@@ -611,7 +611,7 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
       def step(carry, x, run=run):
         j, state_in = x
         first = run.start + j * S
-        dy_blk = _slice(dy, first * C, S * C, axis=1)
+        dy_blk = slice_time(dy, first * C, S * C, axis=1)
         given = tuple(jax.lax.dynamic_slice_in_dim(d, first, S, 0) for d in decisions)
         return block_grad(carry, first, S, run, state_in, dy_blk, given)
 
@@ -680,7 +680,7 @@ def kvm_attention_scan(q: Array, k: Array, v: Array, merge_gate: Array, params: 
   C = cfg.chunk_size
   sched = kvm_schedule(cfg, T)
   nC = sched.num_chunks
-  plan = _Plan(cfg=cfg, ops=ops, row_update=row_update, runs=schedule_runs(sched),
+  plan = ScanPlan(cfg=cfg, ops=ops, row_update=row_update, runs=schedule_runs(sched),
                n_append=tuple(sched.n_append), rows_before=tuple(sched.rows_before),
                num_chunks=nC, initial_rows=sched.initial_rows, capacity=sched.final_rows,
                block=max(1, math.isqrt(nC - 1) + 1), out_dtype=jnp.dtype(q.dtype),
