@@ -16,7 +16,7 @@ Nothing of the layout's size is materialized. Every layout chunk holds one conti
 row's tokens (the empty slots come after it), so a chunk is one slice of the row at a per-row
 offset (:class:`DocumentLayout`), gathered when its block runs. A block without a token is
 skipped: the layout's capacity covers the worst case of alignment padding (about twice the row
-for two window chunks), and rows use little of it.
+for two window chunks), and a row uses only what its documents need.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig
 from kvm_jax.ops.documents import Documents
-from kvm_jax.ops.kvm.scan import (XLA_OPS, ChunkOps, Run, ScanPlan, plan_blocks, scan_chunks,
-                                  slice_time, window_slice)
+from kvm_jax.ops.kvm.scan import (XLA_OPS, ChunkOps, Run, ScanPlan, complete_block_rows,
+                                  plan_blocks, scan_chunks, slice_time, window_slice)
 from kvm_jax.ops.kvm.state import KVMParams, KVMState, state_readout, temperatures, token_rows
 
 Array = jax.Array
@@ -355,10 +355,9 @@ def _scan_bwd(plan, residuals, cotangents):
       # block before it, and its own rows are complete (plain scan's backward pass).
       own, new_heads = [dq_b], []
       for grad, head in zip((dk_b, dv_b, dg_b), heads):
-        grad = grad.astype(f32)
-        grad = jnp.concatenate([grad[:, :count * C], grad[:, count * C:] + head], axis=1)
-        own.append(grad[:, overlap:])
-        new_heads.append(grad[:, :overlap])
+        piece, head = complete_block_rows(grad, head, count * C, overlap, 1)
+        own.append(piece)
+        new_heads.append(head)
       dparams = jax.tree_util.tree_map(lambda a, b: a + b.astype(f32), dparams, dp)
       own = tuple(x.astype(acc.dtype) for x, acc in zip(own, grads))
       return tuple(x.astype(f32) for x in d_in), tuple(new_heads), dparams, own

@@ -585,13 +585,9 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
     d_in, dp, dq_b, dk_b, dv_b, dg_b = vjp((dy_chunks, d_state))
     pieces, new_heads = [dq_b.astype(q_p.dtype)], []
     for x, grad, head in zip((k_p, v_p, g_p), (dk_b, dv_b, dg_b), heads):
-      grad = grad.astype(f32)
-      # rows [count·C, count·C + overlap) of this block are the later block's carried head
-      tail = jax.lax.slice_in_dim(grad, count * C, count * C + overlap, axis=T) + head
-      grad = jnp.concatenate([jax.lax.slice_in_dim(grad, 0, count * C, axis=T), tail], axis=T)
-      pieces.append(jax.lax.slice_in_dim(grad, overlap, overlap + count * C,
-                                         axis=T).astype(x.dtype))
-      new_heads.append(jax.lax.slice_in_dim(grad, 0, overlap, axis=T))
+      own, head = complete_block_rows(grad, head, count * C, overlap, T)
+      pieces.append(own.astype(x.dtype))
+      new_heads.append(head)
     dparams = jax.tree_util.tree_map(lambda a, b: a + b.astype(f32), dparams, dp)
     return (tuple(x.astype(f32) for x in d_in), tuple(new_heads), dparams), tuple(pieces)
 
@@ -627,6 +623,20 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
 
 
 _forward_checkpointed.defvjp(_forward_checkpointed_fwd, _forward_checkpointed_bwd)
+
+
+def complete_block_rows(grad: Array, head: Array, rows: int, overlap: int,
+                        axis: int) -> tuple[Array, Array]:
+  """A backward block's key-side gradient ``grad`` (``overlap + rows`` along ``axis``: the
+  window's rows before the block, then the block's own) completed with ``head``, the later
+  block's gradient for the block's last ``overlap`` rows: ``(the block's own rows, complete;
+  the partial gradient of the ``overlap`` rows before it, the head of the block before)``, both
+  float32."""
+  grad = grad.astype(jnp.float32)
+  tail = jax.lax.slice_in_dim(grad, rows, rows + overlap, axis=axis) + head
+  grad = jnp.concatenate([jax.lax.slice_in_dim(grad, 0, rows, axis=axis), tail], axis=axis)
+  return (jax.lax.slice_in_dim(grad, overlap, overlap + rows, axis=axis),
+          jax.lax.slice_in_dim(grad, 0, overlap, axis=axis))
 
 
 def _merge_blocks(x: Array, time_axis: int) -> Array:
