@@ -262,29 +262,34 @@ def test_kvm_document_gradients_are_the_sum_of_each_document_alone(path):
 def test_aligned_layout_by_hand():
   """C = 4, window 2 chunks: a document longer than (2 - 1)·4 + 1 = 5 tokens starts at a chunk
   of the layout, after the empty slots it needs; any other follows directly (padding tokens are
-  documents of one token). Tokens: A 0-2, B 3-8 (6: aligned), pad 9, C 10-11, D 12-20 (9:
+  documents of one token). Row 0: A 0-2, B 3-8 (6: aligned), pad 9, C 10-11, D 12-20 (9:
   aligned), E 21-25 (5: not), F 26-32 (7: aligned), pad 33. Slots: A 0-2, B 4-9, pad 10, C 11-12,
-  D 16-24, E 25-29, F 32-38, pad 39; each chunk is its first token and how many follow."""
+  D 16-24, E 25-29, F 32-38, pad 39; each chunk is its first token and how many follow. Row 1:
+  A 0-5 (aligned), pad 6-11, B 12-14, pad 15-33, no empty slot: a chunk of padding only (tokens
+  8-11, 16-19, ...) is empty, one that also holds a document's token (4-7, 12-15) is not."""
   cfg = KVMConfig(**TINY, budget=FixedBudget(4))
-  seg = segment_ids_of(([3, 6, -1, 2, 9, 5, 7, -1],), 34)
+  seg = segment_ids_of(([3, 6, -1, 2, 9, 5, 7, -1], [6, -6, 3, -19]), 34)
   layout = aligned_layout(documents(jnp.asarray(seg)), cfg)
   assert layout_chunks(34, cfg) == 13                  # 34 tokens + 3 slots for each of 5 docs
   empty = [34] * 3                                     # the front chunk; chunks past the row
   np.testing.assert_array_equal(
       layout.offset[0], [34, 0, 3, 7, 11, 12, 16, 20, 24, 26, 30] + empty)
   np.testing.assert_array_equal(layout.count[0], [0, 3, 4, 4, 1, 4, 4, 4, 2, 4, 4, 0, 0, 0])
+  np.testing.assert_array_equal(layout.offset[1], [34, 0, 4, 34, 12] + [34] * 9)
+  np.testing.assert_array_equal(layout.count[1], [0, 4, 4, 0, 4] + [0] * 9)
 
 
 def test_documents_filling_the_layout_are_each_alone():
   """Documents one token past the aligned threshold: each takes two chunks of the layout for 6
-  tokens, the worst case the layout's capacity covers (its unused chunks are skipped). Row 1
-  ends with a document of whole chunks (16 tokens: no fold after its last chunk)."""
+  tokens, the worst case the layout's capacity covers (its unused chunks are skipped; so is a
+  chunk of padding only: row 0's last, row 1's first and last). Row 1 ends with a document of
+  whole chunks (16 tokens: no fold after its last chunk)."""
   cfg = KVMConfig(**TINY, **BUDGETS["sqrt"])
   layout = ([6] * 10 + [-4], [-1, 6, 6, 3, 6, 6, 6, 6, 6, 16, -2])
   q, k, v, g, params = _kvm_inputs(2)
   seg = jnp.asarray(segment_ids_of(layout, T))
   used = np.asarray(aligned_layout(documents(seg), cfg).count > 0).sum(axis=1)
-  assert used.tolist() == [21, 21] and layout_chunks(T, cfg) == 24
+  assert used.tolist() == [20, 19] and layout_chunks(T, cfg) == 24
   y, state = kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg)
   docs, inputs = alone_rows(layout, q, k, v, g, fills=[0, 0, 0, 1])
   y_alone, _ = kj.kvm_attention(*inputs, params, cfg)

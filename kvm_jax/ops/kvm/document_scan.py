@@ -46,8 +46,9 @@ class DocumentLayout(NamedTuple):
   tables are ``[B, T]`` int32.
 
   Attributes:
-    offset: the row's first token in each chunk (``T`` for an empty chunk).
-    count: the chunk's tokens (the rest of its slots are empty).
+    offset: the row's first token in each chunk (``T`` for an empty chunk: one with no slot
+      filled, or with padding tokens only).
+    count: the chunk's tokens (the rest of its slots are empty; 0 for an empty chunk).
     document: per token, its document's number in the row plus one.
     position: per token, its position in its document.
     length: per token, its document's length.
@@ -95,10 +96,16 @@ def aligned_layout(docs: Documents, cfg: KVMConfig) -> DocumentLayout:
   starts = jnp.arange(layout_chunks(T, cfg) + 1, dtype=jnp.int32) * C
   bounds = jax.vmap(lambda s: jnp.searchsorted(s, starts, side="left"))(slot)
   bounds = bounds.astype(jnp.int32)                          # [B, nC + 1]: first token >= chunk
+  # A chunk of padding only is left empty (its tokens' outputs are their own values, set by
+  # kvm_attention_scan_documents): the padding after a row's last document costs no chunk.
+  real_before = jnp.pad(jnp.cumsum(docs.valid, axis=1, dtype=jnp.int32), [(0, 0), (1, 0)])
+  real = jnp.take_along_axis(real_before, bounds, axis=1)
+  holds_document = real[:, 1:] > real[:, :-1]
   front = lambda x, fill: jnp.pad(x, [(0, 0), (nb - 1, 0)], constant_values=fill)  # noqa: E731
   tokens = lambda x: x.astype(jnp.int32)  # noqa: E731
-  return DocumentLayout(offset=front(bounds[:, :-1], T),
-                        count=front(bounds[:, 1:] - bounds[:, :-1], 0),
+  return DocumentLayout(offset=front(jnp.where(holds_document, bounds[:, :-1], T), T),
+                        count=front(jnp.where(holds_document, bounds[:, 1:] - bounds[:, :-1], 0),
+                                    0),
                         document=tokens(docs.index + 1), position=tokens(docs.position),
                         length=tokens(docs.length))
 
@@ -431,4 +438,9 @@ def kvm_attention_scan_documents(q: Array, k: Array, v: Array, merge_gate: Array
   state0 = (jnp.zeros((B, Hkv, R, D), f32), jnp.zeros((B, Hkv, R, Dv), f32),
             jnp.zeros((B, Hkv, R), f32))
   y, (keys, values, radius, num_rows) = _scan(plan, params, state0, sources, layout)
-  return y[:, :T], KVMState(keys=keys, values=values, radius=radius, num_rows=num_rows)
+  # A padding token attends to itself alone: its output is its value, for each query head of
+  # its group (the layout computes no chunk of padding only, and this also stops the gradient
+  # of a padding output at the scan).
+  own = jnp.repeat(v, H // Hkv, axis=2).astype(y.dtype)
+  y = jnp.where(docs.valid[:, :, None, None], y[:, :T], own)
+  return y, KVMState(keys=keys, values=values, radius=radius, num_rows=num_rows)
