@@ -422,8 +422,10 @@ def kvm_attention_scan_documents(q: Array, k: Array, v: Array, merge_gate: Array
   R = sched.final_rows
   fold_chunks = range(nb, max(nb, sched.num_chunks - 1))
   rows_after = {sched.rows_before[c] + sched.n_append[c] for c in fold_chunks}
-  runs = ((Run(0, nb - 1, False, False, False),) if nb > 1 else ()) + (
-      Run(nb - 1, nC, True, True, any(sched.n_append[c] > 0 for c in fold_chunks)),)
+  # One run from the first chunk: the first nb - 1 chunks' leaving chunks are the empty ones in
+  # front (no row folds there), and blocks then start at chunk 0, so a row of whole blocks of
+  # chunks fills its blocks (a separate front run would shift every block by nb - 1 chunks).
+  runs = (Run(0, nC, True, True, any(sched.n_append[c] > 0 for c in fold_chunks)),)
   plan = ScanPlan(cfg=cfg, ops=ops, row_update=row_update, runs=runs,
                n_append=tuple(sched.n_append), rows_before=tuple(sched.rows_before),
                num_chunks=nC, initial_rows=0, capacity=R,
