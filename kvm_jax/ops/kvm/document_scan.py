@@ -162,6 +162,15 @@ def _holds_tokens(plan: ScanPlan, layout: DocumentLayout, first, count: int) -> 
   return jnp.any(counts > 0)
 
 
+def _blocks_needed(plan: ScanPlan, layout: DocumentLayout, run: Run, blocks: int) -> Array:
+  """How many of ``run``'s ``blocks`` full blocks (from its start) the scan runs: through the
+  last one before the run's last chunk holding a token in any row. The rest hold none (a block
+  of empty chunks in between runs, and changes nothing)."""
+  counts = layout.count[:, plan.cfg.window_chunks - 1 + run.start:][:, :run.length]
+  last = jnp.max(jnp.where(jnp.any(counts > 0, axis=0), jnp.arange(run.length), -1))
+  return jnp.minimum(blocks, last // plan.block + 1).astype(jnp.int32)
+
+
 def _document_chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState, c,
                     base: int | Array, k_lead: int, q_src, k_src, v_src, g_src, routing_c,
                     numbers):
@@ -271,7 +280,7 @@ def _forward(plan: ScanPlan, params, state0, sources, layout: DocumentLayout):
   # C rows past the row: a chunk's empty tail is written there at the end of the row
   out = jnp.zeros((B, q.shape[1] + C, Hkv * G, sources[2].shape[-1]), plan.out_dtype)
 
-  def piece(run, state, out, first, count):
+  def piece(run, state, out, first, count, conditional):
     def compute(state):
       blocks, numbers = _block_sources(plan, first, count, sources, layout)
       return scan_chunks(plan, run, params, state, first, count, first, plan.overlap, *blocks,
@@ -282,7 +291,11 @@ def _forward(plan: ScanPlan, params, state0, sources, layout: DocumentLayout):
       return state, jnp.zeros((count, B, C, Hkv * G, out.shape[-1]), out.dtype), (none, none)
 
     # The output is written outside the cond: passed through one, the buffer would be copied.
-    state, ys, d = jax.lax.cond(_holds_tokens(plan, layout, first, count), compute, skip, state)
+    if conditional:
+      state, ys, d = jax.lax.cond(_holds_tokens(plan, layout, first, count), compute, skip,
+                                  state)
+    else:
+      state, ys, d = compute(state)
     y = jnp.moveaxis(ys, 0, 1).reshape(B, count * C, *ys.shape[3:])
     chunks = lambda x: jax.lax.dynamic_slice_in_dim(  # noqa: E731
         x, first + plan.cfg.window_chunks - 1, count, 1)
@@ -292,18 +305,26 @@ def _forward(plan: ScanPlan, params, state0, sources, layout: DocumentLayout):
   decisions, block_states = [], []
   for run, first, count in _pieces(plan):
     if first is None:
-      def block(carry, j, run=run):
-        state, out = carry
-        state_in = _arrays(state)
-        state, out, d = piece(run, state, out, run.start + j * S, S)
-        return (state, out), (state_in, d)
+      # Full blocks in a loop of as many as the rows need (a row uses a fraction of the
+      # layout's capacity): the states at block starts and the decisions of blocks not run stay
+      # at their initial values, which no backward step reads.
+      def block(j, carry, run=run):
+        state, out, starts, d = carry
+        starts = tuple(jax.lax.dynamic_update_index_in_dim(buf, x, j, 0)
+                       for buf, x in zip(starts, _arrays(state)))
+        state, out, d_j = piece(run, state, out, run.start + j * S, S, conditional=False)
+        d = tuple(jax.lax.dynamic_update_slice_in_dim(buf, x, j * S, 0)
+                  for buf, x in zip(d, d_j))
+        return state, out, starts, d
 
-      (state, out), (starts, d) = jax.lax.scan(block, (state, out),
-                                               jnp.arange(count, dtype=jnp.int32))
-      decisions.append(tuple(x.reshape(count * S, *x.shape[2:]) for x in d))
+      starts = tuple(jnp.zeros((count,) + x.shape, x.dtype) for x in _arrays(state))
+      none = jnp.full((count * S, B, Hkv, C), plan.capacity, jnp.int32)
+      state, out, starts, d = jax.lax.fori_loop(
+          0, _blocks_needed(plan, layout, run, count), block, (state, out, starts, (none, none)))
+      decisions.append(d)
     else:
       starts = _arrays(state)
-      state, out, d = piece(run, state, out, first, count)
+      state, out, d = piece(run, state, out, first, count, conditional=True)
       decisions.append(d)
     block_states.append(starts)
   decisions = tuple(jnp.concatenate([d[i] for d in decisions], axis=0) for i in range(2))
@@ -336,7 +357,7 @@ def _scan_bwd(plan, residuals, cotangents):
   carry = (tuple(x.astype(f32) for x in d_final[:3]), heads0,
            jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, f32), params), grads0)
 
-  def block_grad(carry, first, count: int, run: Run, state_in, given):
+  def block_grad(carry, first, count: int, run: Run, state_in, given, conditional: bool):
     d_state, heads, dparams, grads = carry
     chunks = lambda x: jax.lax.dynamic_slice_in_dim(x, first + nb - 1, count, 1)  # noqa: E731
     offsets, counts = chunks(layout.offset), chunks(layout.count)
@@ -376,24 +397,29 @@ def _scan_bwd(plan, residuals, cotangents):
       return d_state, tuple(jnp.zeros_like(h) for h in heads), dparams, own
 
     # The token-sized buffers stay outside the cond (passed through one, they would be copied).
-    d_state, heads, dparams, own = jax.lax.cond(_holds_tokens(plan, layout, first, count),
-                                                compute, skip, d_state, heads, dparams)
+    if conditional:
+      d_state, heads, dparams, own = jax.lax.cond(_holds_tokens(plan, layout, first, count),
+                                                  compute, skip, d_state, heads, dparams)
+    else:
+      d_state, heads, dparams, own = compute(d_state, heads, dparams)
     grads = tuple(_add_chunks(acc, piece, offsets, counts, C) for acc, piece in zip(grads, own))
     return d_state, heads, dparams, grads
 
   for (run, first, count), starts in reversed(list(zip(_pieces(plan), block_states))):
     if first is None:
-      def step(carry, x, run=run):
-        j, state_in = x
+      needed = _blocks_needed(plan, layout, run, count)
+
+      def step(i, carry, run=run, starts=starts, needed=needed):
+        j = needed - 1 - i                      # the blocks the forward pass ran, in reverse
         first = run.start + j * S
         given = tuple(jax.lax.dynamic_slice_in_dim(d, first, S, 0) for d in decisions)
-        return block_grad(carry, first, S, run, state_in, given), None
+        state_in = tuple(jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False) for x in starts)
+        return block_grad(carry, first, S, run, state_in, given, conditional=False)
 
-      carry, _ = jax.lax.scan(step, carry, (jnp.arange(count, dtype=jnp.int32), starts),
-                              reverse=True)
+      carry = jax.lax.fori_loop(0, needed, step, carry)
     else:
       carry = block_grad(carry, first, count, run, starts,
-                         tuple(d[first:first + count] for d in decisions))
+                         tuple(d[first:first + count] for d in decisions), conditional=True)
   d_state, _, dparams, grads = carry
   grads = tuple(gr[:, :x.shape[1]] for gr, x in zip(grads, sources))
   dparams = jax.tree_util.tree_map(lambda gr, p: gr.astype(p.dtype), dparams, params)
