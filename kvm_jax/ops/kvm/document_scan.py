@@ -14,9 +14,11 @@ fold, a reset or nothing per batch row.
 
 Nothing of the layout's size is materialized. Every layout chunk holds one contiguous run of a
 row's tokens (the empty slots come after it), so a chunk is one slice of the row at a per-row
-offset (:class:`DocumentLayout`), gathered when its block runs. A block without a token is
-skipped: the layout's capacity covers the worst case of alignment padding (about twice the row
-for two window chunks), and a row uses only what its documents need.
+offset (:class:`DocumentLayout`), gathered when its block runs. The blocks past the last one
+holding a token in any row are not run: the layout's capacity covers the worst case of
+alignment padding (about twice the row for two window chunks), and a row uses only what its
+documents need. A chunk of padding only is empty too, and a padding token's output is set to
+its own value (what attending to itself alone gives).
 """
 
 from __future__ import annotations
@@ -271,9 +273,9 @@ def _pieces(plan: ScanPlan) -> list[tuple[Run, int, int]]:
 
 def _forward(plan: ScanPlan, params, state0, sources, layout: DocumentLayout):
   """The layout's chunks, block by block: ``((y [B, T + C, H, Dv] (rows past T: scrap), final
-  state arrays with row
-  counts, decisions), block start states)``; every block gathers its own chunks and a block
-  without a token is skipped."""
+  state arrays with row counts, decisions), block start states)``; every block gathers its own
+  chunks, the full blocks run as far as the rows hold tokens, and the leftover piece only if it
+  holds one."""
   C, S = plan.cfg.chunk_size, plan.block
   q = sources[0]
   B, _, Hkv, G = plan.dims(q)
@@ -343,7 +345,8 @@ def _scan_fwd(plan, params, state0, sources, layout):
 
 def _scan_bwd(plan, residuals, cotangents):
   """Blocks in reverse, as the plain scan's backward pass (decisions replayed), each gathering
-  its chunks and adding its tokens' gradients at their offsets; an empty block is skipped."""
+  its chunks and adding its tokens' gradients at their offsets; the blocks the forward pass did
+  not run are not run here either."""
   params, sources, layout, block_states, decisions = residuals
   dy, d_final = cotangents
   cfg = plan.cfg
