@@ -334,10 +334,10 @@ def test_pallas_documents_are_each_document_alone_and_route_as_xla():
 @pytest.mark.parametrize("path", ["aligned", "steps"])
 def test_padding_changes_nothing_and_stays_finite(path):
   """Padding inputs never reach a document, and a padding token attends to itself alone: its
-  output is its value for each query head of its group (GQA here), and its output's gradient
-  reaches that value only."""
+  output is its value for each query head of its group (two groups of two here), and its
+  output's gradient reaches that value only."""
   cfg = KVMConfig(**TINY, **BUDGETS["sqrt"])
-  q, k, v, g, params = _kvm_inputs(len(LAYOUT))
+  q, k, v, g, params = _kvm_inputs(len(LAYOUT), H=4, Hkv=2)
   seg = jnp.asarray(segment_ids_of(LAYOUT, T))
   pad = (seg == 0)
   noise = lambda x, s: jnp.where(pad.reshape(pad.shape + (1,) * (x.ndim - 2)),  # noqa: E731

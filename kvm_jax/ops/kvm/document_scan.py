@@ -166,8 +166,9 @@ def _holds_tokens(plan: ScanPlan, layout: DocumentLayout, first, count: int) -> 
 
 def _blocks_needed(plan: ScanPlan, layout: DocumentLayout, run: Run, blocks: int) -> Array:
   """How many of ``run``'s ``blocks`` full blocks (from its start) the scan runs: through the
-  last one before the run's last chunk holding a token in any row. The rest hold none (a block
-  of empty chunks in between runs, and changes nothing)."""
+  block of the last chunk that holds a token in any row, so all of them when the leftover piece
+  holds one. The blocks after it hold no token (a block of empty chunks before it runs, and
+  changes nothing)."""
   counts = layout.count[:, plan.cfg.window_chunks - 1 + run.start:][:, :run.length]
   last = jnp.max(jnp.where(jnp.any(counts > 0, axis=0), jnp.arange(run.length), -1))
   return jnp.minimum(blocks, last // plan.block + 1).astype(jnp.int32)
