@@ -156,9 +156,11 @@ def test_documents_bench_helpers_by_hand():
   with pytest.raises(ValueError, match="rows from"):
     documents_speed.packed_segments(np.array([3]), batch=2, width=6)
   calls = []
-  ms = documents_speed.interleaved_ms({"a": lambda: calls.append("a"),
-                                       "b": lambda: calls.append("b")}, repeats=2)
-  assert calls == ["a", "b", "a", "b", "a", "b"] and set(ms) == {"a", "b"}
+  times = documents_speed.interleaved_times({"a": lambda: calls.append("a"),
+                                             "b": lambda: calls.append("b")}, repeats=2)
+  assert calls == ["a", "b", "a", "b", "a", "b"]   # one warm-up each, then rounds in turn
+  assert set(times) == {"a", "b"} and all(len(t) == 2 for t in times.values())
+  assert documents_speed.summary({"a": [3.0, 1.0, 2.0]}) == {"a_ms": 2.0, "a_min_ms": 1.0}
 
 
 @pytest.mark.slow
