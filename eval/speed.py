@@ -437,8 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
   g = p.add_argument_group("packed documents (segment_ids); --documents runs only these tables")
   g.add_argument("--documents", action="store_true",
                  help="time the KVM op with segment ids against without, a documents train step "
-                 "against cram, and real tokens/s of documents against pad packing (ratios "
-                 "measured in interleaved rounds)")
+                 "against cram, and real tokens/s of documents against pad packing (ratios of "
+                 "the medians of interleaved rounds, with the ratio of the minima beside them)")
   g.add_argument("--doc-lengths", type=_lengths, default=[4096, 16384], metavar="T,...",
                  help="row lengths of the op comparison (default: 4096,16384)")
   g.add_argument("--doc-median", type=int, default=600,
