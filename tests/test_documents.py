@@ -438,6 +438,35 @@ def test_model_documents_are_each_document_alone(name):
                                 np.asarray(logits)[np.asarray(seg) != 0])
 
 
+@pytest.mark.parametrize("name", in_ci(["hybrid", "rwkv7_ovq", "fusedkv_kvm"], {"hybrid"}))
+def test_model_gradients_are_the_sum_of_each_document_alone(name):
+  """The parameters' gradient of a loss on packed rows equals the sum of each document's
+  gradient run alone: the whole backward pass (every mixer's document path, token shifts, value
+  residual, RoPE positions, KV sharing) keeps documents apart. The loss reads each position's
+  logits against fixed random weights (real positions only); alone, each document is a row of
+  its own followed by filler, which the causal model's document positions never see."""
+  mixers = MODEL_MIXERS.get(name)
+  model = (make_model(num_layers=4, **MODEL_SHARING[name]) if mixers is None else
+           make_model(mixers, num_layers=len(mixers)))
+  graphdef, params = nnx.split(model, nnx.Param)
+  rest = nnx.state(model, nnx.Not(nnx.Param))
+  seg = jnp.asarray(segment_ids_of(MODEL_LAYOUT, MODEL_T))
+  tokens = jax.random.randint(jax.random.PRNGKey(7), seg.shape, 0, model.cfg.vocab_size)
+  w = jax.random.normal(jax.random.PRNGKey(8), seg.shape + (model.cfg.vocab_size,))
+  docs, (rows, w_rows, real_rows) = alone_rows(MODEL_LAYOUT, tokens, w, seg != 0)
+
+  def loss(params, tokens, w, real, segment_ids=None):
+    logits = nnx.merge(graphdef, params, rest)(tokens, segment_ids=segment_ids)
+    return jnp.sum(jnp.where(real[..., None], logits * w, 0.0))
+
+  packed = jax.jit(jax.grad(loss))(params, tokens, w, seg != 0, seg)
+  alone = jax.jit(jax.grad(loss))(params, rows, w_rows, real_rows)
+  got, want = jax.tree_util.tree_leaves(packed), jax.tree_util.tree_leaves(alone)
+  assert len(got) == len(want) > 0
+  for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(packed), want):
+    assert rel_rms(a, e) < GRAD_TOL, jax.tree_util.keystr(path)
+
+
 def test_bf16_documents_are_as_close_to_alone_as_bf16_is_to_float32():
   """bfloat16 activations: each packed document's logits stay as close to the document alone (in
   bfloat16) as bfloat16 itself is to float32 on that document. The packed path sums its softmax
