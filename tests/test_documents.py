@@ -363,7 +363,8 @@ def test_padding_changes_nothing_and_stays_finite(path):
   # path gives exact zeros; the steps path forms it as p·(dy·v - dy·y), and the float32 rounding
   # of that cancellation at |v| ~ 300, |k| ~ 300 measures ~1e-3.
   for grad in (dq, dk):
-    np.testing.assert_allclose(np.asarray(grad)[~real], 0.0, atol=0.0 if path == "aligned" else 1e-2)
+    np.testing.assert_allclose(np.asarray(grad)[~real], 0.0,
+                               atol=0.0 if path == "aligned" else 1e-2)
 
 
 def test_state_steps_fit_the_static_bound():
@@ -453,7 +454,7 @@ def test_model_gradients_are_the_sum_of_each_document_alone(name):
   seg = jnp.asarray(segment_ids_of(MODEL_LAYOUT, MODEL_T))
   tokens = jax.random.randint(jax.random.PRNGKey(7), seg.shape, 0, model.cfg.vocab_size)
   w = jax.random.normal(jax.random.PRNGKey(8), seg.shape + (model.cfg.vocab_size,))
-  docs, (rows, w_rows, real_rows) = alone_rows(MODEL_LAYOUT, tokens, w, seg != 0)
+  _, (rows, w_rows, real_rows) = alone_rows(MODEL_LAYOUT, tokens, w, seg != 0)
 
   def loss(params, tokens, w, real, segment_ids=None):
     logits = nnx.merge(graphdef, params, rest)(tokens, segment_ids=segment_ids)
@@ -461,9 +462,9 @@ def test_model_gradients_are_the_sum_of_each_document_alone(name):
 
   packed = jax.jit(jax.grad(loss))(params, tokens, w, seg != 0, seg)
   alone = jax.jit(jax.grad(loss))(params, rows, w_rows, real_rows)
-  got, want = jax.tree_util.tree_leaves(packed), jax.tree_util.tree_leaves(alone)
+  got, want = jax.tree_util.tree_leaves_with_path(packed), jax.tree_util.tree_leaves(alone)
   assert len(got) == len(want) > 0
-  for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(packed), want):
+  for (path, a), e in zip(got, want):
     assert rel_rms(a, e) < GRAD_TOL, jax.tree_util.keystr(path)
 
 

@@ -274,7 +274,8 @@ def _pieces(plan: ScanPlan) -> list[tuple[Run, int, int]]:
 
 def _forward(plan: ScanPlan, params, state0, sources, layout: DocumentLayout):
   """The layout's chunks, block by block: ``((y [B, T + C, H, Dv] (rows past T: scrap), final
-  state arrays with row counts, decisions), block start states)``; every block gathers its own
+  state arrays with row counts, decisions), block start states)`` (for a run of full blocks:
+  ``(states, blocks run)``); every block gathers its own
   chunks, the full blocks run as far as the rows hold tokens, and the leftover piece only if it
   holds one."""
   C, S = plan.cfg.chunk_size, plan.block
@@ -322,8 +323,10 @@ def _forward(plan: ScanPlan, params, state0, sources, layout: DocumentLayout):
 
       starts = tuple(jnp.zeros((count,) + x.shape, x.dtype) for x in _arrays(state))
       none = jnp.full((count * S, B, Hkv, C), plan.capacity, jnp.int32)
-      state, out, starts, d = jax.lax.fori_loop(
-          0, _blocks_needed(plan, layout, run, count), block, (state, out, starts, (none, none)))
+      needed = _blocks_needed(plan, layout, run, count)
+      state, out, starts, d = jax.lax.fori_loop(0, needed, block,
+                                                (state, out, starts, (none, none)))
+      starts = (starts, needed)             # the backward pass runs the same blocks
       decisions.append(d)
     else:
       starts = _arrays(state)
@@ -411,7 +414,7 @@ def _scan_bwd(plan, residuals, cotangents):
 
   for (run, first, count), starts in reversed(list(zip(_pieces(plan), block_states))):
     if first is None:
-      needed = _blocks_needed(plan, layout, run, count)
+      starts, needed = starts
 
       def step(i, carry, run=run, starts=starts, needed=needed):
         j = needed - 1 - i                      # the blocks the forward pass ran, in reverse
