@@ -439,7 +439,8 @@ def test_model_documents_are_each_document_alone(name):
                                 np.asarray(logits)[np.asarray(seg) != 0])
 
 
-@pytest.mark.parametrize("name", in_ci(["hybrid", "rwkv7_ovq", "fusedkv_kvm"], {"hybrid", "fusedkv_kvm"}))
+@pytest.mark.parametrize("name", in_ci(["hybrid", "rwkv7_ovq", "fusedkv_kvm"],
+                                        {"hybrid", "fusedkv_kvm"}))
 def test_model_gradients_are_the_sum_of_each_document_alone(name):
   """The parameters' gradient of a loss on packed rows equals the sum of each document's
   gradient run alone: the whole backward pass (every mixer's document path, token shifts, value
@@ -490,7 +491,8 @@ def test_bf16_documents_are_as_close_to_alone_as_bf16_is_to_float32():
 
 # Logits with segment_ids unset, written by the tree before documents existed (commit 2e2c846) with
 # exactly the models and tokens of ``_none_path_logits`` below, on a 2-core AMD EPYC without
-# AVX-512 (the CPU type this project's CI and development machines have had since 2026-12-04).
+# AVX-512 (the development machine's CPU on 2026-12-04; an earlier fixture, written on another
+# CPU, differed from it by up to 1.1e-6 with the same jax).
 NONE_PATH_FIXTURE = Path(__file__).parent / "data" / "documents" / "none_path_logits.npz"
 NONE_PATH_MODELS = {"kvm": dict(mixers="kvm"),
                     "softmax_kvm": dict(mixers="full,swa,bswa,kvm", num_layers=4),
@@ -502,7 +504,7 @@ def cpu_vector_isa() -> str:
   """The host CPU's vector instruction sets (SSE/AVX/AVX-512/AMX/FMA flags of /proc/cpuinfo),
   sorted and space-separated; "" where /proc/cpuinfo is unreadable. XLA's CPU backend compiles
   for the host's features, so two machines with different sets may round float32 sums
-  differently (seen: AVX-512 against AVX2 moved logits by ~1e-6) while running the same code."""
+  differently (seen here: logits moved by up to 1.1e-6) while running the same code."""
   try:
     flags_line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("flags"))
@@ -523,8 +525,8 @@ def test_without_segment_ids_logits_are_bitwise_those_before_documents(name):
   """Documents add code paths, not changes: with ``segment_ids`` unset every kind computes
   bit for bit what it computed before, on the fixture's build (jax version, platform and CPU
   vector instruction sets). Elsewhere XLA's own rounding differs, and the logits must agree to
-  float32 rounding (rtol 1e-5 with atol 1e-6 on logits of size ~1: the AVX-512 against AVX2
-  difference measured 1.1e-6 at most)."""
+  float32 rounding (rtol 1e-5 with atol 1e-6 on logits of size ~1: between two CPU types the
+  difference measured 1.1e-6 at most, inside this)."""
   fixture = np.load(NONE_PATH_FIXTURE)
   logits = _none_path_logits(name, fixture["tokens"])
   same_build = (str(fixture["jax_version"]) == jax.__version__
