@@ -20,8 +20,6 @@ and the ratio of the minima is printed beside it):
 from __future__ import annotations
 
 import statistics
-import time
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +27,7 @@ import numpy as np
 import optax
 
 import kvm_jax as kj
+from kvm_jax.eval.timing import interleaved_times
 from kvm_jax.ops.kvm.cases import random_inputs, random_params
 from kvm_jax.tasks.packing import plan_rows
 
@@ -58,21 +57,6 @@ def packed_segments(lengths: np.ndarray, batch: int, width: int) -> np.ndarray:
       out[r, at:at + int(plan.length[j])] = i + 1
       at += int(plan.length[j])
   return out
-
-
-def interleaved_times(arms: dict[str, Callable[[], object]], repeats: int
-                      ) -> dict[str, list[float]]:
-  """Every round's ms of each zero-argument ``arms`` function (outputs blocked on), after one
-  warm-up call each, the arms timed in turn within every round."""
-  for fn in arms.values():
-    jax.block_until_ready(fn())
-  times = {name: [] for name in arms}
-  for _ in range(repeats):
-    for name, fn in arms.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      times[name].append((time.perf_counter() - start) * 1e3)
-  return times
 
 
 def summary(times: dict[str, list[float]]) -> dict[str, float]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -22,17 +22,33 @@ from kvm_jax.ops.ovq.decode import ovq_decode_step, ovq_init_cache, ovq_prefill
 from kvm_jax.ops.rwkv7.chunked import rwkv7_recurrence, rwkv7_step
 
 
+def wall_ms(fn, *args) -> float:
+  """Wall time in ms of one call of ``fn(*args)``, its outputs blocked on."""
+  start = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  return (time.perf_counter() - start) * 1e3
+
+
 def sample_ms(fn, *args, repeats: int, warmup: int = 1) -> list[float]:
   """Wall times in ms of ``repeats`` calls of ``fn(*args)`` (outputs blocked on) after ``warmup``
   calls."""
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
-  samples = []
+  return [wall_ms(fn, *args) for _ in range(repeats)]
+
+
+def interleaved_times(arms: dict[str, Callable[[], object]], repeats: int
+                      ) -> dict[str, list[float]]:
+  """Every round's ms of each zero-argument ``arms`` function (outputs blocked on), after one
+  warm-up call each, the arms timed in turn within every round, so that a shared machine's drift
+  lands on all arms alike."""
+  for fn in arms.values():
+    jax.block_until_ready(fn())
+  times = {name: [] for name in arms}
   for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    samples.append((time.perf_counter() - start) * 1e3)
-  return samples
+    for name, fn in arms.items():
+      times[name].append(wall_ms(fn))
+  return times
 
 
 def median_ms(fn, *args, repeats: int, warmup: int = 1) -> float:

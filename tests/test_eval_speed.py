@@ -146,7 +146,7 @@ def test_documents_bench_helpers_by_hand():
   """kvm-bench --documents: the packed rows it times hold exactly the planned documents, and the
   log-normal corpus covers what it is asked for."""
   import numpy as np
-  from kvm_jax.eval import documents_speed
+  from kvm_jax.eval import documents_speed, timing
 
   seg = documents_speed.packed_segments(np.array([3, 2, 4, 6, 1]), batch=2, width=6)
   # documents packing: [3 + 2] then the 4 cannot fit the last slot -> next row [4] ...
@@ -156,8 +156,8 @@ def test_documents_bench_helpers_by_hand():
   with pytest.raises(ValueError, match="rows from"):
     documents_speed.packed_segments(np.array([3]), batch=2, width=6)
   calls = []
-  times = documents_speed.interleaved_times({"a": lambda: calls.append("a"),
-                                             "b": lambda: calls.append("b")}, repeats=2)
+  times = timing.interleaved_times({"a": lambda: calls.append("a"),
+                                    "b": lambda: calls.append("b")}, repeats=2)
   assert calls == ["a", "b", "a", "b", "a", "b"]   # one warm-up each, then rounds in turn
   assert set(times) == {"a", "b"} and all(len(t) == 2 for t in times.values())
   assert documents_speed.summary({"a": [3.0, 1.0, 2.0]}) == {"a_ms": 2.0, "a_min_ms": 1.0}

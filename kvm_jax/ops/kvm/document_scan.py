@@ -275,9 +275,8 @@ def _pieces(plan: ScanPlan) -> list[tuple[Run, int, int]]:
 def _forward(plan: ScanPlan, params, state0, sources, layout: DocumentLayout):
   """The layout's chunks, block by block: ``((y [B, T + C, H, Dv] (rows past T: scrap), final
   state arrays with row counts, decisions), block start states)`` (for a run of full blocks:
-  ``(states, blocks run)``); every block gathers its own
-  chunks, the full blocks run as far as the rows hold tokens, and the leftover piece only if it
-  holds one."""
+  ``(states, blocks run)``); every block gathers its own chunks, the full blocks run as far as
+  the rows hold tokens, and the leftover piece only if it holds one."""
   C, S = plan.cfg.chunk_size, plan.block
   q = sources[0]
   B, _, Hkv, G = plan.dims(q)
