@@ -184,8 +184,8 @@ def test_attention_backends_keep_documents_apart(implementation):
       assert rel_rms(a, e) < GRAD_TOL, (window, name)
 
 
-def _kvm_inputs(B, H=2, Hkv=1, seed=0):
-  q, k, v, g = random_inputs(seed, B, T, H, Hkv, 8, 6)
+def _kvm_inputs(B, H=2, Hkv=1, seed=0, seq_len=T):
+  q, k, v, g = random_inputs(seed, B, seq_len, H, Hkv, 8, 6)
   return q, k, v, g, random_params(seed, 8, H)
 
 
@@ -282,14 +282,19 @@ def test_aligned_layout_by_hand():
 def test_documents_filling_the_layout_are_each_alone():
   """Documents one token past the aligned threshold: each takes two chunks of the layout for 6
   tokens, the worst case the layout's capacity covers (its unused chunks are skipped; so is a
-  chunk of padding only: row 0's last, row 1's first and last). Row 1 ends with a document of
-  whole chunks (16 tokens: no fold after its last chunk)."""
+  chunk of padding only: row 1's first). Rows of 62 tokens make 23 layout chunks, not a whole
+  number of the scan's blocks of 4, and row 0's last document ends in chunk 20, past the last
+  whole block: the scan must cover the layout's last chunks too. Row 1 ends with a
+  document of whole chunks (16 tokens: no fold after its last chunk)."""
   cfg = KVMConfig(**TINY, **BUDGETS["sqrt"])
-  layout = ([6] * 10 + [-4], [-1, 6, 6, 3, 6, 6, 6, 6, 6, 16, -2])
-  q, k, v, g, params = _kvm_inputs(2)
-  seg = jnp.asarray(segment_ids_of(layout, T))
-  used = np.asarray(aligned_layout(documents(seg), cfg).count > 0).sum(axis=1)
-  assert used.tolist() == [20, 19] and layout_chunks(T, cfg) == 24
+  seq_len = 62
+  layout = ([2] + [6] * 10, [-1, 6, 6, 3, 6, 6, 6, 6, 6, 16])
+  q, k, v, g, params = _kvm_inputs(2, seq_len=seq_len)
+  seg = jnp.asarray(segment_ids_of(layout, seq_len))
+  used = np.asarray(aligned_layout(documents(seg), cfg).count > 0)
+  assert used.sum(axis=1).tolist() == [21, 19] and layout_chunks(seq_len, cfg) == 23
+  block = 4                      # the scan's (about sqrt of a row's 16 chunks)
+  assert np.flatnonzero(used[0, cfg.window_chunks - 1:])[-1] == 20 >= 23 // block * block
   y, state = kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg)
   docs, inputs = alone_rows(layout, q, k, v, g, fills=[0, 0, 0, 1])
   y_alone, _ = kj.kvm_attention(*inputs, params, cfg)

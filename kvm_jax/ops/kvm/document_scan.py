@@ -34,7 +34,7 @@ from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig
 from kvm_jax.ops.documents import Documents
 from kvm_jax.ops.kvm.scan import (XLA_OPS, ChunkOps, Run, ScanPlan, complete_block_rows,
-                                  plan_blocks, scan_chunks, slice_time, window_slice)
+                                  scan_chunks, slice_time, window_slice)
 from kvm_jax.ops.kvm.state import KVMParams, KVMState, state_readout, temperatures, token_rows
 
 Array = jax.Array
@@ -159,19 +159,21 @@ def _block_sources(plan: ScanPlan, first, count: int, sources, layout: DocumentL
   return blocks, numbers
 
 
-def _holds_tokens(plan: ScanPlan, layout: DocumentLayout, first, count: int) -> Array:
-  counts = jax.lax.dynamic_slice_in_dim(layout.count, first + plan.cfg.window_chunks - 1, count, 1)
-  return jnp.any(counts > 0)
-
-
-def _blocks_needed(plan: ScanPlan, layout: DocumentLayout, run: Run, blocks: int) -> Array:
-  """How many of ``run``'s ``blocks`` full blocks (from its start) the scan runs: through the
-  block of the last chunk that holds a token in any row, so all of them when the leftover piece
-  holds one. The blocks after it hold no token (a block of empty chunks before it runs, and
-  changes nothing)."""
-  counts = layout.count[:, plan.cfg.window_chunks - 1 + run.start:][:, :run.length]
-  last = jnp.max(jnp.where(jnp.any(counts > 0, axis=0), jnp.arange(run.length), -1))
+def _blocks_needed(plan: ScanPlan, layout: DocumentLayout, blocks: int) -> Array:
+  """How many of the layout's ``blocks`` blocks (from chunk 0) the scan runs: through the block
+  of the last chunk that holds a token in any row. The blocks after it hold no token (a block of
+  empty chunks before it runs, and changes nothing)."""
+  counts = layout.count[:, plan.cfg.window_chunks - 1:]
+  last = jnp.max(jnp.where(jnp.any(counts > 0, axis=0), jnp.arange(counts.shape[1]), -1))
   return jnp.minimum(blocks, last // plan.block + 1).astype(jnp.int32)
+
+
+def _whole_blocks(layout: DocumentLayout, chunks: int, seq_len: int, cfg: KVMConfig
+                  ) -> DocumentLayout:
+  """``layout`` with empty chunks after its last up to ``chunks`` layout chunks."""
+  extra = chunks - (layout.offset.shape[1] - (cfg.window_chunks - 1))
+  pad = lambda x, fill: jnp.pad(x, [(0, 0), (0, extra)], constant_values=fill)  # noqa: E731
+  return layout._replace(offset=pad(layout.offset, seq_len), count=pad(layout.count, 0))
 
 
 def _document_chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState, c,
@@ -259,81 +261,42 @@ def _arrays(state: KVMState) -> tuple:
   return (state.keys, state.values, state.radius, state.num_rows)
 
 
-def _pieces(plan: ScanPlan) -> list[tuple[Run, int, int]]:
-  """The blocks of the scan, in order: ``(run, first chunk, chunks)``; a run's full blocks are
-  ``(run, None, full)`` (one ``lax.scan``)."""
-  out = []
-  for run in plan.runs:
-    full, left = plan_blocks(plan, run)
-    if full:
-      out.append((run, None, full))
-    if left:
-      out.append((run, run.start + full * plan.block, left))
-  return out
-
-
 def _forward(plan: ScanPlan, params, state0, sources, layout: DocumentLayout):
-  """The layout's chunks, block by block: ``((y [B, T + C, H, Dv] (rows past T: scrap), final
-  state arrays with row counts, decisions), block start states)`` (for a run of full blocks:
-  ``(states, blocks run)``); every block gathers its own chunks, the full blocks run as far as
-  the rows hold tokens, and the leftover piece only if it holds one."""
-  C, S = plan.cfg.chunk_size, plan.block
+  """The layout's chunks in blocks of ``plan.block`` (the layout is whole blocks), in a loop of
+  as many blocks as the rows hold tokens for (a row uses a fraction of the layout's capacity),
+  every block gathering its own chunks: ``((y [B, T + C, H, Dv] (rows past T: scrap), final
+  state arrays with row counts, decisions), (block start states, blocks run))``. The states at
+  the starts of blocks not run and their decisions stay at their initial values, which the
+  backward pass, running the same blocks, never reads."""
+  C, S, nb = plan.cfg.chunk_size, plan.block, plan.cfg.window_chunks
+  (run,) = plan.runs
+  blocks = run.length // S
   q = sources[0]
   B, _, Hkv, G = plan.dims(q)
   # C rows past the row: a chunk's empty tail is written there at the end of the row
   out = jnp.zeros((B, q.shape[1] + C, Hkv * G, sources[2].shape[-1]), plan.out_dtype)
 
-  def piece(run, state, out, first, count, conditional):
-    def compute(state):
-      blocks, numbers = _block_sources(plan, first, count, sources, layout)
-      return scan_chunks(plan, run, params, state, first, count, first, plan.overlap, *blocks,
-                          extra=numbers)
-
-    def skip(state):
-      none = jnp.full((count, B, Hkv, C), plan.capacity, jnp.int32)
-      return state, jnp.zeros((count, B, C, Hkv * G, out.shape[-1]), out.dtype), (none, none)
-
-    # The output is written outside the cond: passed through one, the buffer would be copied.
-    if conditional:
-      state, ys, d = jax.lax.cond(_holds_tokens(plan, layout, first, count), compute, skip,
-                                  state)
-    else:
-      state, ys, d = compute(state)
-    y = jnp.moveaxis(ys, 0, 1).reshape(B, count * C, *ys.shape[3:])
-    chunks = lambda x: jax.lax.dynamic_slice_in_dim(  # noqa: E731
-        x, first + plan.cfg.window_chunks - 1, count, 1)
-    return state, _add_chunks(out, y, chunks(layout.offset), chunks(layout.count), C), d
+  def block(j, carry):
+    state, out, starts, d = carry
+    starts = tuple(jax.lax.dynamic_update_index_in_dim(buf, x, j, 0)
+                   for buf, x in zip(starts, _arrays(state)))
+    first = j * S
+    chunk_sources, numbers = _block_sources(plan, first, S, sources, layout)
+    state, ys, d_j = scan_chunks(plan, run, params, state, first, S, first, plan.overlap,
+                                 *chunk_sources, extra=numbers)
+    y = jnp.moveaxis(ys, 0, 1).reshape(B, S * C, *ys.shape[3:])
+    chunks = lambda x: jax.lax.dynamic_slice_in_dim(x, first + nb - 1, S, 1)  # noqa: E731
+    out = _add_chunks(out, y, chunks(layout.offset), chunks(layout.count), C)
+    d = tuple(jax.lax.dynamic_update_slice_in_dim(buf, x, first, 0) for buf, x in zip(d, d_j))
+    return state, out, starts, d
 
   state = _state(state0 + (jnp.zeros((B,), jnp.int32),))      # no document has rows yet
-  decisions, block_states = [], []
-  for run, first, count in _pieces(plan):
-    if first is None:
-      # Full blocks in a loop of as many as the rows need (a row uses a fraction of the
-      # layout's capacity): the states at block starts and the decisions of blocks not run stay
-      # at their initial values, which no backward step reads.
-      def block(j, carry, run=run):
-        state, out, starts, d = carry
-        starts = tuple(jax.lax.dynamic_update_index_in_dim(buf, x, j, 0)
-                       for buf, x in zip(starts, _arrays(state)))
-        state, out, d_j = piece(run, state, out, run.start + j * S, S, conditional=False)
-        d = tuple(jax.lax.dynamic_update_slice_in_dim(buf, x, j * S, 0)
-                  for buf, x in zip(d, d_j))
-        return state, out, starts, d
-
-      starts = tuple(jnp.zeros((count,) + x.shape, x.dtype) for x in _arrays(state))
-      none = jnp.full((count * S, B, Hkv, C), plan.capacity, jnp.int32)
-      needed = _blocks_needed(plan, layout, run, count)
-      state, out, starts, d = jax.lax.fori_loop(0, needed, block,
-                                                (state, out, starts, (none, none)))
-      starts = (starts, needed)             # the backward pass runs the same blocks
-      decisions.append(d)
-    else:
-      starts = _arrays(state)
-      state, out, d = piece(run, state, out, first, count, conditional=True)
-      decisions.append(d)
-    block_states.append(starts)
-  decisions = tuple(jnp.concatenate([d[i] for d in decisions], axis=0) for i in range(2))
-  return (out, _arrays(state), decisions), tuple(block_states)
+  starts = tuple(jnp.zeros((blocks,) + x.shape, x.dtype) for x in _arrays(state))
+  none = jnp.full((blocks * S, B, Hkv, C), plan.capacity, jnp.int32)
+  needed = _blocks_needed(plan, layout, blocks)
+  state, out, starts, decisions = jax.lax.fori_loop(0, needed, block,
+                                                    (state, out, starts, (none, none)))
+  return (out, _arrays(state), decisions), (starts, needed)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -363,69 +326,50 @@ def _scan_bwd(plan, residuals, cotangents):
   carry = (tuple(x.astype(f32) for x in d_final[:3]), heads0,
            jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, f32), params), grads0)
 
-  def block_grad(carry, first, count: int, run: Run, state_in, given, conditional: bool):
+  (run,) = plan.runs
+
+  def block_grad(carry, first, state_in, given):
     d_state, heads, dparams, grads = carry
-    chunks = lambda x: jax.lax.dynamic_slice_in_dim(x, first + nb - 1, count, 1)  # noqa: E731
+    chunks = lambda x: jax.lax.dynamic_slice_in_dim(x, first + nb - 1, S, 1)  # noqa: E731
     offsets, counts = chunks(layout.offset), chunks(layout.count)
+    blocks, numbers = _block_sources(plan, first, S, sources, layout)
+    # An empty slot's query sees only its own key, so the cotangent it reads here (another
+    # token's) reaches only its own value row, which _add_chunks drops.
+    dy_blk = _chunk_rows(dy, offsets, C)                                  # [B, S·C, H, Dv]
+    B, _, H, Dv = dy_blk.shape
+    num_rows = state_in[3]
 
-    def compute(d_state, heads, dparams):
-      blocks, numbers = _block_sources(plan, first, count, sources, layout)
-      # An empty slot's query sees only its own key, so the cotangent it reads here (another
-      # token's) reaches only its own value row, which _add_chunks drops.
-      dy_blk = _chunk_rows(dy, offsets, C)                                # [B, count·C, H, Dv]
-      B, _, H, Dv = dy_blk.shape
-      num_rows = state_in[3]
+    def f(state_arrays, params, *blocks):
+      state, y, _ = scan_chunks(plan, run, params, _state(state_arrays + (num_rows,)), first, S,
+                                first, overlap, *blocks, given, remat_chunks=True,
+                                extra=numbers)
+      return y, (state.keys, state.values, state.radius)
 
-      def f(state_arrays, params, *blocks):
-        state, y, _ = scan_chunks(plan, run, params, _state(state_arrays + (num_rows,)), first,
-                                   count, first, overlap, *blocks, given, remat_chunks=True,
-                                   extra=numbers)
-        return y, (state.keys, state.values, state.radius)
+    _, vjp = jax.vjp(f, state_in[:3], params, *blocks)
+    d_in, dp, dq_b, dk_b, dv_b, dg_b = vjp(
+        (jnp.moveaxis(dy_blk.reshape(B, S, C, H, Dv), 1, 0), d_state))
+    # A key row belongs to nb windows: the block's first overlap rows are carried into the
+    # block before it, and its own rows are complete (plain scan's backward pass).
+    own, new_heads = [dq_b], []
+    for grad, head in zip((dk_b, dv_b, dg_b), heads):
+      piece, head = complete_block_rows(grad, head, S * C, overlap, 1)
+      own.append(piece)
+      new_heads.append(head)
+    dparams = jax.tree_util.tree_map(lambda a, b: a + b.astype(f32), dparams, dp)
+    grads = tuple(_add_chunks(acc, x.astype(acc.dtype), offsets, counts, C)
+                  for acc, x in zip(grads, own))
+    return tuple(x.astype(f32) for x in d_in), tuple(new_heads), dparams, grads
 
-      _, vjp = jax.vjp(f, state_in[:3], params, *blocks)
-      d_in, dp, dq_b, dk_b, dv_b, dg_b = vjp(
-          (jnp.moveaxis(dy_blk.reshape(B, count, C, H, Dv), 1, 0), d_state))
-      # A key row belongs to nb windows: the block's first overlap rows are carried into the
-      # block before it, and its own rows are complete (plain scan's backward pass).
-      own, new_heads = [dq_b], []
-      for grad, head in zip((dk_b, dv_b, dg_b), heads):
-        piece, head = complete_block_rows(grad, head, count * C, overlap, 1)
-        own.append(piece)
-        new_heads.append(head)
-      dparams = jax.tree_util.tree_map(lambda a, b: a + b.astype(f32), dparams, dp)
-      own = tuple(x.astype(acc.dtype) for x, acc in zip(own, grads))
-      return tuple(x.astype(f32) for x in d_in), tuple(new_heads), dparams, own
+  starts, needed = block_states
 
-    def skip(d_state, heads, dparams):
-      # An empty block's slots get no gradient, and nothing of the later block reaches them.
-      own = tuple(jnp.zeros((acc.shape[0], count * C, *acc.shape[2:]), acc.dtype)
-                  for acc in grads)
-      return d_state, tuple(jnp.zeros_like(h) for h in heads), dparams, own
+  def step(i, carry):
+    j = needed - 1 - i                          # the blocks the forward pass ran, in reverse
+    first = j * S
+    given = tuple(jax.lax.dynamic_slice_in_dim(d, first, S, 0) for d in decisions)
+    state_in = tuple(jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False) for x in starts)
+    return block_grad(carry, first, state_in, given)
 
-    # The token-sized buffers stay outside the cond (passed through one, they would be copied).
-    if conditional:
-      d_state, heads, dparams, own = jax.lax.cond(_holds_tokens(plan, layout, first, count),
-                                                  compute, skip, d_state, heads, dparams)
-    else:
-      d_state, heads, dparams, own = compute(d_state, heads, dparams)
-    grads = tuple(_add_chunks(acc, piece, offsets, counts, C) for acc, piece in zip(grads, own))
-    return d_state, heads, dparams, grads
-
-  for (run, first, count), starts in reversed(list(zip(_pieces(plan), block_states))):
-    if first is None:
-      starts, needed = starts
-
-      def step(i, carry, run=run, starts=starts, needed=needed):
-        j = needed - 1 - i                      # the blocks the forward pass ran, in reverse
-        first = run.start + j * S
-        given = tuple(jax.lax.dynamic_slice_in_dim(d, first, S, 0) for d in decisions)
-        state_in = tuple(jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False) for x in starts)
-        return block_grad(carry, first, S, run, state_in, given, conditional=False)
-
-      carry = jax.lax.fori_loop(0, needed, step, carry)
-    else:
-      carry = block_grad(carry, first, count, run, starts,
-                         tuple(d[first:first + count] for d in decisions), conditional=True)
+  carry = jax.lax.fori_loop(0, needed, step, carry)
   d_state, _, dparams, grads = carry
   grads = tuple(gr[:, :x.shape[1]] for gr, x in zip(grads, sources))
   dparams = jax.tree_util.tree_map(lambda gr, p: gr.astype(p.dtype), dparams, params)
@@ -449,9 +393,16 @@ def kvm_attention_scan_documents(q: Array, k: Array, v: Array, merge_gate: Array
   B, T, H, D = q.shape
   Hkv, Dv = k.shape[2], v.shape[-1]
   C, nb = cfg.chunk_size, cfg.window_chunks
-  nC = layout_chunks(T, cfg)
   sched = kvm_schedule(cfg, T)          # a document is at most a row: its chunks' appends
   R = sched.final_rows
+  # ~sqrt of the chunks the tokens fill, not of the capacity: a block is also the unit in which
+  # empty slots are skipped
+  block = max(1, math.isqrt(sched.num_chunks - 1) + 1)
+  # The layout's chunks rounded up to whole blocks (the added ones empty): one loop of blocks
+  # covers them all, with no leftover piece compiled beside it (a second copy of the chunk's
+  # program forward and backward: twice the compile time). The loop stops after the last block
+  # holding a token, so the added chunks cost nothing unless a row fills the whole layout.
+  nC = -(-layout_chunks(T, cfg) // block) * block
   fold_chunks = range(nb, max(nb, sched.num_chunks - 1))
   rows_after = {sched.rows_before[c] + sched.n_append[c] for c in fold_chunks}
   # One run from the first chunk: the first nb - 1 chunks' leaving chunks are the empty ones in
@@ -460,13 +411,10 @@ def kvm_attention_scan_documents(q: Array, k: Array, v: Array, merge_gate: Array
   runs = (Run(0, nC, True, True, any(sched.n_append[c] > 0 for c in fold_chunks)),)
   plan = ScanPlan(cfg=cfg, ops=ops, row_update=row_update, runs=runs,
                n_append=tuple(sched.n_append), rows_before=tuple(sched.rows_before),
-               num_chunks=nC, initial_rows=0, capacity=R,
-               # ~sqrt of the chunks the tokens fill, not of the capacity: a block is also the
-               # unit in which empty slots are skipped
-               block=max(1, math.isqrt(sched.num_chunks - 1) + 1), out_dtype=jnp.dtype(q.dtype),
-               time_major=True, chunk_fn=_document_chunk,
+               num_chunks=nC, initial_rows=0, capacity=R, block=block,
+               out_dtype=jnp.dtype(q.dtype), time_major=True, chunk_fn=_document_chunk,
                rows_after=rows_after.pop() if len(rows_after) == 1 else None)
-  layout = aligned_layout(docs, cfg)
+  layout = _whole_blocks(aligned_layout(docs, cfg), nC, T, cfg)
   sources = (q.reshape(B, T, Hkv, H // Hkv, D), k, v, merge_gate)
   f32 = jnp.float32
   state0 = (jnp.zeros((B, Hkv, R, D), f32), jnp.zeros((B, Hkv, R, Dv), f32),
