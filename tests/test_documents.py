@@ -178,8 +178,8 @@ def test_attention_backends_keep_documents_apart(implementation):
     pad = seg == 0
     np.testing.assert_allclose(y[pad], np.repeat(np.asarray(v, np.float64), 2, axis=2)[pad],
                                rtol=1e-5, atol=1e-6)
-    want_grads = jax.grad(lambda *a: jnp.sum(_dense_documents(*a, seg, window) * w),
-                          argnums=(0, 1, 2))(q, k, v)
+    want_grads = jax.jit(jax.grad(lambda *a: jnp.sum(_dense_documents(*a, seg, window) * w),
+                                  argnums=(0, 1, 2)))(q, k, v)
     for name, a, e in zip("qkv", grads, want_grads):
       assert rel_rms(a, e) < GRAD_TOL, (window, name)
 
@@ -239,7 +239,7 @@ def test_kvm_document_gradients_are_the_sum_of_each_document_alone(path):
     y, _ = kvm_attention_documents(*args, seg, cfg=cfg, path=path)
     return jnp.sum(jnp.where(real, y * w, 0.0))
 
-  got = jax.grad(packed, argnums=(0, 1, 2, 3, 4))(q, k, v, g, params)
+  got = jax.jit(jax.grad(packed, argnums=(0, 1, 2, 3, 4)))(q, k, v, g, params)
   docs, (q1, k1, v1, g1, w1, real1) = alone_rows(layout, q, k, v, g, w, seg != 0,
                                                  fills=[0, 0, 0, 1, 0, False])
 
@@ -247,7 +247,7 @@ def test_kvm_document_gradients_are_the_sum_of_each_document_alone(path):
     y, _ = kj.kvm_attention(qs, ks, vs, gs, p, cfg, remat=False)  # plain autodiff: one more path
     return jnp.sum(jnp.where(real1[..., None, None], y * w1, 0.0))
 
-  grads = jax.grad(alone, argnums=(0, 1, 2, 3, 4))(q1, k1, v1, g1, params)
+  grads = jax.jit(jax.grad(alone, argnums=(0, 1, 2, 3, 4)))(q1, k1, v1, g1, params)
   want = [np.zeros(x.shape) for x in (q, k, v, g)]
   for i, (b, t, n) in enumerate(docs):
     for acc, grad in zip(want, grads[:4]):
@@ -330,7 +330,7 @@ def test_pallas_documents_are_each_document_alone_and_route_as_xla():
   w = jax.random.normal(jax.random.PRNGKey(5), y.shape)
   loss = lambda impl: lambda *a: jnp.sum(  # noqa: E731
       kj.kvm_attention(*a, cfg, segment_ids=seg, implementation=impl)[0] * w)
-  grads = [jax.grad(loss(impl), argnums=(0, 1, 2, 3))(q, k, v, g, params)
+  grads = [jax.jit(jax.grad(loss(impl), argnums=(0, 1, 2, 3)))(q, k, v, g, params)
            for impl in ("pallas", "xla")]
   for name, a, e in zip("qkvg", *grads):
     assert rel_rms(a, e) < GRAD_TOL, name
@@ -361,7 +361,8 @@ def test_padding_changes_nothing_and_stays_finite(path):
   np.testing.assert_allclose(np.asarray(y2)[~real], np.repeat(np.asarray(v2), group, 2)[~real],
                              rtol=1e-6)
   w = jax.random.normal(jax.random.PRNGKey(5), y2.shape)
-  dq, dk, dv = jax.grad(lambda *a: jnp.sum(attend(*a, g2)[0] * w), argnums=(0, 1, 2))(q2, k2, v2)
+  dq, dk, dv = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a, g2)[0] * w), argnums=(0, 1, 2)))(
+      q2, k2, v2)
   w_own = np.asarray(w).reshape(w.shape[:2] + (k.shape[2], group, -1)).sum(3)
   np.testing.assert_allclose(np.asarray(dv)[~real], w_own[~real], rtol=1e-5)
   # Zero in exact arithmetic (the output is the value, whatever the query and key). The aligned
@@ -584,14 +585,14 @@ def test_rwkv7_documents_are_each_document_alone():
     o, h = rwkv7_recurrence(*x, chunk_size=8, segment_ids=seg)
     return jnp.sum(jnp.where(real, o * weights, 0.0)), (o, h)
 
-  grads, (o, h) = jax.grad(packed, argnums=tuple(range(6)), has_aux=True)(*inputs)
+  grads, (o, h) = jax.jit(jax.grad(packed, argnums=tuple(range(6)), has_aux=True))(*inputs)
   docs, (*alone_inputs, w1, real1) = alone_rows(layout, *inputs, weights, seg != 0)
 
   def alone(*x):
     o, h = rwkv7_recurrence(*x, chunk_size=8)
     return jnp.sum(jnp.where(real1[..., None, None], o * w1, 0.0)), (o, h)
 
-  g_alone, (o_alone, h_alone) = jax.grad(alone, argnums=tuple(range(6)), has_aux=True)(
+  g_alone, (o_alone, h_alone) = jax.jit(jax.grad(alone, argnums=tuple(range(6)), has_aux=True))(
       *alone_inputs)
   for i, (b, t, n) in enumerate(docs):
     assert rel_rms(o[b, t:t + n], o_alone[i, :n]) < OUT_TOL, (b, t, n)
@@ -631,7 +632,7 @@ def test_ovq_documents_are_each_document_alone(cfg):
     y = ovq_attention_documents(q, k, v, beta, seg, cfg)
     return jnp.sum(jnp.where(real, y * weights, 0.0)), y
 
-  grads, y = jax.grad(packed, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, beta)
+  grads, y = jax.jit(jax.grad(packed, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, beta)
   # Fill after each document with ones: nonzero queries and keys, whatever the op does with them.
   docs, (q1, k1, v1, w1, real1) = alone_rows(layout, q, k, v, weights, seg != 0,
                                              fills=[1, 1, 0, 0, False])
@@ -640,7 +641,7 @@ def test_ovq_documents_are_each_document_alone(cfg):
     y, _ = ovq_attention(q, k, v, beta, cfg)
     return jnp.sum(jnp.where(real1[..., None, None], y * w1, 0.0)), y
 
-  g_alone, y_alone = jax.grad(alone, argnums=(0, 1, 2, 3), has_aux=True)(q1, k1, v1, beta)
+  g_alone, y_alone = jax.jit(jax.grad(alone, argnums=(0, 1, 2, 3), has_aux=True))(q1, k1, v1, beta)
   for i, (b, t, n) in enumerate(docs):
     assert rel_rms(y[b, t:t + n], y_alone[i, :n]) < OUT_TOL, (b, t, n)
     for got, want in zip(grads[:3], g_alone[:3]):
