@@ -81,18 +81,23 @@ def op_rows(lengths_to_time, batch: int, heads: int, head_dim: int, dtype, media
     q, k, v, g = random_inputs(0, batch, T, heads, heads, head_dim, head_dim, dtype)
     one = jnp.ones((batch, T), jnp.int32)
     mix = jnp.asarray(packed_segments(lognormal_lengths(batch * T * 2, median, T), batch, T))
-    forward = jax.jit(lambda q, k, v, s: kj.kvm_attention(q, k, v, g, params, cfg,
-                                                          segment_ids=s)[0])
-    plain = jax.jit(lambda q, k, v: kj.kvm_attention(q, k, v, g, params, cfg)[0])
+    # Every array is an argument: a closed-over array becomes a constant of the compiled program
+    # (gigabytes at the paper's shape, which XLA:GPU then takes minutes to compile).
+    forward = jax.jit(lambda q, k, v, g, s: kj.kvm_attention(q, k, v, g, params, cfg,
+                                                             segment_ids=s)[0])
+    plain = jax.jit(lambda q, k, v, g: kj.kvm_attention(q, k, v, g, params, cfg)[0])
     w = jax.random.normal(jax.random.PRNGKey(1), q.shape, jnp.float32)
-    loss = lambda y: jnp.sum(y.astype(jnp.float32) * w)  # noqa: E731
-    grad_docs = jax.jit(jax.grad(lambda q, k, v, s: loss(forward(q, k, v, s)), argnums=(0, 1, 2)))
-    grad_plain = jax.jit(jax.grad(lambda q, k, v: loss(plain(q, k, v)), argnums=(0, 1, 2)))
+    loss = lambda y, w: jnp.sum(y.astype(jnp.float32) * w)  # noqa: E731
+    grad_docs = jax.jit(jax.grad(lambda q, k, v, g, w, s: loss(forward(q, k, v, g, s), w),
+                                 argnums=(0, 1, 2)))
+    grad_plain = jax.jit(jax.grad(lambda q, k, v, g, w: loss(plain(q, k, v, g), w),
+                                  argnums=(0, 1, 2)))
     times = interleaved_times({
-        "plain": lambda: plain(q, k, v), "one": lambda: forward(q, k, v, one),
-        "mix": lambda: forward(q, k, v, mix),
-        "plain_bwd": lambda: grad_plain(q, k, v), "one_bwd": lambda: grad_docs(q, k, v, one),
-        "mix_bwd": lambda: grad_docs(q, k, v, mix)}, repeats)
+        "plain": lambda: plain(q, k, v, g), "one": lambda: forward(q, k, v, g, one),
+        "mix": lambda: forward(q, k, v, g, mix),
+        "plain_bwd": lambda: grad_plain(q, k, v, g, w),
+        "one_bwd": lambda: grad_docs(q, k, v, g, w, one),
+        "mix_bwd": lambda: grad_docs(q, k, v, g, w, mix)}, repeats)
     rows.append({"T": T, **summary(times),
                  "documents_in_mix": int(np.sum(np.diff(np.asarray(mix), axis=1) != 0)
                                          + batch)})
