@@ -15,6 +15,7 @@ routing decision of another document) is O(1).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import jax
@@ -29,7 +30,7 @@ from kvm_jax.budget import FixedBudget, PowerLawBudget, SaturatingBudget
 from kvm_jax.config import KVMConfig
 from kvm_jax.ops.documents import WindowRule, document_attention, documents
 from kvm_jax.ops.kvm.cases import TOLERANCE, random_inputs, random_params, rel_rms
-from kvm_jax.ops.kvm.document_scan import aligned_layout, layout_chunks
+from kvm_jax.ops.kvm.document_scan import aligned_layout, document_block, layout_chunks
 from kvm_jax.ops.kvm.documents import kvm_attention_documents, max_state_steps, state_steps
 
 OUT_TOL, GRAD_TOL = TOLERANCE["float32"]["output"], TOLERANCE["float32"]["grad"]
@@ -371,6 +372,19 @@ def test_padding_changes_nothing_and_stays_finite(path):
   for grad in (dq, dk):
     np.testing.assert_allclose(np.asarray(grad)[~real], 0.0,
                                atol=0.0 if path == "aligned" else 1e-2)
+
+
+def test_document_blocks_divide_full_rows():
+  """A row filled by one document runs exactly its chunks when a divisor of the row's chunk count
+  lies near its square root (the paper's 8192 tokens in chunks of 256: 32 chunks, blocks of 8;
+  isqrt's blocks of 6 ran 36 chunks); otherwise the block stays about the square root."""
+  assert [document_block(n) for n in (16, 32, 64, 128, 7, 33)] == [4, 8, 8, 16, 3, 6]
+  for n in range(1, 600):
+    block, root = document_block(n), math.sqrt(n)
+    near = [d for d in range(1, n + 1) if n % d == 0 and root / 1.5 <= d <= root * 1.5]
+    if near:
+      assert n % block == 0, (n, block)
+    assert root / 2 <= block <= 2 * root + 1, (n, block)
 
 
 def test_state_steps_fit_the_static_bound():
