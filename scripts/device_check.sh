@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared device check: one run of at most 8 minutes on one NVIDIA H200 (jax with CUDA),
+# The one prepared device check: one run of at most 9.5 minutes on one NVIDIA H200 (jax with CUDA),
 # from a plain checkout (nothing installed).
 #
 #   OUT=/path/to/out bash scripts/device_check.sh     # results in $OUT (default: ./device_out)

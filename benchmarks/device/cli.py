@@ -17,13 +17,19 @@ entry it was running; a crashed stage is restarted for the entries it had not re
   prefill   forward time at T = 4K..32K, B=8, H=32, D=128, bf16, FixedBudget(256);
   decode    64 decode steps at a 32K context in one jitted fori_loop;
   backward  gradient memory (compiled memory_analysis) and time at T = 8K..32K;
+  documents packed documents (segment_ids): each document of two packed rows against itself
+            alone (XLA, float32, T=4096), Pallas against XLA on those rows (outputs and state
+            rows), and the op's time with segment ids over its time without (forward, then
+            forward + backward; T=8192, B=8, H=32, D=128, bf16; one document per row and a
+            log-normal mix with median 600 tokens);
   compile   compile-only matrix: forward, gradient and decode step, Pallas then XLA, MHA and
             GQA, R in {256, 1024, 4096};
   trace     one jax.profiler trace of KVM prefill steps, packed into trace.tar.gz.
 
 In every timing stage the cuDNN and XLA entries run, and are recorded, before any Pallas entry.
 Budgets (seconds): env 15, kernels 40, numerics 45, check 120, prefill 85, decode 40, backward 45,
-compile 30, trace 20; 440 in all plus a 10 s grace: the whole run fits in 8 minutes.
+documents 90, compile 30, trace 20; 530 in all plus a 10 s grace: the whole run fits in 9 minutes
+and a half.
 
 Files in the output folder (--out, default $OUT, else ./device_out), the same set in every mode
 and never more than six, none in a subfolder (the device machine returns at most 8 files):

@@ -2,8 +2,9 @@
 
 The order puts the most valuable numbers first, so that a short lease loses the least: the
 environment, a pre-flight of every Pallas kernel, numerics (Pallas vs XLA), ``kvm-check``, the
-prefill / decode / backward timings against cuDNN attention, then the compile-only matrix and one
-profiler trace if time remains.
+prefill / decode / backward timings against cuDNN attention, packed documents (exactness, and the
+op's time with segment ids against without), then the compile-only matrix and one profiler trace
+if time remains.
 """
 
 from __future__ import annotations
@@ -11,18 +12,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-STAGES = ("env", "kernels", "numerics", "check", "prefill", "decode", "backward", "compile",
-          "trace")
+STAGES = ("env", "kernels", "numerics", "check", "prefill", "decode", "backward", "documents",
+          "compile", "trace")
 
 # Seconds per stage, counted from the start of the stage's process (imports and CUDA start-up
-# included). Full: 440 s in all; with the grace below and the parent's own start the whole run
-# stays inside 8 minutes on an H200.
+# included). Full: 530 s in all; with the grace below and the parent's own start the whole run
+# stays inside 9 minutes and a half on an H200 (a lease of 15 minutes keeps time for a follow-up).
 BUDGETS = {"env": 15, "kernels": 40, "numerics": 45, "check": 120, "prefill": 85, "decode": 40,
-           "backward": 45, "compile": 30, "trace": 20}
+           "backward": 45, "documents": 90, "compile": 30, "trace": 20}
 # Smoke: tiny shapes on any backend (CPU: Pallas interpreted); each stage's first entries.
 SMOKE_BUDGETS = {"env": 10, "kernels": 10, "numerics": 5, "check": 15, "prefill": 5,
-                 "decode": 5, "backward": 5, "compile": 5, "trace": 5}
-TOTAL_BUDGET = {"full": 440.0, "smoke": 70.0}
+                 "decode": 5, "backward": 5, "documents": 5, "compile": 5, "trace": 5}
+TOTAL_BUDGET = {"full": 530.0, "smoke": 75.0}
 GRACE = {"full": 10.0, "smoke": 8.0}
 
 
@@ -65,6 +66,8 @@ class Geometry:
   trace_length: int
   trace_steps: int
   repeats: int
+  # documents: exactness at the numerics' shapes (float32), timing at doc_length
+  doc_length: int
 
 
 PAPER = Geometry(batch=8, heads=32, kv_heads=(32, 8), head_dim=128, dtype="bfloat16", chunk=256,
@@ -76,7 +79,7 @@ PAPER = Geometry(batch=8, heads=32, kv_heads=(32, 8), head_dim=128, dtype="bfloa
                  check_cases=None, check_baselines=True, timing_rows=256,
                  prefill_lengths=(4096, 8192, 16384, 32768), decode_context=32768,
                  decode_steps=64, backward_lengths=(8192, 16384, 32768), trace_length=16384,
-                 trace_steps=2, repeats=3)
+                 trace_steps=2, repeats=3, doc_length=8192)
 SMOKE = Geometry(batch=1, heads=2, kv_heads=(2, 1), head_dim=16, dtype="bfloat16", chunk=16,
                  window_chunks=2, rope_dims=8, compile_rows=(16, 32),
                  kernel_kv_heads=2, kernel_groups=(1, 4), kernel_rows=16, kernel_chunk=16,
@@ -86,7 +89,7 @@ SMOKE = Geometry(batch=1, heads=2, kv_heads=(2, 1), head_dim=16, dtype="bfloat16
                  check_cases=1, check_baselines=False,
                  timing_rows=32, prefill_lengths=(128, 256), decode_context=256,
                  decode_steps=8, backward_lengths=(128, 256), trace_length=256, trace_steps=2,
-                 repeats=2)
+                 repeats=2, doc_length=256)
 
 
 def baselines_first(entries, is_pallas) -> list:

@@ -189,6 +189,14 @@ def summary_text(records: list[dict]) -> str:
                      _gib(r.get("temp_size_bytes")), _gib(r.get("needed_bytes")),
                      r.get("compile_s")], "backward")
 
+  section("documents (segment ids: exactness in float32; time with ids ÷ without)",
+          ["entry", "T", "B", "dtype", "status", "rel rms", "tol", "rows same", "plain ms",
+           "one doc/row ÷ plain", "mix ÷ plain", "documents in mix", "s (compiles included)"],
+          lambda r: [r.get("entry"), r.get("T"), r.get("B"), r.get("dtype"), _status(r),
+                     r.get("rel_rms"), r.get("tolerance"), r.get("rows_same"),
+                     r.get("plain_ms"), r.get("one_ratio"), r.get("mix_ratio"),
+                     r.get("documents_in_mix"), r.get("seconds_with_compile")], "documents")
+
   section("compile (compile only, abstract shapes; seconds)",
           ["impl", "op", "Hkv", "R", "T", "status", "lower s", "compile s", "temp GiB"],
           lambda r: [r.get("impl"), r.get("op"), r.get("Hkv"), r.get("R"), r.get("T"),

@@ -39,7 +39,8 @@ def _names(text: Optional[str]) -> set[str]:
 STAGE_FUNCTIONS = {"env": "stages.stage_env", "kernels": "preflight.stage_kernels",
                    "numerics": "stages.stage_numerics", "check": "stages.stage_check",
                    "prefill": "timings.stage_prefill", "decode": "timings.stage_decode",
-                   "backward": "timings.stage_backward", "compile": "stages.stage_compile",
+                   "backward": "timings.stage_backward",
+                   "documents": "documents.stage_documents", "compile": "stages.stage_compile",
                    "trace": "stages.stage_trace"}
 
 
