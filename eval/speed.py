@@ -92,22 +92,25 @@ def time_prefill_backward(T, args, dtype, phases):
                              args.head_dim, dtype)
   w = jax.random.normal(jax.random.PRNGKey(1), q.shape, dtype)
   impl = full_attention_impl()
-  full = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-  arms = {"full": lambda q, k, v: full(q, k, v)}
+  # Every array is an argument of the timed programs: closed over, it would be a constant of
+  # the program (the loss weights alone are 2 GiB at --paper 32K), which XLA:GPU takes minutes
+  # to compile.
+  arms = {"full": lambda q, k, v, g: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                  implementation=impl)}
   for budget in args.budgets:
     cfg = kvm_config(budget, args.head_dim)
     params = kj.KVMParams.init(args.head_dim, args.heads)
-    arms[budget] = (lambda cfg, params: lambda q, k, v: kj.kvm_attention(
+    arms[budget] = (lambda cfg, params: lambda q, k, v, g: kj.kvm_attention(
         q, k, v, g, params, cfg, implementation=args.implementation)[0])(cfg, params)
   out = {}
   for name, fn in arms.items():
     row = {}
     if "prefill" in phases:
-      row["prefill_ms"] = median_ms(jax.jit(fn), q, k, v, repeats=args.repeats)
+      row["prefill_ms"] = median_ms(jax.jit(fn), q, k, v, g, repeats=args.repeats)
     if "backward" in phases:
-      grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w),
-                              argnums=(0, 1, 2)))
-      row["backward_ms"] = median_ms(grad, q, k, v, repeats=args.repeats)
+      grad = jax.jit(jax.grad(lambda q, k, v, g, w: jnp.sum(fn(q, k, v, g).astype(jnp.float32)
+                                                            * w), argnums=(0, 1, 2)))
+      row["backward_ms"] = median_ms(grad, q, k, v, g, w, repeats=args.repeats)
     out[name] = row
   return out
 
@@ -137,9 +140,9 @@ def time_baselines_prefill_backward(T, args, dtype, phases):
       out[arm]["prefill_ms"] = median_ms(jax.jit(fn), *inputs, repeats=args.repeats)
     if "backward" in phases:
       w = jax.random.normal(jax.random.PRNGKey(2), inputs[2].shape, dtype)
-      grad = jax.jit(jax.grad(lambda *x: jnp.sum(fn(*x).astype(jnp.float32) * w),
-                              argnums=tuple(range(len(inputs) if arm == "rwkv7" else 3))))
-      out[arm]["backward_ms"] = median_ms(grad, *inputs, repeats=args.repeats)
+      grad = jax.jit(jax.grad(lambda w, *x: jnp.sum(fn(*x).astype(jnp.float32) * w),
+                              argnums=tuple(range(1, 1 + (len(inputs) if arm == "rwkv7" else 3)))))
+      out[arm]["backward_ms"] = median_ms(grad, w, *inputs, repeats=args.repeats)
   return out
 
 
