@@ -436,7 +436,10 @@ MODEL_SHARING = {"fusedkv_bswa": dict(mixers="bswa", kv_sharing="fusedkv"),
 packed_forward = nnx.jit(lambda model, tokens, seg: model(tokens, segment_ids=seg))
 
 
-@pytest.mark.parametrize("name", list(MODEL_MIXERS) + list(MODEL_SHARING))
+# hybrid and fusedkv_kvm: the gradient test below checks their logits and padding in CI (its
+# program returns the logits), so here they run nightly.
+@pytest.mark.parametrize("name", in_ci(list(MODEL_MIXERS) + list(MODEL_SHARING),
+                                        {"kvm", "rwkv7_ovq", "fusedkv_bswa"}))
 def test_model_documents_are_each_document_alone(name):
   if name in MODEL_SHARING:
     model = make_model(num_layers=4, **MODEL_SHARING[name])
@@ -466,10 +469,13 @@ def test_model_gradients_are_the_sum_of_each_document_alone(name):
   gradient run alone: the whole backward pass (every mixer's document path, token shifts, value
   residual, RoPE positions, KV sharing) keeps documents apart. The loss reads each position's
   logits against fixed random weights (real positions only); alone, each document is a row of
-  its own followed by filler, which the causal model's document positions never see."""
+  its own followed by filler, which the causal model's document positions never see. The same
+  programs return the logits: each document's equal its own alone, and padding tokens change
+  none of them."""
   mixers = MODEL_MIXERS.get(name)
   model = (make_model(num_layers=4, **MODEL_SHARING[name]) if mixers is None else
            make_model(mixers, num_layers=len(mixers)))
+  assert model.cfg.tokenshift_attention and model.cfg.tokenshift_mlp and model.cfg.value_residual
   graphdef, params = nnx.split(model, nnx.Param)
   rest = nnx.state(model, nnx.Not(nnx.Param))
   seg = jnp.asarray(segment_ids_of(MODEL_LAYOUT, MODEL_T))
@@ -479,14 +485,23 @@ def test_model_gradients_are_the_sum_of_each_document_alone(name):
 
   def loss(params, tokens, w, real, segment_ids=None):
     logits = nnx.merge(graphdef, params, rest)(tokens, segment_ids=segment_ids)
-    return jnp.sum(jnp.where(real[..., None], logits * w, 0.0))
+    return jnp.sum(jnp.where(real[..., None], logits * w, 0.0)), logits
 
-  packed = jax.jit(jax.grad(loss))(params, tokens, w, seg != 0, seg)
-  alone = jax.jit(jax.grad(loss))(params, rows, w_rows, real_rows)
+  grad = jax.jit(jax.grad(loss, has_aux=True))
+  packed, logits = grad(params, tokens, w, seg != 0, seg)
+  alone, alone_logits = grad(params, rows, w_rows, real_rows)
   got, want = jax.tree_util.tree_leaves_with_path(packed), jax.tree_util.tree_leaves(alone)
   assert len(got) == len(want) > 0
   for (path, a), e in zip(got, want):
     assert rel_rms(a, e) < GRAD_TOL, jax.tree_util.keystr(path)
+  assert np.all(np.isfinite(np.asarray(logits)))
+  docs = list(spans(MODEL_LAYOUT))
+  for i, (b, t, n) in enumerate(docs):
+    assert rel_rms(logits[b, t:t + n], alone_logits[i, :n]) < OUT_TOL, (b, t, n)
+  other = jnp.where(seg == 0, (tokens + 17) % model.cfg.vocab_size, tokens)
+  real = np.asarray(seg) != 0
+  np.testing.assert_array_equal(np.asarray(grad(params, other, w, seg != 0, seg)[1])[real],
+                                np.asarray(logits)[real])
 
 
 def test_bf16_documents_are_as_close_to_alone_as_bf16_is_to_float32():
