@@ -253,13 +253,15 @@ def _document_chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState
 
 
 def document_block(num_chunks: int) -> int:
-  """Chunks per block of the document scan for rows of ``num_chunks`` chunks: about their square
-  root (the backward pass keeps a state per block and replays one block at a time), and a divisor
-  of ``num_chunks`` where one lies within a factor of 1.5 of it, the nearest in ratio (the larger
-  on a tie). The scan runs whole blocks, and a chunk past the rows' last token still runs the
-  whole chunk program, so a row filled by one document (or by documents that need no alignment)
-  should fill whole blocks: with ``isqrt`` alone, rows of 32 chunks (8192 tokens, C = 256) ran 36
-  in blocks of 6; in blocks of 8 the op took 0.85-0.97x that time (CPU, forward and backward)."""
+  """Chunks per block of the document scan for rows of ``num_chunks`` chunks (those a row's
+  tokens fill, not the layout's capacity: a block is also the unit in which the empty end of the
+  layout is skipped): about their square root (the backward pass keeps a state per block and
+  replays one block at a time), and a divisor of ``num_chunks`` where one lies within a factor of
+  1.5 of it, the nearest in ratio (the larger on a tie). The scan runs whole blocks, and a chunk
+  past the rows' last token still runs its readout (only its fold is skipped), so a row filled by
+  one document (or by documents that need no alignment) should fill whole blocks: with ``isqrt``
+  alone, rows of 32 chunks (8192 tokens, C = 256) ran 36 in blocks of 6; in blocks of 8 the op
+  took 0.85-0.97x that time (CPU, forward and backward)."""
   root = max(1, math.isqrt(num_chunks - 1) + 1)
   divisors = [d for d in range(1, num_chunks + 1)
               if num_chunks % d == 0 and abs(math.log(d * d / num_chunks)) <= 2 * math.log(1.5)]
