@@ -18,10 +18,10 @@ entry it was running; a crashed stage is restarted for the entries it had not re
   decode    64 decode steps at a 32K context in one jitted fori_loop;
   backward  gradient memory (compiled memory_analysis) and time at T = 8K..32K;
   documents packed documents (segment_ids): each document of two packed rows against itself
-            alone (XLA, float32, T=4096), Pallas against XLA on those rows (outputs and state
-            rows), and the op's time with segment ids over its time without (forward, then
-            forward + backward; T=8192, B=8, H=32, D=128, bf16; one document per row and a
-            log-normal mix with median 600 tokens);
+            alone (XLA, float32, T=4096), the op's time with segment ids over its time without
+            (forward, then forward + backward; T=8192, B=8, H=32, D=128, bf16; one document per
+            row and a log-normal mix with median 600 tokens), then Pallas against XLA on the
+            exactness rows (outputs and state rows);
   compile   compile-only matrix: forward, gradient and decode step, Pallas then XLA, MHA and
             GQA, R in {256, 1024, 4096};
   trace     one jax.profiler trace of KVM prefill steps, packed into trace.tar.gz.
