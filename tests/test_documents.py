@@ -4,10 +4,10 @@ those of the document run alone.
 The alone runs are independent of the packed path: the KVM op without ``segment_ids`` (the chunked
 scan, itself checked against the Python oracle in test_kvm_equivalence.py) and, for the window
 attention, float64 numpy softmax written from the rule's definition. Every document runs alone as
-a row of its own followed by filler (``alone_rows``): each kind is causal, so the outputs at the
-document's positions are those of the document alone, and one compiled program serves every
-length; final states are compared with runs at the document's own length. Tolerances are float32
-rounding: the packed paths reorder sums (a step's window gathered apart from the row, a document's
+a row of its own followed by filler (``kvm_jax.ops.documents.documents_alone``): each kind is
+causal, so the outputs at the document's positions are those of the document alone, and one
+compiled program serves every length; final states are compared with runs at the document's own
+length. Tolerances are float32 rounding: the packed paths reorder sums (a step's window gathered apart from the row, a document's
 window split from the front's), a few ulps, so 2e-5 relative RMS for outputs and states, 1e-4 for
 gradients (``kvm_jax.ops.kvm.cases.TOLERANCE``); a discrete difference (a row, a window slot or a
 routing decision of another document) is O(1).
@@ -28,7 +28,8 @@ import kvm_jax as kj
 from tests.conftest import forward, in_ci, make_model
 from kvm_jax.budget import FixedBudget, PowerLawBudget, SaturatingBudget
 from kvm_jax.config import KVMConfig
-from kvm_jax.ops.documents import WindowRule, document_attention, documents
+from kvm_jax.ops.documents import (WindowRule, document_attention, document_spans,
+                                   documents, documents_alone, segment_ids_from_lengths)
 from kvm_jax.ops.kvm.cases import TOLERANCE, random_inputs, random_params, rel_rms
 from kvm_jax.ops.kvm.document_scan import aligned_layout, document_block, layout_chunks
 from kvm_jax.ops.kvm.documents import kvm_attention_documents, max_state_steps, state_steps
@@ -48,50 +49,6 @@ LAYOUT = ([1, 3, 4, 5, 9, 13, -7, 22],
 TINY = dict(chunk_size=4, window_chunks=2, rope_dims=2)
 
 
-def segment_ids_of(layout, seq_len: int, reuse_ids: bool = False) -> np.ndarray:
-  """``[B, seq_len]`` ids from per-row document lengths (negative: that many padding tokens)."""
-  seg = np.zeros((len(layout), seq_len), np.int32)
-  for b, lengths in enumerate(layout):
-    t = 0
-    for i, n in enumerate(lengths):
-      if n > 0:
-        seg[b, t:t + n] = (1 + i % 2) if reuse_ids else 1 + i
-      t += abs(n)
-    assert t == seq_len, (b, t)
-  return seg
-
-
-def spans(layout):
-  """``(row, first token, length)`` of every document."""
-  for b, lengths in enumerate(layout):
-    t = 0
-    for n in lengths:
-      if n > 0:
-        yield b, t, n
-      t += abs(n)
-
-
-def alone_rows(layout, *arrays, fills=None):
-  """Every document of ``layout`` as a row of its own, from its first token, followed by
-  ``fill`` (default 0) up to the longest document: ``(spans, [N, width, ...] per array)``.
-
-  Every mixer kind is causal, so the outputs at a document's positions depend only on its own
-  tokens: row i gives document i run alone there, and its gradient with respect to those tokens
-  is the alone run's when the loss reads only those positions. One compiled program then serves
-  every document length."""
-  docs = list(spans(layout))
-  width = max(n for _, _, n in docs)
-  fills = fills or [0] * len(arrays)
-  out = []
-  for x, fill in zip(arrays, fills):
-    x = np.asarray(x)
-    rows = np.full((len(docs), width) + x.shape[2:], fill, x.dtype)
-    for i, (b, t, n) in enumerate(docs):
-      rows[i, :n] = x[b, t:t + n]
-    out.append(jnp.asarray(rows))
-  return docs, out
-
-
 def test_documents_by_hand():
   seg = np.array([[0, 5, 5, 5, 2, 2, 0, 0, 5, 5],
                   [7, 7, 7, 7, 7, 7, 7, 7, 7, 7]], np.int32)
@@ -104,6 +61,14 @@ def test_documents_by_hand():
   np.testing.assert_array_equal(d.length[0], [1, 3, 3, 3, 2, 2, 1, 1, 2, 2])
   np.testing.assert_array_equal(d.position[1], np.arange(10))
   np.testing.assert_array_equal(d.length[1], np.full(10, 10))
+  # the layouts the tests write: lengths per row, negative = padding
+  np.testing.assert_array_equal(segment_ids_from_lengths(([2, -1, 3], [-2, 1, 1, 2]), 6),
+                                [[1, 1, 0, 3, 3, 3], [0, 0, 2, 3, 4, 4]])
+  np.testing.assert_array_equal(segment_ids_from_lengths(([1, 1, 2, -1, 1],), 6, reuse_ids=True),
+                                [[1, 2, 1, 1, 0, 1]])
+  assert list(document_spans(([2, -1, 3],))) == [(0, 0, 2), (0, 3, 3)]
+  with pytest.raises(ValueError, match="holds 5 tokens, not seq_len=6"):
+    segment_ids_from_lengths(([2, 3],), 6)
 
 
 def _window_alone(q, k, v, rule: WindowRule, scale: float) -> np.ndarray:
@@ -130,11 +95,11 @@ def _window_alone(q, k, v, rule: WindowRule, scale: float) -> np.ndarray:
                                   WindowRule("chunks", chunk=4, window_chunks=2)],
                          ids=lambda r: r.kind)
 def test_document_attention_is_each_document_alone(rule):
-  seg = segment_ids_of(LAYOUT, T, reuse_ids=True)
+  seg = segment_ids_from_lengths(LAYOUT, T, reuse_ids=True)
   q, k, v, _ = random_inputs(3, len(LAYOUT), T, 4, 2, 8, 6)
   y = np.asarray(document_attention(q, k, v, jnp.asarray(seg), rule, block=16), np.float64)
   q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
-  for b, t, n in spans(LAYOUT):
+  for b, t, n in document_spans(LAYOUT):
     want = _window_alone(q64[b, t:t + n], k64[b, t:t + n], v64[b, t:t + n], rule, 8 ** -0.5)
     assert rel_rms(y[b, t:t + n], want) < OUT_TOL, (b, t, n)
   assert np.all(np.isfinite(y))  # padding tokens too
@@ -163,7 +128,7 @@ def test_attention_backends_keep_documents_apart(implementation):
   only itself (it equals its own value)."""
   from kvm_jax.ops.attention_api import causal_attention
   layout = ([5, 60, -3, 130, 58], [-2, 127, 1, 126])        # T = 256 (splash: multiples of 128)
-  seg = segment_ids_of(layout, 256)
+  seg = segment_ids_from_lengths(layout, 256)
   q, k, v, _ = random_inputs(4, 2, 256, 4, 2, 16, 16)
   w = jax.random.normal(jax.random.PRNGKey(1), q.shape)
   for window in (None, 48):
@@ -173,7 +138,7 @@ def test_attention_backends_keep_documents_apart(implementation):
     y, grads = jax.value_and_grad(lambda *a: jnp.sum(run(*a) * w), argnums=(0, 1, 2))(q, k, v)
     y = np.asarray(run(q, k, v), np.float64)
     q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
-    for b, t, n in spans(layout):
+    for b, t, n in document_spans(layout):
       want = _window_alone(q64[b, t:t + n], k64[b, t:t + n], v64[b, t:t + n], rule, 16 ** -0.5)
       assert rel_rms(y[b, t:t + n], want) < OUT_TOL, (window, b, t, n)
     pad = seg == 0
@@ -201,11 +166,11 @@ def test_kvm_documents_are_each_document_alone(name):
   cfg = KVMConfig(**TINY, **BUDGETS[name])
   H, Hkv = (4, 2) if "gqa" in name else (2, 1)
   q, k, v, g, params = _kvm_inputs(len(LAYOUT), H, Hkv)
-  seg = jnp.asarray(segment_ids_of(LAYOUT, T, reuse_ids=True))
+  seg = jnp.asarray(segment_ids_from_lengths(LAYOUT, T, reuse_ids=True))
   y, state = kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg)
   assert y.shape == q.shape[:3] + (6,) and y.dtype == q.dtype
   assert np.all(np.isfinite(np.asarray(y)))
-  docs, inputs = alone_rows(LAYOUT, q, k, v, g, fills=[0, 0, 0, 1])
+  docs, inputs = documents_alone(LAYOUT, q, k, v, g, fills=[0, 0, 0, 1])
   y_alone, _ = kj.kvm_attention(*inputs, params, cfg)
   for i, (b, t, n) in enumerate(docs):
     assert rel_rms(y[b, t:t + n], y_alone[i, :n]) < OUT_TOL, (b, t, n)
@@ -232,7 +197,7 @@ def test_kvm_document_gradients_are_the_sum_of_each_document_alone(path):
   cfg = KVMConfig(**TINY, **BUDGETS["sqrt"])
   layout = ([9, 20, 3, -2, 30], [-3, 30, 9, 20, -2])
   q, k, v, g, params = _kvm_inputs(2)
-  seg = jnp.asarray(segment_ids_of(layout, T))
+  seg = jnp.asarray(segment_ids_from_lengths(layout, T))
   w = jax.random.normal(jax.random.PRNGKey(5), q.shape[:3] + (6,))
   real = (seg != 0)[..., None, None]
 
@@ -241,7 +206,7 @@ def test_kvm_document_gradients_are_the_sum_of_each_document_alone(path):
     return jnp.sum(jnp.where(real, y * w, 0.0))
 
   got = jax.jit(jax.grad(packed, argnums=(0, 1, 2, 3, 4)))(q, k, v, g, params)
-  docs, (q1, k1, v1, g1, w1, real1) = alone_rows(layout, q, k, v, g, w, seg != 0,
+  docs, (q1, k1, v1, g1, w1, real1) = documents_alone(layout, q, k, v, g, w, seg != 0,
                                                  fills=[0, 0, 0, 1, 0, False])
 
   def alone(qs, ks, vs, gs, p):
@@ -269,7 +234,7 @@ def test_aligned_layout_by_hand():
   A 0-5 (aligned), pad 6-11, B 12-14, pad 15-33, no empty slot: a chunk of padding only (tokens
   8-11, 16-19, ...) is empty, one that also holds a document's token (4-7, 12-15) is not."""
   cfg = KVMConfig(**TINY, budget=FixedBudget(4))
-  seg = segment_ids_of(([3, 6, -1, 2, 9, 5, 7, -1], [6, -6, 3, -19]), 34)
+  seg = segment_ids_from_lengths(([3, 6, -1, 2, 9, 5, 7, -1], [6, -6, 3, -19]), 34)
   layout = aligned_layout(documents(jnp.asarray(seg)), cfg)
   assert layout_chunks(34, cfg) == 13                  # 34 tokens + 3 slots for each of 5 docs
   empty = [34] * 3                                     # the front chunk; chunks past the row
@@ -291,13 +256,13 @@ def test_documents_filling_the_layout_are_each_alone():
   seq_len = 62
   layout = ([2] + [6] * 10, [-1, 6, 6, 3, 6, 6, 6, 6, 6, 16])
   q, k, v, g, params = _kvm_inputs(2, seq_len=seq_len)
-  seg = jnp.asarray(segment_ids_of(layout, seq_len))
+  seg = jnp.asarray(segment_ids_from_lengths(layout, seq_len))
   used = np.asarray(aligned_layout(documents(seg), cfg).count > 0)
   assert used.sum(axis=1).tolist() == [21, 19] and layout_chunks(seq_len, cfg) == 23
   block = 4                      # the scan's (about sqrt of a row's 16 chunks)
   assert np.flatnonzero(used[0, cfg.window_chunks - 1:])[-1] == 20 >= 23 // block * block
   y, state = kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg)
-  docs, inputs = alone_rows(layout, q, k, v, g, fills=[0, 0, 0, 1])
+  docs, inputs = documents_alone(layout, q, k, v, g, fills=[0, 0, 0, 1])
   y_alone, _ = kj.kvm_attention(*inputs, params, cfg)
   for i, (b, t, n) in enumerate(docs):
     assert rel_rms(y[b, t:t + n], y_alone[i, :n]) < OUT_TOL, (b, t, n)
@@ -312,12 +277,12 @@ def test_pallas_documents_are_each_document_alone_and_route_as_xla():
   cfg = KVMConfig(**TINY, **BUDGETS["sat_no_sink_gqa"])  # appends (novelty kernel) and merges
   layout = ([1, 3, 5, 9, -2, 22, 22], [-3, 30, 9, 4, 18])
   q, k, v, g, params = _kvm_inputs(2, H=4, Hkv=2, seed=1)
-  seg = jnp.asarray(segment_ids_of(layout, T))
+  seg = jnp.asarray(segment_ids_from_lengths(layout, T))
   y, state = kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg, implementation="pallas")
   y_xla, state_xla = kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg)
   assert rel_rms(y, y_xla) < OUT_TOL
   np.testing.assert_array_equal(np.asarray(state.num_rows), np.asarray(state_xla.num_rows))
-  docs, inputs = alone_rows(layout, q, k, v, g, fills=[0, 0, 0, 1])
+  docs, inputs = documents_alone(layout, q, k, v, g, fills=[0, 0, 0, 1])
   y_alone, _ = kj.kvm_attention(*inputs, params, cfg)
   for i, (b, t, n) in enumerate(docs):
     assert rel_rms(y[b, t:t + n], y_alone[i, :n]) < OUT_TOL, (b, t, n)
@@ -344,7 +309,7 @@ def test_padding_changes_nothing_and_stays_finite(path):
   output's gradient reaches that value only."""
   cfg = KVMConfig(**TINY, **BUDGETS["sqrt"])
   q, k, v, g, params = _kvm_inputs(len(LAYOUT), H=4, Hkv=2)
-  seg = jnp.asarray(segment_ids_of(LAYOUT, T))
+  seg = jnp.asarray(segment_ids_from_lengths(LAYOUT, T))
   pad = (seg == 0)
   noise = lambda x, s: jnp.where(pad.reshape(pad.shape + (1,) * (x.ndim - 2)),  # noqa: E731
                                  100.0 * jax.random.normal(jax.random.PRNGKey(s), x.shape), x)
@@ -394,7 +359,7 @@ def test_state_steps_fit_the_static_bound():
   rng = np.random.default_rng(0)
   layouts = [[T]] + [list(rng.multinomial(T, np.ones(k) / k)) for k in (2, 3, 5, 8)]
   layouts = [[n for n in lens if n] for lens in layouts]
-  seg = jnp.asarray(segment_ids_of(layouts, T))
+  seg = jnp.asarray(segment_ids_from_lengths(layouts, T))
   bound = max_state_steps(T, cfg)
   steps = np.asarray(state_steps(documents(seg), cfg, bound + 4))
   for b, lengths in enumerate(layouts):
@@ -448,11 +413,11 @@ def test_model_documents_are_each_document_alone(name):
     mixers = MODEL_MIXERS[name]
     model = make_model(mixers, num_layers=len(mixers) if isinstance(mixers, tuple) else 2)
   assert model.cfg.tokenshift_attention and model.cfg.tokenshift_mlp and model.cfg.value_residual
-  seg = jnp.asarray(segment_ids_of(MODEL_LAYOUT, MODEL_T))
+  seg = jnp.asarray(segment_ids_from_lengths(MODEL_LAYOUT, MODEL_T))
   tokens = jax.random.randint(jax.random.PRNGKey(7), seg.shape, 0, model.cfg.vocab_size)
   logits = packed_forward(model, tokens, seg)
   assert np.all(np.isfinite(np.asarray(logits)))
-  docs, (rows,) = alone_rows(MODEL_LAYOUT, tokens)
+  docs, (rows,) = documents_alone(MODEL_LAYOUT, tokens)
   alone = forward(model, rows)
   for i, (b, t, n) in enumerate(docs):
     assert rel_rms(logits[b, t:t + n], alone[i, :n]) < OUT_TOL, (b, t, n)
@@ -478,10 +443,10 @@ def test_model_gradients_are_the_sum_of_each_document_alone(name):
   assert model.cfg.tokenshift_attention and model.cfg.tokenshift_mlp and model.cfg.value_residual
   graphdef, params = nnx.split(model, nnx.Param)
   rest = nnx.state(model, nnx.Not(nnx.Param))
-  seg = jnp.asarray(segment_ids_of(MODEL_LAYOUT, MODEL_T))
+  seg = jnp.asarray(segment_ids_from_lengths(MODEL_LAYOUT, MODEL_T))
   tokens = jax.random.randint(jax.random.PRNGKey(7), seg.shape, 0, model.cfg.vocab_size)
   w = jax.random.normal(jax.random.PRNGKey(8), seg.shape + (model.cfg.vocab_size,))
-  _, (rows, w_rows, real_rows) = alone_rows(MODEL_LAYOUT, tokens, w, seg != 0)
+  _, (rows, w_rows, real_rows) = documents_alone(MODEL_LAYOUT, tokens, w, seg != 0)
 
   def loss(params, tokens, w, real, segment_ids=None):
     logits = nnx.merge(graphdef, params, rest)(tokens, segment_ids=segment_ids)
@@ -495,7 +460,7 @@ def test_model_gradients_are_the_sum_of_each_document_alone(name):
   for (path, a), e in zip(got, want):
     assert rel_rms(a, e) < GRAD_TOL, jax.tree_util.keystr(path)
   assert np.all(np.isfinite(np.asarray(logits)))
-  docs = list(spans(MODEL_LAYOUT))
+  docs = list(document_spans(MODEL_LAYOUT))
   for i, (b, t, n) in enumerate(docs):
     assert rel_rms(logits[b, t:t + n], alone_logits[i, :n]) < OUT_TOL, (b, t, n)
   other = jnp.where(seg == 0, (tokens + 17) % model.cfg.vocab_size, tokens)
@@ -512,10 +477,10 @@ def test_bf16_documents_are_as_close_to_alone_as_bf16_is_to_float32():
   model = make_model(("swa", "kvm"), num_layers=2, compute_dtype="bfloat16")
   exact = make_model(("swa", "kvm"), num_layers=2)
   layout = ([-3, 30, 17, -14],)      # past the window and the budget's growth steps; mid-chunk
-  seg = jnp.asarray(segment_ids_of(layout, MODEL_T))
+  seg = jnp.asarray(segment_ids_from_lengths(layout, MODEL_T))
   tokens = jax.random.randint(jax.random.PRNGKey(8), seg.shape, 0, model.cfg.vocab_size)
   logits = packed_forward(model, tokens, seg)
-  docs, (rows,) = alone_rows(layout, tokens)
+  docs, (rows,) = documents_alone(layout, tokens)
   alone, alone_exact = forward(model, rows), forward(exact, rows)
   for i, (b, t, n) in enumerate(docs):
     bf16_error = rel_rms(alone[i, :n], alone_exact[i, :n])
@@ -606,7 +571,7 @@ def test_rwkv7_documents_are_each_document_alone():
   v = jax.random.normal(keys[5], (B, T, H, V))
   kk = kk / jnp.linalg.norm(kk, axis=-1, keepdims=True)
   inputs = (r, w, k, v, -kk, kk * jax.nn.sigmoid(a))
-  seg = jnp.asarray(segment_ids_of(layout, T))
+  seg = jnp.asarray(segment_ids_from_lengths(layout, T))
   weights = jax.random.normal(jax.random.PRNGKey(9), (B, T, H, V))
   real = (seg != 0)[..., None, None]
 
@@ -615,7 +580,7 @@ def test_rwkv7_documents_are_each_document_alone():
     return jnp.sum(jnp.where(real, o * weights, 0.0)), (o, h)
 
   grads, (o, h) = jax.jit(jax.grad(packed, argnums=tuple(range(6)), has_aux=True))(*inputs)
-  docs, (*alone_inputs, w1, real1) = alone_rows(layout, *inputs, weights, seg != 0)
+  docs, (*alone_inputs, w1, real1) = documents_alone(layout, *inputs, weights, seg != 0)
 
   def alone(*x):
     o, h = rwkv7_recurrence(*x, chunk_size=8)
@@ -653,7 +618,7 @@ def test_ovq_documents_are_each_document_alone(cfg):
   q, k = (unit(jax.random.normal(keys[i], (B, T, H, 8))) for i in range(2))
   v = jax.random.normal(keys[2], (B, T, H, 6))
   beta = jnp.array([0.7, 1.3])
-  seg = jnp.asarray(segment_ids_of(layout, T))
+  seg = jnp.asarray(segment_ids_from_lengths(layout, T))
   weights = jax.random.normal(jax.random.PRNGKey(9), v.shape)
   real = (seg != 0)[..., None, None]
 
@@ -663,7 +628,7 @@ def test_ovq_documents_are_each_document_alone(cfg):
 
   grads, y = jax.jit(jax.grad(packed, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, beta)
   # Fill after each document with ones: nonzero queries and keys, whatever the op does with them.
-  docs, (q1, k1, v1, w1, real1) = alone_rows(layout, q, k, v, weights, seg != 0,
+  docs, (q1, k1, v1, w1, real1) = documents_alone(layout, q, k, v, weights, seg != 0,
                                              fills=[1, 1, 0, 0, False])
 
   def alone(q, k, v, beta):

@@ -23,6 +23,7 @@ import numpy as np
 
 import kvm_jax as kj
 from kvm_jax.eval.timing import interleaved_times
+from kvm_jax.ops.documents import documents_alone, segment_ids_from_lengths
 from kvm_jax.ops.kvm.cases import TOLERANCE, random_inputs, random_params, rel_rms
 
 from benchmarks.device.measure import Context, kvm_config
@@ -40,44 +41,6 @@ def exact_layout(T: int, C: int) -> tuple[list[int], list[int]]:
   row0 = [1, C - 1, C, C + 1, int(2.3 * C), -(C // 2)]
   row1 = [-max(1, C // 5), int(5.7 * C), int(3.1 * C) + 5]
   return row0 + [T - sum(map(abs, row0))], row1 + [T - sum(map(abs, row1))]
-
-
-def segment_ids(rows, T: int) -> np.ndarray:
-  """``[len(rows), T]`` int32: document i of a row has id i + 1, padding 0."""
-  out = np.zeros((len(rows), T), np.int32)
-  for b, lengths in enumerate(rows):
-    t = 0
-    for i, n in enumerate(lengths):
-      if n > 0:
-        out[b, t:t + n] = i + 1
-      t += abs(n)
-  return out
-
-
-def spans(rows):
-  """``(row, first token, length)`` of every document."""
-  for b, lengths in enumerate(rows):
-    t = 0
-    for n in lengths:
-      if n > 0:
-        yield b, t, n
-      t += abs(n)
-
-
-def alone_batch(rows, arrays, fills):
-  """Every document as a row of its own from its first token, filled up to the longest
-  (``fills`` per array): one batch, so one compiled program runs them all. KVM is causal, so a
-  document's positions never see the filler after it."""
-  docs = list(spans(rows))
-  width = max(n for _, _, n in docs)
-  out = []
-  for x, fill in zip(arrays, fills):
-    x = np.asarray(x)
-    batch = np.full((len(docs), width) + x.shape[2:], fill, x.dtype)
-    for i, (b, t, n) in enumerate(docs):
-      batch[i, :n] = x[b, t:t + n]
-    out.append(jnp.asarray(batch))
-  return docs, out
 
 
 def mixed_segment_ids(batch: int, T: int, seed: int) -> np.ndarray:
@@ -115,7 +78,7 @@ def _exact_inputs(ctx: Context):
       geo.num_length
   rows = exact_layout(T, geo.chunk)[:max(1, B)]
   q, k, v, g = random_inputs(0, len(rows), T, H, Hkv, D, D, jnp.float32)
-  return rows, (q, k, v, g), random_params(0, D, H), jnp.asarray(segment_ids(rows, T))
+  return rows, (q, k, v, g), random_params(0, D, H), jnp.asarray(segment_ids_from_lengths(rows, T))
 
 
 def _exact_xla(ctx: Context) -> dict:
@@ -124,7 +87,7 @@ def _exact_xla(ctx: Context) -> dict:
   rows, (q, k, v, g), params, seg = _exact_inputs(ctx)
   with jax.default_matmul_precision("float32"):
     y, state = jax.block_until_ready(_packed_op(cfg, "xla")(q, k, v, g, params, seg))
-    docs, alone_in = alone_batch(rows, (q, k, v, g), fills=(0, 0, 0, 1))
+    docs, alone_in = documents_alone(rows, q, k, v, g, fills=(0, 0, 0, 1))
     alone = jax.jit(lambda *a: kj.kvm_attention(*a, params, cfg)[0])(*alone_in)
   errors = [rel_rms(y[b, t:t + n], alone[i, :n]) for i, (b, t, n) in enumerate(docs)]
   tol = TOLERANCE["float32"]["output"]

@@ -330,3 +330,61 @@ def scan_in_blocks(step, carry, xs):
   carry, ys = jax.lax.scan(run_block, carry, xs.reshape(blocks, block, *xs.shape[1:]))
   ys = jax.tree_util.tree_map(lambda y: y.reshape(blocks * block, *y.shape[2:])[:n], ys)
   return carry, ys
+
+
+# ------------------------------------------------------------------------------------------------
+# Packed rows from document lengths, and each document alone: what checks of the rule above
+# compare (the tests, the device check).
+# ------------------------------------------------------------------------------------------------
+
+
+def segment_ids_from_lengths(layout, seq_len: int, reuse_ids: bool = False) -> np.ndarray:
+  """``[len(layout), seq_len]`` int32 segment ids from per-row document lengths.
+
+  ``layout``: one sequence per row of document lengths in order, a negative entry being that many
+  padding tokens (id 0); each row must sum (in absolute value) to ``seq_len``. Documents are
+  numbered 1, 2, ... in each row, or 1, 2, 1, 2, ... with ``reuse_ids`` (runs of one id are still
+  separate documents wherever another id lies between them)."""
+  seg = np.zeros((len(layout), seq_len), np.int32)
+  for b, lengths in enumerate(layout):
+    t = 0
+    for i, n in enumerate(lengths):
+      if n > 0:
+        seg[b, t:t + n] = (1 + i % 2) if reuse_ids else 1 + i
+      t += abs(n)
+    if t != seq_len:
+      raise ValueError(f"row {b} of the layout holds {t} tokens, not seq_len={seq_len}: "
+                       f"{list(lengths)}")
+  return seg
+
+
+def document_spans(layout):
+  """``(row, first token, length)`` of every document of ``layout`` (as in
+  :func:`segment_ids_from_lengths`), row by row."""
+  for b, lengths in enumerate(layout):
+    t = 0
+    for n in lengths:
+      if n > 0:
+        yield b, t, n
+      t += abs(n)
+
+
+def documents_alone(layout, *arrays, fills=None):
+  """Every document of ``layout`` as a row of its own, from its first token, filled up to the
+  longest document with ``fills`` (one value per array, default 0): ``(spans, [N, width, ...]
+  per array)`` for ``arrays`` of ``[B, T, ...]``.
+
+  A causal computation's outputs at a document's positions then depend only on its own tokens,
+  so row i is document i run alone there (and, for a loss that reads only those positions, so is
+  its gradient). One batch, so one compiled program serves every document length."""
+  docs = list(document_spans(layout))
+  width = max(n for _, _, n in docs)
+  fills = fills or [0] * len(arrays)
+  out = []
+  for x, fill in zip(arrays, fills):
+    x = np.asarray(x)
+    rows = np.full((len(docs), width) + x.shape[2:], fill, x.dtype)
+    for i, (b, t, n) in enumerate(docs):
+      rows[i, :n] = x[b, t:t + n]
+    out.append(jnp.asarray(rows))
+  return docs, out
