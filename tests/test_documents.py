@@ -3,14 +3,14 @@ those of the document run alone.
 
 The alone runs are independent of the packed path: the KVM op without ``segment_ids`` (the chunked
 scan, itself checked against the Python oracle in test_kvm_equivalence.py) and, for the window
-attention, float64 numpy softmax written from the rule's definition. Every document runs alone as
-a row of its own followed by filler (``kvm_jax.ops.documents.documents_alone``): each kind is
-causal, so the outputs at the document's positions are those of the document alone, and one
-compiled program serves every length; final states are compared with runs at the document's own
-length. Tolerances are float32 rounding: the packed paths reorder sums (a step's window gathered apart from the row, a document's
-window split from the front's), a few ulps, so 2e-5 relative RMS for outputs and states, 1e-4 for
-gradients (``kvm_jax.ops.kvm.cases.TOLERANCE``); a discrete difference (a row, a window slot or a
-routing decision of another document) is O(1).
+attention, float64 numpy softmax written from the rule's definition. Every document runs alone as a
+row of its own followed by filler (``kvm_jax.ops.documents.documents_alone``): each kind is causal,
+so the outputs at the document's positions are those of the document alone, and one compiled
+program serves every length; final states are compared with runs at the document's own length.
+Tolerances are float32 rounding: the packed paths reorder sums (a step's window gathered apart from
+the row, a document's window split from the front's), a few ulps, so 2e-5 relative RMS for outputs
+and states, 1e-4 for gradients (``kvm_jax.ops.kvm.cases.TOLERANCE``); a discrete difference (a row,
+a window slot or a routing decision of another document) is O(1).
 """
 
 from __future__ import annotations
