@@ -13,7 +13,7 @@ and the ratio of the minima is printed beside it):
 * **real tokens per second**: ``documents`` packing against ``pad`` (one document per row) on the
   same log-normal corpus. A ``pad`` row needs no segment ids (its padding follows the document),
   so its step costs what a ``cram`` step costs; each packing's figure is its fraction of
-  non-padding tokens (from ``kvm_jax.tasks.packing.plan_rows`` on the sampled lengths) over its
+  non-padding tokens (from ``kvm_jax.row_plan.plan_rows`` on the sampled lengths) over its
   step time.
 """
 
@@ -29,7 +29,7 @@ import optax
 import kvm_jax as kj
 from kvm_jax.eval.timing import interleaved_times
 from kvm_jax.ops.kvm.cases import random_inputs, random_params
-from kvm_jax.tasks.packing import plan_rows
+from kvm_jax.row_plan import plan_rows
 
 #: The issue's target for every ratio below: documents cost at most 15 % more.
 TARGET = 1.15

@@ -259,7 +259,7 @@ def test_documents_filling_the_layout_are_each_alone():
   seg = jnp.asarray(segment_ids_from_lengths(layout, seq_len))
   used = np.asarray(aligned_layout(documents(seg), cfg).count > 0)
   assert used.sum(axis=1).tolist() == [21, 19] and layout_chunks(seq_len, cfg) == 23
-  block = 4                      # the scan's (about sqrt of a row's 16 chunks)
+  block = document_block(-(-seq_len // cfg.chunk_size))   # the scan's: 4 for 16 chunks
   assert np.flatnonzero(used[0, cfg.window_chunks - 1:])[-1] == 20 >= 23 // block * block
   y, state = kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg)
   docs, inputs = documents_alone(layout, q, k, v, g, fills=[0, 0, 0, 1])

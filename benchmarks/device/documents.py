@@ -5,10 +5,9 @@ document run alone on the XLA scan. Then time: the op with segment ids against t
 without them, forward and forward + backward, at the paper's shape, for rows holding one
 document each (the plain scan's work) and rows packed from a log-normal mix of document lengths
 (median 600 tokens). Last, the Pallas kernels on the exactness rows against the XLA document
-path (outputs and each row's state row count). Imported only in a stage's process; needs no
-grain (the rows are packed here as ``documents`` packing packs them: whole documents in order, a
-new row where the next one does not fit, a document longer than a row cut into row-length
-pieces).
+path (outputs and each row's state row count). Imported only in a stage's process. The mix is
+``kvm-bench --documents``'s (the same rows at the same T), packed by
+:func:`kvm_jax.row_plan.plan_rows`, which needs no grain.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvm_jax as kj
+from kvm_jax.eval.documents_speed import lognormal_lengths, packed_segments
 from kvm_jax.eval.timing import interleaved_times
 from kvm_jax.ops.documents import documents_alone, segment_ids_from_lengths
 from kvm_jax.ops.kvm.cases import TOLERANCE, random_inputs, random_params, rel_rms
@@ -41,27 +41,6 @@ def exact_layout(T: int, C: int) -> tuple[list[int], list[int]]:
   row0 = [1, C - 1, C, C + 1, int(2.3 * C), -(C // 2)]
   row1 = [-max(1, C // 5), int(5.7 * C), int(3.1 * C) + 5]
   return row0 + [T - sum(map(abs, row0))], row1 + [T - sum(map(abs, row1))]
-
-
-def mixed_segment_ids(batch: int, T: int, seed: int) -> np.ndarray:
-  """``[batch, T]`` ids of rows packed from log-normal document lengths (median
-  :data:`MEDIAN_LENGTH`, sigma 1), whole documents in order (see the module's docstring)."""
-  rng = np.random.default_rng(seed)
-  out = np.zeros((batch, T), np.int32)
-  r, fill, doc = 0, 0, 0
-  while r < batch:
-    n = max(1, int(rng.lognormal(np.log(MEDIAN_LENGTH), 1.0)))
-    doc += 1
-    while n > 0 and r < batch:
-      take = min(n, T)
-      if take > T - fill:                       # does not fit in the rest of this row
-        r, fill = r + 1, 0
-        continue
-      out[r, fill:fill + take] = doc
-      fill, n = fill + take, n - take
-      if fill == T:
-        r, fill = r + 1, 0
-  return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,7 +99,7 @@ def _timing(ctx: Context, backward: bool) -> dict:
   params = kj.KVMParams.init(D, H)
   w = jax.random.normal(jax.random.PRNGKey(1), q.shape, jnp.float32)
   one = jnp.ones((B, T), jnp.int32)
-  mix = jnp.asarray(mixed_segment_ids(B, T, seed=T))
+  mix = jnp.asarray(packed_segments(lognormal_lengths(B * T * 2, MEDIAN_LENGTH, T), B, T))
   # Every array is an argument: closed over, it would be a constant of the program (gigabytes
   # here, which XLA:GPU takes minutes to compile).
   if backward:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvm_jax.tasks.packing import check_packing
+from kvm_jax.row_plan import check_packing
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.model import REMAT_POLICIES
 from kvm_jax.tasks.mqar import MQARSpec

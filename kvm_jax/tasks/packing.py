@@ -15,7 +15,8 @@ A row holds ``width = seq_len + 1`` tokens (inputs are its first ``seq_len``, la
   than a row is cut into row-length pieces, **each piece a document of its own** (its positions
   and state start again), the last piece packed like any other document.
 
-A packing is planned from document *lengths* alone (:func:`plan_rows`), so a corpus of token
+A packing is planned from document *lengths* alone (:func:`plan_rows`, in
+:mod:`kvm_jax.row_plan`, which needs no data pipeline), so a corpus of token
 shards is packed without reading its tokens, and any row is built from its plan on demand
 (:class:`PackedRows`): a resumed run or another host reads exactly the same rows.
 """
@@ -28,71 +29,8 @@ from typing import Callable
 import grain
 import numpy as np
 
+from kvm_jax.row_plan import PACKINGS, RowPlan, check_packing, plan_rows  # noqa: F401
 from kvm_jax.tasks.labels import IGNORE
-
-PACKINGS = ("cram", "pad", "documents")
-
-
-def check_packing(packing: str) -> None:
-  if packing not in PACKINGS:
-    raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}: 'cram' (the paper's "
-                     "training rows), 'pad' (one document per row) or 'documents' (whole documents "
-                     "with segment ids).")
-
-
-@dataclasses.dataclass(frozen=True)
-class RowPlan:
-  """Which pieces of which documents fill each row. Piece ``j`` is tokens ``[start[j], start[j] +
-  length[j])`` of document ``doc[j]`` and belongs to row ``row[j]``; pieces are in row order and
-  ``first[r] : first[r + 1]`` are row ``r``'s. All int64 arrays."""
-
-  width: int
-  doc: np.ndarray
-  start: np.ndarray
-  length: np.ndarray
-  row: np.ndarray
-  first: np.ndarray
-
-  def __len__(self) -> int:
-    return len(self.first) - 1
-
-  def real_tokens(self) -> int:
-    """Tokens of documents in all rows (the rest is padding)."""
-    return int(self.length.sum())
-
-
-def plan_rows(lengths: np.ndarray, width: int, packing: str) -> RowPlan:
-  """The rows of ``packing`` ("pad" or "documents") over documents of ``lengths`` tokens, each
-  row ``width`` tokens. Empty documents are skipped."""
-  check_packing(packing)
-  if packing == "cram":
-    raise ValueError("plan_rows plans 'pad' and 'documents'; 'cram' rows come from cram_pack.")
-  if width < 2:
-    raise ValueError(f"a row needs at least 2 tokens (seq_len >= 1), got width {width}.")
-  lengths = np.asarray(lengths, np.int64)
-  doc, start, length, row = [], [], [], []
-  if packing == "pad":
-    kept = np.flatnonzero(lengths > 0)
-    doc, length = kept, np.minimum(lengths[kept], width)
-    start, row = np.zeros(len(kept), np.int64), np.arange(len(kept), dtype=np.int64)
-  else:
-    r, fill = 0, 0
-    for d, n in enumerate(lengths.tolist()):
-      offset = 0
-      while offset < n:
-        take = min(n - offset, width)
-        if take > width - fill:   # does not fit in the rest of this row
-          r, fill = r + 1, 0
-        doc.append(d), start.append(offset), length.append(take), row.append(r)
-        fill += take
-        offset += take
-        if fill == width:
-          r, fill = r + 1, 0
-    doc, start, length, row = (np.asarray(x, np.int64) for x in (doc, start, length, row))
-  rows = int(row[-1]) + 1 if len(row) else 0
-  first = np.searchsorted(row, np.arange(rows + 1), side="left").astype(np.int64)
-  return RowPlan(width=width, doc=np.asarray(doc, np.int64), start=np.asarray(start, np.int64),
-                 length=np.asarray(length, np.int64), row=np.asarray(row, np.int64), first=first)
 
 
 @dataclasses.dataclass(frozen=True)
