@@ -29,9 +29,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig
+from kvm_jax.ops.common import current_platform
 from kvm_jax.ops.documents import Documents
 from kvm_jax.ops.kvm.scan import (XLA_OPS, ChunkOps, Run, ScanPlan, complete_block_rows,
                                   scan_chunks, slice_time, window_slice)
@@ -178,10 +180,13 @@ def _whole_blocks(layout: DocumentLayout, chunks: int, seq_len: int, cfg: KVMCon
 
 def _document_chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState, c,
                     base: int | Array, k_lead: int, q_src, k_src, v_src, g_src, routing_c,
-                    numbers):
+                    extra):
   """Layout chunk ``c`` (the contract of :func:`kvm_jax.ops.kvm.scan._chunk`, time-major
-  sources) with per-row document structure: ``numbers`` = the slots' ``(document, position,
-  length)``, ``[B, ·]`` each, placed like ``k_src``.
+  sources) with per-row document structure. ``extra = (numbers, skip_unseen_state)``:
+  ``numbers`` = the slots' ``(document, position, length)``, ``[B, ·]`` each, placed like
+  ``k_src``; ``skip_unseen_state`` (static): where no query of the chunk in any row reads the
+  state (every document's first ``window_chunks`` chunks), attend to the window alone, under a
+  ``lax.cond``.
 
   A query sees the keys of its own document that the block-window rule on document positions
   allows (documents are contiguous, so that is one run of window slots: from its document's
@@ -190,6 +195,7 @@ def _document_chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState
   of a document longer than the window resets the state to its tokens (docs/kvm-spec.md §6.5);
   a later one is folded in, with the schedule's appends for that chunk of the document, if the
   document goes on past this chunk; otherwise the state stays."""
+  numbers, skip_unseen_state = extra
   cfg, ops = plan.cfg, plan.ops
   C, nb, R = cfg.chunk_size, cfg.window_chunks, plan.capacity
   L = C * nb
@@ -197,24 +203,42 @@ def _document_chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState
   win_start = (c - base) * C + k_lead - plan.overlap
   document, pos, length = (window_slice(x, win_start, nb * C, 1)[0] for x in numbers)   # [B, W]
   q_pos = pos[:, -C:]
-  q_c = slice_time(q_src, (c - base) * C, C, 1)
-  win_k, _ = window_slice(k_src, win_start, nb * C, 1)
-  win_v, _ = window_slice(v_src, win_start, nb * C, 1)
-  state_temp, window_temp = temperatures(params, cfg, Hkv)
-  W = pos.shape[1]
-  q_slot = W - C + jnp.arange(C)                                               # [C]
-  first_visible = q_slot[None] - q_pos + jnp.maximum(0, (q_pos // C - nb + 1) * C)   # [B, C]
-  slot = jnp.arange(W)
-  window_valid = ((slot[None, None, :] >= first_visible[:, :, None])
-                  & (slot[None, :] <= q_slot[:, None])[None])                 # [B, C, W]
-  state_rows = jnp.where(q_pos >= L, state.num_rows[:, None], 0)              # [B, C]
-  state_valid = jnp.arange(R)[None, None, :] < state_rows[:, :, None]         # [B, C, R]
-  state_keys, state_values = state_readout(state, params, cfg, G)
+  sees_state = q_pos >= L                                                     # [B, C]
 
-  # (A lax.cond that skipped the state's R columns where no query reads it measured as fast
-  # as this, and grew XLA:CPU's temporary allocation at the paper's train shape by ~2 GiB.)
-  y = ops.attend(q_c, state_keys, state_values, state_valid[:, None, None], win_k, win_v,
-                 window_valid[:, None, None], state_temp, window_temp)
+  def attend(with_state: bool):
+    # Slices and masks are made inside each branch of the cond below: made outside, they would
+    # be materialized as its operands instead of fused into the readout (a copy per chunk).
+    q_c = slice_time(q_src, (c - base) * C, C, 1)
+    win_k, _ = window_slice(k_src, win_start, nb * C, 1)
+    win_v, _ = window_slice(v_src, win_start, nb * C, 1)
+    state_temp, window_temp = temperatures(params, cfg, Hkv)
+    W = pos.shape[1]
+    q_slot = W - C + jnp.arange(C)                                             # [C]
+    first_visible = q_slot[None] - q_pos + jnp.maximum(0, (q_pos // C - nb + 1) * C)  # [B, C]
+    slot = jnp.arange(W)
+    window_valid = ((slot[None, None, :] >= first_visible[:, :, None])
+                    & (slot[None, :] <= q_slot[:, None])[None])               # [B, C, W]
+    if with_state:
+      state_rows = jnp.where(sees_state, state.num_rows[:, None], 0)          # [B, C]
+      state_valid = jnp.arange(R)[None, None, :] < state_rows[:, :, None]     # [B, C, R]
+      keys, values = state_readout(state, params, cfg, G)
+      valid = state_valid[:, None, None]
+    else:
+      # One masked zero row stands in for the state (as in the plain scan's front): no query
+      # of this chunk reads the state, and its R columns would cost as much as the window's.
+      zeros = lambda d: jnp.zeros((B, Hkv, 1, d), jnp.float32)  # noqa: E731
+      none_seen = KVMState(keys=zeros(state.keys.shape[-1]),
+                           values=zeros(state.values.shape[-1]),
+                           radius=jnp.zeros((B, Hkv, 1), jnp.float32), num_rows=state.num_rows)
+      keys, values = state_readout(none_seen, params, cfg, G)
+      valid = np.zeros((1, 1), bool)
+    return ops.attend(q_c, keys, values, valid, win_k, win_v, window_valid[:, None, None],
+                      state_temp, window_temp)
+
+  if skip_unseen_state:
+    y = jax.lax.cond(jnp.any(sees_state), lambda: attend(True), lambda: attend(False))
+  else:
+    y = attend(True)
   y = y.reshape(B, C, Hkv * G, y.shape[-1]).astype(plan.out_dtype)
   none = jnp.full((B, Hkv, C), R, jnp.int32)
   if not run.update:
@@ -226,8 +250,8 @@ def _document_chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState
   folds = long & (leaving_pos >= C) & (leaving_pos + L < leaving_len)
   chunk = jnp.clip(leaving_pos // C + nb - 1, 0, len(plan.n_append) - 1)   # in the document
   n_append = jnp.where(folds, jnp.asarray(plan.n_append, jnp.int32)[chunk], 0)
-  leaving_k, leaving_v = win_k[:, :C], win_v[:, :C]
-  leaving_g = slice_time(g_src, win_start, C, 1)
+  leaving_k, leaving_v, leaving_g = (slice_time(x, win_start, C, 1) for x in (k_src, v_src, g_src))
+  state_keys = state_readout(state, params, cfg, G)[0]
 
   def fold():
     return ops.update(state, leaving_k, leaving_v, leaving_g, n_append, params, cfg,
@@ -301,13 +325,18 @@ def _forward(plan: ScanPlan, params, state0, sources, layout: DocumentLayout):
     first = j * S
     chunk_sources, numbers = _block_sources(plan, first, S, sources, layout)
     state, ys, d_j = scan_chunks(plan, run, params, state, first, S, first, plan.overlap,
-                                 *chunk_sources, extra=numbers)
+                                 *chunk_sources, extra=(numbers, skip_unseen_state))
     y = jnp.moveaxis(ys, 0, 1).reshape(B, S * C, *ys.shape[3:])
     chunks = lambda x: jax.lax.dynamic_slice_in_dim(x, first + nb - 1, S, 1)  # noqa: E731
     out = _add_chunks(out, y, chunks(layout.offset), chunks(layout.count), C)
     d = tuple(jax.lax.dynamic_update_slice_in_dim(buf, x, first, 0) for buf, x in zip(d, d_j))
     return state, out, starts, d
 
+  # The readout skips the state where no query of a chunk reads it on CPU, where that measured
+  # 0.90-0.95x the time of a log-normal mix's forward pass (and 1.02-1.05x with one document per
+  # row, whose first chunks alone skip; T = 4096 and 16384). Not on accelerators: an XLA:GPU
+  # conditional reads its predicate back to the host, and the fold already has one per chunk.
+  skip_unseen_state = current_platform() == "cpu"
   state = _state(state0 + (jnp.zeros((B,), jnp.int32),))      # no document has rows yet
   starts = tuple(jnp.zeros((blocks,) + x.shape, x.dtype) for x in _arrays(state))
   none = jnp.full((blocks * S, B, Hkv, C), plan.capacity, jnp.int32)
@@ -357,10 +386,14 @@ def _scan_bwd(plan, residuals, cotangents):
     B, _, H, Dv = dy_blk.shape
     num_rows = state_in[3]
 
+    # The readout of every chunk reads the state's rows here, masked where no query sees them:
+    # under jax.vjp the forward pass's lax.cond that skips them keeps the residuals of both
+    # branches, and it measured slower (one document per row, T = 4096, CPU: forward +
+    # backward 1.18x -> 1.27x the plain scan's time; a log-normal mix 1.39x -> 1.28x).
     def f(state_arrays, params, *blocks):
       state, y, _ = scan_chunks(plan, run, params, _state(state_arrays + (num_rows,)), first, S,
                                 first, overlap, *blocks, given, remat_chunks=True,
-                                extra=numbers)
+                                extra=(numbers, False))
       return y, (state.keys, state.values, state.radius)
 
     _, vjp = jax.vjp(f, state_in[:3], params, *blocks)
