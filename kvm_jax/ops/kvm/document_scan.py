@@ -205,12 +205,11 @@ def _document_chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState
   q_pos = pos[:, -C:]
   sees_state = q_pos >= L                                                     # [B, C]
 
-  def attend(with_state: bool):
-    # Slices and masks are made inside each branch of the cond below: made outside, they would
-    # be materialized as its operands instead of fused into the readout (a copy per chunk).
+  def window():
+    return tuple(window_slice(x, win_start, nb * C, 1)[0] for x in (k_src, v_src))
+
+  def attend(with_state: bool, win_k, win_v, readout):
     q_c = slice_time(q_src, (c - base) * C, C, 1)
-    win_k, _ = window_slice(k_src, win_start, nb * C, 1)
-    win_v, _ = window_slice(v_src, win_start, nb * C, 1)
     state_temp, window_temp = temperatures(params, cfg, Hkv)
     W = pos.shape[1]
     q_slot = W - C + jnp.arange(C)                                             # [C]
@@ -221,7 +220,7 @@ def _document_chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState
     if with_state:
       state_rows = jnp.where(sees_state, state.num_rows[:, None], 0)          # [B, C]
       state_valid = jnp.arange(R)[None, None, :] < state_rows[:, :, None]     # [B, C, R]
-      keys, values = state_readout(state, params, cfg, G)
+      keys, values = readout
       valid = state_valid[:, None, None]
     else:
       # One masked zero row stands in for the state (as in the plain scan's front): no query
@@ -235,10 +234,20 @@ def _document_chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState
     return ops.attend(q_c, keys, values, valid, win_k, win_v, window_valid[:, None, None],
                       state_temp, window_temp)
 
+  readout = state_readout(state, params, cfg, G)
   if skip_unseen_state:
-    y = jax.lax.cond(jnp.any(sees_state), lambda: attend(True), lambda: attend(False))
+    # Each branch slices its window and reads the state itself: made outside the cond, they
+    # would be materialized as its operands instead of fused into the readout (a copy per
+    # chunk). The fold below slices its leaving chunk apart (the forward pass: no transpose).
+    y = jax.lax.cond(jnp.any(sees_state), lambda: attend(True, *window(), readout),
+                     lambda: attend(False, *window(), None))
+    leaving_k, leaving_v = (slice_time(x, win_start, C, 1) for x in (k_src, v_src))
   else:
-    y = attend(True)
+    # One window slice and one readout serve the attention and the fold: under autodiff a
+    # second slice of the block would transpose into a second block-sized zero buffer.
+    win_k, win_v = window()
+    y = attend(True, win_k, win_v, readout)
+    leaving_k, leaving_v = win_k[:, :C], win_v[:, :C]
   y = y.reshape(B, C, Hkv * G, y.shape[-1]).astype(plan.out_dtype)
   none = jnp.full((B, Hkv, C), R, jnp.int32)
   if not run.update:
@@ -250,8 +259,8 @@ def _document_chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState
   folds = long & (leaving_pos >= C) & (leaving_pos + L < leaving_len)
   chunk = jnp.clip(leaving_pos // C + nb - 1, 0, len(plan.n_append) - 1)   # in the document
   n_append = jnp.where(folds, jnp.asarray(plan.n_append, jnp.int32)[chunk], 0)
-  leaving_k, leaving_v, leaving_g = (slice_time(x, win_start, C, 1) for x in (k_src, v_src, g_src))
-  state_keys = state_readout(state, params, cfg, G)[0]
+  leaving_g = slice_time(g_src, win_start, C, 1)
+  state_keys = readout[0]
 
   def fold():
     return ops.update(state, leaving_k, leaving_v, leaving_g, n_append, params, cfg,
