@@ -178,6 +178,63 @@ def _whole_blocks(layout: DocumentLayout, chunks: int, seq_len: int, cfg: KVMCon
   return layout._replace(offset=pad(layout.offset, seq_len), count=pad(layout.count, 0))
 
 
+def _attend_chunk(plan: ScanPlan, params: KVMParams, state: KVMState, q_c, win_k, win_v,
+                  q_pos: Array, readout) -> Array:
+  """One layout chunk's readout, ``[B, C, Hkv, G, Dv]`` float32: queries ``q_c`` at document
+  positions ``q_pos [B, C]`` against their window ``win_k`` / ``win_v`` (``nb·C`` slots) and,
+  where ``readout`` (the state's readout keys and values) is given, the state's rows from
+  document position ``window_chunks·C`` on; with ``readout=None`` no query reads the state."""
+  cfg = plan.cfg
+  C, nb, R = cfg.chunk_size, cfg.window_chunks, plan.capacity
+  B, _, Hkv, G = plan.dims(q_c)
+  state_temp, window_temp = temperatures(params, cfg, Hkv)
+  W = win_k.shape[1]
+  q_slot = W - C + jnp.arange(C)                                               # [C]
+  first_visible = q_slot[None] - q_pos + jnp.maximum(0, (q_pos // C - nb + 1) * C)   # [B, C]
+  slot = jnp.arange(W)
+  window_valid = ((slot[None, None, :] >= first_visible[:, :, None])
+                  & (slot[None, :] <= q_slot[:, None])[None])                 # [B, C, W]
+  if readout is not None:
+    state_rows = jnp.where(q_pos >= C * nb, state.num_rows[:, None], 0)       # [B, C]
+    keys, values = readout
+    valid = (jnp.arange(R)[None, None, :] < state_rows[:, :, None])[:, None, None]
+  else:
+    # One masked zero row stands in for the state (as in the plain scan's front): no query of
+    # this chunk reads the state, and its R columns would cost as much as the window's.
+    zeros = lambda d: jnp.zeros((B, Hkv, 1, d), jnp.float32)  # noqa: E731
+    none_seen = KVMState(keys=zeros(state.keys.shape[-1]), values=zeros(state.values.shape[-1]),
+                         radius=jnp.zeros((B, Hkv, 1), jnp.float32), num_rows=state.num_rows)
+    keys, values = state_readout(none_seen, params, cfg, G)
+    valid = np.zeros((1, 1), bool)
+  return plan.ops.attend(q_c, keys, values, valid, win_k, win_v, window_valid[:, None, None],
+                         state_temp, window_temp)
+
+
+def _chunk_readout(plan: ScanPlan, params: KVMParams, state: KVMState, c, base, win_start,
+                   q_src, k_src, v_src, q_pos: Array, skip_unseen_state: bool):
+  """``(y, (leaving_k, leaving_v), readout)`` of layout chunk ``c``: its readout
+  (:func:`_attend_chunk`), the chunk leaving its window (the window's first ``C`` slots) and the
+  state's readout keys and values (what the fold routes against)."""
+  C, nb = plan.cfg.chunk_size, plan.cfg.window_chunks
+  readout = state_readout(state, params, plan.cfg, plan.dims(q_src)[3])
+  q_c = lambda: slice_time(q_src, (c - base) * C, C, 1)  # noqa: E731
+  window = lambda: tuple(window_slice(x, win_start, nb * C, 1)[0]  # noqa: E731
+                         for x in (k_src, v_src))
+  if skip_unseen_state:
+    # Each branch slices its window and queries itself: made outside the cond, they would be
+    # materialized as its operands instead of fused into the readout (a copy per chunk). The
+    # leaving chunk is sliced apart (the forward pass: nothing transposes it).
+    y = jax.lax.cond(jnp.any(q_pos >= C * nb),
+                     lambda: _attend_chunk(plan, params, state, q_c(), *window(), q_pos, readout),
+                     lambda: _attend_chunk(plan, params, state, q_c(), *window(), q_pos, None))
+    return y, tuple(slice_time(x, win_start, C, 1) for x in (k_src, v_src)), readout
+  # One window slice serves the readout and the fold: under autodiff a second slice of the
+  # block would transpose into a second block-sized zero buffer.
+  win_k, win_v = window()
+  y = _attend_chunk(plan, params, state, q_c(), win_k, win_v, q_pos, readout)
+  return y, (win_k[:, :C], win_v[:, :C]), readout
+
+
 def _document_chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState, c,
                     base: int | Array, k_lead: int, q_src, k_src, v_src, g_src, routing_c,
                     extra):
@@ -203,51 +260,8 @@ def _document_chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState
   win_start = (c - base) * C + k_lead - plan.overlap
   document, pos, length = (window_slice(x, win_start, nb * C, 1)[0] for x in numbers)   # [B, W]
   q_pos = pos[:, -C:]
-  sees_state = q_pos >= L                                                     # [B, C]
-
-  def window():
-    return tuple(window_slice(x, win_start, nb * C, 1)[0] for x in (k_src, v_src))
-
-  def attend(with_state: bool, win_k, win_v, readout):
-    q_c = slice_time(q_src, (c - base) * C, C, 1)
-    state_temp, window_temp = temperatures(params, cfg, Hkv)
-    W = pos.shape[1]
-    q_slot = W - C + jnp.arange(C)                                             # [C]
-    first_visible = q_slot[None] - q_pos + jnp.maximum(0, (q_pos // C - nb + 1) * C)  # [B, C]
-    slot = jnp.arange(W)
-    window_valid = ((slot[None, None, :] >= first_visible[:, :, None])
-                    & (slot[None, :] <= q_slot[:, None])[None])               # [B, C, W]
-    if with_state:
-      state_rows = jnp.where(sees_state, state.num_rows[:, None], 0)          # [B, C]
-      state_valid = jnp.arange(R)[None, None, :] < state_rows[:, :, None]     # [B, C, R]
-      keys, values = readout
-      valid = state_valid[:, None, None]
-    else:
-      # One masked zero row stands in for the state (as in the plain scan's front): no query
-      # of this chunk reads the state, and its R columns would cost as much as the window's.
-      zeros = lambda d: jnp.zeros((B, Hkv, 1, d), jnp.float32)  # noqa: E731
-      none_seen = KVMState(keys=zeros(state.keys.shape[-1]),
-                           values=zeros(state.values.shape[-1]),
-                           radius=jnp.zeros((B, Hkv, 1), jnp.float32), num_rows=state.num_rows)
-      keys, values = state_readout(none_seen, params, cfg, G)
-      valid = np.zeros((1, 1), bool)
-    return ops.attend(q_c, keys, values, valid, win_k, win_v, window_valid[:, None, None],
-                      state_temp, window_temp)
-
-  readout = state_readout(state, params, cfg, G)
-  if skip_unseen_state:
-    # Each branch slices its window and reads the state itself: made outside the cond, they
-    # would be materialized as its operands instead of fused into the readout (a copy per
-    # chunk). The fold below slices its leaving chunk apart (the forward pass: no transpose).
-    y = jax.lax.cond(jnp.any(sees_state), lambda: attend(True, *window(), readout),
-                     lambda: attend(False, *window(), None))
-    leaving_k, leaving_v = (slice_time(x, win_start, C, 1) for x in (k_src, v_src))
-  else:
-    # One window slice and one readout serve the attention and the fold: under autodiff a
-    # second slice of the block would transpose into a second block-sized zero buffer.
-    win_k, win_v = window()
-    y = attend(True, win_k, win_v, readout)
-    leaving_k, leaving_v = win_k[:, :C], win_v[:, :C]
+  y, (leaving_k, leaving_v), readout = _chunk_readout(
+      plan, params, state, c, base, win_start, q_src, k_src, v_src, q_pos, skip_unseen_state)
   y = y.reshape(B, C, Hkv * G, y.shape[-1]).astype(plan.out_dtype)
   none = jnp.full((B, Hkv, C), R, jnp.int32)
   if not run.update:
