@@ -355,10 +355,11 @@ def _forward(plan: ScanPlan, params, state0, sources, layout: DocumentLayout):
     d = tuple(jax.lax.dynamic_update_slice_in_dim(buf, x, first, 0) for buf, x in zip(d, d_j))
     return state, out, starts, d
 
-  # The readout skips the state where no query of a chunk reads it on CPU, where that measured
-  # 0.90-0.95x the time of a log-normal mix's forward pass (and 1.02-1.05x with one document per
-  # row, whose first chunks alone skip; T = 4096 and 16384). Not on accelerators: an XLA:GPU
-  # conditional reads its predicate back to the host, and the fold already has one per chunk.
+  # The readout skips the state where no query of a chunk reads it on CPU, where that took a
+  # log-normal mix's forward pass from 1.16-1.23x to 1.01-1.11x the plain op's time, at about
+  # 1.04x for one document per row, whose first chunks alone skip (T = 4096 and 16384). Not on
+  # accelerators: an XLA:GPU conditional reads its predicate back to the host, and the fold
+  # already has one per chunk.
   skip_unseen_state = current_platform() == "cpu"
   state = _state(state0 + (jnp.zeros((B,), jnp.int32),))      # no document has rows yet
   starts = tuple(jnp.zeros((blocks,) + x.shape, x.dtype) for x in _arrays(state))
@@ -409,10 +410,11 @@ def _scan_bwd(plan, residuals, cotangents):
     B, _, H, Dv = dy_blk.shape
     num_rows = state_in[3]
 
-    # The readout of every chunk reads the state's rows here, masked where no query sees them:
-    # under jax.vjp the forward pass's lax.cond that skips them keeps the residuals of both
-    # branches, and it measured slower (one document per row, T = 4096, CPU: forward +
-    # backward 1.18x -> 1.27x the plain scan's time; a log-normal mix 1.39x -> 1.28x).
+    # The readout of every chunk reads the state's rows here, masked where no query sees them.
+    # The forward pass's skip, under jax.vjp, took one document per row from 1.18x to 1.27x
+    # the plain scan's forward + backward time at T = 4096 (a log-normal mix 1.39x -> 1.28x);
+    # with each branch rematerialized (jax.checkpoint), from 1.06x to 1.21x at T = 16384 (the
+    # mix 1.24x -> 1.15x): the conditional costs every chunk more than its skip saves a few.
     def f(state_arrays, params, *blocks):
       state, y, _ = scan_chunks(plan, run, params, _state(state_arrays + (num_rows,)), first, S,
                                 first, overlap, *blocks, given, remat_chunks=True,
