@@ -33,6 +33,8 @@ from kvm_jax.row_plan import plan_rows
 
 #: The issue's target for every ratio below: documents cost at most 15 % more.
 TARGET = 1.15
+#: Median document length (tokens) of the log-normal mixes (σ = 1), ``kvm-bench``'s default.
+MEDIAN_LENGTH = 600
 
 
 def lognormal_lengths(total: int, median: int, seed: int) -> np.ndarray:
@@ -42,6 +44,12 @@ def lognormal_lengths(total: int, median: int, seed: int) -> np.ndarray:
   while sum(lengths) < total:
     lengths.append(max(1, int(rng.lognormal(np.log(median), 1.0))))
   return np.asarray(lengths)
+
+
+def mixed_rows(batch: int, T: int, median: int = MEDIAN_LENGTH) -> np.ndarray:
+  """``[batch, T]`` segment ids of the op comparison's mix: log-normal lengths (seeded by ``T``)
+  packed as ``documents`` packing packs them. The device check times the same rows."""
+  return packed_segments(lognormal_lengths(batch * T * 2, median, T), batch, T)
 
 
 def packed_segments(lengths: np.ndarray, batch: int, width: int) -> np.ndarray:
@@ -80,7 +88,7 @@ def op_rows(lengths_to_time, batch: int, heads: int, head_dim: int, dtype, media
   for T in lengths_to_time:
     q, k, v, g = random_inputs(0, batch, T, heads, heads, head_dim, head_dim, dtype)
     one = jnp.ones((batch, T), jnp.int32)
-    mix = jnp.asarray(packed_segments(lognormal_lengths(batch * T * 2, median, T), batch, T))
+    mix = jnp.asarray(mixed_rows(batch, T, median))
     # Every array is an argument: a closed-over array becomes a constant of the compiled program
     # (gigabytes at the paper's shape, which XLA:GPU then takes minutes to compile).
     forward = jax.jit(lambda q, k, v, g, s: kj.kvm_attention(q, k, v, g, params, cfg,

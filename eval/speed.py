@@ -444,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "the medians of interleaved rounds, with the ratio of the minima beside them)")
   g.add_argument("--doc-lengths", type=_lengths, default=[4096, 16384], metavar="T,...",
                  help="row lengths of the op comparison (default: 4096,16384)")
-  g.add_argument("--doc-median", type=int, default=600,
+  g.add_argument("--doc-median", type=int, default=documents_speed.MEDIAN_LENGTH,
                  help="median document length of the log-normal mix (default: 600 tokens)")
   g.add_argument("--doc-step-len", type=int, default=4096,
                  help="row length of the train-step comparison (default: 4096)")

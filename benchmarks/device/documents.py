@@ -21,15 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvm_jax as kj
-from kvm_jax.eval.documents_speed import lognormal_lengths, packed_segments
+from kvm_jax.eval.documents_speed import MEDIAN_LENGTH, mixed_rows
 from kvm_jax.eval.timing import interleaved_times
 from kvm_jax.ops.documents import documents_alone, segment_ids_from_lengths
 from kvm_jax.ops.kvm.cases import TOLERANCE, random_inputs, random_params, rel_rms
 
 from benchmarks.device.measure import Context, kvm_config
 from benchmarks.device.records import SCAN_KERNELS, Recorder, Task
-
-MEDIAN_LENGTH = 600   # tokens: the median of the log-normal mix (sigma = 1), as kvm-bench's
 
 
 def exact_layout(T: int, C: int) -> tuple[list[int], list[int]]:
@@ -99,7 +97,7 @@ def _timing(ctx: Context, backward: bool) -> dict:
   params = kj.KVMParams.init(D, H)
   w = jax.random.normal(jax.random.PRNGKey(1), q.shape, jnp.float32)
   one = jnp.ones((B, T), jnp.int32)
-  mix = jnp.asarray(packed_segments(lognormal_lengths(B * T * 2, MEDIAN_LENGTH, T), B, T))
+  mix = jnp.asarray(mixed_rows(B, T))
   # Every array is an argument: closed over, it would be a constant of the program (gigabytes
   # here, which XLA:GPU takes minutes to compile).
   if backward:
