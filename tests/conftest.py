@@ -9,10 +9,39 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Test programs are tiny: XLA's optimization passes dominate their compile time and buy nothing at
+# run time. scripts/nightly.sh runs the suite with KVM_TEST_FAST_COMPILE=0 (fully optimized, XLA's
+# default code generation).
+FAST_COMPILE = os.environ.get("KVM_TEST_FAST_COMPILE", "1") == "1"
+
+# XLA:CPU's fusion emitters (MLIR, its default) take about twice as long to compile a test's
+# programs as the elemental emitter they replaced (a 4-layer model's gradient: 5.9 s -> 4.0 s,
+# tests/test_documents.py 130 s -> 74 s on 2 workers), which still emits every fusion. An XLA that
+# does not know a flag aborts the process, so it is passed only where a probe process accepted it;
+# the controller probes once and its xdist workers and subprocesses inherit the answer.
+FAST_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_accepts(flags: str) -> bool:
+  probe = "import jax, jax.numpy as jnp; jnp.zeros(1).block_until_ready()"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+  return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                        timeout=120).returncode == 0
+
+
+if FAST_COMPILE and "KVM_TEST_XLA_FLAGS" not in os.environ:
+  os.environ["KVM_TEST_XLA_FLAGS"] = FAST_XLA_FLAGS if _xla_accepts(FAST_XLA_FLAGS) else ""
+#: The XLA flags of every test process (this one and its subprocesses): see FAST_XLA_FLAGS.
+TEST_XLA_FLAGS = os.environ.get("KVM_TEST_XLA_FLAGS", "") if FAST_COMPILE else ""
+if TEST_XLA_FLAGS and TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +55,6 @@ from kvm_jax.runs import logits_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Test programs are tiny: XLA's optimization passes dominate their compile time and buy nothing at
-# run time. scripts/nightly.sh runs the suite with KVM_TEST_FAST_COMPILE=0 (fully optimized).
-FAST_COMPILE = os.environ.get("KVM_TEST_FAST_COMPILE", "1") == "1"
 if FAST_COMPILE:
   jax.config.update("jax_disable_most_optimizations", True)
 
@@ -67,12 +93,12 @@ def subprocess_env(tmp_root, devices: int = 1, **extra: str) -> dict:
   """The environment of a test's Python subprocess (a ``kvm-train`` run, a multi-process job).
 
   CPU with ``devices`` host devices, the repository first on the path, the same fast compilation
-  as this process (see above), and the session's persistent compilation cache (see
+  and XLA flags as this process (see above), and the session's persistent compilation cache (see
   :func:`pytest_configure`; else one under ``tmp_root``): the runs of one test (straight, killed,
   resumed) compile the same step programs, and only the first pays for it. A cache hit loads the
   very executable the first run compiled, so bitwise comparisons between runs are unaffected."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), **extra)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {TEST_XLA_FLAGS}".strip()
   env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true" if FAST_COMPILE else "false"
   env["JAX_COMPILATION_CACHE_DIR"] = os.environ.get("KVM_TEST_CACHE_DIR",
                                                    str(tmp_root / "jax-cache"))

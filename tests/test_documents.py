@@ -25,7 +25,7 @@ import pytest
 from flax import nnx
 
 import kvm_jax as kj
-from tests.conftest import forward, in_ci, make_model
+from tests.conftest import FAST_COMPILE, TEST_XLA_FLAGS, forward, in_ci, make_model
 from kvm_jax.budget import FixedBudget, PowerLawBudget, SaturatingBudget
 from kvm_jax.config import KVMConfig
 from kvm_jax.ops.documents import (WindowRule, document_attention, document_spans,
@@ -492,7 +492,9 @@ def test_bf16_documents_are_as_close_to_alone_as_bf16_is_to_float32():
 # Logits with segment_ids unset, written by the tree before documents existed (commit 2e2c846) with
 # exactly the models and tokens of ``_none_path_logits`` below, on a 2-core AMD EPYC without
 # AVX-512 (the development machine's CPU on 2026-12-04; an earlier fixture, written on another
-# CPU, differed from it by up to 1.1e-6 with the same jax).
+# CPU, differed from it by up to 1.1e-6 with the same jax), compiled as the tests compile
+# (``fast_compile`` and ``xla_flags``: tests/conftest.py; XLA's default emitters moved these
+# logits by up to 7.7e-7).
 NONE_PATH_FIXTURE = Path(__file__).parent / "data" / "documents" / "none_path_logits.npz"
 NONE_PATH_MODELS = {"kvm": dict(mixers="kvm"),
                     "softmax_kvm": dict(mixers="full,swa,bswa,kvm", num_layers=4),
@@ -523,15 +525,17 @@ def _none_path_logits(name: str, tokens) -> np.ndarray:
 @pytest.mark.parametrize("name", list(NONE_PATH_MODELS))
 def test_without_segment_ids_logits_are_bitwise_those_before_documents(name):
   """Documents add code paths, not changes: with ``segment_ids`` unset every kind computes
-  bit for bit what it computed before, on the fixture's build (jax version, platform and CPU
-  vector instruction sets). Elsewhere XLA's own rounding differs, and the logits must agree to
-  float32 rounding (rtol 1e-5 with atol 1e-6 on logits of size ~1: between two CPU types the
-  difference measured 1.1e-6 at most, inside this)."""
+  bit for bit what it computed before, on the fixture's build (jax version, platform, CPU
+  vector instruction sets and the tests' compile settings). Elsewhere XLA's own rounding
+  differs, and the logits must agree to float32 rounding (rtol 1e-5 with atol 1e-6 on logits of
+  size ~1: between two CPU types the difference measured 1.1e-6 at most, inside this)."""
   fixture = np.load(NONE_PATH_FIXTURE)
   logits = _none_path_logits(name, fixture["tokens"])
   same_build = (str(fixture["jax_version"]) == jax.__version__
                 and str(fixture["platform"]) == jax.devices()[0].platform
-                and str(fixture["cpu_vector_isa"]) == cpu_vector_isa())
+                and str(fixture["cpu_vector_isa"]) == cpu_vector_isa()
+                and bool(fixture["fast_compile"]) == FAST_COMPILE
+                and str(fixture["xla_flags"]) == TEST_XLA_FLAGS)
   if same_build:
     np.testing.assert_array_equal(logits, fixture[name])
   else:

@@ -121,8 +121,14 @@ def test_frozen_parameters_get_no_gradient(tiny):
   _, _, got = jax.jit(lambda p: objective_and_grads(objective, graphdef, p, batch, None,
                                                     cfg.grad_accum_steps))(params)
   _, want = jax.jit(lambda p: loop.loss_and_grads(graphdef, p, batch, cfg))(params)
+  # The two programs differ (the frozen leaves' gradients are not computed), so XLA may fuse and
+  # order the shared sums differently: the trainable leaves agree to float32 rounding (measured
+  # 2.4e-7 at most on gradients of size ~0.1); a frozen leaf's gradient is exactly zero.
   for keep, a, b in zip(jax.tree_util.tree_leaves(trainable), leaves(got), leaves(want)):
-    np.testing.assert_array_equal(a, b if keep else np.zeros_like(b))
+    if keep:
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    else:
+      np.testing.assert_array_equal(a, np.zeros_like(b))
 
 
 def test_metrics_of_an_objective_may_not_shadow_the_steps_own(tiny):
