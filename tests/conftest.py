@@ -32,8 +32,11 @@ FAST_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false"
 def _xla_accepts(flags: str) -> bool:
   probe = "import jax, jax.numpy as jnp; jnp.zeros(1).block_until_ready()"
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
-  return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
-                        timeout=120).returncode == 0
+  try:
+    return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                          timeout=120).returncode == 0
+  except subprocess.TimeoutExpired:
+    return False
 
 
 if FAST_COMPILE and "KVM_TEST_XLA_FLAGS" not in os.environ:
@@ -42,6 +45,11 @@ if FAST_COMPILE and "KVM_TEST_XLA_FLAGS" not in os.environ:
 TEST_XLA_FLAGS = os.environ.get("KVM_TEST_XLA_FLAGS", "") if FAST_COMPILE else ""
 if TEST_XLA_FLAGS and TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
+
+def subprocess_xla_flags(devices: int) -> str:
+  """``XLA_FLAGS`` of a test's subprocess: ``devices`` CPU devices and :data:`TEST_XLA_FLAGS`."""
+  return f"--xla_force_host_platform_device_count={devices} {TEST_XLA_FLAGS}".strip()
 
 import jax
 import jax.numpy as jnp
@@ -98,7 +106,7 @@ def subprocess_env(tmp_root, devices: int = 1, **extra: str) -> dict:
   resumed) compile the same step programs, and only the first pays for it. A cache hit loads the
   very executable the first run compiled, so bitwise comparisons between runs are unaffected."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), **extra)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {TEST_XLA_FLAGS}".strip()
+  env["XLA_FLAGS"] = subprocess_xla_flags(devices)
   env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true" if FAST_COMPILE else "false"
   env["JAX_COMPILATION_CACHE_DIR"] = os.environ.get("KVM_TEST_CACHE_DIR",
                                                    str(tmp_root / "jax-cache"))

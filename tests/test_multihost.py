@@ -27,7 +27,7 @@ from kvm_jax.runs.directory import load_trained, logits_fn
 from kvm_jax.runs.launch import free_local_port
 from kvm_jax.train import loop
 from kvm_jax.train.main import main
-from tests.conftest import TEST_XLA_FLAGS
+from tests.conftest import subprocess_xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config=train/configs/tiny_mqar.py", "--config.steps=8", "--config.warmup_steps=2",
@@ -40,7 +40,7 @@ TIMEOUT = 400
 def _env(devices: int) -> dict:
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
              JAX_DISABLE_MOST_OPTIMIZATIONS="true")  # tiny programs: compile fast
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {TEST_XLA_FLAGS}".strip()
+  env["XLA_FLAGS"] = subprocess_xla_flags(devices)
   return env
 
 
