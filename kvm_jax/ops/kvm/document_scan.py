@@ -178,12 +178,13 @@ def _whole_blocks(layout: DocumentLayout, chunks: int, seq_len: int, cfg: KVMCon
   return layout._replace(offset=pad(layout.offset, seq_len), count=pad(layout.count, 0))
 
 
-def _attend_chunk(plan: ScanPlan, params: KVMParams, state: KVMState, q_c, win_k, win_v,
+def _attend_chunk(plan: ScanPlan, params: KVMParams, num_rows: Array, q_c, win_k, win_v,
                   q_pos: Array, readout) -> Array:
   """One layout chunk's readout, ``[B, C, Hkv, G, Dv]`` float32: queries ``q_c`` at document
   positions ``q_pos [B, C]`` against their window ``win_k`` / ``win_v`` (``nb·C`` slots) and,
-  where ``readout`` (the state's readout keys and values) is given, the state's rows from
-  document position ``window_chunks·C`` on; with ``readout=None`` no query reads the state."""
+  where ``readout`` (the state's readout keys and values, ``num_rows [B]`` of them valid) is
+  given, the state's rows from document position ``window_chunks·C`` on; with ``readout=None``
+  no query reads the state."""
   cfg = plan.cfg
   C, nb, R = cfg.chunk_size, cfg.window_chunks, plan.capacity
   B, _, Hkv, G = plan.dims(q_c)
@@ -195,43 +196,77 @@ def _attend_chunk(plan: ScanPlan, params: KVMParams, state: KVMState, q_c, win_k
   window_valid = ((slot[None, None, :] >= first_visible[:, :, None])
                   & (slot[None, :] <= q_slot[:, None])[None])                 # [B, C, W]
   if readout is not None:
-    state_rows = jnp.where(q_pos >= C * nb, state.num_rows[:, None], 0)       # [B, C]
+    state_rows = jnp.where(q_pos >= C * nb, num_rows[:, None], 0)             # [B, C]
     keys, values = readout
     valid = (jnp.arange(R)[None, None, :] < state_rows[:, :, None])[:, None, None]
   else:
     # One masked zero row stands in for the state (as in the plain scan's front): no query of
     # this chunk reads the state, and its R columns would cost as much as the window's.
     zeros = lambda d: jnp.zeros((B, Hkv, 1, d), jnp.float32)  # noqa: E731
-    none_seen = KVMState(keys=zeros(state.keys.shape[-1]), values=zeros(state.values.shape[-1]),
-                         radius=jnp.zeros((B, Hkv, 1), jnp.float32), num_rows=state.num_rows)
+    none_seen = KVMState(keys=zeros(win_k.shape[-1]), values=zeros(win_v.shape[-1]),
+                         radius=jnp.zeros((B, Hkv, 1), jnp.float32), num_rows=num_rows)
     keys, values = state_readout(none_seen, params, cfg, G)
     valid = np.zeros((1, 1), bool)
   return plan.ops.attend(q_c, keys, values, valid, win_k, win_v, window_valid[:, None, None],
                          state_temp, window_temp)
 
 
+def _reads_state(plan: ScanPlan, q_pos: Array) -> Array:
+  """Whether any query of the chunk, in any row, reads the state (document position >= L)."""
+  return jnp.any(q_pos >= plan.cfg.chunk_size * plan.cfg.window_chunks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _state_skipping_readout(plan: ScanPlan, params, num_rows, q_c, win_k, win_v, q_pos, readout):
+  """:func:`_attend_chunk`, with the state's columns left out where no query of the chunk reads
+  them (a ``lax.cond``). Its backward pass is a conditional between the two branches' own VJPs:
+  differentiating the conditional itself made the forward keep both branches' residuals and the
+  backward transpose the conditional, which cost more than the skip saved (docs/kvm-spec.md
+  §12)."""
+  return jax.lax.cond(
+      _reads_state(plan, q_pos),
+      lambda: _attend_chunk(plan, params, num_rows, q_c, win_k, win_v, q_pos, readout),
+      lambda: _attend_chunk(plan, params, num_rows, q_c, win_k, win_v, q_pos, None))
+
+
+def _state_skipping_readout_fwd(plan, params, num_rows, q_c, win_k, win_v, q_pos, readout):
+  y = _state_skipping_readout(plan, params, num_rows, q_c, win_k, win_v, q_pos, readout)
+  return y, (params, num_rows, q_c, win_k, win_v, q_pos, readout)
+
+
+def _state_skipping_readout_bwd(plan, residuals, dy):
+  params, num_rows, q_c, win_k, win_v, q_pos, readout = residuals
+
+  def with_state():
+    attend = lambda p, q, k, v, r: _attend_chunk(plan, p, num_rows, q, k, v, q_pos, r)  # noqa: E731
+    return jax.vjp(attend, params, q_c, win_k, win_v, readout)[1](dy)
+
+  def without_state():
+    attend = lambda p, q, k, v: _attend_chunk(plan, p, num_rows, q, k, v, q_pos, None)  # noqa: E731
+    return (jax.vjp(attend, params, q_c, win_k, win_v)[1](dy)
+            + (jax.tree_util.tree_map(jnp.zeros_like, readout),))
+
+  d_params, d_q, d_k, d_v, d_readout = jax.lax.cond(_reads_state(plan, q_pos), with_state,
+                                                    without_state)
+  return d_params, None, d_q, d_k, d_v, None, d_readout
+
+
+_state_skipping_readout.defvjp(_state_skipping_readout_fwd, _state_skipping_readout_bwd)
+
+
 def _chunk_readout(plan: ScanPlan, params: KVMParams, state: KVMState, c, base, win_start,
                    q_src, k_src, v_src, q_pos: Array, skip_unseen_state: bool):
   """``(y, (leaving_k, leaving_v), readout)`` of layout chunk ``c``: its readout
-  (:func:`_attend_chunk`), the chunk leaving its window (the window's first ``C`` slots) and the
-  state's readout keys and values (what the fold routes against)."""
+  (:func:`_attend_chunk`; :func:`_state_skipping_readout` with ``skip_unseen_state``), the chunk
+  leaving its window (the window's first ``C`` slots) and the state's readout keys and values
+  (what the fold routes against). One window slice serves the readout and the fold: under
+  autodiff a second slice of the block would transpose into a second block-sized zero buffer."""
   C, nb = plan.cfg.chunk_size, plan.cfg.window_chunks
   readout = state_readout(state, params, plan.cfg, plan.dims(q_src)[3])
-  q_c = lambda: slice_time(q_src, (c - base) * C, C, 1)  # noqa: E731
-  window = lambda: tuple(window_slice(x, win_start, nb * C, 1)[0]  # noqa: E731
-                         for x in (k_src, v_src))
-  if skip_unseen_state:
-    # Each branch slices its window and queries itself: made outside the cond, they would be
-    # materialized as its operands instead of fused into the readout (a copy per chunk). The
-    # leaving chunk is sliced apart (the forward pass: nothing transposes it).
-    y = jax.lax.cond(jnp.any(q_pos >= C * nb),
-                     lambda: _attend_chunk(plan, params, state, q_c(), *window(), q_pos, readout),
-                     lambda: _attend_chunk(plan, params, state, q_c(), *window(), q_pos, None))
-    return y, tuple(slice_time(x, win_start, C, 1) for x in (k_src, v_src)), readout
-  # One window slice serves the readout and the fold: under autodiff a second slice of the
-  # block would transpose into a second block-sized zero buffer.
-  win_k, win_v = window()
-  y = _attend_chunk(plan, params, state, q_c(), win_k, win_v, q_pos, readout)
+  q_c = slice_time(q_src, (c - base) * C, C, 1)
+  win_k, win_v = (window_slice(x, win_start, nb * C, 1)[0] for x in (k_src, v_src))
+  attend = _state_skipping_readout if skip_unseen_state else _attend_chunk
+  y = attend(plan, params, state.num_rows, q_c, win_k, win_v, q_pos, readout)
   return y, (win_k[:, :C], win_v[:, :C]), readout
 
 
@@ -242,8 +277,8 @@ def _document_chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState
   sources) with per-row document structure. ``extra = (numbers, skip_unseen_state)``:
   ``numbers`` = the slots' ``(document, position, length)``, ``[B, ·]`` each, placed like
   ``k_src``; ``skip_unseen_state`` (static): where no query of the chunk in any row reads the
-  state (every document's first ``window_chunks`` chunks), attend to the window alone, under a
-  ``lax.cond``.
+  state (every document's first ``window_chunks`` chunks), attend to the window alone
+  (:func:`_state_skipping_readout`).
 
   A query sees the keys of its own document that the block-window rule on document positions
   allows (documents are contiguous, so that is one run of window slots: from its document's
@@ -326,6 +361,17 @@ def _arrays(state: KVMState) -> tuple:
   return (state.keys, state.values, state.radius, state.num_rows)
 
 
+def _skips_unseen_state() -> bool:
+  """Whether the readout skips the state where no query of a chunk reads it
+  (:func:`_state_skipping_readout`): on CPU, where it took a log-normal mix (median 600 tokens)
+  from 1.16-1.23x to 1.0-1.1x the plain op's time forward, and from 1.37x / 1.19x to 1.18x /
+  1.07x forward + backward (T = 4096 / 16384); one document per row, whose first two chunks
+  alone skip, pays for the conditionals (forward + backward 1.07x -> 1.13x at T = 16384, the
+  same at 4096). Not on accelerators: an XLA:GPU conditional reads its predicate back to the
+  host, and the fold already has one per chunk."""
+  return current_platform() == "cpu"
+
+
 def _forward(plan: ScanPlan, params, state0, sources, layout: DocumentLayout):
   """The layout's chunks in blocks of ``plan.block`` (the layout is whole blocks), in a loop of
   as many blocks as the rows hold tokens for (a row uses a fraction of the layout's capacity),
@@ -355,12 +401,7 @@ def _forward(plan: ScanPlan, params, state0, sources, layout: DocumentLayout):
     d = tuple(jax.lax.dynamic_update_slice_in_dim(buf, x, first, 0) for buf, x in zip(d, d_j))
     return state, out, starts, d
 
-  # The readout skips the state where no query of a chunk reads it on CPU, where that took a
-  # log-normal mix's forward pass from 1.16-1.23x to 1.01-1.11x the plain op's time, at about
-  # 1.04x for one document per row, whose first chunks alone skip (T = 4096 and 16384). Not on
-  # accelerators: an XLA:GPU conditional reads its predicate back to the host, and the fold
-  # already has one per chunk.
-  skip_unseen_state = current_platform() == "cpu"
+  skip_unseen_state = _skips_unseen_state()
   state = _state(state0 + (jnp.zeros((B,), jnp.int32),))      # no document has rows yet
   starts = tuple(jnp.zeros((blocks,) + x.shape, x.dtype) for x in _arrays(state))
   none = jnp.full((blocks * S, B, Hkv, C), plan.capacity, jnp.int32)
@@ -398,6 +439,7 @@ def _scan_bwd(plan, residuals, cotangents):
            jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, f32), params), grads0)
 
   (run,) = plan.runs
+  skip_unseen_state = _skips_unseen_state()
 
   def block_grad(carry, first, state_in, given):
     d_state, heads, dparams, grads = carry
@@ -410,15 +452,10 @@ def _scan_bwd(plan, residuals, cotangents):
     B, _, H, Dv = dy_blk.shape
     num_rows = state_in[3]
 
-    # The readout of every chunk reads the state's rows here, masked where no query sees them.
-    # The forward pass's skip, under jax.vjp, took one document per row from 1.18x to 1.27x
-    # the plain scan's forward + backward time at T = 4096 (a log-normal mix 1.39x -> 1.28x);
-    # with each branch rematerialized (jax.checkpoint), from 1.06x to 1.21x at T = 16384 (the
-    # mix 1.24x -> 1.15x): the conditional costs every chunk more than its skip saves a few.
     def f(state_arrays, params, *blocks):
       state, y, _ = scan_chunks(plan, run, params, _state(state_arrays + (num_rows,)), first, S,
                                 first, overlap, *blocks, given, remat_chunks=True,
-                                extra=(numbers, False))
+                                extra=(numbers, skip_unseen_state))
       return y, (state.keys, state.values, state.radius)
 
     _, vjp = jax.vjp(f, state_in[:3], params, *blocks)
