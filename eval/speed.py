@@ -445,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--doc-lengths", type=_lengths, default=[4096, 16384], metavar="T,...",
                  help="row lengths of the op comparison (default: 4096,16384)")
   g.add_argument("--doc-median", type=int, default=documents_speed.MEDIAN_LENGTH,
-                 help="median document length of the log-normal mix (default: 600 tokens)")
+                 help="median document length of the log-normal mix (default: %(default)s tokens)")
   g.add_argument("--doc-step-len", type=int, default=4096,
                  help="row length of the train-step comparison (default: 4096)")
   p.add_argument("--json", default=None, help="write all measurements to this JSON file")

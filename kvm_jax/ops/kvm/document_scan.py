@@ -36,7 +36,7 @@ from kvm_jax.config import KVMConfig
 from kvm_jax.ops.common import current_platform
 from kvm_jax.ops.documents import Documents
 from kvm_jax.ops.kvm.scan import (XLA_OPS, ChunkOps, Run, ScanPlan, complete_block_rows,
-                                  scan_chunks, slice_time, window_slice)
+                                  no_state_readout, scan_chunks, slice_time, window_slice)
 from kvm_jax.ops.kvm.state import KVMParams, KVMState, state_readout, temperatures, token_rows
 
 Array = jax.Array
@@ -200,12 +200,8 @@ def _attend_chunk(plan: ScanPlan, params: KVMParams, num_rows: Array, q_c, win_k
     keys, values = readout
     valid = (jnp.arange(R)[None, None, :] < state_rows[:, :, None])[:, None, None]
   else:
-    # One masked zero row stands in for the state (as in the plain scan's front): no query of
-    # this chunk reads the state, and its R columns would cost as much as the window's.
-    zeros = lambda d: jnp.zeros((B, Hkv, 1, d), jnp.float32)  # noqa: E731
-    none_seen = KVMState(keys=zeros(win_k.shape[-1]), values=zeros(win_v.shape[-1]),
-                         radius=jnp.zeros((B, Hkv, 1), jnp.float32), num_rows=num_rows)
-    keys, values = state_readout(none_seen, params, cfg, G)
+    # No query of this chunk reads the state, whose R columns would cost as much as the window's.
+    keys, values = no_state_readout(params, cfg, B, Hkv, G, win_k.shape[-1], win_v.shape[-1])
     valid = np.zeros((1, 1), bool)
   return plan.ops.attend(q_c, keys, values, valid, win_k, win_v, window_valid[:, None, None],
                          state_temp, window_temp)
@@ -255,9 +251,10 @@ _state_skipping_readout.defvjp(_state_skipping_readout_fwd, _state_skipping_read
 
 
 def _chunk_readout(plan: ScanPlan, params: KVMParams, state: KVMState, c, base, win_start,
-                   q_src, k_src, v_src, q_pos: Array, skip_unseen_state: bool):
+                   q_src, k_src, v_src, q_pos: Array):
   """``(y, (leaving_k, leaving_v), readout)`` of layout chunk ``c``: its readout
-  (:func:`_attend_chunk`; :func:`_state_skipping_readout` with ``skip_unseen_state``), the chunk
+  (:func:`_state_skipping_readout` where :func:`_skips_unseen_state`, else
+  :func:`_attend_chunk`), the chunk
   leaving its window (the window's first ``C`` slots) and the state's readout keys and values
   (what the fold routes against). One window slice serves the readout and the fold: under
   autodiff a second slice of the block would transpose into a second block-sized zero buffer."""
@@ -265,20 +262,19 @@ def _chunk_readout(plan: ScanPlan, params: KVMParams, state: KVMState, c, base, 
   readout = state_readout(state, params, plan.cfg, plan.dims(q_src)[3])
   q_c = slice_time(q_src, (c - base) * C, C, 1)
   win_k, win_v = (window_slice(x, win_start, nb * C, 1)[0] for x in (k_src, v_src))
-  attend = _state_skipping_readout if skip_unseen_state else _attend_chunk
+  attend = _state_skipping_readout if _skips_unseen_state() else _attend_chunk
   y = attend(plan, params, state.num_rows, q_c, win_k, win_v, q_pos, readout)
   return y, (win_k[:, :C], win_v[:, :C]), readout
 
 
 def _document_chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState, c,
                     base: int | Array, k_lead: int, q_src, k_src, v_src, g_src, routing_c,
-                    extra):
+                    numbers):
   """Layout chunk ``c`` (the contract of :func:`kvm_jax.ops.kvm.scan._chunk`, time-major
-  sources) with per-row document structure. ``extra = (numbers, skip_unseen_state)``:
-  ``numbers`` = the slots' ``(document, position, length)``, ``[B, ·]`` each, placed like
-  ``k_src``; ``skip_unseen_state`` (static): where no query of the chunk in any row reads the
-  state (every document's first ``window_chunks`` chunks), attend to the window alone
-  (:func:`_state_skipping_readout`).
+  sources) with per-row document structure: ``numbers`` = the slots' ``(document, position,
+  length)``, ``[B, ·]`` each, placed like ``k_src``. Where no query of the chunk in any row
+  reads the state (every document's first ``window_chunks`` chunks), the readout may attend to
+  the window alone (:func:`_chunk_readout`).
 
   A query sees the keys of its own document that the block-window rule on document positions
   allows (documents are contiguous, so that is one run of window slots: from its document's
@@ -287,7 +283,6 @@ def _document_chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState
   of a document longer than the window resets the state to its tokens (docs/kvm-spec.md §6.5);
   a later one is folded in, with the schedule's appends for that chunk of the document, if the
   document goes on past this chunk; otherwise the state stays."""
-  numbers, skip_unseen_state = extra
   cfg, ops = plan.cfg, plan.ops
   C, nb, R = cfg.chunk_size, cfg.window_chunks, plan.capacity
   L = C * nb
@@ -296,7 +291,7 @@ def _document_chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState
   document, pos, length = (window_slice(x, win_start, nb * C, 1)[0] for x in numbers)   # [B, W]
   q_pos = pos[:, -C:]
   y, (leaving_k, leaving_v), readout = _chunk_readout(
-      plan, params, state, c, base, win_start, q_src, k_src, v_src, q_pos, skip_unseen_state)
+      plan, params, state, c, base, win_start, q_src, k_src, v_src, q_pos)
   y = y.reshape(B, C, Hkv * G, y.shape[-1]).astype(plan.out_dtype)
   none = jnp.full((B, Hkv, C), R, jnp.int32)
   if not run.update:
@@ -394,14 +389,13 @@ def _forward(plan: ScanPlan, params, state0, sources, layout: DocumentLayout):
     first = j * S
     chunk_sources, numbers = _block_sources(plan, first, S, sources, layout)
     state, ys, d_j = scan_chunks(plan, run, params, state, first, S, first, plan.overlap,
-                                 *chunk_sources, extra=(numbers, skip_unseen_state))
+                                 *chunk_sources, extra=numbers)
     y = jnp.moveaxis(ys, 0, 1).reshape(B, S * C, *ys.shape[3:])
     chunks = lambda x: jax.lax.dynamic_slice_in_dim(x, first + nb - 1, S, 1)  # noqa: E731
     out = _add_chunks(out, y, chunks(layout.offset), chunks(layout.count), C)
     d = tuple(jax.lax.dynamic_update_slice_in_dim(buf, x, first, 0) for buf, x in zip(d, d_j))
     return state, out, starts, d
 
-  skip_unseen_state = _skips_unseen_state()
   state = _state(state0 + (jnp.zeros((B,), jnp.int32),))      # no document has rows yet
   starts = tuple(jnp.zeros((blocks,) + x.shape, x.dtype) for x in _arrays(state))
   none = jnp.full((blocks * S, B, Hkv, C), plan.capacity, jnp.int32)
@@ -439,7 +433,6 @@ def _scan_bwd(plan, residuals, cotangents):
            jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, f32), params), grads0)
 
   (run,) = plan.runs
-  skip_unseen_state = _skips_unseen_state()
 
   def block_grad(carry, first, state_in, given):
     d_state, heads, dparams, grads = carry
@@ -455,7 +448,7 @@ def _scan_bwd(plan, residuals, cotangents):
     def f(state_arrays, params, *blocks):
       state, y, _ = scan_chunks(plan, run, params, _state(state_arrays + (num_rows,)), first, S,
                                 first, overlap, *blocks, given, remat_chunks=True,
-                                extra=(numbers, skip_unseen_state))
+                                extra=numbers)
       return y, (state.keys, state.values, state.radius)
 
     _, vjp = jax.vjp(f, state_in[:3], params, *blocks)

@@ -373,14 +373,10 @@ def _chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState, c, base
     y = attend(q_c, state_keys, state_values, state_valid, win_k, win_v,
                window_mask(nb, C, nb), state_temp, window_temp)
   else:
-    # The causal front sees no state: one masked zero row stands in for it (exact: its weight
-    # is exp(MASKED - max) = 0, and every query sees at least itself in the window). Reading all
-    # R rows only to mask them would cost R columns per query.
-    zeros = lambda d: jnp.zeros((B, Hkv, 1, d), jnp.float32)  # noqa: E731
-    no_state = KVMState(keys=zeros(k_src.shape[-1]), values=zeros(v_src.shape[-1]),
-                        radius=jnp.zeros((B, Hkv, 1), jnp.float32),
-                        num_rows=jnp.zeros((), jnp.int32))
-    row_keys, row_values = state_readout(no_state, params, cfg, G)
+    # The causal front sees no state: reading all R rows only to mask them would cost R
+    # columns per query.
+    row_keys, row_values = no_state_readout(params, cfg, B, Hkv, G, k_src.shape[-1],
+                                            v_src.shape[-1])
     y = attend(q_c, row_keys, row_values, np.zeros((1, 1), bool), win_k, win_v,
                window_mask(c, C, nb)[:, before:], state_temp, window_temp)
   if not plan.time_major:
@@ -397,6 +393,18 @@ def _chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState, c, base
                                 return_routing=True, may_append=run.may_append,
                                 head_major=not plan.time_major, rows_after=R if full else None)
   return state, y, decisions
+
+
+def no_state_readout(params, cfg: KVMConfig, batch: int, kv_heads: int, groups: int,
+                     key_dim: int, value_dim: int) -> tuple[Array, Array]:
+  """Readout keys and values of one zero state row, ``[B, Hkv, 1, ·]``: what a chunk whose
+  queries read no state attends to in the state's place, always masked (exact: its weight is
+  exp(MASKED - max) = 0, and every query sees at least itself in the window)."""
+  zeros = lambda d: jnp.zeros((batch, kv_heads, 1, d), jnp.float32)  # noqa: E731
+  no_state = KVMState(keys=zeros(key_dim), values=zeros(value_dim),
+                      radius=jnp.zeros((batch, kv_heads, 1), jnp.float32),
+                      num_rows=jnp.zeros((), jnp.int32))
+  return state_readout(no_state, params, cfg, groups)
 
 
 def scan_chunks(plan: ScanPlan, run: Run, params, state, first, count: int, base, k_lead: int,
