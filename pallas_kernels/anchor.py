@@ -74,6 +74,15 @@ def default_implementation(kc=None) -> Optional[str]:
   return None
 
 
+def _batch_mask(valid: Array, B: int, Tq: int, n: int) -> Array:
+  """A visibility mask ``[Tq, n]`` (or broadcastable), or one per batch row ``[B, 1, 1, Tq|1, n]``,
+  as tokamax's ``[B | 1, 1, Tq, n]``."""
+  valid = jnp.asarray(valid)
+  if valid.ndim <= 2:
+    return jnp.broadcast_to(valid, (Tq, n))[None, None]
+  return jnp.broadcast_to(valid, (B, 1, 1, Tq, n))[:, 0]
+
+
 def joint_attention_tokamax(q: Array, state_keys: Array, state_values: Array, state_valid: Array,
                             window_keys: Array, window_values: Array, window_valid: Array,
                             state_temp: Array, window_temp: Array, *, kc=None,
@@ -84,7 +93,8 @@ def joint_attention_tokamax(q: Array, state_keys: Array, state_values: Array, st
     q: ``[B, Tq, Hkv, G, D]`` queries (query head h = kv·G + g).
     state_keys / state_values: ``[B, Hkv, R, D]`` / ``[B, Hkv, R, Dv]`` readout state (float32);
       values may also be per query head, ``[B, Hkv, G, R, Dv]``.
-    state_valid: bool ``[Tq, R]`` (or broadcastable, e.g. ``[1, R]``).
+    state_valid: bool ``[Tq, R]`` (or broadcastable, e.g. ``[1, R]``), or per batch row
+      ``[B, 1, 1, Tq | 1, R]`` (rows at positions of their own).
     window_keys / window_values: ``[B, W, Hkv, D]`` / ``[B, W, Hkv, Dv]``.
     window_valid: bool ``[Tq, W]`` (or broadcastable).
     state_temp / window_temp: float32 ``[Hkv, G]`` key temperatures.
@@ -127,10 +137,10 @@ def joint_attention_tokamax(q: Array, state_keys: Array, state_values: Array, st
     keys = keys.reshape(B, R + W, Hkv * G, D)
     values = values.reshape(B, R + W, Hkv * G, Dv)
     queries = q.reshape(B, Tq, Hkv * G, D)
-  mask = jnp.concatenate([jnp.broadcast_to(state_valid, (Tq, R)),
-                          jnp.broadcast_to(window_valid, (Tq, W))], axis=1).astype(bool)
+  mask = jnp.concatenate([_batch_mask(state_valid, B, Tq, R),
+                          _batch_mask(window_valid, B, Tq, W)], axis=-1).astype(bool)
   y = tokamax.dot_product_attention(
       queries, keys.astype(key_dtype), values.astype(value_dtype),
-      mask=mask[None, None], scale=float(1.0 / np.sqrt(D)),
+      mask=mask, scale=float(1.0 / np.sqrt(D)),
       precision=precision_for(key_dtype), implementation=implementation)
   return y.reshape(B, Tq, Hkv, G, -1).astype(jnp.float32)

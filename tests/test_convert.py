@@ -165,7 +165,7 @@ def test_with_kvm_follows_kvm_schedule_and_shares_parameters():
     new = kj.with_kvm(model, budget=budget, max_state_rows=11)
     want = kj.kvm_schedule(new.cfg.kvm, T).final_rows
     _, caches = jax.jit(lambda m, t, c: m.prefill(t, c))(new, tokens, new.init_cache(2, T))
-    assert [int(c.mixer.state.num_rows) for c in caches] == [want, want], budget
+    assert [np.asarray(c.mixer.state.num_rows).tolist() for c in caches] == [[want] * 2] * 2, budget
     assert new.cfg.kvm.max_state_rows == 11
   geometry = kj.with_kvm(model, chunk_size=8, window_chunks=3, sink_rows=2)
   assert (geometry.cfg.kvm.window_len, geometry.cfg.kvm.sink_rows) == (24, 2)

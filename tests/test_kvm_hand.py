@@ -62,7 +62,7 @@ def _run_all(cfg, keys, values, gates, queries=None):
 
 
 def _state(state):
-  n = int(state.num_rows)
+  n = int(np.asarray(state.num_rows).reshape(-1)[0])  # batch row 0's (a cache counts per row)
   return (np.asarray(state.keys[0, 0, :n]), np.asarray(state.values[0, 0, :n]),
           np.asarray(state.radius[0, 0, :n]))
 

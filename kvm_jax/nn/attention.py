@@ -250,13 +250,18 @@ class AttentionFrontEnd(nnx.Module):
         y, mixer_cache = self.mix_reconstructed(x, q, mixer_cache, decode, shared,
                                                 documents=documents)
         exports = {}
-    elif self.sources is None:
-      q, k, v, tails = self.qkv(x, v_first, positions, prev)
-      y, mixer_cache, exports = self.mix_own(x, q, k, v, mixer_cache, decode, shared)
     else:
-      q, tails = self.queries(x, positions, prev)
-      y, mixer_cache = self.mix_reconstructed(x, q, mixer_cache, decode, shared)
-      exports = {}
+      # A row decoding its first token (an empty cache row: the engine fills a new request this
+      # way) shifts from the token itself, as a prefill's first token does, not from the zeros
+      # the cache starts with.
+      starts = (positions == 0) if decode else None
+      if self.sources is None:
+        q, k, v, tails = self.qkv(x, v_first, positions, prev, starts)
+        y, mixer_cache, exports = self.mix_own(x, q, k, v, mixer_cache, decode, shared)
+      else:
+        q, tails = self.queries(x, positions, prev, starts)
+        y, mixer_cache = self.mix_reconstructed(x, q, mixer_cache, decode, shared)
+        exports = {}
     B, T = x.shape[:2]
     return self.c_proj(y.reshape(B, T, -1).astype(x.dtype)), mixer_cache, tails, exports
 

@@ -18,6 +18,7 @@ from flax import nnx
 
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.attention import LayerCache
+from kvm_jax.nn.cache import cache_lengths, select_rows
 from kvm_jax.nn.kv_sharing import SharedKV
 from kvm_jax.nn.registry import mixer_class, registered_mixers
 from kvm_jax.nn.layers import (depth_ratio, float32_init, layer_norm, linear, token_shift,
@@ -290,12 +291,45 @@ class LM(nnx.Module):
     return self.logits(features), caches
 
   def decode_step(self, token: Array, caches: list[LayerCache]) -> tuple[Array, list[LayerCache]]:
-    """Logits ``[B, 1, V]`` of one token at position ``caches[..].length``."""
+    """Logits ``[B, 1, V]`` of one token per row, each at its own position (the row's
+    ``cache_lengths(caches)``)."""
     if token.ndim != 2 or token.shape[1] != 1:
       raise ValueError(f"decode_step takes tokens of shape [batch, 1], got {token.shape}.")
-    position = caches[0].mixer.length
-    features, caches = self._run(token, jnp.reshape(position, (1, 1)), caches, True)
+    position = cache_lengths(caches, token.shape[0])
+    features, caches = self._run(token, position[:, None], caches, True)
     return self.logits(features), caches
+
+  def extend(self, tokens: Array, caches: list[LayerCache],
+             counts: Optional[Array] = None) -> tuple[Array, list[LayerCache]]:
+    """Continues every row from where its cache stands: row ``b`` takes its next ``counts[b]``
+    tokens ``tokens[b, :counts[b]]`` (all ``T`` when ``counts`` is None); a row with count 0
+    keeps its cache as it was. Returns the logits of each row's last token fed here ``[B, V]``
+    (zeros for a row fed nothing) and the caches.
+
+    A prompt fed in pieces equals the prompt fed at once (:meth:`prefill`), every row at a
+    length of its own (what the engine's slots need). The tokens go through the decode step one
+    position at a time inside one ``lax.scan``: exact for every mixer kind (a kind gets it by
+    implementing the decode step of its cache), at the cost of a decode step per token."""
+    self.check_tokens(tokens)
+    B, T = tokens.shape
+    counts = jnp.full((B,), T, jnp.int32) if counts is None else jnp.asarray(counts, jnp.int32)
+    if counts.shape != (B,):
+      raise ValueError(f"counts must hold one count per row, shape ({B},), got {counts.shape}.")
+    graphdef, state = nnx.split(self)
+
+    def feed(carry, column):
+      caches, last = carry
+      token, index = column
+      logits, stepped = nnx.merge(graphdef, state).decode_step(token[:, None], caches)
+      fed = index < counts
+      caches = select_rows(fed, stepped, caches)
+      last = jnp.where((index == counts - 1)[:, None], logits[:, 0], last)
+      return (caches, last), None
+
+    last = jnp.zeros((B, self.cfg.vocab_size), jnp.float32)
+    columns = (jnp.swapaxes(tokens, 0, 1).astype(jnp.int32), jnp.arange(T, dtype=jnp.int32))
+    (caches, last), _ = jax.lax.scan(feed, (caches, last), columns)
+    return last, caches
 
 
 def layer_period(cfg: ModelConfig):

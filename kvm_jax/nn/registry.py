@@ -19,6 +19,10 @@ The built-in kinds are registered when :mod:`kvm_jax.nn` is imported: ``full``
 (:mod:`kvm_jax.nn.full`), ``swa`` (:mod:`kvm_jax.nn.swa`), ``bswa`` (:mod:`kvm_jax.nn.bswa`),
 ``kvm`` (:mod:`kvm_jax.nn.kvm`), ``ovq`` (:mod:`kvm_jax.nn.ovq`) and ``rwkv7``
 (:mod:`kvm_jax.nn.rwkv7`), the paper's two recurrent baselines.
+
+A kind's decode cache must follow the cache protocol of :mod:`kvm_jax.nn.cache` (per-row
+lengths, batch-first arrays; checked here on a cache built abstractly): then ``generate``, the
+engine's slots and ``LM.extend`` serve it with nothing more to write.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from flax import nnx
 from kvm_jax import mixer_options
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.bswa import BlockSlidingWindowAttention
+from kvm_jax.nn.cache import check_cache_protocol
 from kvm_jax.nn.full import FullAttention
 from kvm_jax.nn.kvm import KVMAttention
 from kvm_jax.nn.ovq import OVQAttention
@@ -82,6 +87,7 @@ def register_mixer(kind: str, cls: type) -> type:
   try:
     owners = _parameter_owners(kind, cls)
     _check_table_names(cls, owners)
+    _check_cache(kind, cls)
   except Exception:
     if new_kind:
       mixer_options.unregister_options(kind)
@@ -130,6 +136,15 @@ def _parameter_owners(kind: str, cls: type) -> frozenset:
                      f"failed: {e}") from e
   return frozenset(str(part) for path, _ in nnx.to_flat_state(nnx.state(layer, nnx.Param))
                    for part in (path[:-1] if len(path) > 1 else path))
+
+
+def _check_cache(kind: str, cls: type) -> None:
+  """The decode cache of one ``kind`` layer (default options) follows the cache protocol
+  (:func:`kvm_jax.nn.cache.check_cache_protocol`): per-row lengths and batch-first arrays, which
+  the engine's row operations rely on."""
+  cfg = ModelConfig(mixers=kind, num_layers=1, options={kind: cls.Options()})
+  layer = nnx.eval_shape(lambda: cls(cfg, 0, rngs=nnx.Rngs(0)))
+  check_cache_protocol(kind, lambda batch: layer.init_cache(batch, 64))
 
 
 def _check_table_names(cls: type, owners: frozenset) -> None:

@@ -98,8 +98,8 @@ class RWKV7Options:
 @dataclasses.dataclass(frozen=True)
 class RWKV7Cache:
   """Decode state of one RWKV-7 layer: the recurrence's state ``[B, H, Dk, Dv]`` float32, the
-  last layer input ``[B, 1, C]`` (the next token's shift), the tokens seen (int32) and the
-  longest sequence it was made for (static; the state itself does not grow)."""
+  last layer input ``[B, 1, C]`` (the next token's shift), the tokens each row has seen
+  (``[B]`` int32) and the longest sequence it was made for (static; the state does not grow)."""
 
   state: Array
   last_input: Array
@@ -191,7 +191,7 @@ class RWKV7TimeMix(nnx.Module):
     N = cfg.qk_head_dim
     return RWKV7Cache(state=jnp.zeros((batch, cfg.num_heads, N, N), jnp.float32),
                       last_input=jnp.zeros((batch, 1, cfg.hidden_size), cfg.jnp_compute_dtype),
-                      length=jnp.zeros((), jnp.int32), max_len=max_len)
+                      length=jnp.zeros((batch,), jnp.int32), max_len=max_len)
 
   def init_tails(self, batch: int) -> tuple:
     return (None, None, None)  # the shift history lives in the mixer cache
@@ -251,7 +251,7 @@ class RWKV7TimeMix(nnx.Module):
     else:
       y, state = rwkv7_recurrence(*inputs, chunk_size=self.options.chunk_size,
                                   segment_ids=segment_ids)
-      length = jnp.asarray(T, jnp.int32)
+      length = jnp.full((B,), T, jnp.int32)
     if mixer_cache is not None:
       last = x[:, -1:].astype(mixer_cache.last_input.dtype)
       mixer_cache = RWKV7Cache(state=state, last_input=last, length=length,

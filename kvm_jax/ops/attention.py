@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvm_jax.ops.common import (fill_ring, joint_attention, ring_positions, to_chunks,
+from kvm_jax.ops.common import (batch_rows, fill_ring, joint_attention, ring_positions, to_chunks,
                                 tree_nbytes, window_mask, window_stack, write_ring)
 
 Array = jax.Array
@@ -106,7 +106,7 @@ class RingCache:
   Attributes:
     keys / values: ``[B, slots, Hkv, D]`` / ``[B, slots, Hkv, Dv]``.
     sink_keys / sink_values: ``[B, S, Hkv, ·]`` the first S tokens (bswa only; S may be 0).
-    length: int32 scalar, tokens seen.
+    length: ``[B]`` int32, tokens each row has seen (rows are independent sequences).
     kind: static, "full" | "swa" | "bswa".
     window / chunk_size / window_chunks / max_len: static geometry.
   """
@@ -148,7 +148,7 @@ def init_ring_cache(kind: str, *, batch: int, kv_heads: int, head_dim: int, valu
   zeros = lambda n, d: jnp.zeros((batch, n, kv_heads, d), dtype)
   return RingCache(keys=zeros(slots, head_dim), values=zeros(slots, value_dim),
                    sink_keys=zeros(sinks, head_dim), sink_values=zeros(sinks, value_dim),
-                   length=jnp.zeros((), jnp.int32), kind=kind, window=window,
+                   length=jnp.zeros((batch,), jnp.int32), kind=kind, window=window,
                    chunk_size=chunk_size, window_chunks=window_chunks, max_len=max_len)
 
 
@@ -172,29 +172,31 @@ def ring_prefill(k: Array, v: Array, cache: RingCache) -> RingCache:
   sink_v = cache.sink_values.at[:, :n_sink].set(v[:, :n_sink].astype(cache.values.dtype))
   return dataclasses.replace(
       cache, keys=fill_ring(cache.keys, k), values=fill_ring(cache.values, v),
-      sink_keys=sink_k, sink_values=sink_v, length=jnp.asarray(T, jnp.int32))
+      sink_keys=sink_k, sink_values=sink_v, length=jnp.full((k.shape[0],), T, jnp.int32))
 
 
 @jax.jit
 def ring_decode_step(q_t: Array, k_t: Array, v_t: Array, cache: RingCache,
                      scale: Optional[float] = None) -> tuple[Array, RingCache]:
-  """One token: ``q_t [B,1,H,D]``, ``k_t [B,1,Hkv,D]``, ``v_t [B,1,Hkv,Dv]`` -> ``y [B,1,H,Dv]``."""
+  """One token per row, each at its own position ``cache.length[b]``: ``q_t [B,1,H,D]``,
+  ``k_t [B,1,Hkv,D]``, ``v_t [B,1,Hkv,Dv]`` -> ``y [B,1,H,Dv]``."""
   B, _, H, D = q_t.shape
   Hkv = k_t.shape[2]
-  t = cache.length
+  t = batch_rows(cache.length, B)                                             # [B]
   keys, values = write_ring(cache.keys, k_t, t), write_ring(cache.values, v_t, t)
   S = cache.sink_keys.shape[1]
   sink_keys, sink_values = cache.sink_keys, cache.sink_values
   if S:
-    write = (jnp.arange(S) == t)[None, :, None, None]
+    write = (jnp.arange(S)[None, :] == t[:, None])[:, :, None, None]
     sink_keys = jnp.where(write, k_t.astype(sink_keys.dtype), sink_keys)
     sink_values = jnp.where(write, v_t.astype(sink_values.dtype), sink_values)
-  position = ring_positions(t, keys.shape[1])
-  lowest = _lowest_visible(cache, t)
-  window_valid = ((position >= lowest) & (position >= 0))[None, :]
+  position = ring_positions(t, keys.shape[1])                                 # [B, slots]
+  lowest = _lowest_visible(cache, t)[:, None]
+  window_valid = ((position >= lowest) & (position >= 0))[:, None, None, None, :]
   if S:
     state_k, state_v = jnp.swapaxes(sink_keys, 1, 2), jnp.swapaxes(sink_values, 1, 2)
-    state_valid = ((jnp.arange(S) < lowest) & (jnp.arange(S) <= t))[None, :]
+    sinks = jnp.arange(S)[None, :]
+    state_valid = ((sinks < lowest) & (sinks <= t[:, None]))[:, None, None, None, :]
   else:  # one never-valid dummy row keeps the shapes non-empty
     state_k = jnp.zeros((B, Hkv, 1, D), keys.dtype)
     state_v = jnp.zeros((B, Hkv, 1, values.shape[-1]), values.dtype)
@@ -202,6 +204,7 @@ def ring_decode_step(q_t: Array, k_t: Array, v_t: Array, cache: RingCache,
   temp = _scale_as_temperature(scale, q_t, Hkv)
   y = joint_attention(q_t.reshape(B, 1, Hkv, H // Hkv, D), state_k, state_v, state_valid, keys,
                       values, window_valid, temp, temp)
-  y = jnp.where(t < cache.max_len, y, jnp.nan).reshape(B, 1, H, -1).astype(q_t.dtype)
-  return y, dataclasses.replace(cache, keys=keys, values=values, sink_keys=sink_keys,
-                                sink_values=sink_values, length=t + 1)
+  y = jnp.where((t < cache.max_len)[:, None, None, None], y.reshape(B, 1, H, -1), jnp.nan)
+  return y.astype(q_t.dtype), dataclasses.replace(cache, keys=keys, values=values,
+                                                  sink_keys=sink_keys, sink_values=sink_values,
+                                                  length=t + 1)

@@ -76,13 +76,37 @@ def fill_ring(ring: Array, x: Array) -> Array:
 
 
 def write_ring(ring: Array, x_t: Array, t: Array) -> Array:
-  """Writes the token at position ``t`` (``x_t [B, 1, ...]``) into its slot."""
-  return jax.lax.dynamic_update_slice_in_dim(ring, x_t.astype(ring.dtype), t % ring.shape[1], 1)
+  """Writes the token at position ``t`` (``x_t [B, 1, ...]``) into its slot; ``t`` is one
+  position for the batch (a scalar) or one per row (``[B]``: rows of a cache at different
+  lengths)."""
+  t = jnp.asarray(t)
+  x_t = x_t.astype(ring.dtype)
+  if t.ndim == 0:
+    return jax.lax.dynamic_update_slice_in_dim(ring, x_t, t % ring.shape[1], 1)
+  write_row = lambda r, x, i: jax.lax.dynamic_update_slice_in_dim(r, x, i, 0)
+  return jax.vmap(write_row)(ring, x_t, t % ring.shape[1])
 
 
 def ring_positions(t: Array, slots: int) -> Array:
-  """Position held by each slot once token ``t`` is written (negative: never written)."""
+  """Position held by each slot once token ``t`` is written (negative: never written):
+  ``[slots]`` for one position, ``[B, slots]`` for one per row (``t [B]``)."""
+  t = jnp.asarray(t)[..., None]
   return t - (t - jnp.arange(slots)) % slots
+
+
+def read_ring_chunk(ring: Array, start: Array, size: int) -> Array:
+  """``size`` consecutive slots of ``ring [B, slots, ...]`` from slot ``start`` (a scalar, or one
+  per row ``[B]``) that does not wrap: ``[B, size, ...]``."""
+  start = jnp.asarray(start)
+  if start.ndim == 0:
+    return jax.lax.dynamic_slice_in_dim(ring, start, size, axis=1)
+  return jax.vmap(lambda r, i: jax.lax.dynamic_slice_in_dim(r, i, size, axis=0))(ring, start)
+
+
+def batch_rows(length: Array, batch: int) -> Array:
+  """A cache length (tokens seen) as one int32 per row ``[batch]``: a cache made before lengths
+  were per row holds a scalar for every row."""
+  return jnp.broadcast_to(jnp.asarray(length, jnp.int32), (batch,))
 
 
 # ----------------------------------------------------------------------------------------------

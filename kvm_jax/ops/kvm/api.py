@@ -31,6 +31,7 @@ import dataclasses
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 
 from kvm_jax.config import KVM_IMPLEMENTATIONS, KVMConfig
 from kvm_jax.kernels.anchor import INSTALL_HINT, joint_attention_tokamax, tokamax_available
@@ -308,15 +309,18 @@ def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMP
   ``routing`` / ``return_routing``: as in :func:`kvm_attention`, for this step's fold
   (``(dest, target)`` ``[B, Hkv, C]``; all ``capacity`` when no fold happens).
 
-  Raises ValueError past ``max_len`` when the cache length is concrete; under an outer ``jit`` the
-  length is traced, and outputs past ``max_len`` are NaN rather than silently wrong.
+  Each row decodes at its own position (``cache.length [B]``). Raises ValueError past
+  ``max_len`` when the lengths are concrete; under an outer ``jit`` they are traced, and a row's
+  outputs past ``max_len`` are NaN rather than silently wrong.
   """
   validate_inputs(q_t, k_t, v_t, g_t, params, cfg, single_token=True)
   check_against_cache(k_t, v_t, cache, "kvm_decode_step")
-  if is_concrete(cache.length) and int(cache.length) >= cache.max_len:
-    raise ValueError(
-        f"kvm_decode_step: the cache already holds {int(cache.length)} tokens = max_len="
-        f"{cache.max_len}; create the cache with a larger max_len to decode further.")
+  if is_concrete(cache.length):
+    longest = int(jnp.max(cache.length))
+    if longest >= cache.max_len:
+      raise ValueError(
+          f"kvm_decode_step: a row of the cache already holds {longest} tokens = max_len="
+          f"{cache.max_len}; create the cache with a larger max_len to decode further.")
   be = resolve_kvm_backend(cfg, implementation=implementation, readout=readout,
                            kernel_config=kernel_config)
   return decode.decode_step(q_t, k_t, v_t, g_t, params, cfg=cfg, cache=cache, ops=be.chunk_ops(),

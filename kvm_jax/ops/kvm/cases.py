@@ -96,8 +96,12 @@ def rel_rms(actual, expected) -> float:
 
 
 def valid_rows(state: KVMState):
-  """(keys, values, radius) of the valid rows of a state, float64 numpy."""
-  n = int(state.num_rows)
+  """(keys, values, radius) of the valid rows of a state, float64 numpy (a cache's state counts
+  rows per batch row: they must agree here)."""
+  counts = np.unique(np.asarray(state.num_rows))
+  if counts.size != 1:
+    raise ValueError(f"valid_rows: the batch rows hold different row counts {counts.tolist()}.")
+  n = int(counts[0])
   return tuple(np.asarray(x[:, :, :n], np.float64) for x in (state.keys, state.values,
                                                             state.radius))
 

@@ -22,8 +22,8 @@ import numpy as np
 
 from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig
-from kvm_jax.ops.common import (fill_ring, joint_attention, ring_positions, tree_nbytes,
-                                write_ring)
+from kvm_jax.ops.common import (batch_rows, fill_ring, joint_attention, read_ring_chunk,
+                                ring_positions, tree_nbytes, write_ring)
 from kvm_jax.ops.kvm.scan import XLA_OPS, ChunkOps, kvm_attention_scan
 from kvm_jax.ops.kvm.state import (KVMParams, KVMState, empty_state, pad_rows, state_readout,
                                    temperatures, token_rows)
@@ -44,7 +44,9 @@ class KVMCache:
     window_keys: ``[B, L, Hkv, D]`` ring buffer of the last L keys (slot = position mod L).
     window_values: ``[B, L, Hkv, Dv]`` likewise.
     window_gates: ``[B, L, Hkv]`` float32 merge gates (needed when their chunk overflows).
-    length: int32 scalar, tokens processed so far (= position of the next token).
+    length: ``[B]`` int32, tokens each row has processed (= the position of its next token):
+      rows are independent sequences, at lengths of their own (the engine's slots).
+      ``state.num_rows`` is per row too.
     max_len: static, the longest sequence this cache can hold.
   """
 
@@ -97,13 +99,13 @@ def kvm_init_cache(cfg: KVMConfig, *, batch: int, kv_heads: int, head_dim: int, 
   L = cfg.window_len
   capacity = kvm_schedule(cfg, max_len).final_rows
   return KVMCache(
-      state=empty_state(batch, kv_heads, capacity, head_dim, value_dim),
+      state=per_row_state(empty_state(batch, kv_heads, capacity, head_dim, value_dim), batch),
       readout_keys=jnp.zeros((batch, kv_heads, capacity, head_dim), dtype),
       readout_values=jnp.zeros((batch, kv_heads, capacity, value_dim), dtype),
       window_keys=jnp.zeros((batch, L, kv_heads, head_dim), dtype),
       window_values=jnp.zeros((batch, L, kv_heads, value_dim), dtype),
       window_gates=jnp.zeros((batch, L, kv_heads), jnp.float32),
-      length=jnp.zeros((), jnp.int32), max_len=max_len)
+      length=jnp.zeros((batch,), jnp.int32), max_len=max_len)
 
 
 def check_against_cache(k, v, cache: KVMCache, where: str) -> None:
@@ -126,18 +128,18 @@ def prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, 
   ``(y, cache)``, plus the routing decisions when ``return_routing``. ``ops``, ``row_update``
   and ``source_layout``: as in :func:`kvm_attention_scan` (the public ``kvm_prefill`` passes its
   backend resolver's decisions)."""
-  T = q.shape[1]
+  B, T = q.shape[:2]
   y, state, *decisions = kvm_attention_scan(q, k, v, merge_gate, params, cfg=cfg, ops=ops,
                                             remat=False, routing=routing,
                                             return_routing=return_routing,
                                             row_update=row_update, source_layout=source_layout)
-  state = pad_rows(state, cache.state.capacity)
+  state = per_row_state(pad_rows(state, cache.state.capacity), B)
   readout_keys, readout_values = readout_cache(state, params, cfg, cache.readout_keys.dtype)
   new = KVMCache(
       state=state, readout_keys=readout_keys, readout_values=readout_values,
       window_keys=fill_ring(cache.window_keys, k), window_values=fill_ring(cache.window_values, v),
       window_gates=fill_ring(cache.window_gates, merge_gate),
-      length=jnp.asarray(T, jnp.int32), max_len=cache.max_len)
+      length=jnp.full((B,), T, jnp.int32), max_len=cache.max_len)
   return (y, new, *decisions)
 
 
@@ -152,47 +154,70 @@ def _rows_after_overflow(cfg: KVMConfig, max_len: int) -> np.ndarray:
   return rows
 
 
+def per_row_state(state: KVMState, batch: int) -> KVMState:
+  """``state`` with its row count held per batch row (``num_rows [B]``), as a cache keeps it."""
+  return dataclasses.replace(state, num_rows=batch_rows(state.num_rows, batch))
+
+
 def decode_attention(q_t: Array, state_keys: Array, state_values: Array, num_rows: Array,
                      window_keys: Array, window_values: Array, t: Array, state_temp: Array,
                      window_temp: Array, cfg: KVMConfig, attend=joint_attention) -> Array:
   """Token ``t`` attends to readout state rows (once ``t >= L``) and the window ring (positions
-  ``[bswa_begin(t + 1), t]``): ``q_t [B,1,H,D]`` -> ``[B,1,Hkv,G,Dv]`` float32."""
+  ``[bswa_begin(t + 1), t]``): ``q_t [B,1,H,D]`` -> ``[B,1,Hkv,G,Dv]`` float32. ``t`` and
+  ``num_rows`` are per row (``[B]``) or one for the batch."""
   B, _, H, D = q_t.shape
   Hkv = window_keys.shape[2]
   C, L = cfg.chunk_size, cfg.window_len
-  position = ring_positions(t, L)
+  t, num_rows = batch_rows(t, B), batch_rows(num_rows, B)
+  position = ring_positions(t, L)                                            # [B, L]
   window_begin = jnp.maximum(0, (t // C + 1) * C - L)
-  window_valid = (position >= window_begin)[None, :]
+  window_valid = (position >= window_begin[:, None])[:, None, None, None, :]
   rows = jnp.arange(state_keys.shape[2])
-  state_valid = ((rows < num_rows) & (t >= L))[None, :]
+  state_valid = ((rows < num_rows[:, None]) & (t >= L)[:, None])[:, None, None, None, :]
   return attend(q_t.reshape(B, 1, Hkv, H // Hkv, D), state_keys, state_values, state_valid,
                 window_keys, window_values, window_valid, state_temp, window_temp)
+
+
+def _per_row_select(rows: Array, new, old):
+  """``new`` where ``rows [B]`` holds, else ``old``: leaf by leaf over batch-first arrays."""
+  pick = lambda a, b: jnp.where(rows.reshape(rows.shape + (1,) * (a.ndim - 1)), a, b)
+  return jax.tree_util.tree_map(pick, new, old)
+
+
+def _kernel_decode_attention(ops: ChunkOps, q_t, state_keys, state_values, num_rows, window_keys,
+                             window_values, t, state_temp, window_temp, cfg: KVMConfig):
+  """The kernel's one-token attention (its contract takes one position for the batch) mapped
+  over rows, each at its own position: ``[B, 1, Hkv, G, Dv]``."""
+  def one_row(q, sk, sv, n, wk, wv, position):
+    return ops.decode_attend(q[None], sk[None], sv[None], n, wk[None], wv[None], position,
+                             state_temp, window_temp, cfg)[0]
+  return jax.vmap(one_row)(q_t, state_keys, state_values, num_rows, window_keys, window_values, t)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ops", "return_routing", "row_update"))
 def decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParams,
                 cfg: KVMConfig, cache: KVMCache, ops: ChunkOps = XLA_OPS, routing=None,
                 return_routing: bool = False, row_update: str = "auto"):
-  """One token: ``(y_t [B, 1, H, Dv], cache)``, plus this step's routing decisions
-  (``(dest, target)`` ``[B, Hkv, C]``; all ``capacity`` when no fold happens) when
-  ``return_routing``. ``row_update``: how the fold accumulates rows
-  (:func:`kvm_jax.ops.kvm.state.update_state`; the public ``kvm_decode_step`` passes its backend
-  resolver's decision)."""
+  """One token per row, each at its own position ``cache.length[b]``: ``(y_t [B, 1, H, Dv],
+  cache)``, plus this step's routing decisions (``(dest, target)`` ``[B, Hkv, C]``; all
+  ``capacity`` in rows where no fold happens) when ``return_routing``. ``row_update``: how the
+  fold accumulates rows (:func:`kvm_jax.ops.kvm.state.update_state`; the public
+  ``kvm_decode_step`` passes its backend resolver's decision)."""
   B, _, H, D = q_t.shape
   Hkv = k_t.shape[2]
   C, nb, L = cfg.chunk_size, cfg.window_chunks, cfg.window_len
-  state = cache.state
+  state = per_row_state(cache.state, B)
   R = state.capacity
   row = jnp.arange(R)
-  t = cache.length
+  t = batch_rows(cache.length, B)                                            # [B]
 
   cache_dtype = cache.readout_keys.dtype
 
-  # 1) A prompt shorter than one chunk: the initial state grows by this token (and its readout
-  #    row is written: LN_s and the value normalization act on each row alone).
+  # 1) A row whose prompt is shorter than one chunk: its initial state grows by this token (and
+  #    its readout row is written: LN_s and the value normalization act on each row alone).
   grow = t < C
   new_key, new_value, new_radius = token_rows(k_t, v_t, g_t, params, cfg)   # [B, Hkv, 1, ·]
-  write = (grow & (row == t))[None, None, :]
+  write = (grow[:, None] & (row[None, :] == t[:, None]))[:, None, :]         # [B, 1, R]
   state = KVMState(keys=jnp.where(write[..., None], new_key, state.keys),
                    values=jnp.where(write[..., None], new_value, state.values),
                    radius=jnp.where(write, new_radius, state.radius),
@@ -202,26 +227,29 @@ def decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParam
   readout = (jnp.where(write[..., None], row_keys, cache.readout_keys),
              jnp.where(write[..., None], row_values, cache.readout_values))
 
-  # 2) Crossing a chunk boundary past the window: fold chunk [t-L, t-L+C) into the state.
-  rows_table = _rows_after_overflow(cfg, cache.max_len)
-  fire = (t % C == 0) & (t >= L + C) & (t < cache.max_len)
+  # 2) A row crossing a chunk boundary past the window folds chunk [t-L, t-L+C) into its state.
+  rows_table = jnp.asarray(_rows_after_overflow(cfg, cache.max_len))
+  fire = (t % C == 0) & (t >= L + C) & (t < cache.max_len)                  # [B]
+  none = jnp.full((B, Hkv, C), R, jnp.int32)  # "no row": the decisions of a row without a fold
 
   def fold(s: KVMState, readout):
     start = t % L  # == (t - L) % L, a multiple of C: the chunk is contiguous in the ring
-    ov_k = jax.lax.dynamic_slice_in_dim(cache.window_keys, start, C, axis=1)
-    ov_v = jax.lax.dynamic_slice_in_dim(cache.window_values, start, C, axis=1)
-    ov_g = jax.lax.dynamic_slice_in_dim(cache.window_gates, start, C, axis=1)
+    ov_k, ov_v, ov_g = (read_ring_chunk(ring, start, C) for ring in
+                        (cache.window_keys, cache.window_values, cache.window_gates))
     overflow_index = jnp.clip(t // C - nb, 0, rows_table.shape[0] - 1)
-    n_append = jnp.asarray(rows_table)[overflow_index] - s.num_rows
+    n_append = jnp.where(fire, rows_table[overflow_index] - s.num_rows, 0)
     # routing reads the float32 LN_s keys of the state (update_state computes them), as prefill
-    s, decisions = ops.update(s, ov_k, ov_v, ov_g, n_append, params, cfg, row_update,
-                              routing=routing, return_routing=True)
-    return s, readout_cache(s, params, cfg, cache_dtype), decisions
+    folded, decisions = ops.update(s, ov_k, ov_v, ov_g, n_append, params, cfg, row_update,
+                                   routing=routing, return_routing=True)
+    folded_readout = readout_cache(folded, params, cfg, cache_dtype)
+    decisions = tuple(jnp.where(fire[:, None, None], d, none) for d in decisions)
+    return (_per_row_select(fire, folded, s), _per_row_select(fire, folded_readout, readout),
+            decisions)
 
-  none = jnp.full((B, Hkv, C), R, jnp.int32)  # "no row": the decisions of a step without a fold
-  # A conditional per step (the position is traced: one compiled step serves every position);
-  # the fold, with its full readout refresh, runs once every C steps.
-  state, readout, decisions = jax.lax.cond(fire, fold,
+  # A conditional per step (positions are traced: one compiled step serves every position);
+  # the fold, with its full readout refresh, runs in a step where some row crosses a boundary
+  # (every C steps when the rows are in phase) and changes only those rows.
+  state, readout, decisions = jax.lax.cond(jnp.any(fire), fold,
                                            lambda s, r: (s, r, (none, none)), state, readout)
 
   # 3) The token enters the ring (after the fold, which may still need the slot it overwrites).
@@ -239,7 +267,9 @@ def decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParam
   if ops.decode_attend_fn is None:
     y = decode_attention(*args, attend=ops.attend)
   else:
-    y = ops.decode_attend(*args)
-  # Past max_len the state has no room for the schedule: poison the output instead of lying.
-  y = jnp.where(t < cache.max_len, y, jnp.nan).reshape(B, 1, H, -1).astype(q_t.dtype)
+    y = _kernel_decode_attention(ops, *args)
+  # Past max_len the state has no room for the schedule: poison the row's output instead of
+  # lying.
+  y = jnp.where((t < cache.max_len)[:, None, None, None], y.reshape(B, 1, H, -1), jnp.nan)
+  y = y.astype(q_t.dtype)
   return (y, new, decisions) if return_routing else (y, new)

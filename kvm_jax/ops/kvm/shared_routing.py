@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from kvm_jax.config import KVMConfig
-from kvm_jax.ops.common import joint_attention, window_stack
+from kvm_jax.ops.common import batch_rows, joint_attention, window_stack
 from kvm_jax.ops.kv_fusion import materialize
 from kvm_jax.ops.kvm.decode import KVMCache, decode_attention
 from kvm_jax.ops.kvm.scan import scan_inputs
@@ -117,8 +117,8 @@ def kvm_decode_shared_state(q_t: Array, caches: Sequence[KVMCache], track_params
                             key_weights).astype(q_t.dtype)
   window_values = materialize([caches[t].window_values for t in value_tracks],
                               value_weights).astype(q_t.dtype)
-  t = caches[0].length - 1
+  t = batch_rows(caches[0].length, B) - 1                  # each row's own position
   y = decode_attention(q_t, state_keys, state_values, states[0].num_rows, window_keys,
                        window_values, t, *temperatures(params, cfg, Hkv), cfg)
-  y = jnp.where(t < caches[0].max_len, y, jnp.nan)
-  return y.reshape(B, 1, H, -1).astype(q_t.dtype)
+  y = jnp.where((t < caches[0].max_len)[:, None, None, None], y.reshape(B, 1, H, -1), jnp.nan)
+  return y.astype(q_t.dtype)

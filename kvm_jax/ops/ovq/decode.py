@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvm_jax.ops.common import batch_rows
 from kvm_jax.ops.ovq.config import OVQConfig
 from kvm_jax.ops.ovq.scan import heads_first, query_scale, run_chunks
 from kvm_jax.ops.ovq.state import OVQState, empty_state, fold, readout, validate_inputs
@@ -30,7 +31,7 @@ class OVQCache:
     state: the dictionary (:class:`OVQState`, ``cfg.capacity(max_len)`` rows).
     pending_keys / pending_values: ``[B, H, C, D]`` / ``[B, H, C, Dv]`` float32, the tokens of the
       chunk being filled (slots ``[0, length % C)`` hold them).
-    length: int32 scalar, tokens seen.
+    length: ``[B]`` int32, tokens each row has seen (rows are independent sequences).
     max_len: the longest sequence the cache was sized for (static).
   """
 
@@ -55,7 +56,7 @@ def ovq_init_cache(cfg: OVQConfig, *, batch: int, heads: int, head_dim: int, val
   return OVQCache(state=empty_state(batch, heads, cfg.capacity(max_len), head_dim, value_dim),
                   pending_keys=jnp.zeros((batch, heads, C, head_dim), jnp.float32),
                   pending_values=jnp.zeros((batch, heads, C, value_dim), jnp.float32),
-                  length=jnp.zeros((), jnp.int32), max_len=max_len)
+                  length=jnp.zeros((batch,), jnp.int32), max_len=max_len)
 
 
 def _sizes_table(cfg: OVQConfig, max_len: int) -> np.ndarray:
@@ -83,35 +84,41 @@ def ovq_prefill(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig, cache
     pending_k = pending_k.at[:, :, :tail].set(kh[:, :, T - tail:])
     pending_v = pending_v.at[:, :, :tail].set(vh[:, :, T - tail:])
   cache = OVQCache(state=state, pending_keys=pending_k, pending_values=pending_v,
-                   length=jnp.asarray(T, jnp.int32), max_len=cache.max_len)
+                   length=jnp.full((q.shape[0],), T, jnp.int32), max_len=cache.max_len)
   return jnp.swapaxes(y, 1, 2).astype(v.dtype), cache
 
 
 def ovq_decode_step(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig, cache: OVQCache,
                     row_update: str = "auto") -> tuple[Array, OVQCache]:
-  """One token ``[B, 1, H, ·]`` at position ``cache.length``: its output ``[B, 1, H, Dv]`` and the
-  cache after it."""
+  """One token per row ``[B, 1, H, ·]``, each at its own position ``cache.length[b]``: its output
+  ``[B, 1, H, Dv]`` and the cache after it."""
   validate_inputs(q, k, v, beta)
   if q.shape[1] != 1:
     raise ValueError(f"ovq_decode_step takes one token, got {q.shape[1]}.")
+  B = q.shape[0]
   C = cfg.chunk_size
   table = jnp.asarray(_sizes_table(cfg, cache.max_len))
-  n = cache.length
+  n = batch_rows(cache.length, B)                                            # [B]
   slot, chunk = n % C, n // C
-  size = table[chunk]
+  size = table[chunk]                                                        # [B]
   scale = query_scale(beta, q.shape[-1])
   kh, vh = heads_first(k), heads_first(v)
-  pending_k = jax.lax.dynamic_update_slice_in_dim(cache.pending_keys, kh, slot, axis=2)
-  pending_v = jax.lax.dynamic_update_slice_in_dim(cache.pending_values, vh, slot, axis=2)
-  visible = (jnp.arange(C) <= slot)[None, :]
+  write = lambda pending, x: jax.vmap(
+      lambda p, xi, i: jax.lax.dynamic_update_slice_in_dim(p, xi, i, axis=1))(pending, x, slot)
+  pending_k, pending_v = write(cache.pending_keys, kh), write(cache.pending_values, vh)
+  visible = (jnp.arange(C)[None, :] <= slot[:, None])[:, None, None, :]      # [B, 1, 1, C]
   y = readout(heads_first(q) * scale, pending_k, pending_v, cache.state, size, cfg.count_bias,
               visible=visible)
+  completes = slot == C - 1                                                  # [B]
 
   def commit(state):
-    return fold(state, pending_k, pending_v, pending_k * scale, size, table[chunk + 1] - size,
-                cfg, row_update)
+    folded = fold(state, pending_k, pending_v, pending_k * scale, size,
+                  jnp.where(completes, table[chunk + 1] - size, 0), cfg, row_update)
+    pick = lambda a, b: jnp.where(completes.reshape((B,) + (1,) * (a.ndim - 1)), a, b)
+    return jax.tree_util.tree_map(pick, folded, state)
 
-  state = jax.lax.cond(slot == C - 1, commit, lambda s: s, cache.state)
+  # The fold runs in a step where some row completes a chunk, and changes only those rows.
+  state = jax.lax.cond(jnp.any(completes), commit, lambda s: s, cache.state)
   cache = OVQCache(state=state, pending_keys=pending_k, pending_values=pending_v,
                    length=n + 1, max_len=cache.max_len)
   return jnp.swapaxes(y, 1, 2).astype(v.dtype), cache

@@ -82,19 +82,21 @@ def readout(queries: Array, keys: Array, values: Array, state: OVQState, size,
             count_bias: bool, visible=None) -> Array:
   """One softmax over ``[dictionary rows < size ; the block's keys]``: ``[B, H, n, Dv]``.
 
-  ``visible`` ``[n, m]`` says which of the ``m`` block keys each query sees (default: causal,
-  ``n == m``)."""
+  ``visible`` ``[n, m]`` (or per batch row, ``[B, 1, n, m]``: rows at different positions)
+  says which of the ``m`` block keys each query sees (default: causal, ``n == m``)."""
   n, m = queries.shape[2], keys.shape[2]
   if visible is None:
     visible = jnp.arange(m)[None, :] <= jnp.arange(n)[:, None]
+  if visible.ndim == 2:
+    visible = visible[None, None]
   own = jnp.einsum("bhnd,bhmd->bhnm", queries, keys, precision=_HI)
   if _known_empty(size):  # the first chunk: nothing to score against (and nothing to fold away)
-    p = _masked_softmax_weights(own, jnp.broadcast_to(visible[None, None], own.shape))
+    p = _masked_softmax_weights(own, jnp.broadcast_to(visible, own.shape))
     return jnp.einsum("bhnm,bhmd->bhnd", p, values, precision=_HI)
   dict_scores, exists = dictionary_scores(queries, state, size, count_bias)
   scores = jnp.concatenate([dict_scores, own], axis=-1)
   mask = jnp.concatenate([jnp.broadcast_to(exists, dict_scores.shape),
-                          jnp.broadcast_to(visible[None, None], own.shape)], axis=-1)
+                          jnp.broadcast_to(visible, own.shape)], axis=-1)
   p = _masked_softmax_weights(scores, mask)
   R = state.keys.shape[2]
   return (jnp.einsum("bhnr,bhrd->bhnd", p[..., :R], state.values, precision=_HI)
