@@ -13,7 +13,9 @@ mixer kinds ``ovq`` (options ``kj.OVQConfig``) and ``rwkv7`` (``kj.RWKV7Options`
 docs/ovq-rwkv7.md), their ops
 ``kvm_jax.ops.ovq`` and ``kvm_jax.ops.rwkv7``. A trained model's memory changes with
 ``kj.with_kvm`` (another budget or window for its kvm layers) and ``kj.convert_to_kvm``
-(attention layers made kvm layers; docs/conversion.md).
+(attention layers made kvm layers; docs/conversion.md). ``kj.Engine`` serves many requests of
+any lengths over the slots of one cache and ``kj.generate_many`` runs a list of prompts through it
+(README, "Serving and batched generation").
 """
 
 from kvm_jax.budget import (CallableBudget, FixedBudget, KVMSchedule, PowerLawBudget,
@@ -30,6 +32,7 @@ from kvm_jax.nn.model import LM, count_params
 from kvm_jax.nn.rwkv7 import RWKV7Options
 from kvm_jax import presets
 from kvm_jax.generate import SamplingConfig, generate, generate_text, sample_logits
+from kvm_jax.engine import Engine, generate_many
 from kvm_jax.convert import convert_to_kvm, with_kvm
 
 __version__ = "0.1.0"
@@ -53,5 +56,6 @@ __all__ = [
     "kvm_attention", "kvm_attention_reference", "kvm_init_cache", "kvm_prefill", "kvm_decode_step",
     "KVMBackend", "resolve_kvm_backend", "current_platform",
     "ModelConfig", "LM", "count_params", "presets", "generate", "generate_text", "SamplingConfig",
+    "Engine", "generate_many",
     "sample_logits", "load_pretrained", "tokenizer_of", "OVQConfig", "RWKV7Options", "with_kvm", "convert_to_kvm",
 ]

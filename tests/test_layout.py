@@ -37,7 +37,7 @@ LAYERS = (
     ("kernels", ("kvm_jax.kernels.*",)),
     ("op registry", ("kvm_jax.ops.kvm.api", "kvm_jax.ops.kvm", "kvm_jax.ops",
                      "kvm_jax.ops.attention_api")),
-    ("model", ("kvm_jax", "kvm_jax.nn.*", "kvm_jax.presets", "kvm_jax.generate",
+    ("model", ("kvm_jax", "kvm_jax.nn.*", "kvm_jax.presets", "kvm_jax.generate", "kvm_jax.engine",
                "kvm_jax.introspect", "kvm_jax.convert")),
     ("tasks", ("kvm_jax.tasks.*",)),
     ("runs", ("kvm_jax.runs.*", "kvm_jax.hf.*")),
