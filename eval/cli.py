@@ -141,8 +141,10 @@ def evaluate_model(name: str, run: Path, cfg, model, step: int, args,
     if not text_ok:
       out["niah"] = {"skipped": no_text}
     else:
+      predictor = niah_eval.EnginePredictor(model, tok, args.niah_gen_tokens,
+                                            slots=args.niah_slots)
       out["niah"] = niah_eval.run_niah(
-          niah_eval.greedy_predictor(model, tok, args.niah_gen_tokens), count,
+          predictor, count,
           tasks=args.niah_tasks, lengths=args.niah_lengths,
           depths=niah_eval.pick_depths(args.niah_depths), generation_budget=args.niah_gen_tokens,
           seed=args.seed, desc=f"{name} niah")
@@ -398,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "or TPU, 5 on a CPU)")
   g.add_argument("--niah-gen-tokens", type=int, default=128,
                  help="generation budget in tokens, reserved in the length (default: 128)")
+  g.add_argument("--niah-slots", type=int, default=8,
+                 help="examples generated together, the slots of the generation engine "
+                      "(kj.Engine; default: 8); every example's text is the one it gets alone")
   g = p.add_argument_group("MQAR")
   g.add_argument("--mqar-pairs", type=_ints, default=[4, 8, 16],
                  help="numbers of key-value pairs (default: 4,8,16)")
@@ -470,7 +475,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.error(str(e))
   if args.budget_sweep and "budget" in args.kvm_fields:
     parser.error("--kvm.budget and --budget-sweep both set the budget; give one.")
-  for name in ("niah_gen_tokens", "mqar_batches", "mqar_batch_size", "position_docs"):
+  for name in ("niah_gen_tokens", "niah_slots", "mqar_batches", "mqar_batch_size", "position_docs"):
     if getattr(args, name) < 1:
       raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
   if args.text_min_chars < 0:

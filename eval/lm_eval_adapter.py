@@ -18,9 +18,11 @@ reports whether the continuation is the greedy one; contexts longer than ``max_l
 from the left (a warning counts them); ``loglikelihood_rolling`` scores a whole document in
 disjoint windows of ``max_length`` tokens after an EOS prefix; ``generate_until`` decodes greedily
 (or samples when ``do_sample``/``temperature`` ask for it) and cuts at the first stop string.
-Forward passes are batched and right-padded to multiples of ``pad_multiple`` tokens so that the
-jitted forward compiles once per bucket, not once per request length (causal models: right padding
-never changes the scored positions).
+Scoring runs ragged contexts ``batch_size`` at a time in one forward pass, right-padded to a
+multiple of ``pad_multiple`` tokens so that the jitted forward compiles once per bucket, not once
+per request length (causal models: right padding never changes the scored positions).
+``generate_until`` runs all of a call's requests through one :class:`kvm_jax.Engine`,
+``batch_size`` slots decoding together, each request with its own settings.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
   raise ImportError("the lm-eval adapter needs lm-evaluation-harness: pip install 'kvm-jax[eval]' "
                     "(or pip install lm_eval)") from e
 
-from kvm_jax.generate import SamplingConfig, generate_text
+from kvm_jax.engine import Engine
+from kvm_jax.generate import SamplingConfig
 from kvm_jax.runs.directory import load_trained
 from kvm_jax.tasks.tokenizers import tokenizer as run_tokenizer
 
@@ -182,7 +185,11 @@ class KVMEvalLM(_HarnessLM):
   # -- generation -----------------------------------------------------------------------------
 
   def generate_until(self, requests) -> list[str]:
-    out = []
+    """Every request of the call through one :class:`kvm_jax.Engine` (``batch_size`` at a time,
+    each with its own sampling settings; request ``i`` of a call samples with seed ``i``: a
+    rerun repeats its samples, while identical requests of one call, the repeats of a sampled
+    task, are drawn independently). Each text is what generating its request alone gives."""
+    jobs = []
     for request in requests:
       context, kwargs = request.args
       kwargs = dict(kwargs or {})
@@ -200,12 +207,21 @@ class KVMEvalLM(_HarnessLM):
       keep = max(self.max_length - max_new, 1)
       if len(ids) > keep:
         ids, self.truncated = ids[-keep:], self.truncated + 1
-      # Request i of a call samples with key i: a rerun repeats its samples, while identical
-      # requests of one call (repeats of a sampled task) are drawn independently.
-      text = generate_text(
-          self.model, self.tokenizer, ids, max_new_tokens=max_new, key=jax.random.key(len(out)),
-          sampling=sampling, prefill_bucket=self.pad_multiple,
-          max_len=-(-(len(ids) + max_new) // self.pad_multiple) * self.pad_multiple)
+      jobs.append((ids, max_new, sampling, until))
+    if not jobs:
+      return []
+    longest = max(len(ids) + max_new for ids, max_new, _, _ in jobs)
+    engine = Engine(self.model, slots=min(self.batch_size, len(jobs)),
+                    max_len=-(-longest // self.pad_multiple) * self.pad_multiple,
+                    prefill_bucket=self.pad_multiple)
+    eos = self.tokenizer.eos_id
+    ids = [engine.submit(ids, max_new_tokens=max_new, sampling=sampling, seed=i,
+                         stop_tokens=(eos,))
+           for i, (ids, max_new, sampling, _) in enumerate(jobs)]
+    engine.run()
+    out = []
+    for rid, (*_, until) in zip(ids, jobs):
+      text = self.tokenizer.decode([t for t in engine.result(rid).tokens if t != eos])
       for stop in until:
         if stop and stop in text:
           text = text[:text.index(stop)]

@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
 
-from kvm_jax.generate import generate_text
+from kvm_jax.engine import generate_many
+from kvm_jax.generate import SamplingConfig, generate_text
 from kvm_jax.progress import ProgressReport
 from kvm_jax.tasks import niah
+
+GREEDY = SamplingConfig(temperature=0.0)
 
 
 def pick_depths(count: int) -> np.ndarray:
@@ -25,7 +28,8 @@ def run_niah(predict: Callable[[str, int], str], count_tokens: Callable[[str], i
              generation_budget: int, seed: int = 0, desc: str = "niah") -> list[dict]:
   """Scores ``predict(prompt, length) -> generated text`` on each (task, length): one row each
   with the score (0–100), the number of examples and the per-depth hits. ``predict`` may be any
-  function (an oracle, a model)."""
+  function (an oracle, a model); one with a ``many(prompts, length) -> texts`` method (a
+  :class:`EnginePredictor`) gets each (task, length)'s examples at once, to run them in a batch."""
   rows = []
   jobs = [(task, length, niah.make_examples(task, length, count_tokens, seed=seed, depths=depths,
                                              generation_budget=generation_budget))
@@ -33,11 +37,17 @@ def run_niah(predict: Callable[[str, int], str], count_tokens: Callable[[str], i
   report = ProgressReport(sum(len(examples) for *_, examples in jobs), desc, min_interval=1.0)
   done = 0
   for task, length, examples in jobs:
-    predictions = []
-    for ex in examples:  # one generation each: progress per generation, not per (task, length)
-      predictions.append(predict(ex.prompt, length))
-      done += 1
-      report.update(done, f"{task} {length}", final=done == report.bar.total)
+    if hasattr(predict, "many"):
+      def advance(finished, base=done, label=f"{task} {length}"):
+        report.update(base + finished, label, final=base + finished == report.bar.total)
+      predictions = predict.many([ex.prompt for ex in examples], length, progress=advance)
+      done += len(examples)
+    else:
+      predictions = []
+      for ex in examples:  # one generation each: progress per generation, not per (task, length)
+        predictions.append(predict(ex.prompt, length))
+        done += 1
+        report.update(done, f"{task} {length}", final=done == report.bar.total)
     answers = [ex.answer for ex in examples]
     hits = niah.hits(predictions, answers)
     rows.append({"task": task, "length": length, "score": niah.score(predictions, answers),
@@ -48,7 +58,8 @@ def run_niah(predict: Callable[[str, int], str], count_tokens: Callable[[str], i
 
 def greedy_predictor(model, tokenizer, generation_budget: int, bucket: int = 64):
   """``predict(prompt, length)``: greedy continuation of up to ``generation_budget`` tokens, stopped
-  at EOS, with the cache sized to the example's target length."""
+  at EOS, with the cache sized to the example's target length (one prompt at a time; the
+  evaluation runs its examples in batches through :class:`EnginePredictor`)."""
 
   def predict(prompt: str, length: int) -> str:
     ids = tokenizer.encode(prompt)
@@ -57,3 +68,29 @@ def greedy_predictor(model, tokenizer, generation_budget: int, bucket: int = 64)
                          prefill_bucket=bucket)
 
   return predict
+
+
+class EnginePredictor:
+  """Greedy continuations of up to ``generation_budget`` tokens, stopped at (and without) EOS,
+  for many prompts at once through :func:`kvm_jax.generate_many` (``slots`` requests at a time;
+  a prompt's head is prefilled in parallel in multiples of ``prefill_bucket`` tokens, the rest fed
+  ``prefill_chunk`` tokens per step). Calling it on one prompt runs that prompt alone; each
+  prompt's text is the same either way (greedy: what ``kj.generate`` gives it)."""
+
+  def __init__(self, model, tokenizer, generation_budget: int, *, slots: int = 8,
+               prefill_chunk: int = 64, prefill_bucket: Optional[int] = 64):
+    self.model, self.tokenizer, self.budget = model, tokenizer, generation_budget
+    self.slots, self.prefill_chunk, self.prefill_bucket = slots, prefill_chunk, prefill_bucket
+
+  def many(self, prompts: Sequence[str], length: int, progress=None) -> list[str]:
+    ids = [self.tokenizer.encode(p) for p in prompts]
+    longest = max(len(i) for i in ids) + self.budget
+    outs = generate_many(self.model, ids, max_new_tokens=self.budget, sampling=GREEDY,
+                         slots=self.slots, stop_tokens=(self.tokenizer.eos_id,),
+                         max_len=max(length, longest), prefill_chunk=self.prefill_chunk,
+                         prefill_bucket=self.prefill_bucket, progress=progress)
+    eos = self.tokenizer.eos_id
+    return [self.tokenizer.decode([t for t in out if t != eos]) for out in outs]
+
+  def __call__(self, prompt: str, length: int) -> str:
+    return self.many([prompt], length)[0]

@@ -116,6 +116,16 @@ jax.tree_util.register_dataclass(
     StepPlan, data_fields=[f.name for f in dataclasses.fields(StepPlan)], meta_fields=[])
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(3,))
+def prefill_into_slot(graphdef, state, tokens: Array, caches, fresh, slot: Array):
+  """A prompt head ``tokens [1, H]`` prefilled in parallel on an empty one-row cache and
+  inserted as row ``slot`` of ``caches`` (donated): the engine's ``prefill_bucket`` admission."""
+  _, row = nnx.merge(graphdef, state).prefill(tokens, fresh)
+  put = lambda whole, one: jax.lax.dynamic_update_slice_in_dim(whole, one.astype(whole.dtype),
+                                                               slot, axis=0)
+  return jax.tree_util.tree_map(put, caches, row)
+
+
 def _copy_rows(tree, copy_from: Array):
   """Row ``copy_from[s]`` into row ``s`` wherever ``copy_from[s] >= 0`` (a gather over rows)."""
   rows = jnp.where(copy_from >= 0, copy_from, jnp.arange(copy_from.shape[0]))
@@ -193,8 +203,18 @@ class Engine:
   """Continuous batching over ``slots`` cache rows of up to ``max_len`` tokens each.
 
   ``prefill_chunk``: the most prompt tokens a slot feeds in one step (a long prompt takes several
-  steps, while the other slots keep decoding between them). ``keep_logits``: keep the logits of
-  every generated token (tests and analyses; one more transfer per step).
+  steps, while the other slots keep decoding between them). Pieces go through the decode step one
+  token at a time inside the step (exact for every mixer kind).
+
+  ``prefill_bucket``: admit a request by prefilling its first ``H`` prompt tokens in parallel
+  (``H`` the largest multiple of ``prefill_bucket`` below the prompt's length) in a call of its
+  own, and inserting that row into the slot; the rest of the prompt goes in pieces. Prefill is
+  far faster per token than feeding, at the price of one compiled program per multiple (as
+  ``kj.generate``'s ``prefill_bucket``) and of stalling the other slots while it runs: what
+  batch evaluations of long prompts want (NIAH), not a server's latency. None: off.
+
+  ``keep_logits``: keep the logits of every generated token (tests and analyses; one more
+  transfer per step).
 
   Usage::
 
@@ -207,12 +227,14 @@ class Engine:
   """
 
   def __init__(self, model, *, slots: int, max_len: int, prefill_chunk: int = 64,
-               keep_logits: bool = False):
-    for name, value in (("slots", slots), ("max_len", max_len), ("prefill_chunk", prefill_chunk)):
+               prefill_bucket: Optional[int] = None, keep_logits: bool = False):
+    for name, value in (("slots", slots), ("max_len", max_len), ("prefill_chunk", prefill_chunk),
+                        ("prefill_bucket", 1 if prefill_bucket is None else prefill_bucket)):
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"Engine: {name} must be a positive int, got {value!r}.")
     self.model, self.slots, self.max_len = model, slots, max_len
     self.prefill_chunk, self.keep_logits = prefill_chunk, keep_logits
+    self.prefill_bucket = prefill_bucket
     self._graphdef, self._state = nnx.split(model)
     self._mesh = pod_mesh(self._state)
     self._caches = replicate_on(self._mesh, model.init_cache(slots, max_len))
@@ -345,7 +367,25 @@ class Engine:
       for request, slot in zip(group, free):
         request.slot, self._running[slot] = slot, request
         reset[slot], request.needs_key = True, True
+        if request.source is None and self._prefill_head(request):
+          reset[slot] = False  # the inserted row replaced the whole row
     return reset
+
+  def _prefill_head(self, request: Request) -> bool:
+    """With ``prefill_bucket``, prefills the request's prompt head in parallel into its slot
+    (at least one prompt token is left for the step, which draws the first token); whether it
+    did."""
+    if self.prefill_bucket is None:
+      return False
+    head = (len(request.prompt) - 1) // self.prefill_bucket * self.prefill_bucket
+    if head < 1:
+      return False
+    tokens = replicate_on(self._mesh, jnp.asarray([request.prompt[:head]], jnp.int32))
+    self._caches = prefill_into_slot(self._graphdef, self._state, tokens, self._caches,
+                                     self._fresh, replicate_on(self._mesh,
+                                                               jnp.int32(request.slot)))
+    request.fed = head
+    return True
 
   def _plan(self, reset: np.ndarray) -> Optional[StepPlan]:
     S = self.slots
@@ -354,7 +394,8 @@ class Engine:
     emit = np.zeros(S, bool)
     copy_from = np.full(S, -1, np.int32)
     new_keys, set_key = np.zeros((S, 2), np.uint32), np.zeros(S, bool)
-    temperature, top_k, top_p = np.zeros(S, np.float32), np.zeros(S, np.int32), np.ones(S, np.float32)
+    temperature, top_p = np.zeros(S, np.float32), np.ones(S, np.float32)
+    top_k = np.zeros(S, np.int32)
     for slot, request in enumerate(self._running):
       if request is None:
         continue
@@ -444,13 +485,14 @@ def generate_many(model, prompts: Sequence[Sequence[int]], *,
                   max_new_tokens: Union[int, Sequence[int]],
                   sampling: SamplingConfig = SamplingConfig(temperature=0.0), seed: int = 0,
                   slots: int = 8, stop_tokens: Sequence[int] = (), max_len: Optional[int] = None,
-                  prefill_chunk: int = 64,
+                  prefill_chunk: int = 64, prefill_bucket: Optional[int] = None,
                   progress: Optional[Callable[[int], None]] = None) -> list[list[int]]:
   """Continues every prompt (token-id lists of any lengths) through one :class:`Engine`;
   returns the generated tokens of each, in order, without the prompt (a stop token included as
   the last one). Prompt ``i`` is sampled with seed ``seed + i``: it draws what ``kj.generate``
   of it alone draws with ``key=jax.random.PRNGKey(seed + i)``. ``max_new_tokens``: one for all,
-  or one per prompt; ``max_len``: the slots' length, by default the longest request's."""
+  or one per prompt; ``max_len``: the slots' length, by default the longest request's;
+  ``prefill_chunk`` / ``prefill_bucket``: as in :class:`Engine`."""
   prompts = [list(p) for p in prompts]
   budgets = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int)
              else list(max_new_tokens))
@@ -461,7 +503,7 @@ def generate_many(model, prompts: Sequence[Sequence[int]], *,
   if max_len is None:
     max_len = max(len(p) + n for p, n in zip(prompts, budgets))
   engine = Engine(model, slots=min(slots, len(prompts)), max_len=max_len,
-                  prefill_chunk=prefill_chunk)
+                  prefill_chunk=prefill_chunk, prefill_bucket=prefill_bucket)
   ids = [engine.submit(p, max_new_tokens=n, sampling=sampling, seed=seed + i,
                        stop_tokens=stop_tokens)
          for i, (p, n) in enumerate(zip(prompts, budgets))]

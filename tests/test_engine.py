@@ -126,6 +126,24 @@ def test_engine_requests_equal_their_alone_runs(name):
     assert_logits_close(result.logits, logits, f"{name} request {rid}")
 
 
+def test_prefill_bucket_admission_equals_alone_runs():
+  """``prefill_bucket``: a prompt's head prefilled in parallel and inserted into its slot (while
+  other slots hold running requests), the rest fed in pieces: each request still equals its
+  alone run."""
+  model = _model("kvm_swa_hybrid")
+  rng = np.random.default_rng(12)
+  max_len = 48
+  requests = random_requests(rng, 8, max_len)
+  engine = Engine(model, slots=3, max_len=max_len, prefill_chunk=4, prefill_bucket=8,
+                  keep_logits=True)
+  ids, _ = serve(engine, requests, rng)
+  assert any(len(p) > 9 for p, _ in requests)  # some heads were prefilled
+  for rid, (prompt, new) in zip(ids, requests):
+    tokens, logits = alone(model, prompt, new, max_len)
+    assert engine.result(rid).tokens == tokens, rid
+    assert_logits_close(engine.result(rid).logits, logits, f"request {rid}")
+
+
 def test_greedy_engine_tokens_equal_generate():
   """``generate_many`` gives, per prompt, ``kj.generate``'s tokens for that prompt alone (its
   parallel prefill), stop tokens included."""

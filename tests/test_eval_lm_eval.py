@@ -151,6 +151,21 @@ def test_generate_until_stops_at_the_stop_string(model):
   assert cut == full[:full.index(stop)]
 
 
+def test_generate_until_batches_ragged_requests_as_if_alone(model):
+  """One call with contexts of several lengths and budgets, through two slots, gives every
+  request the text a call of its own gives it (greedy and sampled alike: request i of a call
+  samples with seed i, so the sampled one is asked alone at the same index)."""
+  lm = KVMEvalLM(model, TOK, pad_multiple=16, batch_size=2)
+  hot = {"do_sample": True, "temperature": 2.0}
+  asks = [("A longer context, to be continued:", {"max_gen_toks": 9}),
+          ("x", {"max_gen_toks": 3, **hot}), ("Repeat: apple\nAnswer:", {"max_gen_toks": 7})]
+  together = lm.generate_until([_request("generate_until", c, kw) for c, kw in asks])
+  for i, (context, kw) in enumerate(asks):
+    pad = [_request("generate_until", "p", {"max_gen_toks": 1})] * i  # moves it to index i
+    alone = lm.generate_until(pad + [_request("generate_until", context, kw)])[-1]
+    assert together[i] == alone, (i, context)
+
+
 def test_generate_until_samples_when_asked(model):
   """do_sample, temperature, top_k and top_p reach the sampler. Greedy decoding is the reference
   (the test above checks it against kj.generate): a vanishing temperature, top_k=1 or a tiny top_p

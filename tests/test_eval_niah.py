@@ -43,3 +43,24 @@ def test_scoring_oracle_and_empty_models():
   assert niah.score([answers[1]] + [""] * 4, answers) == 0.0
   with pytest.raises(ValueError, match="too short"):
     niah.make_example("niah_single_1", 150, 0.0, 0, COUNT)
+
+
+def test_engine_predictor_generates_what_one_by_one_generation_does():
+  """The NIAH suite's batches through the engine give every example the text that generating it
+  alone gives (so the same hits and scores), slots reused, prompts of several lengths."""
+  import kvm_jax.eval.niah as niah_eval
+  from tests.conftest import make_model
+
+  model = make_model(("swa", "kvm"), 3)  # a seed whose continuations differ between prompts
+  budget = 12
+  kw = dict(tasks=["niah_single_1", "niah_single_2"], lengths=[400], depths=niah.DEPTHS[:3],
+            generation_budget=budget)
+  examples = niah.make_examples("niah_single_1", 400, COUNT, depths=niah.DEPTHS[:3],
+                                generation_budget=budget)
+  one = niah_eval.greedy_predictor(model, TOK, budget)
+  batched = niah_eval.EnginePredictor(model, TOK, budget, slots=2, prefill_bucket=32)
+  prompts = [ex.prompt for ex in examples]
+  texts = batched.many(prompts, 400)
+  assert texts == [one(p, 400) for p in prompts]
+  assert len(set(texts)) > 1  # the prompts differ, so do the continuations
+  assert niah_eval.run_niah(batched, COUNT, **kw) == niah_eval.run_niah(one, COUNT, **kw)
