@@ -324,9 +324,19 @@ class Engine:
       raise KeyError(f"no request {request_id!r} in this engine.")
     return self._requests[request_id]
 
+  def requests(self) -> list[Request]:
+    """Every request submitted so far, in submission order."""
+    return list(self._requests.values())
+
   def result(self, request_id: int) -> Request:
     """The request (its ``tokens`` and ``finish_reason``), finished or not."""
     return self.request(request_id)
+
+  @property
+  def occupancy(self) -> tuple[int, int]:
+    """``(running, waiting)``: requests holding a slot, and requests queued for one."""
+    return (sum(r is not None for r in self._running),
+            sum(len(group) for group in self._waiting))
 
   @property
   def busy(self) -> bool:

@@ -45,7 +45,8 @@ LAYERS = (
     ("eval", ("kvm_jax.eval.*",)),
     ("cli", ("kvm_jax.train.main", "kvm_jax.train.default_job", "kvm_jax.train.configs.*",
              "kvm_jax.train.conversion_study",
-             "kvm_jax.eval.cli", "kvm_jax.demo", "kvm_jax.train.prepare_data", "kvm_jax.hf.cli")),
+             "kvm_jax.eval.cli", "kvm_jax.demo", "kvm_jax.train.prepare_data", "kvm_jax.hf.cli",
+             "kvm_jax.serve")),
 )
 RANK = {"config": 0, "ops": 1, "kernels": 2, "op registry": 3, "model": 4, "tasks": 5, "runs": 6,
         "train": 7, "eval": 7, "cli": 8}
