@@ -24,6 +24,9 @@ step must read and write (:func:`kvm_decode_min_bytes`, :func:`full_decode_min_b
 current chunk) and RWKV-7's recurrence (``kvm_jax.ops.rwkv7``: a ``H·D·D`` float32 state whatever
 T, so its decode step moves the same bytes at every length; :func:`ovq_decode_min_bytes`,
 :func:`rwkv7_decode_min_bytes`).
+``--engine`` times the generation engine on a ragged workload against ``kj.generate`` one prompt
+at a time and padded static batches, and counts the slots that fit at long context per preset
+(:mod:`kvm_jax.eval.engine_speed`).
 ``--paper`` uses the paper's B=8, H=32, D=128, bf16 (an accelerator is needed for that); CPU
 defaults finish in minutes.
 
@@ -51,7 +54,7 @@ from flax import nnx
 
 import kvm_jax as kj
 from kvm_jax.config import KVM_IMPLEMENTATIONS
-from kvm_jax.eval import documents_speed
+from kvm_jax.eval import documents_speed, engine_speed
 from kvm_jax.eval.timing import (full_attention_impl, median_ms, time_full_decode,
                                  time_kvm_decode, time_ovq_decode, time_rwkv7_decode)
 from kvm_jax.generate import prefill_logits, sample_step
@@ -448,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="median document length of the log-normal mix (default: %(default)s tokens)")
   g.add_argument("--doc-step-len", type=int, default=4096,
                  help="row length of the train-step comparison (default: 4096)")
+  engine_speed.add_flags(p)
   p.add_argument("--json", default=None, help="write all measurements to this JSON file")
   p.add_argument("--plot", default=None, help="write a PNG of ms vs T to this path")
   return p
@@ -468,6 +472,14 @@ def main(argv=None) -> int:
       with open(args.json, "w") as f:
         json.dump({"setup": {k: v for k, v in vars(args).items()}, "documents": measured}, f,
                   indent=2)
+    return 0
+  if args.engine:
+    print(f"{jax.devices()[0].device_kind} ({kj.current_platform()}), jax {jax.__version__}",
+          flush=True)
+    measured = engine_speed.run(args)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump({"setup": vars(args), "engine": measured}, f, indent=2)
     return 0
   args.budgets = [b for b in args.budgets.split(",") if b]
   for b in args.budgets:

@@ -98,6 +98,11 @@ class StepPlan:
     new_keys: ``[S, 2]`` uint32, the first key of a request admitted this step.
     set_key: ``[S]`` bool, slots whose key is replaced by ``new_keys``.
     temperature / top_k / top_p: ``[S]``, each slot's sampling settings (:func:`sample_rows`).
+    piece: ``[1, P]`` int32, a prompt piece one slot takes in parallel (``P`` a multiple of the
+      model's ``resume_alignment``; ``P = 0``: none this step).
+    piece_slot: int32, the slot taking ``piece``.
+    piece_starts: bool, whether ``piece`` begins its prompt (prefilled on an empty row; else the
+      row continues, ``LM.resume``).
   """
 
   tokens: np.ndarray
@@ -110,6 +115,9 @@ class StepPlan:
   temperature: np.ndarray
   top_k: np.ndarray
   top_p: np.ndarray
+  piece: np.ndarray
+  piece_slot: np.ndarray
+  piece_starts: np.ndarray
 
 
 jax.tree_util.register_dataclass(
@@ -126,6 +134,18 @@ def prefill_into_slot(graphdef, state, tokens: Array, caches, fresh, slot: Array
   return jax.tree_util.tree_map(put, caches, row)
 
 
+def _feed_piece(model, caches, fresh, plan: StepPlan):
+  """The parallel prompt piece of one slot: that row taken out of the caches, prefilled (a new
+  prompt) or resumed, put back. Returns the caches and the logits of the piece's last token."""
+  take = lambda x: jax.lax.dynamic_index_in_dim(x, plan.piece_slot, axis=0, keepdims=True)
+  row = jax.tree_util.tree_map(take, caches)
+  logits, row = jax.lax.cond(plan.piece_starts, lambda r: model.prefill(plan.piece, fresh),
+                             lambda r: model.resume(plan.piece, r), row)
+  put = lambda whole, one: jax.lax.dynamic_update_slice_in_dim(whole, one.astype(whole.dtype),
+                                                               plan.piece_slot, axis=0)
+  return jax.tree_util.tree_map(put, caches, row), logits[0, -1]
+
+
 def _copy_rows(tree, copy_from: Array):
   """Row ``copy_from[s]`` into row ``s`` wherever ``copy_from[s] >= 0`` (a gather over rows)."""
   rows = jnp.where(copy_from >= 0, copy_from, jnp.arange(copy_from.shape[0]))
@@ -140,7 +160,14 @@ def engine_step(graphdef, state, caches, keys: Array, fresh, plan: StepPlan,
   ``keys`` are donated."""
   model = nnx.merge(graphdef, state)
   caches = reset_rows(caches, plan.reset, fresh)
-  logits, caches = model.extend(plan.tokens, caches, plan.counts)
+  S = plan.counts.shape[0]
+  if plan.tokens.shape[1]:
+    logits, caches = model.extend(plan.tokens, caches, plan.counts)
+  else:
+    logits = jnp.zeros((S, model.cfg.vocab_size), jnp.float32)
+  if plan.piece.shape[1]:
+    caches, piece_logits = _feed_piece(model, caches, fresh, plan)
+    logits = jax.lax.dynamic_update_slice_in_dim(logits, piece_logits[None], plan.piece_slot, 0)
   copies = jnp.any(plan.copy_from >= 0)
   caches, logits = jax.lax.cond(copies, _copy_rows, lambda tree, _: tree, (caches, logits),
                                 plan.copy_from)
@@ -235,6 +262,10 @@ class Engine:
     self.model, self.slots, self.max_len = model, slots, max_len
     self.prefill_chunk, self.keep_logits = prefill_chunk, keep_logits
     self.prefill_bucket = prefill_bucket
+    # Prompts continue in parallel pieces when every layer can (LM.resume) and the pieces can be
+    # whole multiples of the alignment; else they go through the decode step.
+    alignment = model.resume_alignment()
+    self._alignment = alignment if alignment and prefill_chunk >= alignment else None
     self._graphdef, self._state = nnx.split(model)
     self._mesh = pod_mesh(self._state)
     self._caches = replicate_on(self._mesh, model.init_cache(slots, max_len))
@@ -397,15 +428,33 @@ class Engine:
     request.fed = head
     return True
 
-  def _plan(self, reset: np.ndarray) -> Optional[StepPlan]:
+  def _parallel_width(self, request: Request) -> int:
+    """Prompt tokens ``request`` may feed as a parallel piece now (0: none): the largest
+    power-of-two number of alignment units that its prompt's rest and ``prefill_chunk`` allow."""
+    if self._alignment is None or request.source is not None or request.fed % self._alignment:
+      return 0
+    units = min(len(request.prompt) - request.fed, self.prefill_chunk) // self._alignment
+    if units < 1:
+      return 0
+    return 2 ** (units.bit_length() - 1) * self._alignment
+
+  def _plan(self, reset: np.ndarray) -> Optional[tuple[StepPlan, np.ndarray]]:
+    """The step's plan, and the prompt tokens each slot feeds in it; None when nothing runs."""
     S = self.slots
-    counts = np.zeros(S, np.int32)
+    counts, fed = np.zeros(S, np.int32), np.zeros(S, np.int32)
     pieces: list = [()] * S
     emit = np.zeros(S, bool)
     copy_from = np.full(S, -1, np.int32)
     new_keys, set_key = np.zeros((S, 2), np.uint32), np.zeros(S, bool)
     temperature, top_p = np.zeros(S, np.float32), np.ones(S, np.float32)
     top_k = np.zeros(S, np.int32)
+    piece, piece_slot, piece_starts = np.zeros((1, 0), np.int32), 0, False
+    # One slot's prompt continues in parallel (the earliest admitted that can); the others with
+    # a parallel piece to come wait for the lane, and prompt rests shorter than the alignment go
+    # through the decode step beside the decoding slots.
+    lane = [(r.id, slot) for slot, r in enumerate(self._running)
+            if r is not None and self._parallel_width(r)]
+    lane_slot = min(lane)[1] if lane else None
     for slot, request in enumerate(self._running):
       if request is None:
         continue
@@ -413,36 +462,48 @@ class Engine:
       if request.needs_key:
         new_keys[slot] = np.asarray(jax.random.PRNGKey(request.seed), np.uint32)
         set_key[slot], request.needs_key = True, False
-      source = request.source
-      if source is not None:  # a sample: copies its source's row once the prompt is fed
-        if source.fed + counts_of(source, self.prefill_chunk) >= len(source.prompt) \
-            and source.fed < len(source.prompt):
-          copy_from[slot], emit[slot] = source.slot, True
+      if request.source is not None:
         continue
       if request.fed < len(request.prompt):
-        piece = request.prompt[request.fed:request.fed + self.prefill_chunk]
-        emit[slot] = request.fed + len(piece) == len(request.prompt)
+        width = self._parallel_width(request)
+        if width and slot != lane_slot:
+          continue
+        if width:
+          piece = np.asarray([request.prompt[request.fed:request.fed + width]], np.int32)
+          piece_slot, piece_starts, fed[slot] = slot, request.fed == 0, width
+        else:
+          pieces[slot] = request.prompt[request.fed:request.fed + self.prefill_chunk]
+          fed[slot] = len(pieces[slot])
+        emit[slot] = request.fed + fed[slot] == len(request.prompt)
       else:
-        piece = (request.tokens[-1],)
+        pieces[slot] = (request.tokens[-1],)
         emit[slot] = True
-      pieces[slot], counts[slot] = piece, len(piece)
-    if not counts.any() and not emit.any():
+      counts[slot] = len(pieces[slot])
+    for slot, request in enumerate(self._running):  # samples copy a prompt fed in full now
+      source = None if request is None else request.source
+      if source is not None and source.slot is not None and emit[source.slot] \
+          and source.fed < len(source.prompt):
+        copy_from[slot], emit[slot] = source.slot, True
+    if not counts.any() and not emit.any() and not piece.shape[1]:
       return None
-    width = _bucket(int(counts.max()), self.prefill_chunk)
+    width = _bucket(int(counts.max()), self.prefill_chunk) if counts.any() else 0
     tokens = np.zeros((S, width), np.int32)
-    for slot, piece in enumerate(pieces):
-      tokens[slot, :len(piece)] = piece
-    return StepPlan(tokens=tokens, counts=counts, reset=reset, copy_from=copy_from, emit=emit,
+    for slot, row in enumerate(pieces):
+      tokens[slot, :len(row)] = row
+    plan = StepPlan(tokens=tokens, counts=counts, reset=reset, copy_from=copy_from, emit=emit,
                     new_keys=new_keys, set_key=set_key, temperature=temperature, top_k=top_k,
-                    top_p=top_p)
+                    top_p=top_p, piece=piece, piece_slot=np.int32(piece_slot),
+                    piece_starts=np.bool_(piece_starts))
+    return plan, fed
 
   def step(self) -> list[TokenEvent]:
     """One jitted step over every slot (admitting waiting requests first). Returns the tokens
     generated in it, one event per emitting request."""
     reset = self._admit()
-    plan = self._plan(reset)
-    if plan is None:
+    planned = self._plan(reset)
+    if planned is None:
       return []
+    plan, fed = planned
     self._caches, self._keys, tokens, logits = engine_step(
         self._graphdef, self._state, self._caches, self._keys, self._fresh,
         replicate_on(self._mesh, plan), keep_logits=self.keep_logits)
@@ -453,7 +514,7 @@ class Engine:
       if request is None:
         continue
       if request.source is None:
-        request.fed = min(len(request.prompt), request.fed + int(plan.counts[slot]))
+        request.fed += int(fed[slot])
       if plan.emit[slot]:
         if request.source is not None:
           request.fed, request.source = len(request.prompt), None
@@ -475,11 +536,6 @@ class Engine:
     event = TokenEvent(request.id, token, request.finish_reason)
     self._events[request.id].append(event)
     return event
-
-
-def counts_of(request: Request, prefill_chunk: int) -> int:
-  """Prompt tokens ``request`` feeds in its next step."""
-  return min(prefill_chunk, len(request.prompt) - request.fed)
 
 
 def _bucket(count: int, limit: int) -> int:

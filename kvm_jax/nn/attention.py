@@ -34,6 +34,7 @@ from flax import nnx
 
 from kvm_jax.model_config import ModelConfig, value_lora_width
 from kvm_jax.nn import kv_sharing
+from kvm_jax.nn.cache import RESUME
 from kvm_jax.nn.layers import (depth_ratio, float32_init, layer_norm, linear, token_shift,
                                 zeros_init)
 from kvm_jax.ops import attention as attn_ops
@@ -283,6 +284,12 @@ class SoftmaxAttention(AttentionFrontEnd):
   RING: str = "full"
   DOCUMENTS = True
 
+  @classmethod
+  def resume_alignment(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
+    """A ring continues from any position (1); a reconstruction layer of cross-layer KV sharing
+    reads its sources' rings one token at a time only (None)."""
+    return None if cfg.kv_sources(layer) is not None else 1
+
   def ring_geometry(self) -> dict:
     return {}
 
@@ -310,6 +317,8 @@ class SoftmaxAttention(AttentionFrontEnd):
   def mix_own(self, x, q, k, v, mixer_cache, decode, shared, documents=None):
     if documents is not None:
       y = self.attend_documents(q, k, v, documents)
+    elif decode == RESUME:
+      y, mixer_cache = attn_ops.ring_resume(q, k, v, mixer_cache)
     elif decode:
       y, mixer_cache = attn_ops.ring_decode_step(q, k, v, mixer_cache)
     else:

@@ -12,6 +12,11 @@ sequence at a length of its own, so that one cache can hold many requests (the e
   (:func:`select_rows`, :func:`reset_rows`, :func:`copy_row`);
 * its decode step advances each row at its own position (``length[b]``).
 
+A kind may also continue its cache by a whole piece of tokens in parallel (``LM.resume``, what the
+engine's prefill uses): its classmethod ``resume_alignment(cfg, layer)`` returns the multiple of
+positions such a piece must start at and span (its chunk; 1 when any will do), or None when it
+cannot.
+
 ``register_mixer`` checks the first two on a cache built abstractly from the kind's default
 options (:func:`check_cache_protocol`); the third is what the engine's tests check per kind. A
 reconstruction layer of cross-layer KV sharing may have no cache (``None``): it reads its
@@ -26,6 +31,12 @@ import jax
 import jax.numpy as jnp
 
 Array = jax.Array
+
+# The ``decode`` mode of a layer call that continues every row's cache by a whole piece of tokens
+# in parallel (``LM.resume``). It is truthy, like a decode step, wherever a call reads the previous
+# token's history (token shifts, value anchors); a kind that supports it says so with
+# ``resume_alignment`` and acts on it before its one-token branch.
+RESUME = "resume"
 
 
 @runtime_checkable

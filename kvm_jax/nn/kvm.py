@@ -15,8 +15,9 @@ from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn import kv_sharing
 from kvm_jax.nn.attention import AttentionFrontEnd
+from kvm_jax.nn.cache import RESUME
 from kvm_jax.nn.layers import layer_norm, linear
-from kvm_jax.ops.kvm.api import kvm_attention, kvm_decode_step, kvm_prefill
+from kvm_jax.ops.kvm.api import kvm_attention, kvm_decode_step, kvm_prefill, kvm_resume
 from kvm_jax.ops.kvm.decode import KVMCache, kvm_init_cache
 from kvm_jax.ops.kvm.state import KVMParams
 
@@ -40,6 +41,12 @@ class KVMAttention(AttentionFrontEnd):
     """Keys at distance below this are attended exactly: the window ``L = window_chunks ·
     chunk_size`` (beyond it, a key lives on only as part of a state row)."""
     return cfg.options_of(cfg.layer_mixers[layer]).window_len
+
+  @classmethod
+  def resume_alignment(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
+    """Pieces of whole chunks from a chunk boundary (``C``); not with cross-layer KV sharing
+    (shared routing and fused windows are replayed one token at a time)."""
+    return None if cfg.kv_sharing != "none" else cfg.options_of(cfg.layer_mixers[layer]).chunk_size
 
   @classmethod
   def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
@@ -97,6 +104,9 @@ class KVMAttention(AttentionFrontEnd):
     cfg = self.cfg
     kw = dict(routing=routing, return_routing=return_routing,
               implementation=cfg.kvm_implementation)
+    if decode == RESUME:
+      y, cache = kvm_resume(q, k, v, g, params, self.options, mixer_cache)
+      return y, cache, None
     if decode:
       out = kvm_decode_step(q, k, v, g, params, self.options, mixer_cache, **kw)
     elif mixer_cache is not None:

@@ -18,12 +18,12 @@ from flax import nnx
 
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.attention import LayerCache
-from kvm_jax.nn.cache import cache_lengths, select_rows
+from kvm_jax.nn.cache import RESUME, cache_lengths, select_rows
 from kvm_jax.nn.kv_sharing import SharedKV
 from kvm_jax.nn.registry import mixer_class, registered_mixers
 from kvm_jax.nn.layers import (depth_ratio, float32_init, layer_norm, linear, token_shift,
                                 zeros_init)
-from kvm_jax.ops.common import tree_nbytes
+from kvm_jax.ops.common import is_concrete, tree_nbytes
 from kvm_jax.ops.documents import Documents, check_segment_ids, documents
 from kvm_jax.ops.loss import head_logits
 
@@ -297,6 +297,45 @@ class LM(nnx.Module):
       raise ValueError(f"decode_step takes tokens of shape [batch, 1], got {token.shape}.")
     position = cache_lengths(caches, token.shape[0])
     features, caches = self._run(token, position[:, None], caches, True)
+    return self.logits(features), caches
+
+  def resume_alignment(self) -> Optional[int]:
+    """The position multiple :meth:`resume` pieces start at and span (the least common multiple
+    of the layers' ``resume_alignment``), or None when some layer cannot continue in parallel
+    (then :meth:`extend` is the way)."""
+    cfg, alignment = self.cfg, 1
+    for layer, kind in enumerate(cfg.layer_mixers):
+      method = getattr(mixer_class(kind), "resume_alignment", None)
+      step = None if method is None else method(cfg, layer)
+      if step is None:
+        return None
+      alignment = math.lcm(alignment, int(step))
+    return alignment
+
+  def resume(self, tokens: Array, caches: list[LayerCache]) -> tuple[Array, list[LayerCache]]:
+    """Continues every row by the ``T`` tokens ``tokens [B, T]`` in parallel, each row from its
+    own length: logits ``[B, T, V]`` and the caches, equal to ``T`` decode steps (and to
+    :meth:`prefill` of the whole sequence) to float32 rounding.
+
+    ``T`` and every row's length must be multiples of :meth:`resume_alignment`, and the lengths
+    positive: a new sequence starts with :meth:`prefill`, and a long prompt continues with
+    pieces of ``resume`` (the engine's chunked prefill). Lengths are checked when concrete."""
+    self.check_tokens(tokens)
+    B, T = tokens.shape
+    alignment = self.resume_alignment()
+    if alignment is None:
+      raise ValueError("resume: some layer of this model cannot continue a piece in parallel "
+                       "(cross-layer KV sharing, or a kind without resume_alignment); use "
+                       "extend.")
+    if T % alignment:
+      raise ValueError(f"resume: a piece of {T} tokens is not a multiple of the model's "
+                       f"alignment {alignment}; feed the rest with extend.")
+    lengths = cache_lengths(caches, B)
+    if is_concrete(lengths) and bool(jnp.any((lengths % alignment != 0) | (lengths < 1))):
+      raise ValueError(f"resume: row lengths {np.asarray(lengths).tolist()} must be positive "
+                       f"multiples of {alignment}; start a sequence with prefill.")
+    positions = lengths[:, None] + jnp.arange(T)[None, :]
+    features, caches = self._run(tokens, positions, caches, RESUME)
     return self.logits(features), caches
 
   def extend(self, tokens: Array, caches: list[LayerCache],

@@ -21,7 +21,9 @@ from flax import nnx
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.attention import AttentionFrontEnd
 from kvm_jax.ops.ovq.config import OVQConfig
-from kvm_jax.ops.ovq.decode import OVQCache, ovq_decode_step, ovq_init_cache, ovq_prefill
+from kvm_jax.nn.cache import RESUME
+from kvm_jax.ops.ovq.decode import (OVQCache, ovq_decode_step, ovq_init_cache, ovq_prefill,
+                                     ovq_resume)
 from kvm_jax.ops.ovq.documents import ovq_attention_documents
 from kvm_jax.ops.ovq.scan import ovq_attention
 
@@ -46,6 +48,12 @@ class OVQAttention(AttentionFrontEnd):
   def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
     """Keys at distance below this are attended exactly: the query's own chunk."""
     return cfg.options_of(cfg.layer_mixers[layer]).chunk_size
+
+  @classmethod
+  def resume_alignment(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
+    """Pieces of whole chunks from a chunk boundary: each folds into the dictionary."""
+    return None if cfg.kv_sources(layer) is not None else \
+        cfg.options_of(cfg.layer_mixers[layer]).chunk_size
 
   @classmethod
   def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
@@ -73,7 +81,9 @@ class OVQAttention(AttentionFrontEnd):
       segment_ids = documents.segment_ids()
       y = ovq_attention_documents(q, k, v, beta, segment_ids, self.options)
       return y, None, {"k": k, "v": v}
-    if decode:
+    if decode == RESUME:
+      y, mixer_cache = ovq_resume(q, k, v, beta, self.options, mixer_cache)
+    elif decode:
       y, mixer_cache = ovq_decode_step(q, k, v, beta, self.options, mixer_cache)
     elif mixer_cache is not None:
       y, mixer_cache = ovq_prefill(q, k, v, beta, self.options, mixer_cache)

@@ -30,6 +30,7 @@ from flax import nnx
 
 from kvm_jax.model_config import ModelConfig, lora_width
 from kvm_jax.nn.attention import cache_bytes_from_shapes
+from kvm_jax.nn.cache import RESUME
 from kvm_jax.nn.layers import GroupNorm, float32_init, linear, shift_delta, zeros_init
 from kvm_jax.ops.kvm.state import safe_l2_norm
 from kvm_jax.ops.rwkv7.chunked import MAX_CHUNK, rwkv7_recurrence, rwkv7_step
@@ -142,6 +143,11 @@ class RWKV7TimeMix(nnx.Module):
     return 0
 
   @classmethod
+  def resume_alignment(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
+    """Any piece from any position: the recurrence continues from the cached state."""
+    return 1
+
+  @classmethod
   def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
     """The recurrence costs about 9·Dk·Dv FLOPs per token and head (state update and readout),
     what attention spends on 9·Dv/4 keys (4·D FLOPs each): independent of the position."""
@@ -245,7 +251,11 @@ class RWKV7TimeMix(nnx.Module):
     k = f32(k) * (1.0 + (a - 1.0) * f32(self.k_a[...]))
     rh, kh, vh, ah = heads(f32(r)), heads(k), heads(f32(v)), heads(a)
     inputs = (rh, heads(log_w), kh, vh, -kk, kk * ah)
-    if decode:
+    if decode == RESUME:
+      y, state = rwkv7_recurrence(*inputs, initial_state=mixer_cache.state,
+                                  chunk_size=self.options.chunk_size)
+      length = mixer_cache.length + T
+    elif decode:
       y, state = rwkv7_step(*(z[:, 0] for z in inputs), mixer_cache.state)
       y, length = y[:, None], mixer_cache.length + 1
     else:

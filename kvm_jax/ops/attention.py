@@ -208,3 +208,55 @@ def ring_decode_step(q_t: Array, k_t: Array, v_t: Array, cache: RingCache,
   return y.astype(q_t.dtype), dataclasses.replace(cache, keys=keys, values=values,
                                                   sink_keys=sink_keys, sink_values=sink_values,
                                                   length=t + 1)
+
+
+@jax.jit
+def ring_resume(q: Array, k: Array, v: Array, cache: RingCache,
+                scale: Optional[float] = None) -> tuple[Array, RingCache]:
+  """``W`` more tokens per row, in parallel, each row continuing from its own length
+  ``cache.length[b]``: ``q [B,W,H,D]``, ``k [B,W,Hkv,D]``, ``v [B,W,Hkv,Dv]`` -> ``y [B,W,H,Dv]``
+  and the cache after them. The same attention as ``W`` :func:`ring_decode_step` calls: each
+  query sees the ring's earlier keys and the piece's keys up to itself, by the kind's rule."""
+  B, W, H, D = q.shape
+  Hkv = k.shape[2]
+  slots = cache.keys.shape[1]
+  start = batch_rows(cache.length, B)                                         # [B]
+  query_pos = start[:, None] + jnp.arange(W)                                  # [B, W]
+  ring_pos = ring_positions(start - 1, slots)                                 # [B, slots]
+  key_pos = jnp.concatenate([ring_pos, query_pos], axis=1)                    # [B, slots + W]
+  keys = jnp.concatenate([cache.keys, k.astype(cache.keys.dtype)], axis=1)
+  values = jnp.concatenate([cache.values, v.astype(cache.values.dtype)], axis=1)
+  lowest = _lowest_visible(cache, query_pos)[..., None]                       # [B, W, 1]
+  window_valid = ((key_pos[:, None, :] >= lowest) & (key_pos[:, None, :] >= 0)
+                  & (key_pos[:, None, :] <= query_pos[..., None]))[:, None, None]
+  S = cache.sink_keys.shape[1]
+  sink_keys, sink_values = cache.sink_keys, cache.sink_values
+  if S:
+    # a sink is a prompt's first tokens: written when this piece holds them
+    sink_index = jnp.arange(S)[None, :] - start[:, None]                     # [B, S]
+    in_piece = (sink_index >= 0) & (sink_index < W)
+    take = lambda x: jnp.take_along_axis(x, jnp.clip(sink_index, 0, W - 1)[..., None, None],
+                                         axis=1)
+    sink_keys = jnp.where(in_piece[..., None, None], take(k).astype(sink_keys.dtype), sink_keys)
+    sink_values = jnp.where(in_piece[..., None, None], take(v).astype(sink_values.dtype),
+                            sink_values)
+    state_k, state_v = jnp.swapaxes(sink_keys, 1, 2), jnp.swapaxes(sink_values, 1, 2)
+    sinks = jnp.arange(S)[None, None, :]
+    state_valid = ((sinks < lowest) & (sinks <= query_pos[..., None]))[:, None, None]
+  else:
+    state_k = jnp.zeros((B, Hkv, 1, D), keys.dtype)
+    state_v = jnp.zeros((B, Hkv, 1, values.shape[-1]), values.dtype)
+    state_valid = jnp.zeros((1, 1), bool)
+  temp = _scale_as_temperature(scale, q, Hkv)
+  y = joint_attention(q.reshape(B, W, Hkv, H // Hkv, D), state_k, state_v, state_valid, keys,
+                      values, window_valid, temp, temp)
+  y = jnp.where((query_pos < cache.max_len)[..., None, None], y.reshape(B, W, H, -1), jnp.nan)
+  # The ring keeps the last `slots` positions; only the piece's last min(W, slots) tokens can be
+  # among them (their slots are distinct), written over what they replace.
+  kept = min(W, slots)
+  new_pos = query_pos[:, W - kept:]
+  write = lambda ring, x: jax.vmap(lambda r, i, xi: r.at[i].set(xi))(
+      ring, new_pos % slots, x[:, W - kept:].astype(ring.dtype))
+  return y.astype(q.dtype), dataclasses.replace(
+      cache, keys=write(cache.keys, k), values=write(cache.values, v), sink_keys=sink_keys,
+      sink_values=sink_values, length=start + W)

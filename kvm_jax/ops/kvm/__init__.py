@@ -15,7 +15,8 @@ The fused kernels live in :mod:`kvm_jax.kernels`; only ``api.py`` plugs them in.
 
 from kvm_jax.ops.kvm.api import (AUTO_PALLAS_BACKENDS, KVM_PLATFORMS, KVM_READOUTS, KVMBackend,
                                  chunk_ops, kernel_sharding, kvm_attention, kvm_decode_step,
-                                 kvm_prefill, resolve_implementation, resolve_kvm_backend)
+                                 kvm_prefill, kvm_resume, resolve_implementation,
+                                 resolve_kvm_backend)
 from kvm_jax.ops.kvm.decode import KVMCache, kvm_init_cache
 from kvm_jax.ops.kvm.reference import kvm_attention_reference
 from kvm_jax.ops.kvm.scan import XLA_OPS, ChunkOps, kvm_attention_scan
@@ -24,4 +25,5 @@ from kvm_jax.ops.kvm.state import KVMParams, KVMState
 __all__ = ["AUTO_PALLAS_BACKENDS", "KVM_PLATFORMS", "KVM_READOUTS", "ChunkOps", "KVMBackend",
            "KVMCache", "KVMParams", "KVMState", "XLA_OPS", "chunk_ops", "kernel_sharding",
            "kvm_attention", "kvm_attention_reference", "kvm_attention_scan", "kvm_decode_step",
-           "kvm_init_cache", "kvm_prefill", "resolve_implementation", "resolve_kvm_backend"]
+           "kvm_init_cache", "kvm_prefill", "kvm_resume", "resolve_implementation",
+           "resolve_kvm_backend"]

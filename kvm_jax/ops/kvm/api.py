@@ -326,3 +326,28 @@ def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMP
   return decode.decode_step(q_t, k_t, v_t, g_t, params, cfg=cfg, cache=cache, ops=be.chunk_ops(),
                             routing=routing, return_routing=return_routing,
                             row_update=be.row_update)
+
+
+def kvm_resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
+               cfg: KVMConfig, cache: KVMCache):
+  """Continues every row of ``cache`` by ``W`` tokens in parallel (``q [B, W, H, D]`` ...):
+  ``(y [B, W, H, Dv], cache)``, equal to ``W`` :func:`kvm_decode_step` calls to float32 rounding.
+
+  ``W`` must be a multiple of ``chunk_size`` and every row's length a positive one (a new
+  sequence starts with :func:`kvm_prefill`): the chunked prefill of a long prompt, piece after
+  piece. The lengths are checked when concrete. Runs on XLA (the fold's row accumulation as the
+  backend resolver decides for this platform)."""
+  validate_inputs(q, k, v, merge_gate, params, cfg)
+  check_against_cache(k, v, cache, "kvm_resume")
+  C = cfg.chunk_size
+  if q.shape[1] % C:
+    raise ValueError(f"kvm_resume: a piece of {q.shape[1]} tokens is not a multiple of "
+                     f"chunk_size={C}; feed the rest with kvm_decode_step.")
+  if is_concrete(cache.length):
+    lengths = jnp.broadcast_to(cache.length, (q.shape[0],))
+    if bool(jnp.any((lengths % C != 0) | (lengths < C))):
+      raise ValueError(f"kvm_resume: row lengths {lengths.tolist()} must be positive multiples "
+                       f"of chunk_size={C}; start a sequence with kvm_prefill.")
+  be = resolve_kvm_backend(cfg, implementation="xla")
+  return decode.resume(q, k, v, merge_gate, params, cfg=cfg, cache=cache,
+                       row_update=be.row_update)

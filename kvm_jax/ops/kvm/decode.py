@@ -273,3 +273,82 @@ def decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParam
   y = jnp.where((t < cache.max_len)[:, None, None, None], y.reshape(B, 1, H, -1), jnp.nan)
   y = y.astype(q_t.dtype)
   return (y, new, decisions) if return_routing else (y, new)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ops", "row_update"))
+def resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, cfg: KVMConfig,
+           cache: KVMCache, ops: ChunkOps = XLA_OPS, row_update: str = "auto"):
+  """``W`` more tokens per row in parallel, chunk by chunk, each row continuing from its own
+  length: ``(y [B, W, H, Dv], cache)``, the same as ``W`` :func:`decode_step` calls.
+
+  Every row's length must be a positive multiple of ``C`` (its initial state complete; a new
+  sequence starts with :func:`prefill`) and ``W`` a multiple of ``C``. The keys a chunk sees
+  are the ring's last ``L`` tokens followed by the piece's, so chunk ``j`` reads its window as
+  one slice, and folds the chunk leaving the window (from the ring or the piece) first, exactly
+  when the decode step would."""
+  B, W, H, D = q.shape
+  Hkv = k.shape[2]
+  C, nb, L = cfg.chunk_size, cfg.window_chunks, cfg.window_len
+  G = H // Hkv
+  start = batch_rows(cache.length, B)                                        # [B]
+  state = per_row_state(cache.state, B)
+  R = state.capacity
+  dtype = cache.window_keys.dtype
+
+  def in_order(ring):  # the ring's last L positions [start - L, start), oldest first
+    index = (start[:, None] - L + jnp.arange(L)) % L
+    return jnp.take_along_axis(ring, index.reshape(index.shape + (1,) * (ring.ndim - 2)), axis=1)
+
+  ext_k = jnp.concatenate([in_order(cache.window_keys), k.astype(dtype)], axis=1)
+  ext_v = jnp.concatenate([in_order(cache.window_values), v.astype(dtype)], axis=1)
+  ext_g = jnp.concatenate([in_order(cache.window_gates), merge_gate.astype(jnp.float32)], axis=1)
+  ext_pos = start[:, None] - L + jnp.arange(L + W)                           # [B, L + W]
+  rows_table = jnp.asarray(_rows_after_overflow(cfg, cache.max_len))
+  state_temp, window_temp = temperatures(params, cfg, Hkv)
+  qs = jnp.moveaxis(q.reshape(B, W // C, C, Hkv, G, D), 1, 0)
+
+  def chunk(carry, xs):
+    state, readout_keys, readout_values = carry
+    j, q_chunk = xs
+    t = start + j * C                                                        # [B]
+    fire = (t >= L + C) & (t < cache.max_len)
+    window = lambda x: jax.lax.dynamic_slice_in_dim(x, j * C, C, axis=1)
+    n_append = jnp.where(fire, rows_table[jnp.clip(t // C - nb, 0, rows_table.shape[0] - 1)]
+                         - state.num_rows, 0)
+    folded = ops.update(state, window(ext_k), window(ext_v), window(ext_g), n_append, params,
+                        cfg, row_update)
+    folded_keys, folded_values = readout_cache(folded, params, cfg, readout_keys.dtype)
+    state = _per_row_select(fire, folded, state)
+    readout_keys = _per_row_select(fire, folded_keys, readout_keys)
+    readout_values = _per_row_select(fire, folded_values, readout_values)
+    # keys of this chunk's window: the previous nb - 1 chunks and this one, causal within it
+    keys = jax.lax.dynamic_slice_in_dim(ext_k, (j + 1) * C, L, axis=1)
+    values = jax.lax.dynamic_slice_in_dim(ext_v, (j + 1) * C, L, axis=1)
+    key_pos = jax.lax.dynamic_slice_in_dim(ext_pos, (j + 1) * C, L, axis=1)  # [B, L]
+    query_pos = t[:, None] + jnp.arange(C)                                   # [B, C]
+    window_valid = ((key_pos[:, None, :] <= query_pos[..., None])
+                    & (key_pos[:, None, :] >= 0))[:, None, None]
+    state_valid = ((jnp.arange(R)[None, :] < state.num_rows[:, None])
+                   & (t >= L)[:, None])[:, None, None, None, :]
+    cached = KVMCache(state=state, readout_keys=readout_keys, readout_values=readout_values,
+                      window_keys=keys, window_values=values, window_gates=None, length=t,
+                      max_len=cache.max_len)
+    state_keys, state_values = cached_readout(cached, cfg, G)
+    y = ops.attend(q_chunk, state_keys, state_values, state_valid, keys, values, window_valid,
+                   state_temp, window_temp)
+    return (state, readout_keys, readout_values), y
+
+  carry = (state, cache.readout_keys, cache.readout_values)
+  (state, readout_keys, readout_values), ys = jax.lax.scan(
+      chunk, carry, (jnp.arange(W // C), qs))
+  y = jnp.moveaxis(ys, 0, 1).reshape(B, W, H, -1)
+  y = jnp.where(((start[:, None] + jnp.arange(W)) < cache.max_len)[..., None, None], y, jnp.nan)
+  # the ring after the piece: its last L tokens, each in the slot of its position
+  end = start + W
+  slot_source = (jnp.arange(L)[None, :] - end[:, None]) % L                 # [B, L]
+  tail = lambda x: jnp.take_along_axis(
+      x[:, W:], slot_source.reshape(slot_source.shape + (1,) * (x.ndim - 2)), axis=1)
+  new = KVMCache(state=state, readout_keys=readout_keys, readout_values=readout_values,
+                 window_keys=tail(ext_k), window_values=tail(ext_v), window_gates=tail(ext_g),
+                 length=end, max_len=cache.max_len)
+  return y.astype(q.dtype), new

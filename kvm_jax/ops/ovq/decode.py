@@ -122,3 +122,34 @@ def ovq_decode_step(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig, c
   cache = OVQCache(state=state, pending_keys=pending_k, pending_values=pending_v,
                    length=n + 1, max_len=cache.max_len)
   return jnp.swapaxes(y, 1, 2).astype(v.dtype), cache
+
+
+def ovq_resume(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig, cache: OVQCache,
+               row_update: str = "auto") -> tuple[Array, OVQCache]:
+  """``W`` more tokens per row in parallel, whole chunks, each row continuing from its own
+  length (a multiple of ``C``, ``W`` one too): outputs ``[B, W, H, Dv]`` and the cache, the same
+  as ``W`` :func:`ovq_decode_step` calls (each chunk reads the dictionary as it stood before
+  the chunk, then is folded into it)."""
+  validate_inputs(q, k, v, beta)
+  B, W = q.shape[:2]
+  C = cfg.chunk_size
+  table = jnp.asarray(_sizes_table(cfg, cache.max_len))
+  first = batch_rows(cache.length, B) // C                                   # [B]
+  scale = query_scale(beta, q.shape[-1])
+  chunks = lambda x: jnp.moveaxis(heads_first(x).reshape(B, x.shape[2], W // C, C, -1), 2, 0)
+  qs, ks, vs = chunks(q), chunks(k), chunks(v)
+
+  def step(state, xs):
+    j, q_c, k_c, v_c = xs
+    size = table[first + j]
+    y = readout(q_c * scale, k_c, v_c, state, size, cfg.count_bias)
+    state = fold(state, k_c, v_c, k_c * scale, size, table[first + j + 1] - size, cfg,
+                 row_update)
+    return state, y
+
+  state, ys = jax.lax.scan(step, cache.state, (jnp.arange(W // C), qs, ks, vs))
+  y = jnp.moveaxis(ys, 0, 2).reshape(B, q.shape[2], W, -1)                   # [B, H, W, Dv]
+  cache = OVQCache(state=state, pending_keys=cache.pending_keys,
+                   pending_values=cache.pending_values, length=first * C + W,
+                   max_len=cache.max_len)
+  return jnp.swapaxes(y, 1, 2).astype(v.dtype), cache

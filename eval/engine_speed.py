@@ -1,0 +1,187 @@
+"""``kvm-bench --engine``: what the generation engine buys, as ratios measured in one run.
+
+Two tables:
+
+* **throughput on a ragged workload**: ``--engine-requests`` prompts of log-normal lengths
+  (median ``--engine-median-prompt`` tokens, σ = 1, at most ``--engine-max-len`` / 2) with output
+  budgets drawn uniformly from 1 to ``--engine-max-new``, greedy, on a tiny model of each
+  ``--engine-mixers`` pattern. Three arms, each run once to compile and then timed: the engine
+  (:func:`kvm_jax.generate_many`, ``--engine-slots`` slots), ``kj.generate`` one prompt at a
+  time, and padded static batches (``--engine-slots`` prompts per ``kj.generate`` call, each
+  left-padded to the batch's longest prompt and run for the batch's largest budget: what serving
+  without per-row caches does; its padded outputs are not exact, only its time is measured).
+  Tokens/s counts the tokens each request asked for.
+* **concurrency at long context**: for the paper's 120M and 350M presets (``--engine-dtype``
+  parameters and caches), the decode-cache bytes of one slot at ``--engine-context`` tokens
+  (from the caches' shapes, nothing allocated) and how many slots fit in 16 and 80 GiB beside
+  the weights, with each preset's ratio to full attention's count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import kvm_jax as kj
+from kvm_jax.nn.registry import cache_bytes
+
+GIB = 1024 ** 3
+BUDGETS_GIB = (16, 80)
+#: The preset families of the concurrency table (the 120M and 350M of each; full attention first,
+#: the baseline of the ratios).
+FAMILIES = ("gpta2", "bswa", "swa_halfrope", "kvm256", "kvm_sqrt16", "kvm_swa_sat1024",
+            "ovq_swa", "rwkv7")
+
+
+def ragged_workload(count: int, median: int, longest_prompt: int, max_new: int, seed: int = 0):
+  """``count`` (prompt ids, budget): log-normal prompt lengths (σ = 1) clipped to
+  ``[1, longest_prompt]``, budgets uniform in ``[1, max_new]``, ids from a 256-token range."""
+  rng = np.random.default_rng(seed)
+  lengths = np.clip(rng.lognormal(np.log(median), 1.0, count).astype(int), 1, longest_prompt)
+  return [(rng.integers(0, 256, n).tolist(), int(rng.integers(1, max_new + 1)))
+          for n in lengths]
+
+
+def run_engine(model, workload, slots: int, max_len: int, prefill_chunk: int,
+               prefill_bucket) -> list:
+  return kj.generate_many(model, [p for p, _ in workload], max_new_tokens=[n for _, n in workload],
+                          slots=slots, max_len=max_len, prefill_chunk=prefill_chunk,
+                          prefill_bucket=prefill_bucket)
+
+
+def run_one_at_a_time(model, workload, max_len: int, prefill_bucket) -> None:
+  greedy = kj.SamplingConfig(temperature=0.0)
+  for prompt, budget in workload:
+    tokens, _ = kj.generate(model, jnp.asarray([prompt], jnp.int32), max_new_tokens=budget,
+                            key=jax.random.PRNGKey(0), sampling=greedy, max_len=max_len,
+                            prefill_bucket=prefill_bucket)
+    jax.block_until_ready(tokens)
+
+
+def run_padded_batches(model, workload, slots: int, max_len: int, prefill_bucket) -> None:
+  greedy = kj.SamplingConfig(temperature=0.0)
+  for start in range(0, len(workload), slots):
+    batch = workload[start:start + slots]
+    width = max(len(p) for p, _ in batch)
+    rows = [[0] * (width - len(p)) + p for p, _ in batch]
+    budget = max(n for _, n in batch)
+    tokens, _ = kj.generate(model, jnp.asarray(rows, jnp.int32), max_new_tokens=budget,
+                            key=jax.random.PRNGKey(0), sampling=greedy, max_len=max_len,
+                            prefill_bucket=prefill_bucket)
+    jax.block_until_ready(tokens)
+
+
+def timed(fn) -> float:
+  """Seconds of ``fn()``, after one untimed call that compiles what it needs."""
+  fn()
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
+def throughput(args) -> list[dict]:
+  rows = []
+  bucket = args.engine_prefill_bucket or None
+  for mixers in args.engine_mixers:
+    pattern = tuple(mixers.split("+"))
+    model = kj.LM(kj.presets.tiny(mixers=pattern if len(pattern) > 1 else pattern[0]),
+                  rngs=nnx.Rngs(0))
+    max_len = args.engine_max_len
+    work = ragged_workload(args.engine_requests, args.engine_median_prompt, max_len // 2,
+                           args.engine_max_new)
+    tokens = sum(n for _, n in work)
+    engine_s = timed(lambda: run_engine(model, work, args.engine_slots, max_len,
+                                        args.engine_prefill_chunk, bucket))
+    alone_s = timed(lambda: run_one_at_a_time(model, work, max_len, bucket))
+    padded_s = timed(lambda: run_padded_batches(model, work, args.engine_slots, max_len, bucket))
+    row = {"mixers": mixers, "requests": len(work), "generated_tokens": tokens,
+           "prompt_tokens": sum(len(p) for p, _ in work), "engine_s": engine_s,
+           "one_at_a_time_s": alone_s, "padded_batches_s": padded_s,
+           "engine_tokens_per_s": tokens / engine_s,
+           "vs_one_at_a_time": alone_s / engine_s, "vs_padded_batches": padded_s / engine_s}
+    rows.append(row)
+    print(f"{mixers:>10}: engine {tokens / engine_s:8.1f} tok/s ({engine_s:.2f} s); one at a "
+          f"time {tokens / alone_s:8.1f} tok/s -> engine {row['vs_one_at_a_time']:.2f}x; "
+          f"padded batches {tokens / padded_s:8.1f} tok/s -> engine "
+          f"{row['vs_padded_batches']:.2f}x", flush=True)
+  return rows
+
+
+def preset_memory(name: str, context: int, dtype: str) -> dict:
+  """One slot's decode-cache bytes at ``context`` tokens and the weights' bytes of a preset."""
+  cfg = getattr(kj.presets, name)()
+  cfg = dataclasses.replace(cfg, param_dtype=dtype, compute_dtype=dtype)
+  per_slot = int(sum(cache_bytes(cfg, 1, context)))
+  weights = kj.count_params(cfg)["total"] * jnp.dtype(dtype).itemsize
+  return {"preset": name, "cache_bytes_per_slot": per_slot, "weight_bytes": int(weights),
+          **{f"slots_{gib}gib": max(0, (gib * GIB - weights) // per_slot) for gib in BUDGETS_GIB}}
+
+
+def concurrency(args) -> list[dict]:
+  rows = []
+  for size in ("120m", "350m"):
+    base = None
+    for family in FAMILIES:
+      row = preset_memory(f"{family}_{size}", args.engine_context, args.engine_dtype)
+      base = base or row
+      for gib in BUDGETS_GIB:
+        row[f"vs_full_{gib}gib"] = row[f"slots_{gib}gib"] / max(base[f"slots_{gib}gib"], 1)
+      rows.append(row)
+      print(f"{row['preset']:>22}: {row['cache_bytes_per_slot'] / 2 ** 20:9.1f} MiB per slot at "
+            f"{args.engine_context} tokens; slots in 16 GiB {row['slots_16gib']:6d} "
+            f"({row['vs_full_16gib']:.1f}x full), in 80 GiB {row['slots_80gib']:6d} "
+            f"({row['vs_full_80gib']:.1f}x full)", flush=True)
+  return rows
+
+
+def add_flags(p) -> None:
+  g = p.add_argument_group("the generation engine; --engine runs only these tables")
+  g.add_argument("--engine", action="store_true",
+                 help="time the engine on a ragged workload against generate one prompt at a "
+                      "time and padded static batches, and count the slots that fit at long "
+                      "context per preset")
+  g.add_argument("--engine-mixers", type=lambda s: [m for m in s.split(",") if m],
+                 default=["swa+kvm", "kvm", "full"], metavar="PATTERN,...",
+                 help="tiny models timed, '+' joining a hybrid's kinds (default: %(default)s)")
+  g.add_argument("--engine-requests", type=int, default=32,
+                 help="requests in the workload (default: %(default)s)")
+  g.add_argument("--engine-median-prompt", type=int, default=48,
+                 help="median prompt length, tokens (default: %(default)s)")
+  g.add_argument("--engine-max-new", type=int, default=48,
+                 help="largest output budget, tokens (default: %(default)s)")
+  g.add_argument("--engine-max-len", type=int, default=256,
+                 help="tokens per slot; prompts are at most half (default: %(default)s)")
+  g.add_argument("--engine-slots", type=int, default=8,
+                 help="engine slots, and the padded batches' size (default: %(default)s)")
+  g.add_argument("--engine-prefill-chunk", type=int, default=32,
+                 help="the engine's prompt tokens per slot and step (default: %(default)s)")
+  g.add_argument("--engine-prefill-bucket", type=int, default=16,
+                 help="prefill_bucket of all three arms, 0 for none (default: %(default)s)")
+  g.add_argument("--engine-context", type=int, default=32768,
+                 help="context of the concurrency table, tokens (default: %(default)s)")
+  g.add_argument("--engine-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                 help="parameter and cache dtype of the concurrency table (default: "
+                      "%(default)s)")
+
+
+def run(args) -> dict:
+  for name in ("engine_requests", "engine_median_prompt", "engine_max_new", "engine_max_len",
+               "engine_slots", "engine_prefill_chunk", "engine_context"):
+    if getattr(args, name) < 1:
+      raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+  if args.engine_max_new >= args.engine_max_len // 2:
+    raise SystemExit(f"--engine-max-new {args.engine_max_new} must be below half of "
+                     f"--engine-max-len {args.engine_max_len} (prompts take the other half).")
+  print(f"ragged workload: {args.engine_requests} requests, log-normal prompts (median "
+        f"{args.engine_median_prompt}), budgets 1..{args.engine_max_new}, {args.engine_slots} "
+        "slots; tokens/s of the tokens asked for", flush=True)
+  measured = {"throughput": throughput(args)}
+  print(f"decode cache per slot at {args.engine_context} tokens ({args.engine_dtype}) and "
+        f"slots beside the weights", flush=True)
+  measured["concurrency"] = concurrency(args)
+  return measured
