@@ -139,6 +139,47 @@ def concurrency(args) -> list[dict]:
   return rows
 
 
+#: Contexts of the concurrency curve (``--plot``), tokens.
+CURVE_CONTEXTS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+def concurrency_curve(size: str, dtype: str, gib: int = 80) -> dict[str, list[int]]:
+  """Slots that fit in ``gib`` GiB beside the weights, per preset family of ``size``, at each of
+  :data:`CURVE_CONTEXTS` (from the caches' shapes)."""
+  return {family: [preset_memory(f"{family}_{size}", T, dtype)[f"slots_{gib}gib"]
+                   for T in CURVE_CONTEXTS] for family in FAMILIES}
+
+
+def plot(measured: dict, curve: dict, path: str, size: str) -> None:
+  """Two panels: the ragged workload's tokens/s per arm and model, and slots in 80 GiB against
+  context length per preset family."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+  rows = measured["throughput"]
+  arms = (("engine_s", "engine"), ("one_at_a_time_s", "generate, one at a time"),
+          ("padded_batches_s", "padded static batches"))
+  for i, (key, label) in enumerate(arms):
+    left.bar(np.arange(len(rows)) + (i - 1) * 0.27, [r["generated_tokens"] / r[key] for r in rows],
+             0.27, label=label)
+  left.set_xticks(np.arange(len(rows)), [r["mixers"] for r in rows])
+  left.set_ylabel("generated tokens / s")
+  left.set_title("ragged workload (tiny models, this machine)")
+  left.legend()
+  for family, slots in curve.items():
+    right.plot(CURVE_CONTEXTS, np.maximum(slots, 0.5), marker="o", label=family)
+  right.set_xscale("log", base=2)
+  right.set_yscale("log")
+  right.set_xlabel("context (tokens)")
+  right.set_ylabel("slots in 80 GiB beside the weights")
+  right.set_title(f"concurrency, {size} presets")
+  right.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def add_flags(p) -> None:
   g = p.add_argument_group("the generation engine; --engine runs only these tables")
   g.add_argument("--engine", action="store_true",
@@ -184,4 +225,10 @@ def run(args) -> dict:
   print(f"decode cache per slot at {args.engine_context} tokens ({args.engine_dtype}) and "
         f"slots beside the weights", flush=True)
   measured["concurrency"] = concurrency(args)
+  if args.plot:
+    size = "120m"
+    measured["curve"] = {"contexts": list(CURVE_CONTEXTS), "size": size,
+                         "slots_80gib": concurrency_curve(size, args.engine_dtype)}
+    plot(measured, measured["curve"]["slots_80gib"], args.plot, size)
+    print(f"wrote {args.plot}", flush=True)
   return measured

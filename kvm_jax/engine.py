@@ -266,6 +266,9 @@ class Engine:
     # whole multiples of the alignment; else they go through the decode step.
     alignment = model.resume_alignment()
     self._alignment = alignment if alignment and prefill_chunk >= alignment else None
+    # Rests shorter than the alignment go through the decode step; without a lane, all of it.
+    self._serial_width = (prefill_chunk if self._alignment is None
+                          else min(prefill_chunk, max(self._alignment - 1, 1)))
     self._graphdef, self._state = nnx.split(model)
     self._mesh = pod_mesh(self._state)
     self._caches = replicate_on(self._mesh, model.init_cache(slots, max_len))
@@ -486,7 +489,9 @@ class Engine:
         copy_from[slot], emit[slot] = source.slot, True
     if not counts.any() and not emit.any() and not piece.shape[1]:
       return None
-    width = _bucket(int(counts.max()), self.prefill_chunk) if counts.any() else 0
+    # Two widths of the serial part, so that a step compiles for few shapes: one token (decoding
+    # slots alone) or the widest rest a slot may feed (the others wait masked in the scan).
+    width = 1 if counts.max() <= 1 else self._serial_width
     tokens = np.zeros((S, width), np.int32)
     for slot, row in enumerate(pieces):
       tokens[slot, :len(row)] = row
@@ -507,7 +512,10 @@ class Engine:
     self._caches, self._keys, tokens, logits = engine_step(
         self._graphdef, self._state, self._caches, self._keys, self._fresh,
         replicate_on(self._mesh, plan), keep_logits=self.keep_logits)
-    tokens = np.asarray(tokens)  # the step's one read of device results (all slots at once)
+    # The step's one read of device results, all slots at once (replicated first: on a pod every
+    # process reads them whatever the parameters' split).
+    tokens, logits = replicate_on(self._mesh, (tokens, logits))
+    tokens = np.asarray(tokens)
     logits = None if logits is None else np.asarray(logits)
     events = []
     for slot, request in enumerate(self._running):
@@ -536,15 +544,6 @@ class Engine:
     event = TokenEvent(request.id, token, request.finish_reason)
     self._events[request.id].append(event)
     return event
-
-
-def _bucket(count: int, limit: int) -> int:
-  """The piece width a step compiles for: the next power of two (at most ``limit``), so that
-  steps compile once per width rather than once per prompt remainder."""
-  width = 1
-  while width < count:
-    width *= 2
-  return min(width, limit) if count <= limit else count
 
 
 def generate_many(model, prompts: Sequence[Sequence[int]], *,

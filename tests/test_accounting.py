@@ -78,24 +78,25 @@ def test_training_flops_per_token_by_hand(name):
   assert flops_per_token(cfg, params) == pytest.approx(want, rel=1e-12)
 
 
-# (mixers, overrides, batch, max_len, cache bytes of each layer), by hand.
+# (mixers, overrides, batch, max_len, cache bytes of each layer), by hand. Every cache counts the
+# tokens of each row (an int32 length per row: rows are sequences of their own lengths).
 CACHES = {
     # OVQ, B = 2, 14 tokens: a dictionary of floor(6·14/20) = 4 rows per (batch, head) with keys,
     # values (16 + 16) and a count, float32; the current chunk's keys and values (4 x 32 float32);
-    # the int32 length: 2·4·(4·33 + 4·32)·4 + 4.
-    "ovq": ("ovq", {}, 2, 14, [2 * 4 * (4 * 33 + 4 * 32) * 4 + 4] * 2),
+    # the int32 lengths: 2·4·(4·33 + 4·32)·4 + 2·4.
+    "ovq": ("ovq", {}, 2, 14, [2 * 4 * (4 * 33 + 4 * 32) * 4 + 2 * 4] * 2),
     # min(14, 6) = 6 rows.
     "ovq_min_state_size": ("ovq", dict(options={"ovq": dataclasses.replace(
-        OVQ, min_state_size=True)}), 2, 14, [2 * 4 * (6 * 33 + 4 * 32) * 4 + 4] * 2),
+        OVQ, min_state_size=True)}), 2, 14, [2 * 4 * (6 * 33 + 4 * 32) * 4 + 2 * 4] * 2),
     # RWKV-7: a 16 x 16 float32 state per (batch, head), the last input of width 64 in the compute
-    # dtype and the int32 length, whatever the length.
-    "rwkv7": ("rwkv7", {}, 2, 14, [2 * 4 * 16 * 16 * 4 + 2 * 64 * 4 + 4] * 2),
-    "rwkv7_long": ("rwkv7", {}, 2, 4096, [2 * 4 * 16 * 16 * 4 + 2 * 64 * 4 + 4] * 2),
+    # dtype and the int32 lengths, whatever the length.
+    "rwkv7": ("rwkv7", {}, 2, 14, [2 * 4 * 16 * 16 * 4 + 2 * 64 * 4 + 2 * 4] * 2),
+    "rwkv7_long": ("rwkv7", {}, 2, 4096, [2 * 4 * 16 * 16 * 4 + 2 * 64 * 4 + 2 * 4] * 2),
     "rwkv7_bf16": ("rwkv7", dict(compute_dtype="bfloat16"), 3, 14,
-                   [3 * 4 * 16 * 16 * 4 + 3 * 64 * 2 + 4] * 2),
-    # SWA of 5 keeps a ring of 5 keys and values (4 heads of 16, float32) and the int32 length.
+                   [3 * 4 * 16 * 16 * 4 + 3 * 64 * 2 + 3 * 4] * 2),
+    # SWA of 5 keeps a ring of 5 keys and values (4 heads of 16, float32) and the int32 lengths.
     "swa_ovq": (("swa", "ovq"), {}, 2, 14,
-                [2 * 5 * 4 * 32 * 4 + 4, 2 * 4 * (4 * 33 + 4 * 32) * 4 + 4]),
+                [2 * 5 * 4 * 32 * 4 + 2 * 4, 2 * 4 * (4 * 33 + 4 * 32) * 4 + 2 * 4]),
 }
 
 

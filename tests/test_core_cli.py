@@ -163,14 +163,14 @@ def test_core_demo_prints_the_numbers_worked_out_by_hand(capsys):
   assert len(errors) == 2 and max(errors) < 1e-4
   assert "prefill(13)+decode" in out and "all three implementations agree" in out
 
-  # 3) Bytes, float32 (4 B): state keys + values + radii over 22 rows plus the int32 row count,
-  # and the normalized readout (keys + values, 22 rows); the window ring holds L = 16 keys,
-  # values and gates; the cache adds its int32 length.
-  state = 4 * 2 * 2 * 22 * (32 + 32 + 1) + 4 + 4 * 2 * 2 * 22 * (32 + 32)
+  # 3) Bytes, float32 (4 B), batch 2: state keys + values + radii over 22 rows plus an int32 row
+  # count per batch row, and the normalized readout (keys + values, 22 rows); the window ring
+  # holds L = 16 keys, values and gates; the cache adds an int32 length per batch row.
+  state = 4 * 2 * 2 * 22 * (32 + 32 + 1) + 2 * 4 + 4 * 2 * 2 * 22 * (32 + 32)
   window = 4 * 2 * 16 * 2 * (32 + 32 + 1)
   full = 4 * 2 * 40 * 2 * 32 * 2
   line = next(x for x in out.splitlines() if x.startswith("3) Decode cache"))
-  assert _numbers(line.split(":", 1)[1]) == [state, window, state + window + 4, full]
+  assert _numbers(line.split(":", 1)[1]) == [state, window, state + window + 2 * 4, full]
 
 
 # ----------------------------------------------------------------------------------------------

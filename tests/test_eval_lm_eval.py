@@ -155,7 +155,7 @@ def test_generate_until_batches_ragged_requests_as_if_alone(model):
   """One call with contexts of several lengths and budgets, through two slots, gives every
   request the text a call of its own gives it (greedy and sampled alike: request i of a call
   samples with seed i, so the sampled one is asked alone at the same index)."""
-  lm = KVMEvalLM(model, TOK, pad_multiple=16, batch_size=2)
+  lm = KVMEvalLM(model, TOK, pad_multiple=64, batch_size=2)  # one cache size for all calls
   hot = {"do_sample": True, "temperature": 2.0}
   asks = [("A longer context, to be continued:", {"max_gen_toks": 9}),
           ("x", {"max_gen_toks": 3, **hot}), ("Repeat: apple\nAnswer:", {"max_gen_toks": 7})]

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kvm_jax.engine import generate_many
 from kvm_jax.generate import SamplingConfig, generate
 from kvm_jax.runs.directory import load_trained, logits_fn
 from kvm_jax.runs.launch import free_local_port
@@ -111,10 +112,13 @@ tokens = np.arange(2 * 64).reshape(2, 64) % 128
 logits = np.asarray(logits_fn(model)(tokens))
 out, _ = generate(model, tokens[:, :40], max_new_tokens=5, key=jax.random.key(0),
                   sampling=SamplingConfig(temperature=0.0))
+from kvm_jax.engine import generate_many
+many = generate_many(model, [tokens[0, :40].tolist(), tokens[1, :23].tolist()],
+                     max_new_tokens=[5, 7], slots=2, prefill_chunk=16)
 graphdef, params = nnx.split(model)
 ev = loop.evaluate(graphdef, params, cfg, 2)
 print("RESULT", json.dumps({"step": step, "logits": float(np.abs(logits).sum()),
-                            "tokens": np.asarray(out).tolist(), "eval": ev}))
+                            "tokens": np.asarray(out).tolist(), "eval": ev, "many": many}))
 """
 
 
@@ -167,6 +171,12 @@ def test_two_processes_train_resume_and_load_like_one(tmp_path):
   assert _close(seen[0]["logits"], float(np.abs(np.asarray(logits_fn(model)(tokens))).sum()),
                 1e-5)
   assert seen[0]["tokens"] == np.asarray(out).tolist()
+  # The engine on the pod: every process ran the same steps and read the same tokens, those of
+  # one process, and the first prompt's are generate's.
+  many = generate_many(model, [tokens[0, :40].tolist(), tokens[1, :23].tolist()],
+                       max_new_tokens=[5, 7], slots=2, prefill_chunk=16)
+  assert seen[0]["many"] == seen[1]["many"] == many
+  assert many[0] == np.asarray(out)[0, 40:].tolist()
   assert all(_close(seen[0]["eval"][k], ev[k], 1e-5) for k in ev), (seen[0]["eval"], ev)
 
 

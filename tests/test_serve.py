@@ -1,7 +1,9 @@
 """kvm-serve (kvm_jax/serve.py): the OpenAI-compatible server, over real HTTP on localhost.
 
-Oracle: ``kj.generate`` of each prompt alone (its parallel prefill, the seed's key), stopped at
-the tokenizer's EOS. Every response of the running server, whatever else runs beside it, must
+Oracle: ``kj.generate`` of each prompt alone with the seed's key, stopped at the tokenizer's EOS
+(greedy prompts with their first token prefilled and the rest through the decode step, so that
+one program serves every length; sampled ones prefilled whole, as ``generate`` draws no key
+for a prompt it prefills). Every response of the running server, whatever else runs beside it, must
 hold exactly those token ids and their text.
 """
 
@@ -39,7 +41,9 @@ def alone(model, prompt, max_tokens, seed=0, temperature=0.0, top_p=None):
   tokens, _ = kj.generate(model, jnp.asarray([prompt], jnp.int32), max_new_tokens=max_tokens,
                           key=jax.random.PRNGKey(seed),
                           sampling=kj.SamplingConfig(temperature=temperature, top_p=top_p),
-                          stop_tokens=(TOK.eos_id,), pad_token=TOK.eos_id)
+                          stop_tokens=(TOK.eos_id,), pad_token=TOK.eos_id,
+                          prefill_bucket=MAX_LEN + 1 if temperature == 0 else None,
+                          max_len=MAX_LEN)
   new = np.asarray(tokens[0, len(prompt):]).tolist()
   if TOK.eos_id in new:
     return new[:new.index(TOK.eos_id)], True

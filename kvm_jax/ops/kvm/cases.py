@@ -95,13 +95,18 @@ def rel_rms(actual, expected) -> float:
   return float(np.sqrt(np.mean((a - e) ** 2)) / max(np.sqrt(np.mean(e * e)), 1e-30))
 
 
-def valid_rows(state: KVMState):
-  """(keys, values, radius) of the valid rows of a state, float64 numpy (a cache's state counts
-  rows per batch row: they must agree here)."""
+def row_count(state: KVMState) -> int:
+  """The state's valid rows: one count for the batch, or a cache's count per row, which must
+  then agree (a ValueError otherwise: rows of different lengths cannot be compared as one)."""
   counts = np.unique(np.asarray(state.num_rows))
   if counts.size != 1:
-    raise ValueError(f"valid_rows: the batch rows hold different row counts {counts.tolist()}.")
-  n = int(counts[0])
+    raise ValueError(f"the batch rows hold different row counts {counts.tolist()}.")
+  return int(counts[0])
+
+
+def valid_rows(state: KVMState):
+  """(keys, values, radius) of the valid rows of a state, float64 numpy."""
+  n = row_count(state)
   return tuple(np.asarray(x[:, :, :n], np.float64) for x in (state.keys, state.values,
                                                             state.radius))
 
@@ -110,7 +115,7 @@ def state_rel_error(state: KVMState, ref: KVMState) -> float:
   """Largest :func:`rel_rms` of the valid keys, values and radii (NaN if any of them is NaN: a
   plain ``max`` could drop it); inf if the row counts differ (another schedule: the rows cannot
   be compared)."""
-  if int(state.num_rows) != int(ref.num_rows):
+  if row_count(state) != row_count(ref):
     return float("inf")
   return float(np.max([rel_rms(a, b) for a, b in zip(valid_rows(state), valid_rows(ref))]))
 
