@@ -72,10 +72,11 @@ def greedy_predictor(model, tokenizer, generation_budget: int, bucket: int = 64)
 
 class EnginePredictor:
   """Greedy continuations of up to ``generation_budget`` tokens, stopped at (and without) EOS,
-  for many prompts at once through :func:`kvm_jax.generate_many` (``slots`` requests at a time;
-  a prompt's head is prefilled in parallel in multiples of ``prefill_bucket`` tokens, the rest fed
-  ``prefill_chunk`` tokens per step). Calling it on one prompt runs that prompt alone; each
-  prompt's text is the same either way (greedy: what ``kj.generate`` gives it)."""
+  for many prompts at once through :func:`kvm_jax.generate_many` (``slots`` requests at a time,
+  prompts fed in parallel pieces of up to ``prefill_chunk`` tokens; a model that cannot continue
+  in parallel, with cross-layer KV sharing, prefills each prompt's head in multiples of
+  ``prefill_bucket`` instead). Calling it on one prompt runs that prompt alone; each prompt's text
+  is the same either way (greedy: what ``kj.generate`` gives it)."""
 
   def __init__(self, model, tokenizer, generation_budget: int, *, slots: int = 8,
                prefill_chunk: int = 64, prefill_bucket: Optional[int] = 64):
@@ -88,7 +89,8 @@ class EnginePredictor:
     outs = generate_many(self.model, ids, max_new_tokens=self.budget, sampling=GREEDY,
                          slots=self.slots, stop_tokens=(self.tokenizer.eos_id,),
                          max_len=max(length, longest), prefill_chunk=self.prefill_chunk,
-                         prefill_bucket=self.prefill_bucket, progress=progress)
+                         prefill_bucket=(None if self.model.resume_alignment()
+                                         else self.prefill_bucket), progress=progress)
     eos = self.tokenizer.eos_id
     return [self.tokenizer.decode([t for t in out if t != eos]) for out in outs]
 

@@ -432,14 +432,14 @@ class Engine:
     return True
 
   def _parallel_width(self, request: Request) -> int:
-    """Prompt tokens ``request`` may feed as a parallel piece now (0: none): the largest
-    power-of-two number of alignment units that its prompt's rest and ``prefill_chunk`` allow."""
+    """Prompt tokens ``request`` may feed as a parallel piece now (0: none): a full piece (the
+    most alignment units ``prefill_chunk`` holds) while its prompt's rest allows, else one unit.
+    Two widths, so that the step compiles for few shapes."""
     if self._alignment is None or request.source is not None or request.fed % self._alignment:
       return 0
-    units = min(len(request.prompt) - request.fed, self.prefill_chunk) // self._alignment
-    if units < 1:
-      return 0
-    return 2 ** (units.bit_length() - 1) * self._alignment
+    rest = len(request.prompt) - request.fed
+    full = self.prefill_chunk // self._alignment * self._alignment
+    return full if rest >= full else (self._alignment if rest >= self._alignment else 0)
 
   def _plan(self, reset: np.ndarray) -> Optional[tuple[StepPlan, np.ndarray]]:
     """The step's plan, and the prompt tokens each slot feeds in it; None when nothing runs."""

@@ -87,17 +87,16 @@ def test_health_and_models(served):
 
 
 def test_concurrent_completions_equal_generate_alone(served):
-  """Seven requests at once through three slots: text and token-id prompts, greedy and sampled
+  """Five requests at once through three slots: text and token-id prompts, greedy and sampled
   (seeded), different lengths; each response is its prompt's ``kj.generate`` alone."""
   rng = np.random.default_rng(0)
   asks = [dict(prompt="The capital of", max_tokens=9, temperature=0),
           dict(prompt=rng.integers(0, 256, 30).tolist(), max_tokens=12, temperature=0),
           dict(prompt=[5], max_tokens=20, temperature=0),
-          dict(prompt="x" * 40, max_tokens=5, temperature=0),
           dict(prompt="Sampled:", max_tokens=10, temperature=1.0, seed=11),
           dict(prompt=rng.integers(0, 256, 17).tolist(), max_tokens=8, temperature=0.8,
                top_p=0.9, seed=3),
-          dict(prompt="Once", max_tokens=15, temperature=0)]
+          ]
   with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
     responses = list(pool.map(lambda body: complete(served.client, model="tiny", **body), asks))
   for body, response in zip(asks, responses):
