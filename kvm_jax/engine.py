@@ -129,6 +129,11 @@ def prefill_into_slot(graphdef, state, tokens: Array, caches, fresh, slot: Array
   """A prompt head ``tokens [1, H]`` prefilled in parallel on an empty one-row cache and
   inserted as row ``slot`` of ``caches`` (donated): the engine's ``prefill_bucket`` admission."""
   _, row = nnx.merge(graphdef, state).prefill(tokens, fresh)
+  return _put_row(caches, row, slot)
+
+
+def _put_row(caches, row, slot: Array):
+  """``caches`` with the one-row cache ``row`` written as row ``slot``."""
   put = lambda whole, one: jax.lax.dynamic_update_slice_in_dim(whole, one.astype(whole.dtype),
                                                                slot, axis=0)
   return jax.tree_util.tree_map(put, caches, row)
@@ -141,9 +146,7 @@ def _feed_piece(model, caches, fresh, plan: StepPlan):
   row = jax.tree_util.tree_map(take, caches)
   logits, row = jax.lax.cond(plan.piece_starts, lambda r: model.prefill(plan.piece, fresh),
                              lambda r: model.resume(plan.piece, r), row)
-  put = lambda whole, one: jax.lax.dynamic_update_slice_in_dim(whole, one.astype(whole.dtype),
-                                                               plan.piece_slot, axis=0)
-  return jax.tree_util.tree_map(put, caches, row), logits[0, -1]
+  return _put_row(caches, row, plan.piece_slot), logits[0, -1]
 
 
 def _copy_rows(tree, copy_from: Array):
