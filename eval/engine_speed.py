@@ -48,9 +48,10 @@ def ragged_workload(count: int, median: int, longest_prompt: int, max_new: int, 
 
 
 def run_engine(model, workload, slots: int, max_len: int, prefill_chunk: int,
-               prefill_bucket) -> list:
+               prefill_bucket, prefill_lanes=None, tokens_per_step: int = 16) -> list:
   return kj.generate_many(model, [p for p, _ in workload], max_new_tokens=[n for _, n in workload],
                           slots=slots, max_len=max_len, prefill_chunk=prefill_chunk,
+                          prefill_lanes=prefill_lanes, tokens_per_step=tokens_per_step,
                           prefill_bucket=prefill_bucket)
 
 
@@ -96,7 +97,9 @@ def throughput(args) -> list[dict]:
                            args.engine_max_new)
     tokens = sum(n for _, n in work)
     engine_s = timed(lambda: run_engine(model, work, args.engine_slots, max_len,
-                                        args.engine_prefill_chunk, bucket))
+                                        args.engine_prefill_chunk, bucket,
+                                        args.engine_prefill_lanes or None,
+                                        args.engine_tokens_per_step))
     alone_s = timed(lambda: run_one_at_a_time(model, work, max_len, bucket))
     padded_s = timed(lambda: run_padded_batches(model, work, args.engine_slots, max_len, bucket))
     row = {"mixers": mixers, "requests": len(work), "generated_tokens": tokens,
@@ -201,6 +204,12 @@ def add_flags(p) -> None:
                  help="engine slots, and the padded batches' size (default: %(default)s)")
   g.add_argument("--engine-prefill-chunk", type=int, default=32,
                  help="the engine's prompt tokens per slot and step (default: %(default)s)")
+  g.add_argument("--engine-prefill-lanes", type=int, default=0,
+                 help="prompts fed in parallel per engine step, 0 for every slot (default: "
+                      "%(default)s)")
+  g.add_argument("--engine-tokens-per-step", type=int, default=16,
+                 help="the most tokens a decoding slot draws per engine step (default: "
+                      "%(default)s)")
   g.add_argument("--engine-prefill-bucket", type=int, default=16,
                  help="prefill_bucket of all three arms, 0 for none (default: %(default)s)")
   g.add_argument("--engine-context", type=int, default=32768,
@@ -212,7 +221,8 @@ def add_flags(p) -> None:
 
 def run(args) -> dict:
   for name in ("engine_requests", "engine_median_prompt", "engine_max_new", "engine_max_len",
-               "engine_slots", "engine_prefill_chunk", "engine_context"):
+               "engine_slots", "engine_prefill_chunk", "engine_tokens_per_step",
+               "engine_context"):
     if getattr(args, name) < 1:
       raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
   if args.engine_max_new >= args.engine_max_len // 2:

@@ -212,10 +212,12 @@ class KVMEvalLM(_HarnessLM):
       return []
     longest = max(len(ids) + max_new for ids, max_new, _, _ in jobs)
     # batch_size slots whatever the call's size, and a length rounded up to pad_multiple: calls
-    # share their compiled steps. Prompts continue in parallel pieces; a model that cannot (cross-
-    # layer KV sharing) prefills their heads in multiples of pad_multiple instead.
+    # share their compiled steps. Prompts continue in parallel pieces, every slot's at once
+    # (throughput, not latency); a model that cannot (cross-layer KV sharing) prefills their
+    # heads in multiples of pad_multiple instead.
     engine = Engine(self.model, slots=self.batch_size,
                     max_len=-(-longest // self.pad_multiple) * self.pad_multiple,
+                    prefill_chunk=256, prefill_lanes=self.batch_size, tokens_per_step=16,
                     prefill_bucket=None if self.model.resume_alignment() else self.pad_multiple)
     eos = self.tokenizer.eos_id
     ids = [engine.submit(ids, max_new_tokens=max_new, sampling=sampling, seed=i,

@@ -79,7 +79,7 @@ class EnginePredictor:
   is the same either way (greedy: what ``kj.generate`` gives it)."""
 
   def __init__(self, model, tokenizer, generation_budget: int, *, slots: int = 8,
-               prefill_chunk: int = 64, prefill_bucket: Optional[int] = 64):
+               prefill_chunk: int = 256, prefill_bucket: Optional[int] = 64):
     self.model, self.tokenizer, self.budget = model, tokenizer, generation_budget
     self.slots, self.prefill_chunk, self.prefill_bucket = slots, prefill_chunk, prefill_bucket
 

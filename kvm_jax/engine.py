@@ -3,17 +3,19 @@
 The engine owns one decode cache of ``slots`` rows (:mod:`kvm_jax.nn.cache`: every row an
 independent sequence at a length of its own). Requests wait in a queue; a free slot admits one
 (its row reset to an empty cache), feeds its prompt in pieces of at most ``prefill_chunk`` tokens,
-then decodes one token per step until a stop token, ``max_new_tokens`` or a cancel frees the slot
-for the next request. Every :meth:`Engine.step` is one jitted call over all slots: each slot
-takes its piece (a prompt piece, its last sampled token, or nothing), the emitting slots sample
-their next token on the device, and the host reads the sampled tokens once.
+then decodes until a stop token, ``max_new_tokens`` or a cancel frees the slot for the next
+request. Every :meth:`Engine.step` is one jitted call over all slots: the prompts' pieces (up to
+``prefill_lanes`` of them in parallel, rests through the decode step), every decoding slot's last
+token, a draw on the device for every emitting slot, and, once no prompt is left to feed, a burst
+of up to ``tokens_per_step`` tokens per slot inside the same call; the host reads the drawn tokens
+once.
 
 A request's tokens depend only on its prompt, sampling settings and seed, never on what else is
 running: its slot starts from an empty row, rows never mix, and its random keys are its own. A
 request with seed ``s`` draws exactly what ``kj.generate`` draws for that prompt alone with
 ``key=jax.random.PRNGKey(s)`` (the same key splits, the same sampling), so greedy and sampled
 tokens alike equal the alone run, up to float32 rounding of the logits (the engine feeds a prompt
-through the decode step; ``generate`` prefills it in parallel).
+in pieces; ``generate`` prefills it at once).
 
 ``generate_many(model, prompts, ...)`` is the common case: a list of prompts of any lengths in, one
 list of generated tokens per prompt out.
@@ -52,25 +54,43 @@ def sample_rows(logits: Array, keys: Array, temperature: Array, top_k: Array,
   """Draws one token per row from ``logits [S, V]``, each row with its own raw PRNG key
   (``keys [S, 2]`` uint32) and settings: ``temperature [S]`` (0 = greedy), ``top_k [S]`` (0 =
   all tokens), ``top_p [S]`` (a value > 1 = no nucleus cut). Row by row the same arithmetic and
-  the same random draws as :func:`kvm_jax.generate.sample_logits` on that row alone."""
-  return jax.vmap(_sample_one)(logits.astype(jnp.float32), keys, temperature, top_k, top_p)
+  the same random draws as :func:`kvm_jax.generate.sample_logits` on that row alone. The sorts
+  of the top-k and nucleus cuts run only in calls where some row asks for them, and the draw
+  only where some row samples (a greedy batch is one argmax)."""
+  logits = logits.astype(jnp.float32)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  sampled = temperature > 0
+
+  def draw(logits):
+    scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
+    scaled = jax.lax.cond(jnp.any(sampled & (top_k > 0)), _cut_top_k, lambda x, _: x, scaled,
+                          top_k)
+    scaled = jax.lax.cond(jnp.any(sampled & (top_p <= 1.0)), _cut_top_p, lambda x, _: x,
+                          scaled, top_p)
+    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row[None], axis=-1)[0])(
+        keys, scaled)
+    return jnp.where(sampled, drawn.astype(jnp.int32), greedy)
+
+  return jax.lax.cond(jnp.any(sampled), draw, lambda _: greedy, logits)
 
 
-def _sample_one(logits: Array, key: Array, temperature: Array, top_k: Array,
-                top_p: Array) -> Array:
-  """:func:`sample_rows` for one row ``logits [V]``."""
-  greedy = jnp.argmax(logits).astype(jnp.int32)
-  scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
-  V = logits.shape[-1]
-  kth = jnp.sort(scaled)[::-1][jnp.clip(top_k, 1, V) - 1]
-  scaled = jnp.where((top_k > 0) & (scaled < kth), -jnp.inf, scaled)
-  order = jnp.argsort(-scaled)
-  probs = jax.nn.softmax(scaled[order])
-  keep_sorted = (jnp.cumsum(probs) - probs) < top_p  # the top token is always kept
-  keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
-  scaled = jnp.where((top_p <= 1.0) & ~keep, -jnp.inf, scaled)
-  drawn = jax.random.categorical(key, scaled[None], axis=-1)[0].astype(jnp.int32)
-  return jnp.where(temperature > 0, drawn, greedy)
+def _cut_top_k(scaled: Array, top_k: Array) -> Array:
+  """``scaled [S, V]`` with each row's tokens below its ``top_k``-th largest set to -inf (rows
+  with ``top_k`` 0 untouched)."""
+  V = scaled.shape[-1]
+  descending = -jnp.sort(-scaled, axis=-1)
+  kth = jnp.take_along_axis(descending, (jnp.clip(top_k, 1, V) - 1)[:, None], axis=-1)
+  return jnp.where((top_k[:, None] > 0) & (scaled < kth), -jnp.inf, scaled)
+
+
+def _cut_top_p(scaled: Array, top_p: Array) -> Array:
+  """``scaled [S, V]`` with each row's tokens outside its nucleus ``top_p`` set to -inf (the
+  most likely token always kept; rows with ``top_p`` > 1 untouched)."""
+  order = jnp.argsort(-scaled, axis=-1)
+  probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
+  keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+  keep = jax.vmap(lambda o, k: jnp.zeros_like(k).at[o].set(k))(order, keep_sorted)
+  return jnp.where((top_p[:, None] <= 1.0) & ~keep, -jnp.inf, scaled)
 
 
 def sampling_rows(sampling: SamplingConfig) -> tuple[float, int, float]:
@@ -89,35 +109,37 @@ class StepPlan:
   """What one engine step does to each of the ``S`` slots (host-built arrays).
 
   Attributes:
-    tokens: ``[S, n]`` int32, each slot's piece (prompt tokens, or its last sampled token).
-    counts: ``[S]`` int32, the tokens of the piece to feed (0: the slot is left as it is).
+    tokens: ``[S, n]`` int32, each slot's serial piece (a prompt rest, or its last sampled
+      token), fed through the decode step.
+    counts: ``[S]`` int32, the tokens of the serial piece to feed (0: none).
+    lane_tokens: ``[N, P]`` int32, the prompt pieces the ``N`` lanes feed in parallel
+      (``LM.resume``; ``P`` a multiple of the model's ``resume_alignment``; ``P = 0``: no lane
+      this step).
+    lane_slots: ``[N]`` int32, the slot each lane feeds (``S``: an unused lane).
     reset: ``[S]`` bool, slots whose row starts a new sequence (emptied before feeding).
     copy_from: ``[S]`` int32, for a sample of an n-sample request the slot its prompt was fed
       in (the row is copied after feeding, before sampling), else -1.
     emit: ``[S]`` bool, slots that draw a token this step.
+    more: ``[S]`` int32, how many more tokens each emitting slot draws after its first, one
+      decode step each (the step's burst; at most ``tokens_per_step - 1``).
     new_keys: ``[S, 2]`` uint32, the first key of a request admitted this step.
     set_key: ``[S]`` bool, slots whose key is replaced by ``new_keys``.
     temperature / top_k / top_p: ``[S]``, each slot's sampling settings (:func:`sample_rows`).
-    piece: ``[1, P]`` int32, a prompt piece one slot takes in parallel (``P`` a multiple of the
-      model's ``resume_alignment``; ``P = 0``: none this step).
-    piece_slot: int32, the slot taking ``piece``.
-    piece_starts: bool, whether ``piece`` begins its prompt (prefilled on an empty row; else the
-      row continues, ``LM.resume``).
   """
 
   tokens: np.ndarray
   counts: np.ndarray
+  lane_tokens: np.ndarray
+  lane_slots: np.ndarray
   reset: np.ndarray
   copy_from: np.ndarray
   emit: np.ndarray
+  more: np.ndarray
   new_keys: np.ndarray
   set_key: np.ndarray
   temperature: np.ndarray
   top_k: np.ndarray
   top_p: np.ndarray
-  piece: np.ndarray
-  piece_slot: np.ndarray
-  piece_starts: np.ndarray
 
 
 jax.tree_util.register_dataclass(
@@ -129,24 +151,22 @@ def prefill_into_slot(graphdef, state, tokens: Array, caches, fresh, slot: Array
   """A prompt head ``tokens [1, H]`` prefilled in parallel on an empty one-row cache and
   inserted as row ``slot`` of ``caches`` (donated): the engine's ``prefill_bucket`` admission."""
   _, row = nnx.merge(graphdef, state).prefill(tokens, fresh)
-  return _put_row(caches, row, slot)
-
-
-def _put_row(caches, row, slot: Array):
-  """``caches`` with the one-row cache ``row`` written as row ``slot``."""
   put = lambda whole, one: jax.lax.dynamic_update_slice_in_dim(whole, one.astype(whole.dtype),
                                                                slot, axis=0)
   return jax.tree_util.tree_map(put, caches, row)
 
 
-def _feed_piece(model, caches, fresh, plan: StepPlan):
-  """The parallel prompt piece of one slot: that row taken out of the caches, prefilled (a new
-  prompt) or resumed, put back. Returns the caches and the logits of the piece's last token."""
-  take = lambda x: jax.lax.dynamic_index_in_dim(x, plan.piece_slot, axis=0, keepdims=True)
-  row = jax.tree_util.tree_map(take, caches)
-  logits, row = jax.lax.cond(plan.piece_starts, lambda r: model.prefill(plan.piece, fresh),
-                             lambda r: model.resume(plan.piece, r), row)
-  return _put_row(caches, row, plan.piece_slot), logits[0, -1]
+def _feed_lanes(model, caches, logits: Array, plan: StepPlan):
+  """The lanes' prompt pieces in parallel: their rows gathered, continued by ``LM.resume``
+  (from length 0 for a prompt's first piece), scattered back; an unused lane (slot ``S``) is
+  dropped. Returns the caches and ``logits [S, V]`` with each lane slot's last piece logits."""
+  S = logits.shape[0]
+  gather = jnp.minimum(plan.lane_slots, S - 1)
+  rows = jax.tree_util.tree_map(lambda x: jnp.take(x, gather, axis=0), caches)
+  lane_logits, rows = model.resume(plan.lane_tokens, rows)
+  put = lambda whole, part: whole.at[plan.lane_slots].set(part.astype(whole.dtype), mode="drop")
+  caches = jax.tree_util.tree_map(put, caches, rows)
+  return caches, logits.at[plan.lane_slots].set(lane_logits[:, -1], mode="drop")
 
 
 def _copy_rows(tree, copy_from: Array):
@@ -155,30 +175,82 @@ def _copy_rows(tree, copy_from: Array):
   return jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=0), tree)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "keep_logits"), donate_argnums=(2, 3))
-def engine_step(graphdef, state, caches, keys: Array, fresh, plan: StepPlan,
-                keep_logits: bool = False):
-  """One step over every slot: reset, feed, copy, sample. Returns ``(caches, keys, tokens [S],
-  logits [S, V] or None)``; tokens of slots that do not emit are meaningless. ``caches`` and
-  ``keys`` are donated."""
+def _draw(logits: Array, keys: Array, plan: StepPlan, drawing: Array):
+  """One token per slot from ``logits [S, V]``, and the keys after it: a drawing slot splits its
+  key into (next key, this draw) as ``kj.generate`` does per token; the others keep theirs."""
+  pairs = jax.vmap(jax.random.split)(keys)                      # [S, 2, 2]: (next key, this draw)
+  tokens = sample_rows(logits, pairs[:, 1], plan.temperature, plan.top_k, plan.top_p)
+  return tokens, jnp.where(drawing[:, None], pairs[:, 0], keys)
+
+
+def _burst(graphdef, state, caches, keys: Array, first: Array, plan: StepPlan, width: int,
+           keep_logits: bool):
+  """Up to ``width - 1`` more tokens per emitting slot (``plan.more``), each fed back through
+  the decode step and drawn, inside one loop: ``(caches, keys, tokens [S, width - 1], logits
+  [S, width - 1, V] or None)``.
+
+  Every row steps through every round: a burst runs only when no prompt is left to feed, so a
+  row that draws fewer tokens than the rounds is free or finishes in this step, and its row is
+  emptied before the slot's next request (its position may even pass ``max_len``: harmless, as
+  rows never mix). A row of a request that goes on always draws as many tokens as the rounds."""
+  S = first.shape[0]
+  V = nnx.merge(graphdef, state).cfg.vocab_size
+  rounds = jnp.max(jnp.where(plan.emit, plan.more, 0))
+  tokens = jnp.zeros((S, width - 1), jnp.int32)
+  logits_out = jnp.zeros((S, width - 1, V) if keep_logits else (S, 0, V), jnp.float32)
+
+  def body(carry):
+    i, caches, keys, token, tokens, logits_out = carry
+    active = plan.emit & (i < plan.more)
+    logits, caches = nnx.merge(graphdef, state).decode_step(token[:, None], caches)
+    drawn, keys = _draw(logits[:, 0], keys, plan, active)
+    token = jnp.where(active, drawn, token)
+    tokens = jax.lax.dynamic_update_slice_in_dim(tokens, drawn[:, None], i, axis=1)
+    if keep_logits:
+      logits_out = jax.lax.dynamic_update_slice_in_dim(
+          logits_out, logits.astype(jnp.float32), i, axis=1)
+    return i + 1, caches, keys, token, tokens, logits_out
+
+  _, caches, keys, _, tokens, logits_out = jax.lax.while_loop(
+      lambda carry: carry[0] < rounds, body,
+      (jnp.int32(0), caches, keys, first, tokens, logits_out))
+  return caches, keys, tokens, (logits_out if keep_logits else None)
+
+
+def _engine_step(graphdef, state, caches, keys: Array, fresh, plan: StepPlan, *,
+                 tokens_per_step: int, keep_logits: bool):
+  """One step over every slot: reset, feed (serial pieces, then the lanes), copy, draw, and
+  the burst. Returns ``(caches, keys, tokens [S, tokens_per_step], logits [S, tokens_per_step,
+  V] or None)``; only the tokens a slot emits are meaningful."""
   model = nnx.merge(graphdef, state)
-  caches = reset_rows(caches, plan.reset, fresh)
-  S = plan.counts.shape[0]
-  if plan.tokens.shape[1]:
-    logits, caches = model.extend(plan.tokens, caches, plan.counts)
-  else:
-    logits = jnp.zeros((S, model.cfg.vocab_size), jnp.float32)
-  if plan.piece.shape[1]:
-    caches, piece_logits = _feed_piece(model, caches, fresh, plan)
-    logits = jax.lax.dynamic_update_slice_in_dim(logits, piece_logits[None], plan.piece_slot, 0)
+  caches = jax.lax.cond(jnp.any(plan.reset), lambda c: reset_rows(c, plan.reset, fresh),
+                        lambda c: c, caches)
+  logits, caches = model.extend(plan.tokens, caches, plan.counts)
+  if plan.lane_tokens.shape[1]:
+    caches, logits = _feed_lanes(model, caches, logits, plan)
   copies = jnp.any(plan.copy_from >= 0)
   caches, logits = jax.lax.cond(copies, _copy_rows, lambda tree, _: tree, (caches, logits),
                                 plan.copy_from)
   keys = jnp.where(plan.set_key[:, None], plan.new_keys, keys)
-  pairs = jax.vmap(jax.random.split)(keys)                      # [S, 2, 2]: (next key, this draw)
-  tokens = sample_rows(logits, pairs[:, 1], plan.temperature, plan.top_k, plan.top_p)
-  keys = jnp.where(plan.emit[:, None], pairs[:, 0], keys)
-  return caches, keys, tokens, (logits if keep_logits else None)
+  first, keys = _draw(logits, keys, plan, plan.emit)
+  tokens, kept = first[:, None], (logits[:, None] if keep_logits else None)
+  if tokens_per_step > 1:
+    caches, keys, more, more_logits = _burst(graphdef, state, caches, keys, first, plan,
+                                             tokens_per_step, keep_logits)
+    tokens = jnp.concatenate([tokens, more], axis=1)
+    if keep_logits:
+      kept = jnp.concatenate([kept, more_logits], axis=1)
+  return caches, keys, tokens, kept
+
+
+@functools.lru_cache(maxsize=32)
+def step_program(graphdef, tokens_per_step: int, keep_logits: bool):
+  """The jitted engine step for one model structure (``caches`` and ``keys`` donated). The
+  structure is bound here, once per engine, rather than hashed as a static argument on every
+  step (a model's graphdef costs about a millisecond to hash); engines of one structure share
+  the program and its compilations."""
+  return jax.jit(functools.partial(_engine_step, graphdef, tokens_per_step=tokens_per_step,
+                                   keep_logits=keep_logits), donate_argnums=(1, 2))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,15 +305,23 @@ class Engine:
   """Continuous batching over ``slots`` cache rows of up to ``max_len`` tokens each.
 
   ``prefill_chunk``: the most prompt tokens a slot feeds in one step (a long prompt takes several
-  steps, while the other slots keep decoding between them). Pieces go through the decode step one
-  token at a time inside the step (exact for every mixer kind).
+  steps, while the other slots keep decoding between them). When every layer can continue a
+  piece in parallel (``LM.resume_alignment``), up to ``prefill_lanes`` prompts each feed a
+  piece of whole alignment units in parallel per step (the *lanes*: one ``LM.resume`` over their
+  rows, a prompt's first piece from an empty row); a rest shorter than the alignment, and every
+  prompt of a model without one (cross-layer KV sharing), goes through the decode step.
+
+  ``tokens_per_step``: the most tokens a decoding slot draws in one step, each fed back through
+  the decode step inside the same jitted call (one host read per step whatever it holds). More
+  amortizes the step's fixed cost (the host round trip, the scheduling); fewer streams sooner
+  and lets a waiting request in sooner. While requests wait for a slot, a step stops when the
+  first decoding slot reaches its ``max_new_tokens``, so the freed slot is taken at once.
 
   ``prefill_bucket``: admit a request by prefilling its first ``H`` prompt tokens in parallel
   (``H`` the largest multiple of ``prefill_bucket`` below the prompt's length) in a call of its
-  own, and inserting that row into the slot; the rest of the prompt goes in pieces. Prefill is
-  far faster per token than feeding, at the price of one compiled program per multiple (as
-  ``kj.generate``'s ``prefill_bucket``) and of stalling the other slots while it runs: what
-  batch evaluations of long prompts want (NIAH), not a server's latency. None: off.
+  own, and inserting that row into the slot; the rest of the prompt goes in pieces. For models
+  without lanes; one compiled program per multiple (as ``kj.generate``'s ``prefill_bucket``),
+  and the other slots stall while it runs. None: off.
 
   ``keep_logits``: keep the logits of every generated token (tests and analyses; one more
   transfer per step).
@@ -257,22 +337,26 @@ class Engine:
   """
 
   def __init__(self, model, *, slots: int, max_len: int, prefill_chunk: int = 64,
+               prefill_lanes: int = 4, tokens_per_step: int = 8,
                prefill_bucket: Optional[int] = None, keep_logits: bool = False):
     for name, value in (("slots", slots), ("max_len", max_len), ("prefill_chunk", prefill_chunk),
+                        ("prefill_lanes", prefill_lanes), ("tokens_per_step", tokens_per_step),
                         ("prefill_bucket", 1 if prefill_bucket is None else prefill_bucket)):
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"Engine: {name} must be a positive int, got {value!r}.")
     self.model, self.slots, self.max_len = model, slots, max_len
     self.prefill_chunk, self.keep_logits = prefill_chunk, keep_logits
-    self.prefill_bucket = prefill_bucket
+    self.prefill_bucket, self.tokens_per_step = prefill_bucket, tokens_per_step
+    self.prefill_lanes = min(prefill_lanes, slots)
     # Prompts continue in parallel pieces when every layer can (LM.resume) and the pieces can be
     # whole multiples of the alignment; else they go through the decode step.
     alignment = model.resume_alignment()
     self._alignment = alignment if alignment and prefill_chunk >= alignment else None
-    # Rests shorter than the alignment go through the decode step; without a lane, all of it.
+    # Rests shorter than the alignment go through the decode step; without lanes, all of it.
     self._serial_width = (prefill_chunk if self._alignment is None
                           else min(prefill_chunk, max(self._alignment - 1, 1)))
     self._graphdef, self._state = nnx.split(model)
+    self._step = step_program(self._graphdef, tokens_per_step, keep_logits)
     self._mesh = pod_mesh(self._state)
     self._caches = replicate_on(self._mesh, model.init_cache(slots, max_len))
     self._fresh = replicate_on(self._mesh, model.init_cache(1, max_len))
@@ -434,33 +518,43 @@ class Engine:
     request.fed = head
     return True
 
-  def _parallel_width(self, request: Request) -> int:
-    """Prompt tokens ``request`` may feed as a parallel piece now (0: none): a full piece (the
-    most alignment units ``prefill_chunk`` holds) while its prompt's rest allows, else one unit.
-    Two widths, so that the step compiles for few shapes."""
+  def _lane_rest(self, request: Request) -> int:
+    """Prompt tokens ``request`` still has for the lanes (0: none; it has no lane, or its rest
+    is shorter than the alignment and goes through the decode step)."""
     if self._alignment is None or request.source is not None or request.fed % self._alignment:
       return 0
     rest = len(request.prompt) - request.fed
+    return rest if rest >= self._alignment else 0
+
+  def _lanes(self) -> tuple[int, list[Request]]:
+    """The step's lane width and the requests in its lanes, earliest admitted first: a full
+    piece (the most alignment units ``prefill_chunk`` holds) for the prompts with that much
+    left, else one alignment unit for the others. Two widths, so that a step compiles for few
+    shapes."""
+    waiting = sorted((r for r in self._running if r is not None and self._lane_rest(r)),
+                     key=lambda r: r.id)
+    if not waiting:
+      return 0, []
     full = self.prefill_chunk // self._alignment * self._alignment
-    return full if rest >= full else (self._alignment if rest >= self._alignment else 0)
+    width = full if any(self._lane_rest(r) >= full for r in waiting) else self._alignment
+    return width, [r for r in waiting if self._lane_rest(r) >= width][:self.prefill_lanes]
 
   def _plan(self, reset: np.ndarray) -> Optional[tuple[StepPlan, np.ndarray]]:
     """The step's plan, and the prompt tokens each slot feeds in it; None when nothing runs."""
-    S = self.slots
+    S, N = self.slots, self.prefill_lanes
     counts, fed = np.zeros(S, np.int32), np.zeros(S, np.int32)
     pieces: list = [()] * S
-    emit = np.zeros(S, bool)
+    emit, more = np.zeros(S, bool), np.zeros(S, np.int32)
     copy_from = np.full(S, -1, np.int32)
     new_keys, set_key = np.zeros((S, 2), np.uint32), np.zeros(S, bool)
     temperature, top_p = np.zeros(S, np.float32), np.ones(S, np.float32)
     top_k = np.zeros(S, np.int32)
-    piece, piece_slot, piece_starts = np.zeros((1, 0), np.int32), 0, False
-    # One slot's prompt continues in parallel (the earliest admitted that can); the others with
-    # a parallel piece to come wait for the lane, and prompt rests shorter than the alignment go
-    # through the decode step beside the decoding slots.
-    lane = [(r.id, slot) for slot, r in enumerate(self._running)
-            if r is not None and self._parallel_width(r)]
-    lane_slot = min(lane)[1] if lane else None
+    width, in_lanes = self._lanes()
+    lane_tokens = np.zeros((N, width), np.int32)
+    lane_slots = np.full(N, S, np.int32)
+    for lane, request in enumerate(in_lanes):
+      lane_tokens[lane] = request.prompt[request.fed:request.fed + width]
+      lane_slots[lane], fed[request.slot] = request.slot, width
     for slot, request in enumerate(self._running):
       if request is None:
         continue
@@ -471,14 +565,8 @@ class Engine:
       if request.source is not None:
         continue
       if request.fed < len(request.prompt):
-        width = self._parallel_width(request)
-        if width and slot != lane_slot:
-          continue
-        if width:
-          piece = np.asarray([request.prompt[request.fed:request.fed + width]], np.int32)
-          piece_slot, piece_starts, fed[slot] = slot, request.fed == 0, width
-        else:
-          pieces[slot] = request.prompt[request.fed:request.fed + self.prefill_chunk]
+        if not fed[slot] and not self._lane_rest(request):  # a rest through the decode step
+          pieces[slot] = request.prompt[request.fed:request.fed + self._serial_width]
           fed[slot] = len(pieces[slot])
         emit[slot] = request.fed + fed[slot] == len(request.prompt)
       else:
@@ -490,31 +578,40 @@ class Engine:
       if source is not None and source.slot is not None and emit[source.slot] \
           and source.fed < len(source.prompt):
         copy_from[slot], emit[slot] = source.slot, True
-    if not counts.any() and not emit.any() and not piece.shape[1]:
+    if not counts.any() and not emit.any() and not width:
       return None
+    # The burst: each emitting slot draws up to tokens_per_step tokens, fewer when its budget
+    # ends sooner. Only once no prompt is left to feed (a burst would hold a prompt's next piece
+    # back by its length while the rows still prefilling idle through it), and, while requests
+    # wait for a slot, no slot goes past the first to finish.
+    prefilling = any(r is not None and r.fed + fed[slot] < len(r.prompt)
+                     for slot, r in enumerate(self._running) if copy_from[slot] < 0)
+    for slot, request in enumerate(self._running):
+      if emit[slot] and not prefilling:
+        more[slot] = min(self.tokens_per_step, request.max_new_tokens - len(request.tokens)) - 1
+    if self._waiting and emit.any():
+      more = np.minimum(more, more[emit].min())
     # Two widths of the serial part, so that a step compiles for few shapes: one token (decoding
     # slots alone) or the widest rest a slot may feed (the others wait masked in the scan).
-    width = 1 if counts.max() <= 1 else self._serial_width
-    tokens = np.zeros((S, width), np.int32)
+    serial = 1 if counts.max() <= 1 else self._serial_width
+    tokens = np.zeros((S, serial), np.int32)
     for slot, row in enumerate(pieces):
       tokens[slot, :len(row)] = row
-    plan = StepPlan(tokens=tokens, counts=counts, reset=reset, copy_from=copy_from, emit=emit,
-                    new_keys=new_keys, set_key=set_key, temperature=temperature, top_k=top_k,
-                    top_p=top_p, piece=piece, piece_slot=np.int32(piece_slot),
-                    piece_starts=np.bool_(piece_starts))
+    plan = StepPlan(tokens=tokens, counts=counts, lane_tokens=lane_tokens, lane_slots=lane_slots,
+                    reset=reset, copy_from=copy_from, emit=emit, more=more, new_keys=new_keys,
+                    set_key=set_key, temperature=temperature, top_k=top_k, top_p=top_p)
     return plan, fed
 
   def step(self) -> list[TokenEvent]:
     """One jitted step over every slot (admitting waiting requests first). Returns the tokens
-    generated in it, one event per emitting request."""
+    generated in it, in order per request."""
     reset = self._admit()
     planned = self._plan(reset)
     if planned is None:
       return []
     plan, fed = planned
-    self._caches, self._keys, tokens, logits = engine_step(
-        self._graphdef, self._state, self._caches, self._keys, self._fresh,
-        replicate_on(self._mesh, plan), keep_logits=self.keep_logits)
+    self._caches, self._keys, tokens, logits = self._step(
+        self._state, self._caches, self._keys, self._fresh, replicate_on(self._mesh, plan))
     # The step's one read of device results, all slots at once (replicated first: on a pod every
     # process reads them whatever the parameters' split).
     tokens, logits = replicate_on(self._mesh, (tokens, logits))
@@ -529,8 +626,11 @@ class Engine:
       if plan.emit[slot]:
         if request.source is not None:
           request.fed, request.source = len(request.prompt), None
-        events.append(self._emit(request, int(tokens[slot]),
-                                 None if logits is None else logits[slot]))
+        for i in range(1 + int(plan.more[slot])):
+          events.append(self._emit(request, int(tokens[slot, i]),
+                                   None if logits is None else logits[slot, i]))
+          if request.done:
+            break
     return events
 
   def _emit(self, request: Request, token: int, logits) -> TokenEvent:
@@ -553,14 +653,16 @@ def generate_many(model, prompts: Sequence[Sequence[int]], *,
                   max_new_tokens: Union[int, Sequence[int]],
                   sampling: SamplingConfig = SamplingConfig(temperature=0.0), seed: int = 0,
                   slots: int = 8, stop_tokens: Sequence[int] = (), max_len: Optional[int] = None,
-                  prefill_chunk: int = 64, prefill_bucket: Optional[int] = None,
+                  prefill_chunk: int = 64, prefill_lanes: Optional[int] = None,
+                  tokens_per_step: int = 16, prefill_bucket: Optional[int] = None,
                   progress: Optional[Callable[[int], None]] = None) -> list[list[int]]:
   """Continues every prompt (token-id lists of any lengths) through one :class:`Engine`;
   returns the generated tokens of each, in order, without the prompt (a stop token included as
   the last one). Prompt ``i`` is sampled with seed ``seed + i``: it draws what ``kj.generate``
   of it alone draws with ``key=jax.random.PRNGKey(seed + i)``. ``max_new_tokens``: one for all,
   or one per prompt; ``max_len``: the slots' length, by default the longest request's;
-  ``prefill_chunk`` / ``prefill_bucket``: as in :class:`Engine`."""
+  ``prefill_chunk`` / ``prefill_lanes`` (default: every slot) / ``tokens_per_step`` /
+  ``prefill_bucket``: as in :class:`Engine`, here tuned for throughput rather than latency."""
   prompts = [list(p) for p in prompts]
   budgets = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int)
              else list(max_new_tokens))
@@ -570,8 +672,10 @@ def generate_many(model, prompts: Sequence[Sequence[int]], *,
     return []
   if max_len is None:
     max_len = max(len(p) + n for p, n in zip(prompts, budgets))
-  engine = Engine(model, slots=min(slots, len(prompts)), max_len=max_len,
-                  prefill_chunk=prefill_chunk, prefill_bucket=prefill_bucket)
+  slots = min(slots, len(prompts))
+  engine = Engine(model, slots=slots, max_len=max_len, prefill_chunk=prefill_chunk,
+                  prefill_lanes=slots if prefill_lanes is None else prefill_lanes,
+                  tokens_per_step=tokens_per_step, prefill_bucket=prefill_bucket)
   ids = [engine.submit(p, max_new_tokens=n, sampling=sampling, seed=seed + i,
                        stop_tokens=stop_tokens)
          for i, (p, n) in enumerate(zip(prompts, budgets))]

@@ -9,6 +9,7 @@ only in the batch size of the same matmuls, measured <= 1e-6 apart on tiny model
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import jax
@@ -25,10 +26,10 @@ from tests.conftest import decode_step, forward, in_ci, make_model, prefill
 GREEDY = kj.SamplingConfig(temperature=0.0)
 LOGIT_TOL = 1e-5
 # One engine shape for the tests that compare requests (its step programs compile once per model
-# and worker): prompts through the parallel lane (pieces of 8 = the tiny models' chunk) and rests
-# through the decode step.
+# and worker): prompts through the lanes (every slot's, pieces of 8 = the tiny models' chunk), rests
+# through the decode step, bursts of up to 4 tokens per slot and step.
 MAX_LEN = 48
-ENGINE = dict(slots=3, max_len=MAX_LEN, prefill_chunk=8, keep_logits=True)
+ENGINE = dict(slots=3, max_len=MAX_LEN, prefill_chunk=8, tokens_per_step=4, keep_logits=True)
 
 # Every mixer kind, and both kinds of cross-layer KV sharing. The three hybrids run in CI (five
 # kinds' caches); shared routing's engine runs are checked in CI by the prefill_bucket test, and
@@ -96,8 +97,9 @@ def random_requests(rng, count, max_len, longest_prompt=None):
 
 def serve(engine, requests, rng, cancel_rate=0.0, per_step=2):
   """Submits ``requests`` a few at a time between steps (random arrival), cancels some at random
-  points (waiting, prefilling or decoding); returns the request ids and the cancelled ones."""
-  ids, cancelled, pending = [], set(), list(requests)
+  points (waiting, prefilling or decoding); returns the request ids, the cancelled ones and the
+  most tokens one request drew in one step (the engine's bursts)."""
+  ids, cancelled, pending, burst = [], set(), list(requests), 0
   while pending or engine.busy:
     for _ in range(int(rng.integers(0, per_step + 1))):
       if pending:
@@ -108,16 +110,18 @@ def serve(engine, requests, rng, cancel_rate=0.0, per_step=2):
       victim = live[int(rng.integers(len(live)))]
       assert engine.cancel(victim)
       cancelled.add(victim)
-    engine.step()
-  return ids, cancelled
+    drawn = collections.Counter(event.request_id for event in engine.step())
+    burst = max([burst, *drawn.values()])
+  return ids, cancelled, burst
 
 
 @pytest.mark.parametrize("name", in_ci(sorted(PATTERNS), CI_PATTERNS))
 def test_engine_requests_equal_their_alone_runs(name):
   """Random arrival, prompt lengths from 1 to max_len - 1, slot reuse; prompts continue in
-  parallel pieces of a chunk (8) and their rests through the decode step (all of them for the
-  kinds without an alignment), crossing chunk (8) and window (16) boundaries, and so do the
-  decodes; the KVM budget (4·√N rows, at least 8) grows mid-request."""
+  parallel pieces of a chunk (8), several in one step, starting and continuing rows together,
+  and their rests through the decode step (all of them for the kinds without an alignment),
+  crossing chunk (8) and window (16) boundaries, and so do the decodes, some in bursts of
+  several tokens per step; the KVM budget (4·√N rows, at least 8) grows mid-request."""
   model = _model(name)
   rng = np.random.default_rng(11)
   max_len = MAX_LEN
@@ -125,7 +129,8 @@ def test_engine_requests_equal_their_alone_runs(name):
   # request's prompt ends before them and its decoding crosses all three.
   requests = [(rng.integers(0, 256, 20).tolist(), 24)] + random_requests(rng, 9, max_len)
   engine = Engine(model, **ENGINE)
-  ids, _ = serve(engine, requests, rng)
+  ids, _, burst = serve(engine, requests, rng)
+  assert burst == ENGINE["tokens_per_step"]  # some steps drew several tokens per slot
   for rid, (prompt, new) in zip(ids, requests):
     result = engine.result(rid)
     tokens, logits = alone(model, prompt, new, max_len)
@@ -143,7 +148,7 @@ def test_prefill_bucket_admission_equals_alone_runs():
   rng = np.random.default_rng(12)
   requests = random_requests(rng, 8, MAX_LEN)
   engine = Engine(model, **ENGINE, prefill_bucket=16)
-  ids, _ = serve(engine, requests, rng)
+  ids, _, _ = serve(engine, requests, rng)
   assert any(len(p) > 17 for p, _ in requests)  # some heads were prefilled
   for rid, (prompt, new) in zip(ids, requests):
     tokens, logits = alone(model, prompt, new, MAX_LEN)
@@ -191,7 +196,7 @@ def test_slot_reuse_after_eviction_and_cancellation_leaks_nothing():
   requests = random_requests(rng, 200, max_len, longest_prompt=20)
   requests = [(p, min(n, 5)) for p, n in requests]
   engine = Engine(model, **ENGINE)
-  ids, cancelled = serve(engine, requests, rng, cancel_rate=0.2, per_step=1)
+  ids, cancelled, _ = serve(engine, requests, rng, cancel_rate=0.2, per_step=1)
   assert 30 < len(cancelled) < 150
   # The oracle, batched: each finished request's prompt and tokens as one row of a whole-sequence
   # forward (right-padded; a causal row never sees its padding, and rows never mix), whose logits
@@ -260,10 +265,11 @@ def test_prefill_in_pieces_equals_prefill_at_once(name):
 # go through the parallel lane); RWKV-7's, which no CI engine test runs, and KVM's run here.
 @pytest.mark.parametrize("name", in_ci(sorted(PATTERNS), {"kvm_swa_hybrid", "rwkv7"}))
 def test_resume_in_pieces_equals_prefill_at_once(name):
-  """``LM.resume`` after a prefill, in pieces of one and of three alignment units, rows at
-  different lengths: every position's logits and the next decoded token's equal one
-  ``LM.prefill`` of each row's whole sequence (KVM folds from the ring and from the piece, the
-  budget grows, OVQ's dictionary and RWKV-7's state continue, bswa sinks are in the ring)."""
+  """``LM.resume`` in pieces of one and of three alignment units, one row starting from an
+  empty cache in the same calls as a row continuing a prefill three units ahead: every
+  position's logits and the next decoded token's equal one ``LM.prefill`` of each row's whole
+  sequence (KVM's initial state from a piece, folds from the ring and from the piece, the budget
+  grows, OVQ's dictionary and RWKV-7's state continue, bswa sinks are in the ring)."""
   model = _model(name)
   A = model.resume_alignment()
   if A is None:
@@ -277,7 +283,8 @@ def test_resume_in_pieces_equals_prefill_at_once(name):
   want = np.asarray(want)
   _, caches = prefill(model, tokens[:, :2 * A], model.init_cache(2, 9 * A))
   _, caches = extend(model, tokens[:, 2 * A:3 * A], caches, jnp.asarray([0, A]))
-  offsets = [2 * A, 3 * A]  # row 1 one alignment unit ahead of row 0
+  caches = reset_rows(caches, jnp.asarray([True, False]), model.init_cache(1, 9 * A))
+  offsets = [0, 3 * A]  # row 0 starts from nothing, row 1 continues
   for width in (A, 3 * A, A):
     piece = jnp.stack([tokens[b, offsets[b]:offsets[b] + width] for b in range(2)])
     logits, caches = resume(model, piece, caches)
@@ -291,8 +298,11 @@ def test_resume_in_pieces_equals_prefill_at_once(name):
   next_got, _ = decode_step(model, last, caches)
   assert_logits_close([next_got[0, 0], next_got[1, 0]],
                       [want[0, offsets[0]], want[1, offsets[1]]], f"{name} next token")
-  with pytest.raises(ValueError, match="must be positive multiples"):
-    model.resume(tokens[:, :A], model.init_cache(2, 9 * A))
+  if A == 1:
+    return
+  _, off_unit = prefill(model, tokens[:, :1], model.init_cache(2, 9 * A))
+  with pytest.raises(ValueError, match=r"row lengths \[1, 1\] must be multiples"):
+    model.resume(tokens[:, :A], off_unit)
 
 
 def test_extend_fills_one_row_while_the_others_keep_theirs():

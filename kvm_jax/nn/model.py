@@ -317,9 +317,10 @@ class LM(nnx.Module):
     own length: logits ``[B, T, V]`` and the caches, equal to ``T`` decode steps (and to
     :meth:`prefill` of the whole sequence) to float32 rounding.
 
-    ``T`` and every row's length must be multiples of :meth:`resume_alignment`, and the lengths
-    positive: a new sequence starts with :meth:`prefill`, and a long prompt continues with
-    pieces of ``resume`` (the engine's chunked prefill). Lengths are checked when concrete."""
+    ``T`` and every row's length must be multiples of :meth:`resume_alignment`; a row at length
+    0 starts its sequence (equal to :meth:`prefill` of the piece), so rows starting a prompt and
+    rows continuing one go in one call (the engine's chunked prefill). Lengths are checked when
+    concrete."""
     self.check_tokens(tokens)
     B, T = tokens.shape
     alignment = self.resume_alignment()
@@ -331,9 +332,9 @@ class LM(nnx.Module):
       raise ValueError(f"resume: a piece of {T} tokens is not a multiple of the model's "
                        f"alignment {alignment}; feed the rest with extend.")
     lengths = cache_lengths(caches, B)
-    if is_concrete(lengths) and bool(jnp.any((lengths % alignment != 0) | (lengths < 1))):
-      raise ValueError(f"resume: row lengths {np.asarray(lengths).tolist()} must be positive "
-                       f"multiples of {alignment}; start a sequence with prefill.")
+    if is_concrete(lengths) and bool(jnp.any(lengths % alignment != 0)):
+      raise ValueError(f"resume: row lengths {np.asarray(lengths).tolist()} must be multiples of "
+                       f"{alignment}; feed a row's rest with extend.")
     positions = lengths[:, None] + jnp.arange(T)[None, :]
     features, caches = self._run(tokens, positions, caches, RESUME)
     return self.logits(features), caches

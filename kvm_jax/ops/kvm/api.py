@@ -333,9 +333,10 @@ def kvm_resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParam
   """Continues every row of ``cache`` by ``W`` tokens in parallel (``q [B, W, H, D]`` ...):
   ``(y [B, W, H, Dv], cache)``, equal to ``W`` :func:`kvm_decode_step` calls to float32 rounding.
 
-  ``W`` must be a multiple of ``chunk_size`` and every row's length a positive one (a new
-  sequence starts with :func:`kvm_prefill`): the chunked prefill of a long prompt, piece after
-  piece. The lengths are checked when concrete. Runs on XLA (the fold's row accumulation as the
+  ``W`` and every row's length must be multiples of ``chunk_size``; a row at length 0 starts its
+  sequence here (equal to :func:`kvm_prefill` of the piece): the chunked prefill of long
+  prompts, piece after piece, rows starting and continuing in one call. The lengths are checked
+  when concrete. Runs on XLA (the fold's row accumulation as the
   backend resolver decides for this platform)."""
   validate_inputs(q, k, v, merge_gate, params, cfg)
   check_against_cache(k, v, cache, "kvm_resume")
@@ -345,9 +346,9 @@ def kvm_resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParam
                      f"chunk_size={C}; feed the rest with kvm_decode_step.")
   if is_concrete(cache.length):
     lengths = jnp.broadcast_to(cache.length, (q.shape[0],))
-    if bool(jnp.any((lengths % C != 0) | (lengths < C))):
-      raise ValueError(f"kvm_resume: row lengths {lengths.tolist()} must be positive multiples "
-                       f"of chunk_size={C}; start a sequence with kvm_prefill.")
+    if bool(jnp.any(lengths % C != 0)):
+      raise ValueError(f"kvm_resume: row lengths {lengths.tolist()} must be multiples of "
+                       f"chunk_size={C}; feed the rest of a row's piece with kvm_decode_step.")
   be = resolve_kvm_backend(cfg, implementation="xla")
   return decode.resume(q, k, v, merge_gate, params, cfg=cfg, cache=cache,
                        row_update=be.row_update)

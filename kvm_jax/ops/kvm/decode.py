@@ -25,8 +25,8 @@ from kvm_jax.config import KVMConfig
 from kvm_jax.ops.common import (batch_rows, fill_ring, joint_attention, read_ring_chunk,
                                 ring_positions, tree_nbytes, write_ring)
 from kvm_jax.ops.kvm.scan import XLA_OPS, ChunkOps, kvm_attention_scan
-from kvm_jax.ops.kvm.state import (KVMParams, KVMState, empty_state, pad_rows, state_readout,
-                                   temperatures, token_rows)
+from kvm_jax.ops.kvm.state import (KVMParams, KVMState, empty_state, initial_state, pad_rows,
+                                   state_readout, temperatures, token_rows)
 
 Array = jax.Array
 
@@ -275,14 +275,28 @@ def decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParam
   return (y, new, decisions) if return_routing else (y, new)
 
 
+def _begin_rows(state: KVMState, readout_keys: Array, readout_values: Array, begins: Array,
+                k_chunk: Array, v_chunk: Array, g_chunk: Array, params: KVMParams,
+                cfg: KVMConfig):
+  """``(state, readout_keys, readout_values)`` with the rows where ``begins [B]`` replaced by
+  an initial state of the chunk's ``C`` tokens (``k_chunk [B, C, Hkv, D]`` ...)."""
+  C = k_chunk.shape[1]
+  initial = initial_state(k_chunk, v_chunk, g_chunk, C, state.capacity, params, cfg)
+  initial = per_row_state(initial, begins.shape[0])
+  keys, values = readout_cache(initial, params, cfg, readout_keys.dtype)
+  return (_per_row_select(begins, initial, state), _per_row_select(begins, keys, readout_keys),
+          _per_row_select(begins, values, readout_values))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "ops", "row_update"))
 def resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, cfg: KVMConfig,
            cache: KVMCache, ops: ChunkOps = XLA_OPS, row_update: str = "auto"):
   """``W`` more tokens per row in parallel, chunk by chunk, each row continuing from its own
   length: ``(y [B, W, H, Dv], cache)``, the same as ``W`` :func:`decode_step` calls.
 
-  Every row's length must be a positive multiple of ``C`` (its initial state complete; a new
-  sequence starts with :func:`prefill`) and ``W`` a multiple of ``C``. The keys a chunk sees
+  Every row's length and ``W`` must be multiples of ``C``; a row at length 0 starts a sequence
+  (its first chunk's tokens become its initial state rows, as in :func:`prefill`), so rows
+  starting and rows continuing go in one call. The keys a chunk sees
   are the ring's last ``L`` tokens followed by the piece's, so chunk ``j`` reads its window as
   one slice, and folds the chunk leaving the window (from the ring or the piece) first, exactly
   when the decode step would."""
@@ -321,6 +335,14 @@ def resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, c
     state = _per_row_select(fire, folded, state)
     readout_keys = _per_row_select(fire, folded_keys, readout_keys)
     readout_values = _per_row_select(fire, folded_values, readout_values)
+    # a row starting here: its first chunk's tokens become its initial state rows (visible only
+    # from t >= L, so this chunk's own attention does not read them)
+    begins = t == 0
+    own = lambda x: jax.lax.dynamic_slice_in_dim(x, L + j * C, C, axis=1)
+    begin = functools.partial(_begin_rows, begins=begins, k_chunk=own(ext_k), v_chunk=own(ext_v),
+                              g_chunk=own(ext_g), params=params, cfg=cfg)
+    state, readout_keys, readout_values = jax.lax.cond(
+        jnp.any(begins), begin, lambda *carry: carry, state, readout_keys, readout_values)
     # keys of this chunk's window: the previous nb - 1 chunks and this one, causal within it
     keys = jax.lax.dynamic_slice_in_dim(ext_k, (j + 1) * C, L, axis=1)
     values = jax.lax.dynamic_slice_in_dim(ext_v, (j + 1) * C, L, axis=1)
