@@ -262,7 +262,7 @@ def test_prefill_in_pieces_equals_prefill_at_once(name):
 
 
 # The rings' and OVQ's resume run in CI through the engine tests of their hybrids (their prompts
-# go through the parallel lane); RWKV-7's, which no CI engine test runs, and KVM's run here.
+# go through the lanes); RWKV-7's, which no CI engine test runs, and KVM's run here.
 @pytest.mark.parametrize("name", in_ci(sorted(PATTERNS), {"kvm_swa_hybrid", "rwkv7"}))
 def test_resume_in_pieces_equals_prefill_at_once(name):
   """``LM.resume`` in pieces of one and of three alignment units, one row starting from an
