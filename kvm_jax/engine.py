@@ -5,10 +5,10 @@ independent sequence at a length of its own). Requests wait in a queue; a free s
 (its row reset to an empty cache), feeds its prompt in pieces of at most ``prefill_chunk`` tokens,
 then decodes until a stop token, ``max_new_tokens`` or a cancel frees the slot for the next
 request. Every :meth:`Engine.step` is one jitted call over all slots: the prompts' pieces (up to
-``prefill_lanes`` of them in parallel, rests through the decode step), every decoding slot's last
-token, a draw on the device for every emitting slot, and, once no prompt is left to feed, a burst
-of up to ``tokens_per_step`` tokens per slot inside the same call; the host reads the drawn tokens
-once.
+``prefill_lanes`` of them in parallel), then rounds of decode steps in one loop that feed the
+prompts' short rests and every decoding slot's tokens and draw on the device (several tokens per
+slot when a rest runs several rounds anyway, and up to ``tokens_per_step`` once no prompt is left
+to feed); the host reads the drawn tokens once.
 
 A request's tokens depend only on its prompt, sampling settings and seed, never on what else is
 running: its slot starts from an empty row, rows never mix, and its random keys are its own. A
@@ -31,7 +31,7 @@ import collections
 import dataclasses
 import functools
 import itertools
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from kvm_jax.generate import SamplingConfig, pod_mesh, replicate_on
-from kvm_jax.nn.cache import reset_rows
+from kvm_jax.nn.cache import reset_rows, select_rows
 
 Array = jax.Array
 
@@ -108,20 +108,27 @@ def sampling_rows(sampling: SamplingConfig) -> tuple[float, int, float]:
 class StepPlan:
   """What one engine step does to each of the ``S`` slots (host-built arrays).
 
+  A step feeds the lanes' prompt pieces in parallel, then runs one loop of decode steps over
+  every slot: round ``i`` feeds each slot its serial piece's token ``i`` while it has one, then
+  the token it drew last; a slot draws after feeding the last token of its piece, and after each
+  token it feeds back, ``draws`` times in all.
+
   Attributes:
     tokens: ``[S, n]`` int32, each slot's serial piece (a prompt rest, or its last sampled
       token), fed through the decode step.
-    counts: ``[S]`` int32, the tokens of the serial piece to feed (0: none).
+    counts: ``[S]`` int32, the tokens of the serial piece (0: none).
+    draws: ``[S]`` int32, the tokens the slot draws this step (0: none).
+    hold: ``[S]`` bool, slots whose row must keep its cache through rounds it does not feed
+      (a request that goes on after this step).
     lane_tokens: ``[N, P]`` int32, the prompt pieces the ``N`` lanes feed in parallel
       (``LM.resume``; ``P`` a multiple of the model's ``resume_alignment``; ``P = 0``: no lane
-      this step).
+      this step). A lane slot has no serial piece; it draws its first token from the piece.
     lane_slots: ``[N]`` int32, the slot each lane feeds (``S``: an unused lane).
     reset: ``[S]`` bool, slots whose row starts a new sequence (emptied before feeding).
     copy_from: ``[S]`` int32, for a sample of an n-sample request the slot its prompt was fed
-      in (the row is copied after feeding, before sampling), else -1.
-    emit: ``[S]`` bool, slots that draw a token this step.
-    more: ``[S]`` int32, how many more tokens each emitting slot draws after its first, one
-      decode step each (the step's burst; at most ``tokens_per_step - 1``).
+      in (its row and logits are copied when that prompt's last token is fed, before the
+      sample's first draw), else -1.
+    copy_at: ``[S]`` int32, the round of that copy (-1: after the lanes, before the loop).
     new_keys: ``[S, 2]`` uint32, the first key of a request admitted this step.
     set_key: ``[S]`` bool, slots whose key is replaced by ``new_keys``.
     temperature / top_k / top_p: ``[S]``, each slot's sampling settings (:func:`sample_rows`).
@@ -129,12 +136,13 @@ class StepPlan:
 
   tokens: np.ndarray
   counts: np.ndarray
+  draws: np.ndarray
+  hold: np.ndarray
   lane_tokens: np.ndarray
   lane_slots: np.ndarray
   reset: np.ndarray
   copy_from: np.ndarray
-  emit: np.ndarray
-  more: np.ndarray
+  copy_at: np.ndarray
   new_keys: np.ndarray
   set_key: np.ndarray
   temperature: np.ndarray
@@ -156,16 +164,17 @@ def prefill_into_slot(graphdef, state, tokens: Array, caches, fresh, slot: Array
   return jax.tree_util.tree_map(put, caches, row)
 
 
-def _feed_lanes(model, caches, logits: Array, plan: StepPlan):
+def _feed_lanes(model, caches, plan: StepPlan):
   """The lanes' prompt pieces in parallel: their rows gathered, continued by ``LM.resume``
   (from length 0 for a prompt's first piece), scattered back; an unused lane (slot ``S``) is
-  dropped. Returns the caches and ``logits [S, V]`` with each lane slot's last piece logits."""
-  S = logits.shape[0]
+  dropped. Returns the caches and ``logits [S, V]``: each lane slot's last piece logits."""
+  S = plan.counts.shape[0]
   gather = jnp.minimum(plan.lane_slots, S - 1)
   rows = jax.tree_util.tree_map(lambda x: jnp.take(x, gather, axis=0), caches)
   lane_logits, rows = model.resume(plan.lane_tokens, rows)
   put = lambda whole, part: whole.at[plan.lane_slots].set(part.astype(whole.dtype), mode="drop")
   caches = jax.tree_util.tree_map(put, caches, rows)
+  logits = jnp.zeros((S, lane_logits.shape[-1]), jnp.float32)
   return caches, logits.at[plan.lane_slots].set(lane_logits[:, -1], mode="drop")
 
 
@@ -173,6 +182,31 @@ def _copy_rows(tree, copy_from: Array):
   """Row ``copy_from[s]`` into row ``s`` wherever ``copy_from[s] >= 0`` (a gather over rows)."""
   rows = jnp.where(copy_from >= 0, copy_from, jnp.arange(copy_from.shape[0]))
   return jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=0), tree)
+
+
+def _copy_where(tree, copy_from: Array, now: Array):
+  """:func:`_copy_rows` for the rows where ``now [S]`` holds, under a conditional (rare)."""
+  return jax.lax.cond(jnp.any(now), _copy_rows, lambda t, _: t, tree,
+                      jnp.where(now, copy_from, -1))
+
+
+class _Drawn(NamedTuple):
+  """The tokens a step drew (``[S, W]``), the logits each came from (``[S, W, V]``, or ``[S, 0,
+  V]`` when not kept) and every slot's last drawn token ``[S]``."""
+  tokens: Array
+  logits: Array
+  last: Array
+
+
+def _record(drawn: _Drawn, index: Array, drawing: Array, tokens: Array, logits: Array,
+            keep_logits: bool) -> _Drawn:
+  """``drawn`` with each drawing slot's token (and logits) written at its draw ``index [S]``."""
+  at = drawing[:, None] & (jnp.arange(drawn.tokens.shape[1])[None, :] == index[:, None])
+  kept = drawn.logits
+  if keep_logits:
+    kept = jnp.where(at[..., None], logits.astype(jnp.float32)[:, None], kept)
+  return _Drawn(jnp.where(at, tokens[:, None], drawn.tokens), kept,
+                jnp.where(drawing, tokens, drawn.last))
 
 
 def _draw(logits: Array, keys: Array, plan: StepPlan, drawing: Array):
@@ -183,74 +217,62 @@ def _draw(logits: Array, keys: Array, plan: StepPlan, drawing: Array):
   return tokens, jnp.where(drawing[:, None], pairs[:, 0], keys)
 
 
-def _burst(graphdef, state, caches, keys: Array, first: Array, plan: StepPlan, width: int,
-           keep_logits: bool):
-  """Up to ``width - 1`` more tokens per emitting slot (``plan.more``), each fed back through
-  the decode step and drawn, inside one loop: ``(caches, keys, tokens [S, width - 1], logits
-  [S, width - 1, V] or None)``.
-
-  Every row steps through every round: a burst runs only when no prompt is left to feed, so a
-  row that draws fewer tokens than the rounds is free or finishes in this step, and its row is
-  emptied before the slot's next request (its position may even pass ``max_len``: harmless, as
-  rows never mix). A row of a request that goes on always draws as many tokens as the rounds."""
-  S = first.shape[0]
-  V = nnx.merge(graphdef, state).cfg.vocab_size
-  rounds = jnp.max(jnp.where(plan.emit, plan.more, 0))
-  tokens = jnp.zeros((S, width - 1), jnp.int32)
-  logits_out = jnp.zeros((S, width - 1, V) if keep_logits else (S, 0, V), jnp.float32)
-
-  def body(carry):
-    i, caches, keys, token, tokens, logits_out = carry
-    active = plan.emit & (i < plan.more)
-    logits, caches = nnx.merge(graphdef, state).decode_step(token[:, None], caches)
-    drawn, keys = _draw(logits[:, 0], keys, plan, active)
-    token = jnp.where(active, drawn, token)
-    tokens = jax.lax.dynamic_update_slice_in_dim(tokens, drawn[:, None], i, axis=1)
-    if keep_logits:
-      logits_out = jax.lax.dynamic_update_slice_in_dim(
-          logits_out, logits.astype(jnp.float32), i, axis=1)
-    return i + 1, caches, keys, token, tokens, logits_out
-
-  _, caches, keys, _, tokens, logits_out = jax.lax.while_loop(
-      lambda carry: carry[0] < rounds, body,
-      (jnp.int32(0), caches, keys, first, tokens, logits_out))
-  return caches, keys, tokens, (logits_out if keep_logits else None)
-
-
-def _engine_step(graphdef, state, caches, keys: Array, fresh, plan: StepPlan, *,
-                 tokens_per_step: int, keep_logits: bool):
-  """One step over every slot: reset, feed (serial pieces, then the lanes), copy, draw, and
-  the burst. Returns ``(caches, keys, tokens [S, tokens_per_step], logits [S, tokens_per_step,
-  V] or None)``; only the tokens a slot emits are meaningful."""
+def _engine_step(graphdef, state, caches, keys: Array, fresh, plan: StepPlan, *, width: int,
+                 keep_logits: bool):
+  """One step over every slot: reset, the lanes, then the rounds of decode steps (serial
+  pieces, draws, tokens fed back). Returns ``(caches, keys, tokens [S, width], logits [S,
+  width, V] or None)``: slot ``s``'s draws are its first ``plan.draws[s]`` tokens."""
   model = nnx.merge(graphdef, state)
+  S, V = plan.counts.shape[0], model.cfg.vocab_size
   caches = jax.lax.cond(jnp.any(plan.reset), lambda c: reset_rows(c, plan.reset, fresh),
                         lambda c: c, caches)
-  logits, caches = model.extend(plan.tokens, caches, plan.counts)
-  if plan.lane_tokens.shape[1]:
-    caches, logits = _feed_lanes(model, caches, logits, plan)
-  copies = jnp.any(plan.copy_from >= 0)
-  caches, logits = jax.lax.cond(copies, _copy_rows, lambda tree, _: tree, (caches, logits),
-                                plan.copy_from)
   keys = jnp.where(plan.set_key[:, None], plan.new_keys, keys)
-  first, keys = _draw(logits, keys, plan, plan.emit)
-  tokens, kept = first[:, None], (logits[:, None] if keep_logits else None)
-  if tokens_per_step > 1:
-    caches, keys, more, more_logits = _burst(graphdef, state, caches, keys, first, plan,
-                                             tokens_per_step, keep_logits)
-    tokens = jnp.concatenate([tokens, more], axis=1)
-    if keep_logits:
-      kept = jnp.concatenate([kept, more_logits], axis=1)
-  return caches, keys, tokens, kept
+  drawn = _Drawn(jnp.zeros((S, width), jnp.int32),
+                 jnp.zeros((S, width if keep_logits else 0, V), jnp.float32),
+                 jnp.zeros((S,), jnp.int32))
+  if plan.lane_tokens.shape[1]:
+    caches, logits = _feed_lanes(model, caches, plan)
+    caches, logits = _copy_where((caches, logits), plan.copy_from,
+                                 (plan.copy_from >= 0) & (plan.copy_at < 0))
+    first = (plan.counts == 0) & (plan.draws > 0)   # lane slots (and copies of them) draw now
+    tokens, keys = _draw(logits, keys, plan, first)
+    drawn = _record(drawn, jnp.zeros((S,), jnp.int32), first, tokens, logits, keep_logits)
+
+  # Round i feeds a slot while i < fed_until: its piece, then each token it drew but the last.
+  fed_until = plan.counts + jnp.maximum(plan.draws - 1, 0)
+  n = plan.tokens.shape[1]
+
+  def round_(carry):
+    i, caches, keys, drawn = carry
+    piece = jax.lax.dynamic_index_in_dim(plan.tokens, jnp.minimum(i, n - 1), axis=1,
+                                         keepdims=False)
+    feeding = i < fed_until
+    logits, stepped = nnx.merge(graphdef, state).decode_step(
+        jnp.where(i < plan.counts, piece, drawn.last)[:, None], caches)
+    # Rows that go on keep their caches through the rounds they do not feed; rows that do not
+    # go on (free, or finishing in this step) may step on (their rows are emptied before reuse).
+    keep = plan.hold & ~feeding
+    caches = jax.lax.cond(jnp.any(keep), lambda: select_rows(~keep, stepped, caches),
+                          lambda: stepped)
+    caches, logits = _copy_where((caches, logits[:, 0]), plan.copy_from, plan.copy_at == i)
+    index = i - plan.counts + 1                  # the draw this round gives a slot
+    drawing = (index >= 0) & (index < plan.draws)
+    tokens, keys = _draw(logits, keys, plan, drawing)
+    return i + 1, caches, keys, _record(drawn, index, drawing, tokens, logits, keep_logits)
+
+  _, caches, keys, drawn = jax.lax.while_loop(
+      lambda carry: carry[0] < jnp.max(fed_until), round_, (jnp.int32(0), caches, keys, drawn))
+  return caches, keys, drawn.tokens, (drawn.logits if keep_logits else None)
 
 
 @functools.lru_cache(maxsize=32)
-def step_program(graphdef, tokens_per_step: int, keep_logits: bool):
-  """The jitted engine step for one model structure (``caches`` and ``keys`` donated). The
-  structure is bound here, once per engine, rather than hashed as a static argument on every
-  step (a model's graphdef costs about a millisecond to hash); engines of one structure share
-  the program and its compilations."""
-  return jax.jit(functools.partial(_engine_step, graphdef, tokens_per_step=tokens_per_step,
-                                   keep_logits=keep_logits), donate_argnums=(1, 2))
+def step_program(graphdef, width: int, keep_logits: bool):
+  """The jitted engine step for one model structure (``caches`` and ``keys`` donated), drawing
+  at most ``width`` tokens per slot. The structure is bound here, once per engine, rather than
+  hashed as a static argument on every step (a model's graphdef costs about a millisecond to
+  hash); engines of one structure share the program and its compilations."""
+  return jax.jit(functools.partial(_engine_step, graphdef, width=width, keep_logits=keep_logits),
+                 donate_argnums=(1, 2))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,11 +333,13 @@ class Engine:
   rows, a prompt's first piece from an empty row); a rest shorter than the alignment, and every
   prompt of a model without one (cross-layer KV sharing), goes through the decode step.
 
-  ``tokens_per_step``: the most tokens a decoding slot draws in one step, each fed back through
-  the decode step inside the same jitted call (one host read per step whatever it holds). More
-  amortizes the step's fixed cost (the host round trip, the scheduling); fewer streams sooner
-  and lets a waiting request in sooner. While requests wait for a slot, a step stops when the
-  first decoding slot reaches its ``max_new_tokens``, so the freed slot is taken at once.
+  ``tokens_per_step``: the most tokens a decoding slot draws in one step once no prompt is left
+  to feed, each fed back through the decode step inside the same jitted call (one host read per
+  step whatever it holds; beside a prompt's rest, a slot draws once per round the rest runs).
+  More amortizes the step's fixed cost (the host round trip, the scheduling); fewer streams
+  sooner and lets a waiting request in sooner. While requests wait for a slot, no slot draws
+  past the round where the first one reaches its ``max_new_tokens``, so that slot is taken at
+  once.
 
   ``prefill_bucket``: admit a request by prefilling its first ``H`` prompt tokens in parallel
   (``H`` the largest multiple of ``prefill_bucket`` below the prompt's length) in a call of its
@@ -356,7 +380,10 @@ class Engine:
     self._serial_width = (prefill_chunk if self._alignment is None
                           else min(prefill_chunk, max(self._alignment - 1, 1)))
     self._graphdef, self._state = nnx.split(model)
-    self._step = step_program(self._graphdef, tokens_per_step, keep_logits)
+    # A slot draws at most this many tokens in a step: a burst, or the rounds a serial rest
+    # runs (the decoding slots ride along).
+    self._width = max(tokens_per_step, self._serial_width + 1)
+    self._step = step_program(self._graphdef, self._width, keep_logits)
     self._mesh = pod_mesh(self._state)
     self._caches = replicate_on(self._mesh, model.init_cache(slots, max_len))
     self._fresh = replicate_on(self._mesh, model.init_cache(1, max_len))
@@ -541,11 +568,11 @@ class Engine:
 
   def _plan(self, reset: np.ndarray) -> Optional[tuple[StepPlan, np.ndarray]]:
     """The step's plan, and the prompt tokens each slot feeds in it; None when nothing runs."""
-    S, N = self.slots, self.prefill_lanes
-    counts, fed = np.zeros(S, np.int32), np.zeros(S, np.int32)
-    pieces: list = [()] * S
-    emit, more = np.zeros(S, bool), np.zeros(S, np.int32)
-    copy_from = np.full(S, -1, np.int32)
+    S, N, n = self.slots, self.prefill_lanes, self._serial_width
+    tokens, counts = np.zeros((S, n), np.int32), np.zeros(S, np.int32)
+    fed, draws = np.zeros(S, np.int32), np.zeros(S, np.int32)
+    emit, hold = np.zeros(S, bool), np.zeros(S, bool)
+    copy_from, copy_at = np.full(S, -1, np.int32), np.full(S, -1, np.int32)
     new_keys, set_key = np.zeros((S, 2), np.uint32), np.zeros(S, bool)
     temperature, top_p = np.zeros(S, np.float32), np.ones(S, np.float32)
     top_k = np.zeros(S, np.int32)
@@ -566,41 +593,57 @@ class Engine:
         continue
       if request.fed < len(request.prompt):
         if not fed[slot] and not self._lane_rest(request):  # a rest through the decode step
-          pieces[slot] = request.prompt[request.fed:request.fed + self._serial_width]
-          fed[slot] = len(pieces[slot])
+          piece = request.prompt[request.fed:request.fed + n]
+          tokens[slot, :len(piece)], counts[slot] = piece, len(piece)
+          fed[slot] = len(piece)
         emit[slot] = request.fed + fed[slot] == len(request.prompt)
       else:
-        pieces[slot] = (request.tokens[-1],)
-        emit[slot] = True
-      counts[slot] = len(pieces[slot])
+        tokens[slot, 0], counts[slot], emit[slot] = request.tokens[-1], 1, True
     for slot, request in enumerate(self._running):  # samples copy a prompt fed in full now
       source = None if request is None else request.source
       if source is not None and source.slot is not None and emit[source.slot] \
           and source.fed < len(source.prompt):
+        # The sample feeds its source's piece on its own (empty) row until the copy replaces it.
         copy_from[slot], emit[slot] = source.slot, True
+        tokens[slot], counts[slot] = tokens[source.slot], counts[source.slot]
+        copy_at[slot] = counts[slot] - 1
     if not counts.any() and not emit.any() and not width:
       return None
-    # The burst: each emitting slot draws up to tokens_per_step tokens, fewer when its budget
-    # ends sooner. Only once no prompt is left to feed (a burst would hold a prompt's next piece
-    # back by its length while the rows still prefilling idle through it), and, while requests
-    # wait for a slot, no slot goes past the first to finish.
-    prefilling = any(r is not None and r.fed + fed[slot] < len(r.prompt)
-                     for slot, r in enumerate(self._running) if copy_from[slot] < 0)
-    for slot, request in enumerate(self._running):
-      if emit[slot] and not prefilling:
-        more[slot] = min(self.tokens_per_step, request.max_new_tokens - len(request.tokens)) - 1
-    if self._waiting and emit.any():
-      more = np.minimum(more, more[emit].min())
-    # Two widths of the serial part, so that a step compiles for few shapes: one token (decoding
-    # slots alone) or the widest rest a slot may feed (the others wait masked in the scan).
-    serial = 1 if counts.max() <= 1 else self._serial_width
-    tokens = np.zeros((S, serial), np.int32)
-    for slot, row in enumerate(pieces):
-      tokens[slot, :len(row)] = row
-    plan = StepPlan(tokens=tokens, counts=counts, lane_tokens=lane_tokens, lane_slots=lane_slots,
-                    reset=reset, copy_from=copy_from, emit=emit, more=more, new_keys=new_keys,
-                    set_key=set_key, temperature=temperature, top_k=top_k, top_p=top_p)
+    self._plan_draws(emit, counts, fed, draws)
+    for slot, request in enumerate(self._running):  # requests that go on after this step
+      hold[slot] = request is not None and not (
+          emit[slot] and draws[slot] == request.max_new_tokens - len(request.tokens))
+    plan = StepPlan(tokens=tokens, counts=counts, draws=draws, hold=hold,
+                    lane_tokens=lane_tokens, lane_slots=lane_slots, reset=reset,
+                    copy_from=copy_from, copy_at=copy_at, new_keys=new_keys, set_key=set_key,
+                    temperature=temperature, top_k=top_k, top_p=top_p)
     return plan, fed
+
+  def _plan_draws(self, emit: np.ndarray, counts: np.ndarray, fed: np.ndarray,
+                  draws: np.ndarray) -> None:
+    """Fills ``draws``: the tokens each emitting slot draws this step (at least one; never past
+    its ``max_new_tokens``).
+
+    The step runs as many rounds as its longest serial piece needs anyway; decoding slots ride
+    along, drawing a token per round. Bursts beyond that (up to ``tokens_per_step``) only once
+    no prompt is left to feed: a burst would hold every prompt's next piece back while the
+    prefilling rows idle through it. While requests wait for a slot, no slot draws past the
+    round where the first slot finishes, so that slot is free for the next step."""
+    rounds = int(counts.max())
+    prefilling = any(r is not None and r.source is None and r.fed + fed[slot] < len(r.prompt)
+                     for slot, r in enumerate(self._running))
+    left = {slot: self._running[slot].max_new_tokens - len(self._running[slot].tokens)
+            for slot in np.flatnonzero(emit)}
+    for slot, remaining in left.items():
+      free = rounds - counts[slot] + 1  # a draw after its piece's last token and each round on
+      draws[slot] = min(remaining, self._width,
+                        max(free, 1) if prefilling else max(free, self.tokens_per_step))
+    finishing = [counts[s] + draws[s] - 1 for s, remaining in left.items()
+                 if draws[s] == remaining]
+    if self._waiting and finishing:
+      last_round = max(min(finishing), rounds)
+      for slot in left:
+        draws[slot] = max(1, min(draws[slot], last_round - counts[slot] + 1))
 
   def step(self) -> list[TokenEvent]:
     """One jitted step over every slot (admitting waiting requests first). Returns the tokens
@@ -623,10 +666,10 @@ class Engine:
         continue
       if request.source is None:
         request.fed += int(fed[slot])
-      if plan.emit[slot]:
+      if plan.draws[slot]:
         if request.source is not None:
           request.fed, request.source = len(request.prompt), None
-        for i in range(1 + int(plan.more[slot])):
+        for i in range(int(plan.draws[slot])):
           events.append(self._emit(request, int(tokens[slot, i]),
                                    None if logits is None else logits[slot, i]))
           if request.done:
