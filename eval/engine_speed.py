@@ -5,7 +5,8 @@ Two tables:
 * **throughput on a ragged workload**: ``--engine-requests`` prompts of log-normal lengths
   (median ``--engine-median-prompt`` tokens, σ = 1, at most ``--engine-max-len`` / 2) with output
   budgets drawn uniformly from 1 to ``--engine-max-new``, greedy, on a tiny model of each
-  ``--engine-mixers`` pattern. Three arms, each run once to compile and then timed: the engine
+  ``--engine-mixers`` pattern. Three arms, each run once to compile and then timed (the best of
+  three runs): the engine
   (:func:`kvm_jax.generate_many`, ``--engine-slots`` slots), ``kj.generate`` one prompt at a
   time, and padded static batches (``--engine-slots`` prompts per ``kj.generate`` call, each
   left-padded to the batch's longest prompt and run for the batch's largest budget: what serving
@@ -77,12 +78,16 @@ def run_padded_batches(model, workload, slots: int, max_len: int, prefill_bucket
     jax.block_until_ready(tokens)
 
 
-def timed(fn) -> float:
-  """Seconds of ``fn()``, after one untimed call that compiles what it needs."""
+def timed(fn, repeats: int = 3) -> float:
+  """Seconds of ``fn()``, the best of ``repeats`` runs after one untimed call that compiles what
+  it needs (the best, as a shared CPU's noise only ever adds time)."""
   fn()
-  start = time.perf_counter()
-  fn()
-  return time.perf_counter() - start
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    best = min(best, time.perf_counter() - start)
+  return best
 
 
 def throughput(args) -> list[dict]:
