@@ -336,8 +336,8 @@ def kvm_resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParam
   ``W`` and every row's length must be multiples of ``chunk_size``; a row at length 0 starts its
   sequence here (equal to :func:`kvm_prefill` of the piece): the chunked prefill of long
   prompts, piece after piece, rows starting and continuing in one call. The lengths are checked
-  when concrete. Runs on XLA (the fold's row accumulation as the
-  backend resolver decides for this platform)."""
+  when concrete. Runs on XLA (the fold's row accumulation as the backend resolver decides for
+  this platform)."""
   validate_inputs(q, k, v, merge_gate, params, cfg)
   check_against_cache(k, v, cache, "kvm_resume")
   C = cfg.chunk_size
