@@ -5,7 +5,8 @@ tags each dataclass with its class name (``"__class__": "KVMConfig"``); decoding
 classes from an explicit registry, so a config file can never instantiate arbitrary code, and runs
 the class's own validation. JSON has no tuples: every list is read back as a tuple (no config field
 is a list; tuples keep the frozen configs hashable, which jit's static arguments need). The mixers'
-options classes (:mod:`kvm_jax.mixer_options`, any registered kind) are known without being named.
+options classes (:mod:`kvm_jax.mixer_options`, any registered kind) and the backbone families'
+(:mod:`kvm_jax.family_options`) are known without being named.
 A class may read files of earlier versions through a classmethod ``upgrade_fields(dict) -> dict``
 (``ModelConfig`` folds its old per-kind fields into ``options`` so).
 """
@@ -21,7 +22,7 @@ from etils import epath
 from typing import Any, Iterable, Mapping
 
 from kvm_jax import budget as budget_lib
-from kvm_jax import mixer_options
+from kvm_jax import family_options, mixer_options
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 
@@ -52,7 +53,7 @@ def to_jsonable(obj: Any) -> Any:
 def from_jsonable(obj: Any, classes: Iterable[type] = ()) -> Any:
   """Inverse of :func:`to_jsonable`; ``classes`` adds dataclasses beyond the core configs."""
   registry = {c.__name__: c for c in (*CORE_CLASSES, *mixer_options.options_classes(),
-                                      *classes)}
+                                      *family_options.family_options_classes(), *classes)}
 
   def build(x):
     if isinstance(x, dict) and CLASS_KEY in x:

@@ -198,7 +198,7 @@ def converted_config(cfg: ModelConfig, layers: Sequence[int],
     new = dataclasses.replace(cfg, mixers=mixers, options=cfg.options.set("kvm", kvm))
     anchors = [cfg.value_anchor(i) for i in range(cfg.num_layers)]
     if cfg.value_residual and [new.value_anchor(i) for i in range(cfg.num_layers)] != anchors:
-      new = dataclasses.replace(new, share_value_anchor=True)
+      new = new.with_family_options(share_value_anchor=True)
       if [new.value_anchor(i) for i in range(cfg.num_layers)] != anchors:
         raise ValueError(
             f"the source's layers take their value-residual anchors from layers {anchors}, and "

@@ -1,5 +1,5 @@
-"""``ModelConfig``: the GPTAlpha-2 backbone with one sequence mixer per layer (docs/kvm-spec.md
-§3–§4)."""
+"""``ModelConfig``: a decoder-only backbone of one family (GPTAlpha-2, the paper's, by default;
+Llama and its relatives) with one sequence mixer per layer (docs/kvm-spec.md §3–§4)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import jax.numpy as jnp
 
 from kvm_jax.config import KVM_IMPLEMENTATIONS, KVMConfig
+from kvm_jax.family_options import family_options_class
 from kvm_jax.mixer_options import KindOptions, check_options, options_class, rotary_dims
 
 KV_SHARING = ("none", "fusedkv", "fusedkv_lite", "yoco", "cla")
@@ -55,15 +56,17 @@ class ModelConfig:
       is converted): :class:`kvm_jax.KVMConfig` for ``kvm``, ``kvm_jax.nn.swa.SWAOptions``
       (window, rotary width) for ``swa``, ``kvm_jax.nn.bswa.BSWAOptions`` (chunk geometry, sinks)
       for ``bswa``. A kind without an entry uses its options' defaults (:meth:`options_of`).
+    family: the backbone family ("gptalpha2", "llama" or one added with
+      :func:`kvm_jax.nn.register_family`): its block (norms, MLP), embedding, head, attention
+      front end (projections, q/k norms, RoPE style) and checkpoint mapping.
+    family_options: the family's own frozen options (``kvm_jax.nn.gptalpha2.GPTAlpha2Options``:
+      MLP width factor, token shift, value residual; ``kvm_jax.nn.llama.LlamaOptions``: MLP
+      width, norm epsilon, biases, q/k norms, RoPE scaling, tied embeddings); None (or a dict)
+      means the family's defaults (or those fields).
     rope_dims / rope_theta: rotary channels (first ``rope_dims`` of D) and base (docs/kvm-spec.md
       §5) of every layer whose kind does not set its own (``swa`` may); the ``kvm`` options'
       ``rope_dims`` must equal it.
-    ffn_expansion: MLP width factor; width = int(ffn_expansion·C)//32·32.
     residual_scale: multiplies both branches of every block (CompleteP depth rule 12/L); None = 1.
-    tokenshift_attention / tokenshift_mlp / value_residual: the front-end options of
-      docs/kvm-spec.md §4.
-    share_value_anchor: every layer uses layer 0's value anchor (authors' ``alt_share_v0``);
-      otherwise each mixer kind anchors on its own first layer (the paper's hybrids).
     mup_base_dim: width the value-residual LoRA rule is relative to (768).
     param_dtype / compute_dtype: parameter and activation dtypes; logits, loss and the KVM state
       are float32 regardless.
@@ -98,14 +101,11 @@ class ModelConfig:
   value_head_dim: Optional[int] = None
   mixers: Union[str, tuple[str, ...]] = "kvm"
   options: Union[KindOptions, Mapping[str, Any]] = KindOptions()
+  family: str = "gptalpha2"
+  family_options: Any = None
   rope_dims: int = 64
   rope_theta: float = 10000.0
-  ffn_expansion: float = 4.0
   residual_scale: Optional[float] = None
-  tokenshift_attention: bool = True
-  tokenshift_mlp: bool = True
-  value_residual: bool = True
-  share_value_anchor: bool = False
   mup_base_dim: int = 768
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
@@ -125,6 +125,7 @@ class ModelConfig:
       pos(name)
     if not isinstance(self.options, KindOptions):
       object.__setattr__(self, "options", KindOptions(self.options))
+    self._resolve_family_options()
     pattern = mixer_pattern(self.mixers)
     if not pattern or self.num_layers % len(pattern):
       raise ValueError(f"ModelConfig.mixers={self.mixers!r} has {len(pattern)} entries but "
@@ -172,6 +173,25 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.attention_implementation={self.attention_implementation!r}; "
                        f"choose from {ATTENTION_IMPLEMENTATIONS}.")
     self._validate_kv_sharing(mixers)
+    check = getattr(self.family_options, "check", None)
+    if check is not None:
+      try:
+        check(self)
+      except ValueError as e:
+        raise ValueError(f"ModelConfig.family_options ({self.family}): {e}") from None
+
+  def _resolve_family_options(self) -> None:
+    """``family_options`` as an instance of the family's options class (None: its defaults)."""
+    cls = family_options_class(self.family)
+    options = self.family_options
+    if options is None:
+      options = cls()
+    elif isinstance(options, Mapping):  # from JSON or a command line: a plain dict of fields
+      options = cls(**options)
+    if not isinstance(options, cls):
+      raise TypeError(f"ModelConfig.family_options must be a {cls.__name__} for family "
+                      f"{self.family!r}, got {type(options).__name__} {options!r}.")
+    object.__setattr__(self, "family_options", options)
 
   def _validate_kv_sharing(self, mixers) -> None:
     if self.kv_sharing not in KV_SHARING:
@@ -242,7 +262,31 @@ class ModelConfig:
 
   @property
   def mlp_width(self) -> int:
-    return int(self.ffn_expansion * self.hidden_size) // 32 * 32
+    """The MLP's hidden width (the family's rule)."""
+    return int(self.family_options.mlp_width(self))
+
+  # The GPTAlpha-2 front end's switches, read from the family's options: a family without the
+  # field does not have the feature (Llama's layers shift no tokens and mix no value residual).
+  @property
+  def tokenshift_attention(self) -> bool:
+    return bool(getattr(self.family_options, "tokenshift_attention", False))
+
+  @property
+  def tokenshift_mlp(self) -> bool:
+    return bool(getattr(self.family_options, "tokenshift_mlp", False))
+
+  @property
+  def value_residual(self) -> bool:
+    return bool(getattr(self.family_options, "value_residual", False))
+
+  @property
+  def share_value_anchor(self) -> bool:
+    return bool(getattr(self.family_options, "share_value_anchor", False))
+
+  def with_family_options(self, **fields) -> "ModelConfig":
+    """A copy whose family options have ``fields`` replaced."""
+    return dataclasses.replace(self, family_options=dataclasses.replace(self.family_options,
+                                                                        **fields))
 
   @property
   def value_lora_width(self) -> int:
@@ -313,6 +357,10 @@ class ModelConfig:
                    "swa_rope_dims": ("swa", "rope_dims"), "bswa_chunk_size": ("bswa", "chunk_size"),
                    "bswa_window_chunks": ("bswa", "window_chunks"),
                    "bswa_sink_rows": ("bswa", "sink_rows")}
+  # Config files written before backbones became families: the GPTAlpha-2 fields they kept at
+  # the top level are now fields of its family options.
+  LEGACY_FAMILY_FIELDS = ("ffn_expansion", "tokenshift_attention", "tokenshift_mlp",
+                          "value_residual", "share_value_anchor")
 
   @classmethod
   def upgrade_fields(cls, fields: dict, defaults: Optional[Mapping[str, Any]] = None) -> dict:
@@ -321,6 +369,13 @@ class ModelConfig:
     field of that kind's options in ``options``, else in ``defaults``, else of its class's
     defaults."""
     fields = dict(fields)
+    family_fields = {name: fields.pop(name) for name in cls.LEGACY_FAMILY_FIELDS if name in fields}
+    if family_fields:
+      family = fields.get("family", "gptalpha2")
+      base = fields.get("family_options") or {}
+      if not isinstance(base, Mapping):
+        base = dataclasses.asdict(base)
+      fields["family_options"] = family_options_class(family)(**{**base, **family_fields})
     legacy = {name: fields.pop(name) for name in cls.LEGACY_FIELDS if name in fields}
     if not legacy:
       return fields

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The most specific pattern wins. Modules of one layer may import each other (without cycles).
 LAYERS = (
     ("config", ("kvm_jax.budget", "kvm_jax.config", "kvm_jax.mixer_options",
-                "kvm_jax.model_config", "kvm_jax.config_io", "kvm_jax.progress",
+                "kvm_jax.family_options", "kvm_jax.model_config", "kvm_jax.config_io", "kvm_jax.progress",
                 "kvm_jax.row_plan")),
     ("ops", ("kvm_jax.ops.common", "kvm_jax.ops.rope", "kvm_jax.ops.attention",
              "kvm_jax.ops.kv_fusion", "kvm_jax.ops.kvm.*", "kvm_jax.ops.chunked_attention",

@@ -59,7 +59,7 @@ def loss_sums(graphdef, params, inputs, labels, *, remat: str, slice_len: int, c
   ``slice_len`` slices."""
   model = nnx.merge(graphdef, params)
   features = model.features(inputs, remat, segment_ids=segment_ids)
-  return sliced_loss_sums(features, model.lm_head.kernel[...], labels,
+  return sliced_loss_sums(features, model.head_kernel(), labels,
                           compute_dtype=compute_dtype, slice_len=slice_len,
                           predictions=predictions)
 

@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from kvm_jax.nn import registry
+from kvm_jax.nn.family import family_logical_axes
 from kvm_jax.nn.layers import path_names
 
 AXES = ("data", "fsdp", "tensor")
@@ -54,11 +55,6 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
 # them); each mixer kind declares its own (``LOGICAL_AXES`` of its class, kvm_jax.nn.registry).
 # The rules map logical axes to mesh axes (maxtext-style). Vectors have no logical axes
 # (replicated).
-LOGICAL_AXES = {
-    "wte": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-}
-MLP_AXES = {"c_fc": ("embed", "mlp"), "c_proj": ("mlp", "embed")}  # inside a block's ``mlp``
 LOGICAL_RULES = {"embed": "fsdp", "vocab": "tensor", "heads": "tensor", "kv_heads": "tensor",
                  "mlp": "tensor", "lora": None}
 
@@ -68,12 +64,15 @@ def logical_axes(path, ndim: int) -> tuple:
   if ndim != 2:
     return ()
   names = path_names(path)
-  table = MLP_AXES if "mlp" in names else {**registry.logical_axes(), **LOGICAL_AXES}
+  in_mlp = "mlp" in names
+  table = (family_logical_axes(mlp=True) if in_mlp
+           else {**registry.logical_axes(), **family_logical_axes(mlp=False)})
   owner = next((n for n in reversed(names) if n in table), None)
   if owner is None:
     raise ValueError(f"no logical axes for parameter {'/'.join(names)}; a mixer declares its "
-                     "parameters' axes in its class's LOGICAL_AXES (kvm_jax.nn.registry), the "
-                     "rest are in kvm_jax.train.sharding.LOGICAL_AXES.")
+                     "parameters' axes in its class's LOGICAL_AXES (kvm_jax.nn.registry), a "
+                     "backbone family those of its MLP, embedding and head (MLP_AXES, "
+                     "LOGICAL_AXES; kvm_jax.nn.family).")
   return table[owner]
 
 

@@ -23,6 +23,7 @@ from kvm_jax.budget import CallableBudget, FixedBudget, PowerLawBudget, Saturati
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.bswa import BSWAOptions
+from kvm_jax.nn.gptalpha2 import GPTAlpha2Options
 from kvm_jax.nn.rwkv7 import RWKV7Options
 from kvm_jax.nn.swa import SWAOptions
 from kvm_jax.ops.ovq.config import OVQConfig
@@ -414,11 +415,12 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
                  "bswa": BSWAOptions(chunk_size=chunk, window_chunks=window_chunks,
                                      sink_rows=sink),
                  "ovq": ovq, "rwkv7": RWKV7Options()},
-        ffn_expansion=_float(cfg, "ffn_expansion"),
+        family="gptalpha2", family_options=GPTAlpha2Options(
+            ffn_expansion=_float(cfg, "ffn_expansion"), tokenshift_attention=shift[used[0]],
+            tokenshift_mlp=_flag(cfg, "use_tokenshift_ffn"), value_residual=value_residual,
+            share_value_anchor=alternates and _flag(cfg, "alt_share_v0")),
         # their Block: residual_scale or 1.0
         residual_scale=_float(cfg, "residual_scale", allow_none=True) or None,
-        tokenshift_attention=shift[used[0]], tokenshift_mlp=_flag(cfg, "use_tokenshift_ffn"),
-        value_residual=value_residual, share_value_anchor=alternates and _flag(cfg, "alt_share_v0"),
         mup_base_dim=_int(cfg, "mup_base_dim", 1))
   except ValueError as e:
     raise ConfigError(f"config.json gives no valid kvm_jax model: {e}") from None
@@ -456,6 +458,9 @@ def authors_config_from_model(model: ModelConfig) -> dict:
   Face keys their ``from_pretrained`` reads), or :class:`ExportError` naming what their code
   cannot express."""
   kinds = model.layer_mixers
+  if model.family != "gptalpha2":
+    raise ExportError(f"family={model.family!r}: the authors' format holds GPTAlpha-2 models; "
+                      "export this model in its own family's transformers format instead.")
   if model.kv_sharing != "none":
     raise ExportError(f"kv_sharing={model.kv_sharing!r}: their model has no cross-layer KV "
                       "sharing.")
@@ -543,7 +548,7 @@ def authors_config_from_model(model: ModelConfig) -> dict:
       num_attention_heads=model.num_heads, num_key_value_heads=model.num_kv_heads,
       hidden_size=model.hidden_size, mup_base_dim=model.mup_base_dim,
       d_qk_head=None if D == default_head else D, d_v_head=None if Dv == default_head else Dv,
-      ffn_expansion=float(model.ffn_expansion), residual_scale=float(model.scale),
+      ffn_expansion=float(model.family_options.ffn_expansion), residual_scale=float(model.scale),
       use_tokenshift_att=int(model.tokenshift_attention),
       use_tokenshift_ffn=int(model.tokenshift_mlp), use_value_residual=int(model.value_residual),
       param_dtype=model.param_dtype)

@@ -35,14 +35,13 @@ from flax import nnx
 from kvm_jax.model_config import ModelConfig, value_lora_width
 from kvm_jax.nn import kv_sharing
 from kvm_jax.nn.cache import RESUME
-from kvm_jax.nn.layers import (depth_ratio, float32_init, layer_norm, linear, token_shift,
-                                zeros_init)
+from kvm_jax.nn.family import family_of
+from kvm_jax.nn.layers import depth_ratio, float32_init, linear, token_shift, zeros_init
 from kvm_jax.ops import attention as attn_ops
 from kvm_jax.ops.attention import RingCache
 from kvm_jax.ops.common import tree_nbytes
 from kvm_jax.ops.documents import (Documents, WindowRule, combine_partials,
                                    document_window_partials)
-from kvm_jax.ops.rope import apply_rope, rope_tables
 
 Array = jax.Array
 
@@ -99,7 +98,8 @@ class AttentionFrontEnd(nnx.Module):
   # μP/CompleteP group of a parameter, by its owner's name, where the default rule (a ``kernel``
   # is "matrix_params", everything else "scalars"; kvm_jax.train.completep) is not the authors'.
   PARAM_GROUPS: dict = {}
-  # Per-head LayerNorms of q and k (the authors' ``qk_norm``; OVQ layers have none).
+  # Per-head norms of q and k where the family has them (GPTAlpha-2's QK-LayerNorm, Qwen3's
+  # RMSNorm); OVQ layers never have them.
   QK_NORM: bool = True
   # Whether ``mix_own`` takes packed documents (a ``documents=`` keyword, see
   # :meth:`kvm_jax.nn.model.LM.__call__`): a kind without it is refused with segment_ids.
@@ -124,16 +124,18 @@ class AttentionFrontEnd(nnx.Module):
     dq, dk, dv = H * D, Hkv * D, Hkv * Dv
     pd = cfg.jnp_param_dtype
     stores_kv = self.sources is None
+    family = self.family = family_of(cfg)
+    head_norm = lambda: family.head_norm(cfg, D, rngs) if self.QK_NORM else None
     # Creation order fixes which random key each parameter gets: keep it.
-    self.c_q = linear(cfg, C, dq, rngs)
-    if self.QK_NORM:
-      self.ln_q = layer_norm(cfg, D, rngs)
+    self.c_q = family.projection(cfg, C, dq, rngs, "q")
+    if (norm := head_norm()) is not None:
+      self.ln_q = norm
     if stores_kv:
-      self.c_k = linear(cfg, C, dk, rngs)
-      self.c_v = linear(cfg, C, dv, rngs)
-      if self.QK_NORM:
-        self.ln_k = layer_norm(cfg, D, rngs)
-    self.c_proj = linear(cfg, H * Dv, C, rngs, init=zeros_init)
+      self.c_k = family.projection(cfg, C, dk, rngs, "k")
+      self.c_v = family.projection(cfg, C, dv, rngs, "v")
+      if (norm := head_norm()) is not None:
+        self.ln_k = norm
+    self.c_proj = family.projection(cfg, H * Dv, C, rngs, "o")
     rho = depth_ratio(cfg, layer)
     if cfg.tokenshift_attention:
       ramp = lambda n, p: jnp.asarray(1.0 - np.power(np.arange(n) / n, p), pd)
@@ -170,19 +172,16 @@ class AttentionFrontEnd(nnx.Module):
             zeros(cfg.kv_heads * cfg.qk_head_dim) if stores else None,
             zeros(cfg.kv_heads * cfg.v_head_dim) if stores else None)
 
-  def _rope(self, positions: Array):
-    cfg = self.cfg
-    return rope_tables(positions, cfg.qk_head_dim, cfg.rope_dims_of(self.layer), cfg.rope_theta,
-                       jnp.dtype(cfg.rope_table_dtype))
-
   def _rotate(self, x: Array, positions: Array) -> Array:
-    """RoPE on ``x [B, T, heads, D]``; nothing to do for a layer without rotary channels."""
+    """The family's RoPE on ``x [B, T, heads, D]``; nothing to do for a layer without rotary
+    channels."""
     if self.cfg.rope_dims_of(self.layer) == 0:
       return x
-    return apply_rope(x, *self._rope(positions))
+    return self.family.rotate(x, self.family.rope(self.cfg, self.layer, positions))
 
   def _head_norm(self, name: str, x: Array) -> Array:
-    return getattr(self, name)(x) if self.QK_NORM else x
+    norm = getattr(self, name, None)
+    return x if norm is None else norm(x)
 
   def _query_heads(self, q: Array, prev: Optional[LayerCache], dtype,
                    starts: Optional[Array] = None) -> Array:

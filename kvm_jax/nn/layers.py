@@ -98,3 +98,18 @@ class GroupNorm(nnx.Module):
     var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
     x = ((x - mean) * jax.lax.rsqrt(var + self.epsilon)).reshape(shape)
     return x * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+  """Root-mean-square norm over the last axis, as Llama's: ``w · (x / rms(x))`` with the
+  normalization in float32, cast back to ``x``'s dtype before the weight (transformers'
+  ``LlamaRMSNorm``); returns ``x``'s dtype."""
+
+  def __init__(self, n: int, epsilon: float, param_dtype):
+    self.epsilon = epsilon
+    self.scale = nnx.Param(jnp.ones((n,), param_dtype))
+
+  def __call__(self, x: Array) -> Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + self.epsilon)
+    return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)

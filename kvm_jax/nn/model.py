@@ -1,7 +1,10 @@
-"""GPTAlpha-2 language model in Flax NNX (docs/kvm-spec.md §4): embedding, blocks of (mixer, MLP),
-head. Each block's mixer is the class registered for its kind (:mod:`kvm_jax.nn.registry`); every computation on arrays goes
-through the pure functions of :mod:`kvm_jax.ops`. Decode keeps, per layer, the mixer cache and the
-token-shift history (:class:`LayerCache`).
+"""The language model in Flax NNX (docs/kvm-spec.md §4): embedding, blocks of (mixer, MLP), head.
+The parts that differ between backbone families (norms, MLP, embedding, head, the attention's
+projections and RoPE) come from the config's family (:mod:`kvm_jax.nn.family`: GPTAlpha-2 by
+default, Llama and its relatives); each block's mixer is the class registered for its kind
+(:mod:`kvm_jax.nn.registry`); every computation on arrays goes through the pure functions of
+:mod:`kvm_jax.ops`. Decode keeps, per layer, the mixer cache and the token-shift history
+(:class:`LayerCache`).
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from flax import nnx
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.attention import LayerCache
 from kvm_jax.nn.cache import RESUME, cache_lengths, select_rows
+from kvm_jax.nn.family import family_of
+from kvm_jax.nn.gptalpha2 import MLP  # noqa: F401  (its home before families; still importable)
 from kvm_jax.nn.kv_sharing import SharedKV
 from kvm_jax.nn.registry import mixer_class, registered_mixers
-from kvm_jax.nn.layers import (depth_ratio, float32_init, layer_norm, linear, token_shift,
-                                zeros_init)
 from kvm_jax.ops.common import is_concrete, tree_nbytes
 from kvm_jax.ops.documents import Documents, check_segment_ids, documents
 from kvm_jax.ops.loss import head_logits
@@ -38,37 +41,17 @@ REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveabl
                   "block_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-class MLP(nnx.Module):
-  """Token-shifted squared-ReLU channel mixer (docs/kvm-spec.md §4)."""
-
-  def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
-    self.cfg = cfg
-    C = cfg.hidden_size
-    self.c_fc = linear(cfg, C, cfg.mlp_width, rngs,
-                       init=float32_init(jax.nn.initializers.orthogonal(1.0)))
-    self.c_proj = linear(cfg, cfg.mlp_width, C, rngs, init=zeros_init)
-    if cfg.tokenshift_mlp:
-      self.x_k = nnx.Param(jnp.asarray(1.0 - np.power(np.arange(C) / C,
-                                                      depth_ratio(cfg, layer) ** 4),
-                                       cfg.jnp_param_dtype))
-
-  def __call__(self, x: Array, prev: Optional[Array] = None,
-               starts: Optional[Array] = None) -> Array:
-    if self.cfg.tokenshift_mlp:
-      x = token_shift(x, self.x_k[...], prev, "zero", starts)
-    return self.c_proj(jnp.square(jax.nn.relu(self.c_fc(x))))
-
-
 class Block(nnx.Module):
-  """Pre-norm residual block: ``x + s·mixer(LN(x))``, then ``x + s·MLP(LN(x))`` (s the residual
-  scale)."""
+  """Pre-norm residual block: ``x + s·mixer(N(x))``, then ``x + s·MLP(N(x))`` (s the residual
+  scale; N and the MLP the family's)."""
 
   def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.ln_attn = layer_norm(cfg, cfg.hidden_size, rngs)
+    family = family_of(cfg)
+    self.ln_attn = family.norm(cfg, cfg.hidden_size, rngs)
     self.attn = mixer_class(cfg.layer_mixers[layer])(cfg, layer, rngs=rngs)
-    self.ln_mlp = layer_norm(cfg, cfg.hidden_size, rngs)
-    self.mlp = MLP(cfg, layer, rngs=rngs)
+    self.ln_mlp = family.norm(cfg, cfg.hidden_size, rngs)
+    self.mlp = family.mlp(cfg, layer, rngs)
 
   def mix(self, x, v_first, positions, cache: Optional[LayerCache] = None, decode=False,
           shared: Optional[SharedKV] = None, documents: Optional[Documents] = None):
@@ -109,20 +92,20 @@ class Block(nnx.Module):
 
 
 class LM(nnx.Module):
-  """GPTAlpha-2 LM: embedding LN, blocks, head LN, untied LM head; logits in float32."""
+  """The LM: embedding (and, for GPTAlpha-2, its norm), blocks, final norm, LM head (or the
+  embedding, tied); logits in float32."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    C, V = cfg.hidden_size, cfg.vocab_size
-    self.wte = nnx.Embed(V, C, param_dtype=cfg.jnp_param_dtype, dtype=cfg.jnp_compute_dtype,
-                         embedding_init=lambda k, s, d: jax.random.uniform(k, s, d, -1e-4, 1e-4),
-                         rngs=rngs)
-    self.ln_emb = layer_norm(cfg, C, rngs)
+    family = family_of(cfg)
+    self.wte = family.embedding(cfg, rngs)
+    norm = family.embedding_norm(cfg, rngs)
+    if norm is not None:
+      self.ln_emb = norm
     self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
-    self.ln_head = layer_norm(cfg, C, rngs)
-    self.lm_head = linear(cfg, C, V, rngs,
-                           init=float32_init(
-                              jax.nn.initializers.orthogonal(scale=0.5 * math.sqrt(V / C))))
+    self.ln_head = family.norm(cfg, cfg.hidden_size, rngs)
+    if not family.tied_head(cfg):
+      self.lm_head = family.head(cfg, rngs)
 
   def check_tokens(self, tokens):
     """A clear ValueError for ids that are not ``[batch, time]``, hold no token, or lie outside
@@ -171,8 +154,12 @@ class LM(nnx.Module):
     return features, (None if caches is None else new_caches)
 
   def embed(self, tokens: Array) -> Array:
-    """The blocks' first input ``x0 [B, T, C]`` (embedding and its LayerNorm, compute dtype)."""
-    return self.ln_emb(self.wte(tokens)).astype(self.cfg.jnp_compute_dtype)
+    """The blocks' first input ``x0 [B, T, C]`` (the embedding and the family's norm of it, if it
+    has one; compute dtype)."""
+    x = self.wte(tokens)
+    if hasattr(self, "ln_emb"):
+      x = self.ln_emb(x)
+    return x.astype(self.cfg.jnp_compute_dtype)
 
   def value_anchors(self, x0: Array, caches=None,
                     documents: Optional[Documents] = None) -> dict[int, Array]:
@@ -234,9 +221,15 @@ class LM(nnx.Module):
     group = jax.checkpoint(group, policy=policy, prevent_cse=True)
     return jax.lax.scan(group, x, stacked)[0]
 
+  def head_kernel(self) -> Array:
+    """The LM head's ``[C, V]`` matrix: its own, or the embedding's transpose when tied."""
+    if hasattr(self, "lm_head"):
+      return self.lm_head.kernel[...]
+    return self.wte.embedding[...].T
+
   def logits(self, features: Array) -> Array:
     """The LM head: ``[..., C]`` hidden states -> float32 logits ``[..., V]``."""
-    return head_logits(features, self.lm_head.kernel[...], self.cfg.compute_dtype)
+    return head_logits(features, self.head_kernel(), self.cfg.compute_dtype)
 
   def features(self, tokens: Array, remat: str = "none", *,
                segment_ids: Optional[Array] = None) -> Array:
@@ -414,8 +407,9 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
   """
   total = _total_params(cfg)
   embed = cfg.vocab_size * cfg.hidden_size
-  return {"total": total, "non_embedding": total - 2 * embed, "without_lm_head": total - embed,
-          "embedding": embed, "lm_head": embed}
+  head = 0 if family_of(cfg).tied_head(cfg) else embed
+  return {"total": total, "non_embedding": total - embed - head, "without_lm_head": total - head,
+          "embedding": embed, "lm_head": head}
 
 
 def abstract_param_count(make) -> int:

@@ -35,6 +35,9 @@ from kvm_jax import mixer_options
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.bswa import BlockSlidingWindowAttention
 from kvm_jax.nn.cache import check_cache_protocol
+from kvm_jax.nn.family import register_family
+from kvm_jax.nn.gptalpha2 import GPTAlpha2
+from kvm_jax.nn.llama import Llama
 from kvm_jax.nn.full import FullAttention
 from kvm_jax.nn.kvm import KVMAttention
 from kvm_jax.nn.ovq import OVQAttention
@@ -230,6 +233,10 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int) -> tuple[int, ...]:
   return tuple(int(mixer_class(kind).cache_bytes(cfg, layer, batch, max_len))
                for layer, kind in enumerate(cfg.layer_mixers))
 
+
+# The families first: building a layer (the checks of register_mixer) needs the default one.
+register_family("gptalpha2", GPTAlpha2)
+register_family("llama", Llama)
 
 for _kind, _cls in (("full", FullAttention), ("swa", SlidingWindowAttention),
                     ("bswa", BlockSlidingWindowAttention), ("kvm", KVMAttention),

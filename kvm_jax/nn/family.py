@@ -1,0 +1,77 @@
+"""Backbone families as plug-ins: what a family owns and the one list of families.
+
+A family (``ModelConfig.family``) is a class with only classmethods, registered with
+:func:`register_family`. The generic :class:`kvm_jax.nn.model.LM`, its blocks and the attention
+front end of every mixer kind ask it for the parts that differ between GPTAlpha-2, Llama and their
+relatives, and never test a family's name:
+
+* ``Options``: its frozen options dataclass (``ModelConfig.family_options``);
+* ``norm(cfg, n, rngs)``: the block and final norms; ``head_norm(cfg, d, rngs)``: the per-head
+  q/k norm of its attention, or None;
+* ``projection(cfg, n_in, n_out, rngs, role)``: the attention's projections (``role`` "q", "k",
+  "v" or "o": biases and initializations differ by role);
+* ``mlp(cfg, layer, rngs)``: the channel mixer, called as ``mlp(x, prev, starts)``;
+* ``embedding(cfg, rngs)``, ``embedding_norm(cfg, rngs)`` (a norm right after the embedding, or
+  None), ``tied_head(cfg)`` (the head reads the embedding) and ``head(cfg, rngs)`` (an untied
+  head's projection);
+* ``rope(cfg, layer, positions)`` -> tables and ``rotate(x, tables)``: its RoPE style;
+* ``MLP_AXES`` / ``LOGICAL_AXES`` / ``PARAM_GROUPS``: the sharding axes of the 2-D parameters of
+  its MLP and of the rest it owns outside the mixers (embedding, head), and their μP/CompleteP
+  groups where the default rule is not right (kvm_jax.train.sharding and kvm_jax.train.completep
+  ask through :func:`family_logical_axes` and :func:`family_param_groups`);
+* ``hf_names(cfg)``: ``{kvm_jax parameter path: Hugging Face tensor name}`` (only families that
+  read transformers checkpoints).
+"""
+
+from __future__ import annotations
+
+from kvm_jax.family_options import register_family_options
+from kvm_jax.model_config import ModelConfig
+
+_FAMILIES: dict[str, type] = {}
+_REQUIRED = ("Options", "MLP_AXES", "LOGICAL_AXES", "PARAM_GROUPS", "norm", "head_norm", "projection", "mlp",
+             "embedding", "embedding_norm", "tied_head", "head", "rope", "rotate")
+
+
+def register_family(name: str, cls: type) -> type:
+  """Makes ``name`` a value of ``ModelConfig.family`` whose parts come from ``cls``; returns
+  ``cls``. Re-registering the same class is a no-op."""
+  missing = [member for member in _REQUIRED if not hasattr(cls, member)]
+  if missing:
+    raise TypeError(f"family class {getattr(cls, '__name__', cls)!r} lacks {missing}; subclass "
+                    "kvm_jax.nn.gptalpha2.GPTAlpha2 or kvm_jax.nn.llama.Llama.")
+  known = _FAMILIES.get(name)
+  if known is not None and known is not cls:
+    raise ValueError(f"family {name!r} is already registered to {known.__name__}.")
+  register_family_options(name, cls.Options)
+  _FAMILIES[name] = cls
+  return cls
+
+
+def family_of(cfg: ModelConfig) -> type:
+  """The family class of ``cfg``."""
+  if cfg.family not in _FAMILIES:
+    raise ValueError(f"unknown backbone family {cfg.family!r}; registered: {tuple(_FAMILIES)}.")
+  return _FAMILIES[cfg.family]
+
+
+def registered_families() -> dict[str, type]:
+  """``{name: class}`` of every registered family (a copy)."""
+  return dict(_FAMILIES)
+
+
+def family_logical_axes(mlp: bool) -> dict[str, tuple]:
+  """Logical axes of the 2-D parameters the families own outside the mixers, by owner name:
+  those inside a block's ``mlp`` (``mlp=True``), or the embedding's and head's."""
+  out: dict[str, tuple] = {}
+  for cls in _FAMILIES.values():
+    out.update(cls.MLP_AXES if mlp else cls.LOGICAL_AXES)
+  return out
+
+
+def family_param_groups() -> dict[str, str]:
+  """μP/CompleteP groups the families give the parameters they own, by owner name."""
+  out: dict[str, str] = {}
+  for cls in _FAMILIES.values():
+    out.update(cls.PARAM_GROUPS)
+  return out

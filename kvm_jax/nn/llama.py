@@ -1,0 +1,213 @@
+"""The Llama family: Llama 2/3, Qwen2, Qwen3 and Mistral, as transformers computes them.
+
+RMSNorm before each branch and at the end, no embedding norm, a SwiGLU MLP
+(``down(silu(gate(x)) · up(x))``), RoPE on the two halves of each head (the "rotate half" layout;
+``rope_scaling`` "linear" or "llama3"), optional q/k/v (and output) biases (Qwen2), optional
+per-head q/k RMSNorms before RoPE (Qwen3), tied or untied embeddings. Mistral's sliding window is
+the ``swa`` mixer kind with its window; every other kind (``kvm`` above all) sits in these blocks
+with this front end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.layers import RMSNorm
+
+Array = jax.Array
+
+ROPE_SCALINGS = ("none", "linear", "llama3")
+
+
+def _positive(owner: str, name: str, value, kind=(int, float)) -> None:
+  if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+    raise ValueError(f"{owner}.{name} must be positive, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaOptions:
+  """Options of the Llama family (transformers' ``LlamaConfig`` names in brackets).
+
+  Attributes:
+    intermediate_size: the MLP's hidden width (``intermediate_size``); None: 8/3 of the model
+      width rounded up to a multiple of 32.
+    norm_eps: the RMSNorms' epsilon (``rms_norm_eps``).
+    qkv_bias: biases on the q, k and v projections (Qwen2; Llama's ``attention_bias``).
+    output_bias: a bias on the attention's output projection (Llama's ``attention_bias``).
+    mlp_bias: biases on the MLP's three projections (``mlp_bias``).
+    qk_norm: per-head RMSNorms of q and k before RoPE (Qwen3).
+    tie_embeddings: the LM head is the embedding's transpose (``tie_word_embeddings``).
+    rope_scaling: "none", "linear" (every frequency divided by ``rope_factor``) or "llama3"
+      (Llama 3.1's rule: low frequencies divided by ``rope_factor``, high ones kept, a smooth
+      ramp between; ``rope_low_freq_factor``, ``rope_high_freq_factor``,
+      ``rope_original_max_len``).
+    initializer_range: standard deviation of the weights of a model trained from scratch.
+  """
+
+  intermediate_size: Optional[int] = None
+  norm_eps: float = 1e-6
+  qkv_bias: bool = False
+  output_bias: bool = False
+  mlp_bias: bool = False
+  qk_norm: bool = False
+  tie_embeddings: bool = False
+  rope_scaling: str = "none"
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 8192
+  initializer_range: float = 0.02
+
+  def __post_init__(self):
+    owner = "LlamaOptions"
+    if self.intermediate_size is not None:
+      _positive(owner, "intermediate_size", self.intermediate_size, int)
+    for name in ("norm_eps", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                 "initializer_range"):
+      _positive(owner, name, getattr(self, name))
+    _positive(owner, "rope_original_max_len", self.rope_original_max_len, int)
+    if self.rope_scaling not in ROPE_SCALINGS:
+      raise ValueError(f"LlamaOptions.rope_scaling={self.rope_scaling!r}; choose from "
+                       f"{ROPE_SCALINGS}.")
+    if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+      raise ValueError(f"LlamaOptions: llama3 RoPE scaling needs rope_high_freq_factor "
+                       f"({self.rope_high_freq_factor}) > rope_low_freq_factor "
+                       f"({self.rope_low_freq_factor}).")
+
+  def mlp_width(self, model: ModelConfig) -> int:
+    if self.intermediate_size is not None:
+      return self.intermediate_size
+    return -(-8 * model.hidden_size // 3 // 32) * 32
+
+
+def rope_inverse_frequencies(options: LlamaOptions, rope_dims: int, theta: float) -> np.ndarray:
+  """``[rope_dims / 2]`` float32 angular frequencies ``θ^(-2i/r)``, scaled by the options' rule
+  (as transformers' ``_compute_default/linear/llama3_rope_parameters`` compute them, in float32)."""
+  exponents = np.arange(0, rope_dims, 2, dtype=np.float32) / np.float32(rope_dims)
+  inv = (np.float32(1.0) / np.power(np.float32(theta), exponents)).astype(np.float32)
+  factor = np.float32(options.rope_factor)
+  if options.rope_scaling == "linear":
+    return (inv / factor).astype(np.float32)
+  if options.rope_scaling == "llama3":
+    old = options.rope_original_max_len
+    low, high = options.rope_low_freq_factor, options.rope_high_freq_factor
+    wavelen = (2 * math.pi / inv).astype(np.float32)
+    scaled = np.where(wavelen > old / low, inv / factor, inv).astype(np.float32)
+    smooth = ((old / wavelen - low) / (high - low)).astype(np.float32)
+    smoothed = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+  return inv
+
+
+def half_rope_tables(positions: Array, rope_dims: int, inverse_frequencies: np.ndarray,
+                     table_dtype=jnp.float32) -> tuple[Array, Array]:
+  """``cos``, ``sin`` of shape ``[..., T, 1, rope_dims]`` for integer ``positions [..., T]``:
+  channel i and i + r/2 share frequency i (the "rotate half" layout)."""
+  angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inverse_frequencies)
+  angle = jnp.concatenate([angle, angle], axis=-1)                       # [..., T, r]
+  return (jnp.cos(angle).astype(table_dtype)[..., None, :],
+          jnp.sin(angle).astype(table_dtype)[..., None, :])
+
+
+def apply_half_rope(x: Array, cos: Array, sin: Array) -> Array:
+  """Rotates the first ``r`` channels of ``x [B, T, H, D]`` (``r`` the tables' width) in the
+  "rotate half" layout, ``x·cos + rotate_half(x)·sin``; the rest pass through."""
+  r = cos.shape[-1]
+  rotary, rest = x[..., :r], x[..., r:]
+  first, second = rotary[..., : r // 2], rotary[..., r // 2:]
+  turned = jnp.concatenate([-second, first], axis=-1)
+  dtype = jnp.result_type(x.dtype, cos.dtype)
+  out = (rotary.astype(dtype) * cos + turned.astype(dtype) * sin).astype(x.dtype)
+  return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+
+
+def _normal(cfg: ModelConfig):
+  std = cfg.family_options.initializer_range
+  return lambda key, shape, dtype: (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def _linear(cfg: ModelConfig, n_in: int, n_out: int, rngs: nnx.Rngs, bias: bool) -> nnx.Linear:
+  return nnx.Linear(n_in, n_out, use_bias=bias, param_dtype=cfg.jnp_param_dtype,
+                    dtype=cfg.jnp_compute_dtype, kernel_init=_normal(cfg), rngs=rngs)
+
+
+class SwiGLU(nnx.Module):
+  """``c_proj(silu(c_gate(x)) · c_fc(x))`` (transformers' gate, up and down projections)."""
+
+  def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    del layer
+    C, F, bias = cfg.hidden_size, cfg.mlp_width, cfg.family_options.mlp_bias
+    self.c_gate = _linear(cfg, C, F, rngs, bias)
+    self.c_fc = _linear(cfg, C, F, rngs, bias)
+    self.c_proj = _linear(cfg, F, C, rngs, bias)
+
+  def __call__(self, x: Array, prev: Optional[Array] = None,
+               starts: Optional[Array] = None) -> Array:
+    """``x [B, T, C]`` -> ``[B, T, C]`` (a per-token map: ``prev`` and ``starts`` unused)."""
+    del prev, starts
+    return self.c_proj(jax.nn.silu(self.c_gate(x)) * self.c_fc(x))
+
+
+class Llama:
+  """The family's parts (see :mod:`kvm_jax.nn.family`)."""
+
+  Options = LlamaOptions
+  MLP_AXES = {"c_gate": ("embed", "mlp"), "c_fc": ("embed", "mlp"), "c_proj": ("mlp", "embed")}
+  LOGICAL_AXES = {"wte": ("vocab", "embed"), "lm_head": ("embed", "vocab")}
+  PARAM_GROUPS: dict = {}
+
+  @classmethod
+  def norm(cls, cfg: ModelConfig, n: int, rngs: nnx.Rngs):
+    del rngs
+    return RMSNorm(n, cfg.family_options.norm_eps, cfg.jnp_param_dtype)
+
+  @classmethod
+  def head_norm(cls, cfg: ModelConfig, n: int, rngs: nnx.Rngs):
+    return cls.norm(cfg, n, rngs) if cfg.family_options.qk_norm else None
+
+  @classmethod
+  def projection(cls, cfg: ModelConfig, n_in: int, n_out: int, rngs: nnx.Rngs, role: str):
+    options = cfg.family_options
+    return _linear(cfg, n_in, n_out, rngs,
+                   options.output_bias if role == "o" else options.qkv_bias)
+
+  @classmethod
+  def mlp(cls, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
+    return SwiGLU(cfg, layer, rngs=rngs)
+
+  @classmethod
+  def embedding(cls, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Embed:
+    return nnx.Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=cfg.jnp_param_dtype,
+                     dtype=cfg.jnp_compute_dtype, embedding_init=_normal(cfg), rngs=rngs)
+
+  @classmethod
+  def embedding_norm(cls, cfg: ModelConfig, rngs: nnx.Rngs):
+    return None
+
+  @classmethod
+  def tied_head(cls, cfg: ModelConfig) -> bool:
+    return cfg.family_options.tie_embeddings
+
+  @classmethod
+  def head(cls, cfg: ModelConfig, rngs: nnx.Rngs):
+    return _linear(cfg, cfg.hidden_size, cfg.vocab_size, rngs, False)
+
+  @classmethod
+  def rope(cls, cfg: ModelConfig, layer: int, positions: Array):
+    r = cfg.rope_dims_of(layer)
+    return half_rope_tables(positions, r,
+                            rope_inverse_frequencies(cfg.family_options, r, cfg.rope_theta),
+                            jnp.dtype(cfg.rope_table_dtype))
+
+  @classmethod
+  def rotate(cls, x: Array, tables) -> Array:
+    return apply_half_rope(x, *tables)
