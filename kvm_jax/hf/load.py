@@ -18,6 +18,7 @@ from etils import epath
 from flax import nnx
 
 from kvm_jax import config_io
+from kvm_jax.hf import families
 from kvm_jax.hf import safetensors as st
 from kvm_jax.hf.config import (DTYPES, ConfigError, authors_config_from_model, authors_fields,
                                model_config_from_authors, with_numerics)
@@ -41,10 +42,17 @@ def _read_json(path) -> dict:
     raise st.CheckpointError(f"{path} is not valid JSON ({e}).") from None
 
 
+# The ``model_type`` of the authors' config.json (their ``MixerConfig``); a directory without one
+# is theirs too (their older exports).
+AUTHORS_MODEL_TYPES = (None, "rwkv7backbone", "rwkv7_backbone")
+
+
 def checkpoint_kind(path) -> str:
   """"run" for a kvm_jax run directory (local or ``gs://``), "authors" for a local Hugging Face
-  directory in the authors' format; anything else is a :class:`CheckpointError` saying what the
-  directory lacks."""
+  directory in the authors' format, "transformers" for one that transformers' ``save_pretrained``
+  wrote (any other ``model_type``: :mod:`kvm_jax.hf.families` reads the Llama family and refuses
+  the rest by name); anything else is a :class:`CheckpointError` saying what the directory
+  lacks."""
   path = epath.Path(path)
   if not path.is_dir():
     raise st.CheckpointError(f"{path} is not a directory (give a model directory: config.json and "
@@ -58,7 +66,33 @@ def checkpoint_kind(path) -> str:
   data = _read_json(config)
   if isinstance(data, dict) and config_io.CLASS_KEY in data:
     return "run"
+  if isinstance(data, dict) and data.get("model_type") not in AUTHORS_MODEL_TYPES:
+    return "transformers"
   return "authors"
+
+
+def read_transformers(path, *, dtype: str = "float32", progress: bool = True
+                      ) -> tuple[dict, ModelConfig, nnx.GraphDef, nnx.State]:
+  """(its config.json, the ModelConfig, graphdef, parameters) of a transformers-format directory
+  of the Llama family (:mod:`kvm_jax.hf.families`)."""
+  path = Path(path)
+  config = _read_json(path / CONFIG_FILE)
+  try:
+    cfg = families.model_config_from_transformers(config, dtype=dtype)
+  except ConfigError as e:
+    raise ConfigError(f"{path / CONFIG_FILE}: {e}") from None
+  tensors = st.read_checkpoint(path)
+  graphdef, params = families.from_transformers(tensors, cfg, source=str(path), progress=progress)
+  return config, cfg, graphdef, params
+
+
+def read_model_directory(path, *, dtype: str = "float32", numerics: str = "authors",
+                         progress: bool = True) -> tuple[dict, ModelConfig, nnx.GraphDef, nnx.State]:
+  """:func:`read_authors` or :func:`read_transformers`, as the directory's kind says
+  (``numerics`` applies to the authors' format only)."""
+  if checkpoint_kind(path) == "transformers":
+    return read_transformers(path, dtype=dtype, progress=progress)
+  return read_authors(path, dtype=dtype, numerics=numerics, progress=progress)
 
 
 def read_authors(path, *, dtype: str = "float32", numerics: str = "authors",
@@ -83,9 +117,11 @@ def load_pretrained(path, dtype: str = "float32", *, numerics: Optional[str] = N
                     step: Optional[int] = None, progress: bool = True):
   """A model from a checkpoint directory, as a ``kvm_jax.LM`` (its ``cfg`` the ModelConfig).
 
-  ``path`` is either a directory in the authors' Hugging Face format (``config.json`` of their
+  ``path`` is a directory in the authors' Hugging Face format (``config.json`` of their
   ``MixerConfig`` and ``model.safetensors``, or shards with ``model.safetensors.index.json``), such
-  as the paper's released models, or a kvm_jax run directory (``kvm-train``, ``kvm-import``).
+  as the paper's released models; a transformers-format directory of the Llama family (Llama,
+  Qwen2, Qwen3, Mistral: what ``save_pretrained`` writes, its logits transformers' own); or a
+  kvm_jax run directory (``kvm-train``, ``kvm-import``, ``kvm-convert``).
 
   Args:
     path: the directory.
@@ -93,7 +129,8 @@ def load_pretrained(path, dtype: str = "float32", *, numerics: Optional[str] = N
       another dtype are cast.
     numerics: "authors" computes the RoPE tables and the KVM state-value readout in bfloat16, as
       their code does; "float32" computes both in float32. The default (None) is "authors" for
-      their checkpoints and the run's own setting for a run directory.
+      their checkpoints and the run's own setting for a run directory; a transformers-format
+      model computes in float32 (its tables and activations in ``dtype``).
     step: a run directory's checkpoint step (default: the newest).
     progress: show a progress bar while reading large files.
 
@@ -107,9 +144,10 @@ def load_pretrained(path, dtype: str = "float32", *, numerics: Optional[str] = N
     model_cfg = with_numerics(run_cfg.model, dtype, numerics)
     return load_trained(path, step, dataclasses.replace(run_cfg, model=model_cfg))[1]
   if step is not None:
-    raise ValueError(f"step={step}: an authors' checkpoint directory holds one set of weights.")
-  _, _, graphdef, params = read_authors(path, dtype=dtype, numerics=numerics or "authors",
-                                        progress=progress)
+    raise ValueError(f"step={step}: a checkpoint directory outside kvm_jax holds one set of "
+                     "weights.")
+  _, _, graphdef, params = read_model_directory(path, dtype=dtype,
+                                                numerics=numerics or "authors", progress=progress)
   return nnx.merge(graphdef, params)
 
 
@@ -143,7 +181,8 @@ def staged(dest: Path, overwrite: bool, source: Path):
 def import_checkpoint(src, dest, *, dtype: str = "float32", numerics: str = "authors",
                       tokenizer_file: Optional[str] = None, overwrite: bool = False,
                       progress: bool = True) -> Path:
-  """Writes a kvm_jax run directory at ``dest`` from the authors'-format checkpoint ``src``.
+  """Writes a kvm_jax run directory at ``dest`` from the checkpoint ``src`` (the authors' format
+  or a transformers-format Llama-family directory; ``numerics`` applies to the former).
 
   ``dest`` then holds ``config.json`` (a :class:`TrainConfig`: the model, ``task="text"``),
   ``checkpoints/0/`` (the parameters only, no optimizer state), ``import.json`` (where it came
@@ -154,7 +193,8 @@ def import_checkpoint(src, dest, *, dtype: str = "float32", numerics: str = "aut
   src, dest = Path(src), Path(dest)
   if checkpoint_kind(src) == "run":
     raise ValueError(f"{src} is already a kvm_jax run directory; use it as it is.")
-  config, cfg, _, params = read_authors(src, dtype=dtype, numerics=numerics, progress=progress)
+  config, cfg, _, params = read_model_directory(src, dtype=dtype, numerics=numerics,
+                                                progress=progress)
   tokenizer = Path(tokenizer_file) if tokenizer_file else src / TOKENIZER_FILE
   if tokenizer_file and not tokenizer.exists():
     raise FileNotFoundError(f"tokenizer file {tokenizer} does not exist.")

@@ -19,8 +19,9 @@ relatives, and never test a family's name:
   its MLP and of the rest it owns outside the mixers (embedding, head), and their μP/CompleteP
   groups where the default rule is not right (kvm_jax.train.sharding and kvm_jax.train.completep
   ask through :func:`family_logical_axes` and :func:`family_param_groups`);
-* ``hf_names(cfg)``: ``{kvm_jax parameter path: Hugging Face tensor name}`` (only families that
-  read transformers checkpoints).
+* ``hf_name(names)``: transformers' tensor name of the parameter at path ``names`` (a
+  ``kernel`` stored transposed, as ``nn.Linear`` weights are), or None where their format has
+  none; only families that read transformers checkpoints (:mod:`kvm_jax.hf.transformers`).
 """
 
 from __future__ import annotations

@@ -211,3 +211,28 @@ class Llama:
   @classmethod
   def rotate(cls, x: Array, tables) -> Array:
     return apply_half_rope(x, *tables)
+
+  # transformers' tensor names: the parts outside the blocks, and a block's parameters by their
+  # path inside it ("model.layers.{i}." + the name). A ``kernel`` is the transpose of its
+  # ``nn.Linear`` weight.
+  HF_OUTSIDE = {("wte", "embedding"): "model.embed_tokens.weight",
+                ("ln_head", "scale"): "model.norm.weight", ("lm_head", "kernel"): "lm_head.weight"}
+  HF_BLOCK = {("ln_attn", "scale"): "input_layernorm.weight",
+              ("ln_mlp", "scale"): "post_attention_layernorm.weight",
+              ("attn", "ln_q", "scale"): "self_attn.q_norm.weight",
+              ("attn", "ln_k", "scale"): "self_attn.k_norm.weight",
+              **{("attn", ours, leaf): f"self_attn.{theirs}_proj.{hf_leaf}"
+                 for ours, theirs in (("c_q", "q"), ("c_k", "k"), ("c_v", "v"), ("c_proj", "o"))
+                 for leaf, hf_leaf in (("kernel", "weight"), ("bias", "bias"))},
+              **{("mlp", ours, leaf): f"mlp.{theirs}_proj.{hf_leaf}"
+                 for ours, theirs in (("c_gate", "gate"), ("c_fc", "up"), ("c_proj", "down"))
+                 for leaf, hf_leaf in (("kernel", "weight"), ("bias", "bias"))}}
+
+  @classmethod
+  def hf_name(cls, names: tuple[str, ...]) -> Optional[str]:
+    """transformers' name of the parameter at ``names`` (``("blocks", "0", "attn", "c_q",
+    "kernel")``), or None when their format has no such tensor (a KVM layer's own)."""
+    if names[0] == "blocks":
+      name = cls.HF_BLOCK.get(tuple(names[2:]))
+      return None if name is None else f"model.layers.{names[1]}.{name}"
+    return cls.HF_OUTSIDE.get(tuple(names))

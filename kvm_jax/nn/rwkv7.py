@@ -80,7 +80,9 @@ class RWKV7Options:
     if model.v_head_dim != model.qk_head_dim:
       raise ValueError(f"rwkv7 layers have value heads of the key width; value_head_dim="
                        f"{model.value_head_dim} must be None.")
-    if not model.value_residual:
+    # A family with a value-residual switch (GPTAlpha-2) must have it on; in one without it
+    # (Llama) the residual is the time mix's own.
+    if hasattr(model.family_options, "value_residual") and not model.value_residual:
       raise ValueError("rwkv7 layers always mix the first layer's value in (the authors' time "
                        "mix has no switch for it); set value_residual=True.")
     if model.kv_sharing != "none":

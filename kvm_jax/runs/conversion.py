@@ -14,7 +14,7 @@ from flax import nnx
 
 from kvm_jax.config import KVMConfig
 from kvm_jax.convert import LayerSpec, convert_to_kvm, describe_kvm, new_parameter_paths
-from kvm_jax.hf.load import TOKENIZER_FILE, checkpoint_kind, read_authors, staged
+from kvm_jax.hf.load import TOKENIZER_FILE, checkpoint_kind, read_model_directory, staged
 from kvm_jax.runs.config import DistillSpec, TrainConfig
 from kvm_jax.runs.directory import CONVERSION_RECORD, load_trained, save_starting_point
 
@@ -37,9 +37,10 @@ def write_converted(src, dest, *, layers: LayerSpec = "all",
     tokenizer = Path(run_cfg.tokenizer_file) if run_cfg.tokenizer_file else None
   else:
     if step is not None:
-      raise ValueError(f"step={step}: an authors' checkpoint directory holds one set of weights.")
-    _, model_cfg, graphdef, params = read_authors(src, dtype=dtype, numerics=numerics,
-                                                   progress=progress)
+      raise ValueError(f"step={step}: a checkpoint directory outside kvm_jax holds one set of "
+                       "weights.")
+    _, model_cfg, graphdef, params = read_model_directory(src, dtype=dtype, numerics=numerics,
+                                                          progress=progress)
     model, step = nnx.merge(graphdef, params), 0
     run_cfg = TrainConfig(model=model_cfg, task="text")
     tokenizer = src / TOKENIZER_FILE

@@ -1,0 +1,222 @@
+"""transformers-format checkpoints of the Llama family (Llama, Qwen2, Qwen3, Mistral), read exactly.
+
+A directory that transformers' ``save_pretrained`` wrote: ``config.json`` in the layout of
+transformers 4.x (``rope_theta``, ``rope_scaling``) or 5.x (``rope_parameters``,
+``layer_types``), weights in one safetensors file or shards with an index, float32 or bfloat16.
+Every field that changes what the model computes is read or refused by name; nothing is guessed.
+docs/pretrained.md has the field table.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvm_jax.hf.config import ConfigError
+from kvm_jax.hf.safetensors import CheckpointError
+from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.family import family_of
+from kvm_jax.nn.layers import path_names
+from kvm_jax.nn.llama import LlamaOptions
+from kvm_jax.nn.swa import SWAOptions
+from kvm_jax.progress import ProgressReport
+
+# model_type -> the kvm_jax family that computes it. Their differences are options: Qwen2's q/k/v
+# always carry biases (its o_proj never does), Llama and Qwen3 follow ``attention_bias`` for all
+# four, Mistral has none; Qwen3 norms q and k per head; Mistral may slide a window.
+MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama"}
+# Families transformers has that these readers do not (yet) express: refused by name.
+NOT_SUPPORTED = {
+    "gemma": "Gemma 1", "gemma2": "Gemma 2", "gemma3": "Gemma 3", "gemma3_text": "Gemma 3",
+    "qwen2_moe": "Qwen2-MoE (mixture of experts)", "qwen3_moe": "Qwen3-MoE (mixture of experts)",
+    "mixtral": "Mixtral (mixture of experts)", "llama4": "Llama 4", "phi3": "Phi-3",
+    "gpt2": "GPT-2"}
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
+LAYER_TYPES = {"full_attention": "full", "sliding_attention": "swa"}
+
+
+def _field(config: Mapping, name: str, kind=int, default: Any = ..., minimum=None):
+  """``config[name]`` checked to be a ``kind`` (>= ``minimum``); ``default`` when absent."""
+  if name not in config or config[name] is None:
+    if default is ...:
+      raise ConfigError(f"config.json lacks {name!r}.")
+    return default
+  value = config[name]
+  ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+        and (kind is float or float(value).is_integer()) and math.isfinite(value))
+  if not ok or (minimum is not None and value < minimum):
+    raise ConfigError(f"config.json: {name}={value!r} must be a{' finite' if kind is float else 'n'}"
+                      f" {'number' if kind is float else 'integer'}"
+                      + (f" >= {minimum}" if minimum is not None else "") + ".")
+  return kind(value)
+
+
+def _rope(config: Mapping) -> tuple[float, dict]:
+  """(theta, LlamaOptions RoPE fields) from either layout."""
+  params = config.get("rope_parameters")
+  if isinstance(params, Mapping) and "rope_theta" not in params and params:
+    raise ConfigError("config.json: rope_parameters per layer type (Gemma's layout) are not a "
+                      "Llama-family model's.")
+  if params is None:  # 4.x: rope_theta at the top, rope_scaling None or a dict
+    params = dict(config.get("rope_scaling") or {})
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+  kind = params.get("rope_type", params.get("type", "default"))
+  if kind not in ROPE_TYPES:
+    raise ConfigError(f"config.json: RoPE type {kind!r} is not supported (supported: "
+                      f"{sorted(ROPE_TYPES)}); a model with this scaling cannot be read exactly.")
+  factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+  if factor not in (None, 1, 1.0):
+    raise ConfigError(f"config.json: partial_rotary_factor={factor!r}; these families rotate "
+                      "every channel of a head (1.0).")
+  theta = _field(params, "rope_theta", float, minimum=1.0)
+  fields = {"rope_scaling": ROPE_TYPES[kind]}
+  if kind in ("linear", "llama3"):
+    fields["rope_factor"] = _field(params, "factor", float, minimum=1.0)
+  if kind == "llama3":
+    fields.update(rope_low_freq_factor=_field(params, "low_freq_factor", float, minimum=0.0),
+                  rope_high_freq_factor=_field(params, "high_freq_factor", float, minimum=0.0),
+                  rope_original_max_len=_field(params, "original_max_position_embeddings",
+                                               minimum=1))
+  return theta, fields
+
+
+def _mixers(config: Mapping, model_type: str, layers: int) -> tuple[tuple[str, ...], Optional[int]]:
+  """(mixer kind per layer, sliding window or None)."""
+  window = config.get("sliding_window")
+  types = config.get("layer_types")
+  if model_type in ("qwen2", "qwen3") and config.get("use_sliding_window"):
+    raise ConfigError("config.json: use_sliding_window=true (Qwen's sliding window on the layers "
+                      "past max_window_layers) is not supported; published Qwen2/Qwen3 "
+                      "checkpoints leave it off.")
+  if types is not None:
+    if len(types) != layers or any(t not in LAYER_TYPES for t in types):
+      raise ConfigError(f"config.json: layer_types={types!r} must name one of "
+                        f"{sorted(LAYER_TYPES)} for each of the {layers} layers.")
+    kinds = tuple(LAYER_TYPES[t] for t in types)
+  elif model_type == "mistral" and window is not None:
+    kinds = ("swa",) * layers
+  else:
+    kinds = ("full",) * layers
+  if model_type in ("qwen2", "qwen3") and "swa" in kinds:
+    raise ConfigError("config.json: sliding_attention layers in a Qwen model (use_sliding_window)"
+                      " are not supported.")
+  if "swa" in kinds:
+    window = _field(config, "sliding_window", minimum=1)
+  return kinds, (window if "swa" in kinds else None)
+
+
+def model_config_from_transformers(config: Mapping, *, dtype: str = "float32") -> ModelConfig:
+  """The :class:`ModelConfig` of a transformers ``config.json`` of the Llama family, or a
+  :class:`ConfigError` naming the field (or model type) it cannot express."""
+  model_type = config.get("model_type")
+  if model_type in NOT_SUPPORTED:
+    raise ConfigError(f"model_type={model_type!r} ({NOT_SUPPORTED[model_type]}) is not a family "
+                      f"kvm_jax reads yet; it reads {sorted(MODEL_TYPES)}.")
+  if model_type not in MODEL_TYPES:
+    raise ConfigError(f"model_type={model_type!r} is not a family kvm_jax reads (it reads "
+                      f"{sorted(MODEL_TYPES)}, and the authors' RWKV7Backbone format).")
+  act = config.get("hidden_act", "silu")
+  if act != "silu":
+    raise ConfigError(f"config.json: hidden_act={act!r}; the Llama family's MLP is SwiGLU "
+                      "(silu).")
+  hidden = _field(config, "hidden_size", minimum=1)
+  heads = _field(config, "num_attention_heads", minimum=1)
+  kv_heads = _field(config, "num_key_value_heads", default=heads, minimum=1)
+  head_dim = _field(config, "head_dim", default=hidden // heads, minimum=1)
+  layers = _field(config, "num_hidden_layers", minimum=1)
+  theta, rope_fields = _rope(config)
+  kinds, window = _mixers(config, model_type, layers)
+  bias = bool(config.get("attention_bias", False))
+  qwen2 = model_type == "qwen2"
+  options = LlamaOptions(
+      intermediate_size=_field(config, "intermediate_size", minimum=1),
+      norm_eps=_field(config, "rms_norm_eps", float, minimum=0.0),
+      qkv_bias=True if qwen2 else (bias and model_type != "mistral"),
+      output_bias=False if qwen2 else (bias and model_type != "mistral"),
+      mlp_bias=bool(config.get("mlp_bias", False)) and model_type == "llama",
+      qk_norm=model_type == "qwen3",
+      tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+      initializer_range=_field(config, "initializer_range", float, default=0.02, minimum=0.0)
+      or 0.02,
+      **rope_fields)
+  pattern = kinds[0] if len(set(kinds)) == 1 else kinds
+  try:
+    return ModelConfig(
+        family="llama", family_options=options, vocab_size=_field(config, "vocab_size", minimum=1),
+        num_layers=layers, hidden_size=hidden, num_heads=heads,
+        num_kv_heads=None if kv_heads == heads else kv_heads,
+        head_dim=None if head_dim * heads == hidden else head_dim,
+        mixers=pattern, options={"swa": SWAOptions(window=window)} if window else {},
+        rope_dims=head_dim, rope_theta=theta, param_dtype=dtype, compute_dtype=dtype)
+  except ValueError as e:
+    raise ConfigError(f"config.json gives no valid kvm_jax model: {e}") from None
+
+
+# Tensors some checkpoints hold that compute nothing here (RoPE buffers of older exports).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def hf_tensor_table(cfg: ModelConfig, state) -> dict[str, str]:
+  """``{kvm_jax path: transformers tensor name}`` of every parameter of ``state``; a parameter
+  their format has no tensor for (a KVM layer's own) is a :class:`CheckpointError`."""
+  family = family_of(cfg)
+  table = {}
+  for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
+    names = tuple(path_names(path))
+    name = family.hf_name(names)
+    if name is None:
+      raise CheckpointError(f"parameter {'/'.join(names)} has no tensor in the {cfg.family} "
+                            "family's transformers format (a KVM layer's own parameters do not "
+                            "exist there).")
+    table["/".join(names)] = name
+  return table
+
+
+def from_transformers(tensors: Mapping[str, np.ndarray], cfg: ModelConfig,
+                      source: str = "the checkpoint", progress: bool = False):
+  """(graphdef, parameter state) of ``LM(cfg)`` holding the checkpoint's tensors, cast to
+  ``cfg.param_dtype``: every tensor the config implies must be there with its shape, and no
+  other (a tied model's ``lm_head.weight`` copy and RoPE buffers excepted), or a
+  :class:`CheckpointError` names it."""
+  from kvm_jax.hf.params import abstract_model  # the one abstract LM builder
+  graphdef, state = abstract_model(cfg)
+  table = hf_tensor_table(cfg, state)
+  expected = set(table.values())
+  ignorable = {"lm_head.weight"} if "lm_head/kernel" not in table else set()
+  missing = sorted(expected - set(tensors))
+  extra = sorted(n for n in set(tensors) - expected
+                 if n not in ignorable and not n.endswith(IGNORED_SUFFIXES))
+  if missing or extra:
+    parts = ([f"missing {missing[:10]}"] if missing else []) + (
+        [f"not explained by config.json: {extra[:10]}"] if extra else [])
+    raise CheckpointError(f"{source} does not match its config.json: " + "; ".join(parts) + ".")
+  total = sum(tensors[n].nbytes for n in expected)
+  report = ProgressReport(total, "load", min_interval=0.2) if progress else None
+  done = 0
+
+  def convert(path, leaf):
+    nonlocal done
+    key = "/".join(path_names(path))
+    name = table[key]
+    arr = np.asarray(tensors[name])
+    if not np.issubdtype(arr.dtype, np.floating) and arr.dtype.name != "bfloat16":
+      raise CheckpointError(f"{source}: tensor {name!r} has dtype {arr.dtype}.")
+    if key.endswith("kernel"):
+      arr = arr.T
+    if tuple(arr.shape) != tuple(leaf.shape):
+      implied = list(leaf.shape)[::-1] if key.endswith("kernel") else list(leaf.shape)
+      raise CheckpointError(f"{source}: tensor {name!r} has shape {list(np.shape(tensors[name]))}"
+                            f" but the config implies {implied}.")
+    done += arr.nbytes
+    if report:
+      report.update(done, name)
+    return jnp.asarray(arr.astype(cfg.jnp_param_dtype), cfg.jnp_param_dtype)
+
+  params = jax.tree_util.tree_map_with_path(convert, state)
+  if report:
+    report.update(total, final=True)
+  return graphdef, params

@@ -1,0 +1,161 @@
+"""Backbone families: the Llama family read from transformers' own checkpoints computes
+transformers' logits and greedy continuations; every mixer kind sits in its blocks; the config
+readers refuse what they cannot express by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvm_jax as kj
+from kvm_jax.generate import SamplingConfig, generate
+from kvm_jax.hf import ConfigError, checkpoint_kind
+from kvm_jax.hf.families import model_config_from_transformers
+from kvm_jax.nn.llama import LlamaOptions
+
+DATA = Path(__file__).parent / "data" / "transformers"
+FIXTURES = sorted(p.name for p in DATA.iterdir() if p.is_dir())
+# Both sides compute in float32; the measured gap is <= 5e-7 of the largest logit (summation
+# order), so 1e-4 leaves room for other CPUs while a wrong rule (a RoPE frequency, a bias, a
+# norm) moves logits by far more.
+LOGITS_RTOL = 1e-4
+
+
+def _reference(name: str) -> dict:
+  return dict(np.load(DATA / name / "reference.npz"))
+
+
+@pytest.fixture(scope="module")
+def loaded():
+  """Each fixture's model, loaded once."""
+  return {name: kj.load_pretrained(DATA / name, progress=False) for name in FIXTURES}
+
+
+def test_fixtures_cover_every_family_option():
+  """The fixture table holds what the tests below claim to cover."""
+  cfgs = {name: model_config_from_transformers(json.loads((DATA / name / "config.json")
+                                                          .read_text())) for name in FIXTURES}
+  options = [c.family_options for c in cfgs.values()]
+  assert {o.rope_scaling for o in options} == {"none", "linear", "llama3"}
+  assert any(o.tie_embeddings for o in options) and any(not o.tie_embeddings for o in options)
+  assert any(o.qkv_bias and not o.output_bias for o in options)   # Qwen2
+  assert any(o.qkv_bias and o.output_bias and o.mlp_bias for o in options)
+  assert any(o.qk_norm for o in options)
+  assert any("swa" in c.layer_mixers for c in cfgs.values())
+  assert any(c.num_kv_heads for c in cfgs.values()) and any(c.head_dim for c in cfgs.values())
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_logits_and_greedy_generation_equal_transformers(name, loaded):
+  """Logits of 45 tokens (past the Llama-3 scaling's original length and Mistral's window) and
+  14 greedily generated tokens equal transformers' own."""
+  ref, model = _reference(name), loaded[name]
+  logits = np.asarray(model(jnp.asarray(ref["tokens"])))
+  scale = np.max(np.abs(ref["logits"]))
+  np.testing.assert_array_less(np.max(np.abs(logits - ref["logits"])), LOGITS_RTOL * scale)
+  prompt, want = ref["prompt"], ref["generated"]
+  tokens, _ = generate(model, jnp.asarray(prompt), max_new_tokens=want.shape[1] - prompt.shape[1],
+                       key=jax.random.key(0), sampling=SamplingConfig(temperature=0.0))
+  np.testing.assert_array_equal(np.asarray(tokens), want)
+
+
+def test_both_config_layouts_read_the_same_model():
+  """transformers 4.x's ``rope_theta``/``rope_scaling`` and 5.x's ``rope_parameters`` give one
+  config."""
+  for name in ("llama3_gqa", "qwen2"):
+    read = lambda d: model_config_from_transformers(json.loads((DATA / d / "config.json")
+                                                               .read_text()))
+    assert read(name) == read(name + "_tf4")
+
+
+def test_a_transformers_directory_is_never_read_as_the_authors_format():
+  assert {checkpoint_kind(DATA / name) for name in FIXTURES} == {"transformers"}
+  assert checkpoint_kind(DATA.parent / "authors" / "kvm_power_gqa") == "authors"
+
+
+def _edited(tmp_path: Path, name: str, **fields) -> Path:
+  dest = tmp_path / name
+  shutil.copytree(DATA / name, dest)
+  config = json.loads((dest / "config.json").read_text())
+  config.update(fields)
+  (dest / "config.json").write_text(json.dumps(config))
+  return dest
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(model_type="gemma2"), "model_type='gemma2' (Gemma 2) is not a family kvm_jax reads yet"),
+    (dict(model_type="falcon"), "model_type='falcon' is not a family kvm_jax reads"),
+    (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=2.0)),
+     "RoPE type 'yarn' is not supported"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+    (dict(layer_types=["full_attention"]), "layer_types=['full_attention'] must name"),
+    (dict(num_key_value_heads=3), "num_kv_heads=3 must divide num_heads=4"),
+    (dict(intermediate_size=None), "lacks 'intermediate_size'"),
+])
+def test_configs_it_cannot_express_are_refused_by_name(tmp_path, fields, message):
+  with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")
+                     .replace("[", r"\[").replace("]", r"\]")):
+    kj.load_pretrained(_edited(tmp_path, "llama3_gqa", **fields), progress=False)
+
+
+def test_qwen_sliding_window_is_refused(tmp_path):
+  with pytest.raises(ConfigError, match="use_sliding_window=true"):
+    kj.load_pretrained(_edited(tmp_path, "qwen2", use_sliding_window=True), progress=False)
+
+
+def test_a_missing_or_misshapen_tensor_is_named(tmp_path):
+  from kvm_jax.hf import read_checkpoint, write_checkpoint
+  tensors = read_checkpoint(DATA / "qwen2")
+  name = "model.layers.1.self_attn.k_proj.bias"
+  broken = tmp_path / "broken"
+  shutil.copytree(DATA / "qwen2", broken)
+  write_checkpoint(broken, {k: v for k, v in tensors.items() if k != name},
+                   metadata={"format": "pt"}, progress=False)
+  with pytest.raises(kj.hf.CheckpointError, match=f"missing \\['{name}'\\]"):
+    kj.load_pretrained(broken, progress=False)
+  write_checkpoint(broken, {**tensors, name: np.zeros((3,), np.float32)},
+                   metadata={"format": "pt"}, progress=False)
+  with pytest.raises(kj.hf.CheckpointError, match=f"'{name}' has shape \\[3\\]"):
+    kj.load_pretrained(broken, progress=False)
+
+
+def _llama_cfg(mixers, **overrides) -> kj.ModelConfig:
+  """A tiny Llama-family model with every option on: RoPE on all 16 channels of a head with
+  llama3 scaling, q/k norms, q/k/v biases, a tied head."""
+  options = LlamaOptions(intermediate_size=96, qkv_bias=True, qk_norm=True, tie_embeddings=True,
+                         rope_scaling="llama3", rope_factor=4.0, rope_original_max_len=16)
+  kvm = dataclasses.replace(kj.presets.TINY_OPTIONS["kvm"], rope_dims=16)
+  return kj.presets.tiny(mixers, family="llama", family_options=options, rope_dims=16,
+                         options={"kvm": kvm}, **overrides)
+
+
+@pytest.mark.parametrize("mixers", ["swa,kvm", "full,bswa", "rwkv7,ovq"])
+def test_every_mixer_kind_decodes_in_llama_blocks_as_it_runs_whole(mixers):
+  """Prefill of 27 tokens then 13 decode steps equal the whole-sequence forward (float32
+  rounding, 1e-5 of the largest logit), for each kind in the Llama family's blocks."""
+  model = kj.LM(_llama_cfg(mixers), rngs=nnx.Rngs(1))
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 40)), jnp.int32)
+  whole = np.asarray(model(tokens))
+  caches = model.init_cache(2, 64)
+  logits, caches = model.prefill(tokens[:, :27], caches)
+  steps = [np.asarray(logits)]
+  for t in range(27, 40):
+    step, caches = model.decode_step(tokens[:, t:t + 1], caches)
+    steps.append(np.asarray(step))
+  np.testing.assert_allclose(np.concatenate(steps, 1), whole, rtol=0,
+                             atol=1e-5 * np.max(np.abs(whole)))
+
+
+def test_llama_config_round_trips_through_json(tmp_path):
+  from kvm_jax import config_io
+  cfg = _llama_cfg("swa,kvm")
+  assert config_io.from_jsonable(config_io.to_jsonable(cfg)) == cfg
