@@ -50,8 +50,9 @@ SHAPE_FIELDS = {
 KVM_ONLY_PARAMS = {("ln_s", "scale"): 1.0, ("ln_s", "bias"): 0.0, ("key_weighting", "kernel"): 0.0,
                    ("window_temperature",): 1.0, ("state_temperature",): 1.0}
 # Kinds that convert: full attention always; block sliding-window attention when its chunks are
-# the KVM window's (the KVM layer is then that same window plus a state).
-CONVERTIBLE = ("full", "bswa")
+# the KVM window's (the KVM layer is then that same window plus a state); sliding-window attention
+# (Mistral's layers, Gemma's local ones), exact up to the shorter of its window and KVM's.
+CONVERTIBLE = ("full", "bswa", "swa")
 
 LayerSpec = Union[str, Sequence[int]]
 
@@ -174,6 +175,10 @@ def _check_convertible(cfg: ModelConfig, layers: Sequence[int], kvm: KVMConfig) 
               f"This model has none (mixers {cfg.layer_mixers}).")
       raise ValueError(f"layer {i} is a {kind!r} layer; only {CONVERTIBLE} layers convert to kvm "
                        f"(a kvm layer is an attention layer plus a compressed state). {hint}")
+    if kind == "swa" and cfg.rope_dims_of(i) != kvm.rope_dims:
+      raise ValueError(f"layer {i} is a swa layer rotating {cfg.rope_dims_of(i)} channels, but "
+                       f"kvm layers rotate the model's {kvm.rope_dims}; only swa layers with the "
+                       "model's rotary width convert.")
     if kind == "bswa":
       b = cfg.options_of("bswa")
       if (b.chunk_size, b.window_chunks) != (kvm.chunk_size, kvm.window_chunks):
@@ -182,6 +187,14 @@ def _check_convertible(cfg: ModelConfig, layers: Sequence[int], kvm: KVMConfig) 
             f"the KVM window is {kvm.window_chunks} chunks of {kvm.chunk_size}: a bswa layer "
             "converts only into the same window plus a state. Set kvm chunk_size="
             f"{b.chunk_size}, window_chunks={b.window_chunks}.")
+
+
+def exact_length(cfg: ModelConfig, layers: Sequence[int], kvm: KVMConfig) -> int:
+  """The longest sequence on which a model converted from ``cfg`` (``layers`` made kvm layers
+  under ``kvm``) computes the source's logits: the KVM window, or a converted ``swa`` layer's
+  window when shorter (past it the source forgot what the KVM layer still sees)."""
+  windows = [cfg.options_of("swa").window for i in layers if cfg.layer_mixers[i] == "swa"]
+  return min([kvm.window_len, *windows])
 
 
 def converted_config(cfg: ModelConfig, layers: Sequence[int],

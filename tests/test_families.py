@@ -159,3 +159,43 @@ def test_llama_config_round_trips_through_json(tmp_path):
   from kvm_jax import config_io
   cfg = _llama_cfg("swa,kvm")
   assert config_io.from_jsonable(config_io.to_jsonable(cfg)) == cfg
+
+
+CONVERT_KVM = kj.KVMConfig(chunk_size=4, window_chunks=2, sink_rows=1, rope_dims=8,
+                           budget=kj.budget.PowerLawBudget(2.0, 0.5, min_rows=4))
+
+
+@pytest.mark.parametrize("name", [n for n in FIXTURES if not n.endswith("_tf4")])
+def test_conversion_is_exact_inside_the_window(name, loaded):
+  """Every layer made kvm with the family's front end: logits equal the source's (float32, 1e-5
+  of the largest logit) on sequences up to the exact length (the KVM window of 8 tokens; 8 <
+  Mistral's 12), and differ past it, where the state takes over."""
+  from kvm_jax.convert import exact_length
+  source = loaded[name]
+  kvm = dataclasses.replace(CONVERT_KVM, rope_dims=source.cfg.rope_dims)
+  converted = kj.convert_to_kvm(source, "all", kvm)
+  assert set(converted.cfg.layer_mixers) == {"kvm"} and converted.cfg.family == "llama"
+  n = exact_length(source.cfg, range(source.cfg.num_layers), kvm)
+  assert n == 8
+  tokens = jnp.asarray(_reference(name)["tokens"])
+  want, got = np.asarray(source(tokens)), np.asarray(converted(tokens))
+  scale = np.max(np.abs(want))
+  np.testing.assert_allclose(got[:, :n], want[:, :n], rtol=0, atol=1e-5 * scale)
+  assert np.max(np.abs(got[:, n:] - want[:, n:])) > 1e-2 * scale
+
+
+def test_kvm_convert_reads_a_transformers_directory(tmp_path):
+  """kvm-convert SRC DEST on a transformers directory writes a run whose logits equal the
+  source's inside a Mistral window shorter than the KVM window."""
+  from kvm_jax.hf.cli import convert_main
+  src = DATA / "mistral_window_sharded"
+  dest = tmp_path / "run"
+  assert convert_main([str(src), str(dest), "--layers", "1", "--kvm.chunk_size=8",
+                       "--kvm.window_chunks=2", "--kvm.rope_dims=8", "--no-progress"]) == 0
+  record = json.loads((dest / "conversion.json").read_text())
+  assert record["exact_up_to_tokens"] == 12 and record["mixers"] == ["swa", "kvm"]
+  source, converted = (kj.load_pretrained(p, progress=False) for p in (src, dest))
+  tokens = jnp.asarray(_reference("mistral_window_sharded")["tokens"][:, :12])
+  want = np.asarray(source(tokens))
+  np.testing.assert_allclose(np.asarray(converted(tokens)), want, rtol=0,
+                             atol=1e-5 * np.max(np.abs(want)))

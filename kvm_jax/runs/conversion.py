@@ -13,7 +13,8 @@ import numpy as np
 from flax import nnx
 
 from kvm_jax.config import KVMConfig
-from kvm_jax.convert import LayerSpec, convert_to_kvm, describe_kvm, new_parameter_paths
+from kvm_jax.convert import (LayerSpec, convert_to_kvm, describe_kvm, exact_length,
+                             new_parameter_paths)
 from kvm_jax.hf.load import TOKENIZER_FILE, checkpoint_kind, read_model_directory, staged
 from kvm_jax.runs.config import DistillSpec, TrainConfig
 from kvm_jax.runs.directory import CONVERSION_RECORD, load_trained, save_starting_point
@@ -64,7 +65,7 @@ def write_converted(src, dest, *, layers: LayerSpec = "all",
         "share_value_anchor": converted.cfg.share_value_anchor,
         "new_parameters": ["/".join(map(str, p)) for p in new_parameter_paths(converted, model)],
         "parameters": int(sum(np.size(x) for x in jax.tree_util.tree_leaves(params))),
-        "exact_up_to_tokens": converted.cfg.kvm.window_len,
+        "exact_up_to_tokens": exact_length(model.cfg, chosen, converted.cfg.kvm),
     }
     (stage / CONVERSION_RECORD).write_text(json.dumps(record, indent=2, default=str) + "\n")
   return dest
