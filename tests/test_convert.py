@@ -144,9 +144,11 @@ def test_conversion_keeps_value_anchors():
 
 
 def test_conversion_refuses_by_name():
-  hybrid = _source(("full", "swa"))
-  with pytest.raises(ValueError, match=r"layer 1 is a 'swa' layer.*layers=\[0\]"):
+  hybrid = _source(("full", "ovq"))
+  with pytest.raises(ValueError, match=r"layer 1 is a 'ovq' layer.*layers=\[0\]"):
     kj.convert_to_kvm(hybrid, "all", KVM)
+  with pytest.raises(ValueError, match="layer 1 is a swa layer rotating 16 channels"):
+    kj.convert_to_kvm(_source(("full", "swa")), "1", KVM)
   bswa = _source(("bswa", "full"))
   with pytest.raises(ValueError, match="bswa layer of 2 chunks of 4 tokens.*chunk_size=4"):
     kj.convert_to_kvm(bswa, "0", dataclasses.replace(KVM, chunk_size=8))
