@@ -1,5 +1,6 @@
-"""``kvm-import`` and ``kvm-export``: the authors' Hugging Face checkpoints to kvm_jax run
-directories and back (docs/checkpoints.md)."""
+"""``kvm-import``, ``kvm-export`` and ``kvm-convert``: Hugging Face checkpoints (the authors'
+format, and transformers' of the Llama family) to kvm_jax run directories and back
+(docs/checkpoints.md, docs/pretrained.md)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ from typing import Optional, Sequence
 from kvm_jax.convert import add_kvm_flag, kvm_flags
 from kvm_jax.hf.config import DTYPES, NUMERICS
 from kvm_jax.hf.load import export_run, import_checkpoint, numerics_note
+from kvm_jax.nn.family import family_of
 
 IMPORT_HELP = """\
 Write a kvm_jax run directory (config.json, checkpoints/0 with the parameters, import.json) from a
-checkpoint in the authors' Hugging Face format: config.json of their MixerConfig and
-model.safetensors (or model-*.safetensors shards with model.safetensors.index.json), e.g. one of
-the paper's released models fetched with `hf download`. The result works wherever a run directory
+Hugging Face checkpoint directory: the authors' format (config.json of their MixerConfig and
+model.safetensors, or model-*.safetensors shards with model.safetensors.index.json), e.g. one of
+the paper's released models, or a transformers directory of the Llama family (Llama 2/3, Qwen2,
+Qwen3, Mistral: what save_pretrained writes), each fetched beforehand with `hf download`. The result works wherever a run directory
 does: kvm-eval --checkpoint DEST, the lm-eval adapter (KVMEvalLM(checkpoint=DEST)),
 kvm_jax.load_pretrained(DEST), and fine-tuning with kvm-train --config.init_from=DEST.
 
@@ -25,10 +28,13 @@ kvm_jax.load_pretrained(DEST), and fine-tuning with kvm-train --config.init_from
 """
 
 EXPORT_HELP = """\
-Write config.json + model.safetensors in the authors' format from a kvm_jax run directory's
-parameters, loadable by their RWKV7BackboneForCausalLM.from_pretrained (their repository's model/
-on the Python path). Models their code cannot express (cross-layer KV sharing, a callable KVM
-budget, layer layouts other than one mixer or two alternating, ...) are refused with the reason.
+Write config.json + model.safetensors from a kvm_jax run directory's parameters: a GPTAlpha-2
+model in the authors' format, loadable by their RWKV7BackboneForCausalLM.from_pretrained (their
+repository's model/ on the Python path); a Llama-family model in transformers' format (Llama,
+Qwen2, Qwen3 or Mistral, as its options say), loadable by AutoModelForCausalLM.from_pretrained.
+Models the format cannot express (kvm layers in transformers' format; cross-layer KV sharing, a
+callable KVM budget, layer layouts other than one mixer or two alternating in the authors') are
+refused with the reason.
 
   kvm-export runs/text exported/text-kvm
 """
@@ -37,9 +43,11 @@ budget, layer layouts other than one mixer or two alternating, ...) are refused 
 CONVERT_HELP = """\
 Convert the attention layers of a trained model into KVM layers and write a run directory.
 
-SRC is a kvm_jax run directory (kvm-train, kvm-demo's sub-runs, kvm-import) or a checkpoint in the
-authors' Hugging Face format (their GPTAlpha-2 models). The chosen layers (full attention, or
-block sliding-window attention whose chunks equal the KVM window's) become kvm layers; every
+SRC is a kvm_jax run directory (kvm-train, kvm-demo's sub-runs, kvm-import) or a checkpoint
+directory: the authors' format (their GPTAlpha-2 models) or transformers' (Llama, Qwen2, Qwen3,
+Mistral). The chosen layers (full attention; sliding-window attention, exact up to the shorter of
+the two windows; block sliding-window attention whose chunks equal the KVM window's) become kvm
+layers with the family's attention front end; every
 parameter of SRC is kept, and the new ones (LN_s, the merge gate W_g, the window and state
 temperatures) start where DEST's logits equal SRC's on every sequence of at most
 window_chunks x chunk_size tokens; beyond that the compressed state takes over. DEST works
@@ -65,7 +73,8 @@ def _reading_flags(p: argparse.ArgumentParser, when: str) -> None:
   p.add_argument("--numerics", choices=NUMERICS, default="authors",
                  help=f"{when}'authors' (default) casts the RoPE tables and the KVM state-value "
                       "readout to bfloat16 as their code does, so logits match theirs; 'float32' "
-                      "computes both in float32.")
+                      "computes both in float32 (a transformers checkpoint always computes in "
+                      "float32, as transformers does).")
 
 
 def _fail(e: Exception) -> int:
@@ -89,7 +98,8 @@ USER_ERRORS = (ValueError, FileExistsError, FileNotFoundError)
 def import_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="kvm-import", description=IMPORT_HELP,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("src", help="the authors'-format model directory (config.json + safetensors).")
+  p.add_argument("src", help="the model directory (config.json + safetensors) in the authors' "
+                             "or transformers' format.")
   p.add_argument("dest", help="the run directory to create (must not exist or be empty).")
   _reading_flags(p, "")
   p.add_argument("--tokenizer", default=None, metavar="TOKENIZER_JSON",
@@ -111,7 +121,9 @@ def import_main(argv: Optional[Sequence[str]] = None) -> int:
   cfg = load_config(dest)
   print(f"imported {args.src} -> {dest}: {cfg.model.num_layers} layers "
         f"({', '.join(sorted(set(cfg.model.layer_mixers)))}), width {cfg.model.hidden_size}, "
-        f"vocabulary {cfg.model.vocab_size}, {args.dtype}, {args.numerics} numerics"
+        f"vocabulary {cfg.model.vocab_size}, {args.dtype}"
+        + (f", {args.numerics} numerics"
+           if family_of(cfg.model).CHECKPOINT_FORMAT == "authors" else "")
         + ("" if cfg.tokenizer_file else "; no tokenizer recorded (pass --tokenizer for text)"))
   return 0
 
@@ -154,8 +166,8 @@ def export_main(argv: Optional[Sequence[str]] = None) -> int:
 def convert_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="kvm-convert", description=CONVERT_HELP,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("src", help="a kvm_jax run directory or an authors'-format checkpoint "
-                             "directory.")
+  p.add_argument("src", help="a kvm_jax run directory, or a checkpoint directory in the authors' "
+                             "or transformers' format.")
   p.add_argument("dest", help="the run directory to write (must not exist or be empty).")
   p.add_argument("--layers", default="all",
                  help="which layers become kvm layers: all, odd (1,3,...), even (0,2,...) or "

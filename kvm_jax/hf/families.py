@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvm_jax.hf.config import ConfigError
+from kvm_jax.hf.config import ConfigError, ExportError
 from kvm_jax.hf.safetensors import CheckpointError
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.family import family_of
@@ -220,3 +220,93 @@ def from_transformers(tensors: Mapping[str, np.ndarray], cfg: ModelConfig,
   if report:
     report.update(total, final=True)
   return graphdef, params
+
+
+def _model_type(cfg: ModelConfig) -> str:
+  """The transformers model type that computes ``cfg`` (Llama-family options and layers), or an
+  :class:`ExportError` saying why none does."""
+  o, kinds = cfg.family_options, set(cfg.layer_mixers)
+  if not kinds <= {"full", "swa"}:
+    raise ExportError(f"layers {sorted(kinds - {'full', 'swa'})} have no transformers format "
+                      "(only full and sliding-window attention do); a converted model exports "
+                      "once distilled back into attention, or stays a kvm_jax run.")
+  if cfg.kv_sharing != "none" or cfg.value_head_dim not in (None, cfg.qk_head_dim):
+    raise ExportError("cross-layer KV sharing and value heads wider than key heads have no "
+                      "transformers format in this family.")
+  if cfg.residual_scale not in (None, 1.0) or cfg.rope_dims != cfg.qk_head_dim:
+    raise ExportError("a residual scale, or RoPE on part of a head, has no transformers format "
+                      "in this family.")
+  if "swa" in kinds:
+    if kinds != {"swa"} or o.qkv_bias or o.output_bias or o.mlp_bias or o.qk_norm \
+        or o.rope_scaling != "none":
+      raise ExportError("sliding-window layers export as Mistral, whose layers all slide one "
+                        "window, with no biases, q/k norms or RoPE scaling.")
+    if cfg.rope_dims_of(0) != cfg.rope_dims:
+      raise ExportError("Mistral's sliding-window layers rotate every channel.")
+    return "mistral"
+  if o.qk_norm:
+    if o.mlp_bias or o.qkv_bias != o.output_bias:
+      raise ExportError("q/k norms export as Qwen3, whose attention biases are all on or all "
+                        "off and whose MLP has none.")
+    return "qwen3"
+  if o.qkv_bias and not o.output_bias:
+    if o.mlp_bias:
+      raise ExportError("q/k/v biases without an output bias export as Qwen2, whose MLP has no "
+                        "biases.")
+    return "qwen2"
+  if o.output_bias != o.qkv_bias:
+    raise ExportError("an output bias without q/k/v biases has no transformers format.")
+  return "llama"
+
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def transformers_config_from_model(cfg: ModelConfig, dtype: str,
+                                   max_position_embeddings: int = 4096) -> dict:
+  """A transformers ``config.json`` (the 4.x layout, which 5.x reads too) for a Llama-family
+  ``cfg``, or :class:`ExportError`."""
+  if not hasattr(family_of(cfg), "hf_name"):
+    raise ExportError(f"family {cfg.family!r} has no transformers format.")
+  model_type = _model_type(cfg)
+  o = cfg.family_options
+  config = {
+      "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+      "intermediate_size": cfg.mlp_width, "num_hidden_layers": cfg.num_layers,
+      "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads,
+      "head_dim": cfg.qk_head_dim, "hidden_act": "silu", "rms_norm_eps": o.norm_eps,
+      "rope_theta": cfg.rope_theta, "rope_scaling": None,
+      "tie_word_embeddings": o.tie_embeddings, "initializer_range": o.initializer_range,
+      "max_position_embeddings": max_position_embeddings, "torch_dtype": dtype, "dtype": dtype,
+      "attention_dropout": 0.0, "use_cache": True}
+  if o.rope_scaling != "none":
+    config["rope_scaling"] = {"rope_type": o.rope_scaling, "factor": o.rope_factor}
+    if o.rope_scaling == "llama3":
+      config["rope_scaling"].update(
+          low_freq_factor=o.rope_low_freq_factor, high_freq_factor=o.rope_high_freq_factor,
+          original_max_position_embeddings=o.rope_original_max_len)
+  if model_type in ("llama", "qwen3"):
+    config["attention_bias"] = o.qkv_bias
+  if model_type == "llama":
+    config["mlp_bias"] = o.mlp_bias
+  if model_type == "mistral":
+    config["sliding_window"] = cfg.options_of("swa").window
+  if model_type in ("qwen2", "qwen3"):
+    config.update(use_sliding_window=False, sliding_window=None,
+                  max_window_layers=cfg.num_layers)
+  return config
+
+
+def to_transformers(params, cfg: ModelConfig, dtype=None) -> dict[str, np.ndarray]:
+  """transformers' state dict (numpy, in ``dtype`` or the parameters' own) of a Llama-family
+  model's parameters (``nnx.state(model, nnx.Param)``)."""
+  table = hf_tensor_table(cfg, params)
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    key = "/".join(path_names(path))
+    arr = np.asarray(jax.device_get(leaf))
+    arr = arr.astype(dtype) if dtype is not None else arr
+    out[table[key]] = np.ascontiguousarray(arr.T if key.endswith("kernel") else arr)
+  return out

@@ -24,6 +24,7 @@ from kvm_jax.hf.config import (DTYPES, ConfigError, authors_config_from_model, a
                                model_config_from_authors, with_numerics)
 from kvm_jax.hf.params import from_authors, to_authors
 from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.family import family_of
 from kvm_jax.runs import checkpoint
 from kvm_jax.runs.config import TrainConfig
 from kvm_jax.runs.directory import (CONFIG_FILE, IMPORT_RECORD, load_config, load_trained,
@@ -216,22 +217,34 @@ def import_checkpoint(src, dest, *, dtype: str = "float32", numerics: str = "aut
 def export_run(run_dir, dest, *, step: Optional[int] = None, dtype: Optional[str] = None,
                max_shard_bytes: Optional[int] = None, overwrite: bool = False,
                progress: bool = True) -> list[Path]:
-  """Writes ``config.json`` and ``model.safetensors`` (or shards plus an index) in the authors'
-  format from a run directory's parameters (``step``: default the newest), loadable by their
-  ``RWKV7BackboneForCausalLM.from_pretrained``. ``dtype`` defaults to the run's parameter dtype.
-  A model their code cannot express is refused (:class:`kvm_jax.hf.ExportError` says why).
-  Returns the files written."""
+  """Writes ``config.json`` and ``model.safetensors`` (or shards plus an index) from a run
+  directory's parameters (``step``: default the newest): a GPTAlpha-2 model in the authors'
+  format, loadable by their ``RWKV7BackboneForCausalLM.from_pretrained``; a Llama-family model
+  without kvm layers in transformers' (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+  ``Qwen3ForCausalLM`` or ``MistralForCausalLM``, as its options say). ``dtype`` defaults to the
+  run's parameter dtype. A model the format cannot express is refused
+  (:class:`kvm_jax.hf.ExportError` says why). Returns the files written."""
   run_dir, dest = Path(run_dir), Path(dest)
   if checkpoint_kind(run_dir) != "run":
     raise ValueError(f"{run_dir} is not a kvm_jax run directory (it is already in the authors' "
                      "format).")
   run_cfg = load_config(run_dir)
-  config = authors_config_from_model(run_cfg.model)  # refuse before reading any weights
   dtype = dtype or run_cfg.model.param_dtype
   if dtype not in DTYPES:
     raise ValueError(f"dtype={dtype!r}; choose from {DTYPES}.")
+  transformers = family_of(run_cfg.model).CHECKPOINT_FORMAT == "transformers"
+  # refuse before reading any weights
+  if transformers:
+    config = families.transformers_config_from_model(run_cfg.model, dtype,
+                                                     _max_positions(run_dir, run_cfg))
+  else:
+    config = authors_config_from_model(run_cfg.model)
   _, model, step = load_trained(run_dir, step, run_cfg)
-  tensors = to_authors(nnx.state(model, nnx.Param), run_cfg.model, jnp.dtype(dtype))
+  params = nnx.state(model, nnx.Param)
+  if transformers:
+    tensors = families.to_transformers(params, run_cfg.model, jnp.dtype(dtype))
+  else:
+    tensors = to_authors(params, run_cfg.model, jnp.dtype(dtype))
   config["dtype"] = config["torch_dtype"] = dtype
   with staged(dest, overwrite, run_dir) as stage:
     written = st.write_checkpoint(stage, tensors, metadata={"format": "pt"},
@@ -243,6 +256,17 @@ def export_run(run_dir, dest, *, step: Optional[int] = None, dtype: Optional[str
       shutil.copyfile(tok, stage / TOKENIZER_FILE)
       names.append(TOKENIZER_FILE)
   return [dest / name for name in names]
+
+
+def _max_positions(run_dir: Path, run_cfg: TrainConfig) -> int:
+  """``max_position_embeddings`` for an exported config: the imported source's when the run came
+  from a transformers checkpoint, else the run's training length."""
+  record = run_dir / IMPORT_RECORD
+  if record.exists():
+    source = json.loads(record.read_text()).get("source_config") or {}
+    if isinstance(source.get("max_position_embeddings"), int):
+      return source["max_position_embeddings"]
+  return max(int(run_cfg.sequence_length), 1)
 
 
 def tokenizer_of(path):
@@ -269,6 +293,8 @@ def tokenizer_of(path):
 def numerics_note(cfg: ModelConfig) -> Optional[str]:
   """What changes when a model computed with float32 numerics runs in the authors' code (which
   always casts the RoPE tables and the KVM state-value readout to bfloat16)."""
+  if family_of(cfg).CHECKPOINT_FORMAT != "authors":
+    return None  # transformers computes its tables in float32 too
   parts = []
   if cfg.rope_table_dtype != "bfloat16":
     parts.append("RoPE tables")

@@ -19,6 +19,8 @@ relatives, and never test a family's name:
   its MLP and of the rest it owns outside the mixers (embedding, head), and their μP/CompleteP
   groups where the default rule is not right (kvm_jax.train.sharding and kvm_jax.train.completep
   ask through :func:`family_logical_axes` and :func:`family_param_groups`);
+* ``CHECKPOINT_FORMAT``: "authors" (the paper's RWKV7Backbone format) or "transformers" (what
+  ``kvm-export`` writes);
 * ``hf_name(names)``: transformers' tensor name of the parameter at path ``names`` (a
   ``kernel`` stored transposed, as ``nn.Linear`` weights are), or None where their format has
   none; only families that read transformers checkpoints (:mod:`kvm_jax.hf.transformers`).
@@ -31,7 +33,8 @@ from kvm_jax.model_config import ModelConfig
 
 _FAMILIES: dict[str, type] = {}
 _REQUIRED = ("Options", "MLP_AXES", "LOGICAL_AXES", "PARAM_GROUPS", "norm", "head_norm", "projection", "mlp",
-             "embedding", "embedding_norm", "tied_head", "head", "rope", "rotate")
+             "embedding", "embedding_norm", "tied_head", "head", "rope", "rotate",
+             "CHECKPOINT_FORMAT")
 
 
 def register_family(name: str, cls: type) -> type:

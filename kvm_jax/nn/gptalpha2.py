@@ -81,6 +81,8 @@ class GPTAlpha2:
   """The family's parts (see :mod:`kvm_jax.nn.family`)."""
 
   Options = GPTAlpha2Options
+  # The checkpoint format its models export to (kvm_jax.hf): the authors' RWKV7Backbone.
+  CHECKPOINT_FORMAT = "authors"
   # Axes of the 2-D parameters inside a block's ``mlp``, and of the embedding and head (the
   # mixers declare their own).
   MLP_AXES = {"c_fc": ("embed", "mlp"), "c_proj": ("mlp", "embed")}

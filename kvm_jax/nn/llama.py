@@ -161,6 +161,8 @@ class Llama:
   """The family's parts (see :mod:`kvm_jax.nn.family`)."""
 
   Options = LlamaOptions
+  # The checkpoint format its models export to (kvm_jax.hf.families), via ``hf_name``.
+  CHECKPOINT_FORMAT = "transformers"
   MLP_AXES = {"c_gate": ("embed", "mlp"), "c_fc": ("embed", "mlp"), "c_proj": ("mlp", "embed")}
   LOGICAL_AXES = {"wte": ("vocab", "embed"), "lm_head": ("embed", "vocab")}
   PARAM_GROUPS: dict = {}
