@@ -121,9 +121,23 @@ def with_kvm(model: LM, **fields) -> LM:
 # -- conversion ----------------------------------------------------------------------------------
 
 
-def select_layers(spec: LayerSpec, num_layers: int) -> tuple[int, ...]:
-  """Layer indices of ``spec``: "all", "odd" (1, 3, ...), "even" (0, 2, ...), "I,J,..." or a
+# Layer sets named by the kind of their attention: "global" layers see every earlier token (full
+# attention: Gemma's global layers, or every layer of Llama), "local" ones a sliding window.
+NAMED_LAYER_SETS = {"global": "full", "local": "swa"}
+
+
+def select_layers(spec: LayerSpec, num_layers: int,
+                  mixers: Optional[Sequence[str]] = None) -> tuple[int, ...]:
+  """Layer indices of ``spec``: "all", "odd" (1, 3, ...), "even" (0, 2, ...), "global" (the
+  full-attention layers of ``mixers``), "local" (its sliding-window layers), "I,J,..." or a
   sequence of ints; out-of-range or repeated indices are refused."""
+  if isinstance(spec, str) and spec.strip() in NAMED_LAYER_SETS:
+    kind = NAMED_LAYER_SETS[spec.strip()]
+    chosen = tuple(i for i, k in enumerate(mixers or ()) if k == kind)
+    if not chosen:
+      raise ValueError(f"layers={spec!r} selects the {kind} layers, and the model has none "
+                       f"(mixers {tuple(mixers or ())}).")
+    return chosen
   if isinstance(spec, str):
     text = spec.strip()
     if text in ("all", "odd", "even"):
@@ -135,8 +149,8 @@ def select_layers(spec: LayerSpec, num_layers: int) -> tuple[int, ...]:
     try:
       indices = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-      raise ValueError(f"layers={spec!r}: give 'all', 'odd', 'even' or comma-separated layer "
-                       "indices such as '1,3'.") from None
+      raise ValueError(f"layers={spec!r}: give 'all', 'odd', 'even', 'global', 'local' or "
+                       "comma-separated layer indices such as '1,3'.") from None
   else:
     indices = [int(x) for x in spec]
   if not indices:
@@ -241,7 +255,7 @@ def convert_to_kvm(model: LM, layers: LayerSpec = "all",
   docstring); beyond that, the state changes them.
   """
   cfg = model.cfg
-  chosen = select_layers(layers, cfg.num_layers)
+  chosen = select_layers(layers, cfg.num_layers, cfg.layer_mixers)
   if isinstance(kvm, Mapping):
     kvm = kvm_options_with(default_kvm_options(cfg, chosen), kvm)
   new_cfg = converted_config(cfg, chosen, kvm)

@@ -1,6 +1,7 @@
-"""Backbone families: the Llama family read from transformers' own checkpoints computes
-transformers' logits and greedy continuations; every mixer kind sits in its blocks; the config
-readers refuse what they cannot express by name."""
+"""Backbone families: the Llama and Gemma families read from transformers' own checkpoints
+compute transformers' logits and greedy continuations, convert to KVM exactly inside the window
+and export back; every mixer kind sits in their blocks; the config readers refuse what they cannot
+express by name."""
 
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ def test_fixtures_cover_every_family_option():
   """The fixture table holds what the tests below claim to cover."""
   cfgs = {name: model_config_from_transformers(json.loads((DATA / name / "config.json")
                                                           .read_text())) for name in FIXTURES}
+  gemma = cfgs.pop("gemma3")
+  assert cfgs.pop("gemma3_tf4") == gemma and gemma.family == "gemma"
+  assert gemma.family_options.local_layers == (0, 1, 3) and gemma.layer_mixers[2] == "full"
+  assert gemma.family_options.query_pre_attn_scalar != gemma.qk_head_dim
+  assert gemma.family_options.rope_scaling == "linear"
   options = [c.family_options for c in cfgs.values()]
   assert {o.rope_scaling for o in options} == {"none", "linear", "llama3"}
   assert any(o.tie_embeddings for o in options) and any(not o.tie_embeddings for o in options)
@@ -70,7 +76,7 @@ def test_logits_and_greedy_generation_equal_transformers(name, loaded):
 def test_both_config_layouts_read_the_same_model():
   """transformers 4.x's ``rope_theta``/``rope_scaling`` and 5.x's ``rope_parameters`` give one
   config."""
-  for name in ("llama3_gqa", "qwen2"):
+  for name in ("llama3_gqa", "qwen2", "gemma3"):
     read = lambda d: model_config_from_transformers(json.loads((DATA / d / "config.json")
                                                                .read_text()))
     assert read(name) == read(name + "_tf4")
@@ -91,7 +97,7 @@ def _edited(tmp_path: Path, name: str, **fields) -> Path:
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(model_type="gemma2"), "model_type='gemma2' (Gemma 2) is not a family kvm_jax reads yet"),
+    (dict(model_type="gemma3"), "model_type='gemma3' (the multimodal Gemma 3"),
     (dict(model_type="falcon"), "model_type='falcon' is not a family kvm_jax reads"),
     (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=2.0)),
      "RoPE type 'yarn' is not supported"),
@@ -174,7 +180,8 @@ def test_conversion_is_exact_inside_the_window(name, loaded):
   source = loaded[name]
   kvm = dataclasses.replace(CONVERT_KVM, rope_dims=source.cfg.rope_dims)
   converted = kj.convert_to_kvm(source, "all", kvm)
-  assert set(converted.cfg.layer_mixers) == {"kvm"} and converted.cfg.family == "llama"
+  assert set(converted.cfg.layer_mixers) == {"kvm"}
+  assert converted.cfg.family == source.cfg.family
   n = exact_length(source.cfg, range(source.cfg.num_layers), kvm)
   assert n == 8
   tokens = jnp.asarray(_reference(name)["tokens"])
@@ -202,7 +209,7 @@ def test_kvm_convert_reads_a_transformers_directory(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["llama3_gqa", "llama_linear_tied_bias", "qwen2", "qwen3_bf16",
-                                  "mistral_window_sharded"])
+                                  "mistral_window_sharded", "gemma3"])
 def test_export_writes_back_what_transformers_wrote(tmp_path, name):
   """kvm-import then kvm-export: the same model type, a config.json read back to the same model,
   and exactly transformers' tensors (names, values; a tied head stored once). (Outside CI the
@@ -233,3 +240,19 @@ def test_export_refuses_kvm_layers(tmp_path, loaded):
                        "--kvm.rope_dims=8", "--no-progress"]) == 0
   with pytest.raises(ExportError, match=r"layers \['kvm'\] have no transformers format"):
     export_run(dest, tmp_path / "out", progress=False)
+
+
+def test_gemma_global_layers_convert_and_keep_their_rope(loaded):
+  """``layers="global"`` picks Gemma's full-attention layer; the kvm layer keeps the global RoPE
+  (base and scaling): exact inside the window; a remat scan groups layers by local/global too."""
+  source = loaded["gemma3"]
+  kvm = dataclasses.replace(CONVERT_KVM, rope_dims=source.cfg.rope_dims)
+  converted = kj.convert_to_kvm(source, "global", kvm)
+  assert converted.cfg.layer_mixers == ("swa", "swa", "kvm", "swa")
+  tokens = jnp.asarray(_reference("gemma3")["tokens"])
+  want = np.asarray(source(tokens))
+  np.testing.assert_allclose(np.asarray(converted(tokens))[:, :8], want[:, :8], rtol=0,
+                             atol=1e-5 * np.max(np.abs(want)))
+  every = kj.convert_to_kvm(source, "all", kvm)   # one kind, two RoPEs: no one-layer scan group
+  features = np.asarray(every.features(tokens, remat="block"))
+  np.testing.assert_allclose(features, np.asarray(every.features(tokens)), rtol=0, atol=1e-5)

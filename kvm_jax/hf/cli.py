@@ -170,8 +170,10 @@ def convert_parser() -> argparse.ArgumentParser:
                              "or transformers' format.")
   p.add_argument("dest", help="the run directory to write (must not exist or be empty).")
   p.add_argument("--layers", default="all",
-                 help="which layers become kvm layers: all, odd (1,3,...), even (0,2,...) or "
-                      "comma-separated indices such as 1,3 (default: all).")
+                 help="which layers become kvm layers: all, odd (1,3,...), even (0,2,...), "
+                      "global (the full-attention layers, e.g. Gemma's global ones), local (the "
+                      "sliding-window ones) or comma-separated indices such as 1,3 (default: "
+                      "all).")
   p.add_argument("--step", type=int, default=None,
                  help="checkpoint step of a run directory SRC (default: the newest).")
   _reading_flags(p, "when SRC is an authors' checkpoint (a run directory keeps its own): ")

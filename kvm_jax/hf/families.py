@@ -21,6 +21,7 @@ from kvm_jax.hf.safetensors import CheckpointError
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.family import family_of
 from kvm_jax.nn.layers import path_names
+from kvm_jax.nn.gemma import GemmaOptions
 from kvm_jax.nn.llama import LlamaOptions
 from kvm_jax.nn.swa import SWAOptions
 from kvm_jax.progress import ProgressReport
@@ -28,10 +29,12 @@ from kvm_jax.progress import ProgressReport
 # model_type -> the kvm_jax family that computes it. Their differences are options: Qwen2's q/k/v
 # always carry biases (its o_proj never does), Llama and Qwen3 follow ``attention_bias`` for all
 # four, Mistral has none; Qwen3 norms q and k per head; Mistral may slide a window.
-MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama"}
+MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
+               "gemma3_text": "gemma"}
 # Families transformers has that these readers do not (yet) express: refused by name.
 NOT_SUPPORTED = {
-    "gemma": "Gemma 1", "gemma2": "Gemma 2", "gemma3": "Gemma 3", "gemma3_text": "Gemma 3",
+    "gemma": "Gemma 1", "gemma2": "Gemma 2 (attention logit soft-capping)",
+    "gemma3": "the multimodal Gemma 3 (its text model alone, model_type 'gemma3_text', reads)",
     "qwen2_moe": "Qwen2-MoE (mixture of experts)", "qwen3_moe": "Qwen3-MoE (mixture of experts)",
     "mixtral": "Mixtral (mixture of experts)", "llama4": "Llama 4", "phi3": "Phi-3",
     "gpt2": "GPT-2"}
@@ -110,8 +113,8 @@ def _mixers(config: Mapping, model_type: str, layers: int) -> tuple[tuple[str, .
 
 
 def model_config_from_transformers(config: Mapping, *, dtype: str = "float32") -> ModelConfig:
-  """The :class:`ModelConfig` of a transformers ``config.json`` of the Llama family, or a
-  :class:`ConfigError` naming the field (or model type) it cannot express."""
+  """The :class:`ModelConfig` of a transformers ``config.json`` of the Llama or Gemma family, or
+  a :class:`ConfigError` naming the field (or model type) it cannot express."""
   model_type = config.get("model_type")
   if model_type in NOT_SUPPORTED:
     raise ConfigError(f"model_type={model_type!r} ({NOT_SUPPORTED[model_type]}) is not a family "
@@ -119,6 +122,8 @@ def model_config_from_transformers(config: Mapping, *, dtype: str = "float32") -
   if model_type not in MODEL_TYPES:
     raise ConfigError(f"model_type={model_type!r} is not a family kvm_jax reads (it reads "
                       f"{sorted(MODEL_TYPES)}, and the authors' RWKV7Backbone format).")
+  if MODEL_TYPES[model_type] == "gemma":
+    return _gemma_config(config, dtype)
   act = config.get("hidden_act", "silu")
   if act != "silu":
     raise ConfigError(f"config.json: hidden_act={act!r}; the Llama family's MLP is SwiGLU "
@@ -151,6 +156,86 @@ def model_config_from_transformers(config: Mapping, *, dtype: str = "float32") -
         num_kv_heads=None if kv_heads == heads else kv_heads,
         head_dim=None if head_dim * heads == hidden else head_dim,
         mixers=pattern, options={"swa": SWAOptions(window=window)} if window else {},
+        rope_dims=head_dim, rope_theta=theta, param_dtype=dtype, compute_dtype=dtype)
+  except ValueError as e:
+    raise ConfigError(f"config.json gives no valid kvm_jax model: {e}") from None
+
+
+def _gemma_rope(config: Mapping) -> tuple[float, float, dict]:
+  """(global theta, local theta, GemmaOptions RoPE fields) from either layout."""
+  params = config.get("rope_parameters")
+  if params is not None:  # 5.x: one entry per layer type
+    if not isinstance(params, Mapping) or not {"full_attention", "sliding_attention"} >= set(
+        params):
+      raise ConfigError(f"config.json: rope_parameters={params!r} must hold full_attention and "
+                        "sliding_attention entries (Gemma 3's layout).")
+    full = dict(params.get("full_attention") or {})
+    local = dict(params.get("sliding_attention") or {})
+  else:  # 4.x: rope_theta and rope_scaling for the global layers, rope_local_base_freq
+    full = dict(config.get("rope_scaling") or {})
+    full.setdefault("rope_theta", config.get("rope_theta", 1_000_000.0))
+    local = {"rope_theta": config.get("rope_local_base_freq", 10_000.0)}
+  for name, entry, allowed in (("full_attention", full, ("default", "linear")),
+                               ("sliding_attention", local, ("default",))):
+    kind = entry.get("rope_type", entry.get("type", "default"))
+    if kind not in allowed:
+      raise ConfigError(f"config.json: RoPE type {kind!r} of the {name} layers is not supported "
+                        f"(supported: {list(allowed)}).")
+  fields = {}
+  if full.get("rope_type", full.get("type", "default")) == "linear":
+    fields = {"rope_scaling": "linear", "rope_factor": _field(full, "factor", float, minimum=1.0)}
+  return (_field(full, "rope_theta", float, default=1_000_000.0, minimum=1.0),
+          _field(local, "rope_theta", float, default=10_000.0, minimum=1.0), fields)
+
+
+def _gemma_config(config: Mapping, dtype: str) -> ModelConfig:
+  """The ModelConfig of a Gemma 3 text model (``Gemma3ForCausalLM``)."""
+  for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+    if config.get(name) is not None:
+      raise ConfigError(f"config.json: {name}={config[name]!r}; logit soft-capping (Gemma 2's) "
+                        "is not supported.")
+  if config.get("use_bidirectional_attention"):
+    raise ConfigError("config.json: use_bidirectional_attention=true; kvm_jax's models are "
+                      "causal.")
+  if not config.get("tie_word_embeddings", True):
+    raise ConfigError("config.json: tie_word_embeddings=false; Gemma's head is its embedding.")
+  act = config.get("hidden_activation", config.get("hidden_act", "gelu_pytorch_tanh"))
+  if act != "gelu_pytorch_tanh":
+    raise ConfigError(f"config.json: hidden_activation={act!r}; Gemma's MLP is GeGLU with "
+                      "gelu_pytorch_tanh.")
+  hidden = _field(config, "hidden_size", minimum=1)
+  heads = _field(config, "num_attention_heads", minimum=1)
+  kv_heads = _field(config, "num_key_value_heads", default=heads, minimum=1)
+  head_dim = _field(config, "head_dim", default=256, minimum=1)
+  layers = _field(config, "num_hidden_layers", minimum=1)
+  types = config.get("layer_types")
+  if types is None:
+    pattern = _field(config, "sliding_window_pattern", default=6, minimum=1)
+    types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+             for i in range(layers)]
+  if len(types) != layers or any(t not in LAYER_TYPES for t in types):
+    raise ConfigError(f"config.json: layer_types={types!r} must name one of "
+                      f"{sorted(LAYER_TYPES)} for each of the {layers} layers.")
+  kinds = tuple(LAYER_TYPES[t] for t in types)
+  window = _field(config, "sliding_window", minimum=1) if "swa" in kinds else None
+  theta, local_theta, rope_fields = _gemma_rope(config)
+  options = GemmaOptions(
+      intermediate_size=_field(config, "intermediate_size", minimum=1),
+      norm_eps=_field(config, "rms_norm_eps", float, minimum=0.0),
+      query_pre_attn_scalar=_field(config, "query_pre_attn_scalar", float, default=head_dim,
+                                   minimum=0.0),
+      local_layers=tuple(i for i, k in enumerate(kinds) if k == "swa"),
+      local_rope_theta=local_theta, attention_bias=bool(config.get("attention_bias", False)),
+      initializer_range=_field(config, "initializer_range", float, default=0.02, minimum=0.0)
+      or 0.02, **rope_fields)
+  try:
+    return ModelConfig(
+        family="gemma", family_options=options, vocab_size=_field(config, "vocab_size", minimum=1),
+        num_layers=layers, hidden_size=hidden, num_heads=heads,
+        num_kv_heads=None if kv_heads == heads else kv_heads,
+        head_dim=None if head_dim * heads == hidden else head_dim,
+        mixers=kinds[0] if len(set(kinds)) == 1 else kinds,
+        options={"swa": SWAOptions(window=window)} if window else {},
         rope_dims=head_dim, rope_theta=theta, param_dtype=dtype, compute_dtype=dtype)
   except ValueError as e:
     raise ConfigError(f"config.json gives no valid kvm_jax model: {e}") from None
@@ -260,7 +345,34 @@ def _model_type(cfg: ModelConfig) -> str:
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM"}
+
+
+def _gemma_export_config(cfg: ModelConfig) -> dict:
+  """The Gemma 3 text fields of a Gemma-family ``cfg`` (4.x layout), or :class:`ExportError`."""
+  o, kinds = cfg.family_options, cfg.layer_mixers
+  if not set(kinds) <= {"full", "swa"}:
+    raise ExportError(f"layers {sorted(set(kinds) - {'full', 'swa'})} have no transformers "
+                      "format (only full and sliding-window attention do).")
+  local = tuple(i for i, k in enumerate(kinds) if k == "swa")
+  if local != o.local_layers:
+    raise ExportError(f"Gemma's sliding-window layers are its local ones: layers {local} slide "
+                      f"but local_layers={o.local_layers}.")
+  if cfg.kv_sharing != "none" or cfg.value_head_dim not in (None, cfg.qk_head_dim) \
+      or cfg.residual_scale not in (None, 1.0) or cfg.rope_dims != cfg.qk_head_dim:
+    raise ExportError("cross-layer KV sharing, wider value heads, a residual scale or partial "
+                      "RoPE have no transformers format in this family.")
+  return {
+      "layer_types": ["sliding_attention" if k == "swa" else "full_attention" for k in kinds],
+      "sliding_window": cfg.options_of("swa").window if local else None,
+      "query_pre_attn_scalar": o.query_pre_attn_scalar or cfg.qk_head_dim,
+      "rope_local_base_freq": o.local_rope_theta,
+      "rope_scaling": ({"rope_type": "linear", "factor": o.rope_factor}
+                       if o.rope_scaling == "linear" else None),
+      "hidden_activation": "gelu_pytorch_tanh", "attention_bias": o.attention_bias,
+      "tie_word_embeddings": True, "final_logit_softcapping": None,
+      "attn_logit_softcapping": None, "use_bidirectional_attention": False}
 
 
 def transformers_config_from_model(cfg: ModelConfig, dtype: str,
@@ -269,18 +381,21 @@ def transformers_config_from_model(cfg: ModelConfig, dtype: str,
   ``cfg``, or :class:`ExportError`."""
   if not hasattr(family_of(cfg), "hf_name"):
     raise ExportError(f"family {cfg.family!r} has no transformers format.")
-  model_type = _model_type(cfg)
+  gemma = isinstance(cfg.family_options, GemmaOptions)
+  model_type = "gemma3_text" if gemma else _model_type(cfg)
   o = cfg.family_options
   config = {
       "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
       "intermediate_size": cfg.mlp_width, "num_hidden_layers": cfg.num_layers,
       "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads,
-      "head_dim": cfg.qk_head_dim, "hidden_act": "silu", "rms_norm_eps": o.norm_eps,
-      "rope_theta": cfg.rope_theta, "rope_scaling": None,
-      "tie_word_embeddings": o.tie_embeddings, "initializer_range": o.initializer_range,
+      "head_dim": cfg.qk_head_dim, "rms_norm_eps": o.norm_eps, "rope_theta": cfg.rope_theta,
+      "initializer_range": o.initializer_range,
       "max_position_embeddings": max_position_embeddings, "torch_dtype": dtype, "dtype": dtype,
       "attention_dropout": 0.0, "use_cache": True}
+  if gemma:
+    return {**config, **_gemma_export_config(cfg)}
+  config.update(hidden_act="silu", rope_scaling=None, tie_word_embeddings=o.tie_embeddings)
   if o.rope_scaling != "none":
     config["rope_scaling"] = {"rope_type": o.rope_scaling, "factor": o.rope_factor}
     if o.rope_scaling == "llama3":

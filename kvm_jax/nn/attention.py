@@ -179,6 +179,11 @@ class AttentionFrontEnd(nnx.Module):
       return x
     return self.family.rotate(x, self.family.rope(self.cfg, self.layer, positions))
 
+  def _scaled(self, q: Array) -> Array:
+    """Rotated queries times the family's query scale (most families: unchanged)."""
+    scale = self.family.query_scale(self.cfg)
+    return q if scale == 1.0 else q * jnp.asarray(scale, q.dtype)
+
   def _head_norm(self, name: str, x: Array) -> Array:
     norm = getattr(self, name, None)
     return x if norm is None else norm(x)
@@ -199,7 +204,7 @@ class AttentionFrontEnd(nnx.Module):
     (``starts [B, T]``: packed documents' first tokens, where the shift restarts)."""
     q = self.c_q(x)
     tails = (q[:, -1:], None, None)
-    return self._rotate(self._query_heads(q, prev, x.dtype, starts), positions), tails
+    return self._scaled(self._rotate(self._query_heads(q, prev, x.dtype, starts), positions)), tails
 
   def qkv(self, x: Array, v_first: Optional[Array], positions: Array,
           prev: Optional[LayerCache], starts: Optional[Array] = None):
@@ -222,7 +227,7 @@ class AttentionFrontEnd(nnx.Module):
     D, Dv = cfg.qk_head_dim, cfg.v_head_dim
     k = self._head_norm("ln_k", k.reshape(B, T, cfg.kv_heads, D)).astype(x.dtype)
     v = v.reshape(B, T, cfg.kv_heads, Dv)
-    return self._rotate(q, positions), self._rotate(k, positions), v, tails
+    return self._scaled(self._rotate(q, positions)), self._rotate(k, positions), v, tails
 
   def __call__(self, x: Array, v_first: Optional[Array], positions: Array,
                cache: Optional[LayerCache] = None, decode: bool = False,

@@ -8,6 +8,13 @@ relatives, and never test a family's name:
 * ``Options``: its frozen options dataclass (``ModelConfig.family_options``);
 * ``norm(cfg, n, rngs)``: the block and final norms; ``head_norm(cfg, d, rngs)``: the per-head
   q/k norm of its attention, or None;
+* ``layer_key(cfg, layer)``: what, besides its mixer kind, makes a layer compute differently
+  from another (Gemma's local or global RoPE): layers run as one scanned group only when both
+  agree;
+* ``post_norm(cfg, n, rngs)``: a norm applied to each branch's output before the residual
+  (Gemma's post-attention and post-feedforward norms), or None;
+* ``query_scale(cfg)``: a constant the queries are multiplied by after RoPE, so that the kinds'
+  ``D^-1/2`` scores take the family's scale (1.0 for most);
 * ``projection(cfg, n_in, n_out, rngs, role)``: the attention's projections (``role`` "q", "k",
   "v" or "o": biases and initializations differ by role);
 * ``mlp(cfg, layer, rngs)``: the channel mixer, called as ``mlp(x, prev, starts)``;
@@ -32,7 +39,8 @@ from kvm_jax.family_options import register_family_options
 from kvm_jax.model_config import ModelConfig
 
 _FAMILIES: dict[str, type] = {}
-_REQUIRED = ("Options", "MLP_AXES", "LOGICAL_AXES", "PARAM_GROUPS", "norm", "head_norm", "projection", "mlp",
+_REQUIRED = ("Options", "MLP_AXES", "LOGICAL_AXES", "PARAM_GROUPS", "norm", "head_norm",
+             "layer_key", "post_norm", "query_scale", "projection", "mlp",
              "embedding", "embedding_norm", "tied_head", "head", "rope", "rotate",
              "CHECKPOINT_FORMAT")
 

@@ -183,6 +183,21 @@ class Llama:
                    options.output_bias if role == "o" else options.qkv_bias)
 
   @classmethod
+  def layer_key(cls, cfg: ModelConfig, layer: int):
+    """Every layer of one mixer kind computes alike (layers scan in groups by kind)."""
+    return None
+
+  @classmethod
+  def post_norm(cls, cfg: ModelConfig, n: int, rngs: nnx.Rngs):
+    """No norm after a branch (pre-norm blocks)."""
+    return None
+
+  @classmethod
+  def query_scale(cls, cfg: ModelConfig) -> float:
+    """Scores are the kinds' own ``D^-1/2`` ones."""
+    return 1.0
+
+  @classmethod
   def mlp(cls, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
     return SwiGLU(cfg, layer, rngs=rngs)
 

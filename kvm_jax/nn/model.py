@@ -50,8 +50,12 @@ class Block(nnx.Module):
     family = family_of(cfg)
     self.ln_attn = family.norm(cfg, cfg.hidden_size, rngs)
     self.attn = mixer_class(cfg.layer_mixers[layer])(cfg, layer, rngs=rngs)
+    if (norm := family.post_norm(cfg, cfg.hidden_size, rngs)) is not None:
+      self.post_attn_norm = norm
     self.ln_mlp = family.norm(cfg, cfg.hidden_size, rngs)
     self.mlp = family.mlp(cfg, layer, rngs)
+    if (norm := family.post_norm(cfg, cfg.hidden_size, rngs)) is not None:
+      self.post_mlp_norm = norm
 
   def mix(self, x, v_first, positions, cache: Optional[LayerCache] = None, decode=False,
           shared: Optional[SharedKV] = None, documents: Optional[Documents] = None):
@@ -79,11 +83,11 @@ class Block(nnx.Module):
     dtype = x.dtype
     h, mixer_cache, tails, exports = self.mix(x, v_first, positions, cache, decode, shared,
                                               documents)
-    x = x + self.cfg.scale * h
+    x = x + self.cfg.scale * _post(self, "post_attn_norm", h)
     m_in = self.ln_mlp(x).astype(dtype)
     starts = None if documents is None else documents.position == 0
-    x = x + self.cfg.scale * self.mlp(m_in, cache.last_mlp if (decode and cache) else None,
-                                      starts)
+    m = self.mlp(m_in, cache.last_mlp if (decode and cache) else None, starts)
+    x = x + self.cfg.scale * _post(self, "post_mlp_norm", m)
     new_cache = None
     if cache is not None:
       new_cache = LayerCache(mixer=mixer_cache, last_q=tails[0], last_k=tails[1], last_v=tails[2],
@@ -365,15 +369,23 @@ class LM(nnx.Module):
     return last, caches
 
 
+def _post(block: Block, name: str, h: Array) -> Array:
+  """A branch's output through the block's post-norm ``name`` when its family has one."""
+  norm = getattr(block, name, None)
+  return h if norm is None else norm(h).astype(h.dtype)
+
+
 def layer_period(cfg: ModelConfig):
-  """The smallest number of layers whose pattern of mixers repeats through the model (1 for a
-  uniform model, 2 for the paper's alternating hybrids), or None when the layers cannot run as a
-  scan: cross-layer KV sharing (layers read each other's K/V), no repeating pattern."""
+  """The smallest number of layers whose pattern of mixers (and of the family's per-layer
+  differences, e.g. Gemma's local and global RoPE) repeats through the model (1 for a uniform
+  model, 2 for the paper's alternating hybrids), or None when the layers cannot run as a scan:
+  cross-layer KV sharing (layers read each other's K/V), no repeating pattern."""
   if cfg.kv_sharing != "none":
     return None
-  mixers, L = cfg.layer_mixers, cfg.num_layers
+  family, L = family_of(cfg), cfg.num_layers
+  kinds = [(kind, family.layer_key(cfg, i)) for i, kind in enumerate(cfg.layer_mixers)]
   for p in range(1, L + 1):
-    if L % p == 0 and all(mixers[i] == mixers[i % p] for i in range(L)):
+    if L % p == 0 and all(kinds[i] == kinds[i % p] for i in range(L)):
       return p if p < L else None
   return None
 

@@ -37,6 +37,7 @@ from kvm_jax.nn.bswa import BlockSlidingWindowAttention
 from kvm_jax.nn.cache import check_cache_protocol
 from kvm_jax.nn.family import register_family
 from kvm_jax.nn.gptalpha2 import GPTAlpha2
+from kvm_jax.nn.gemma import Gemma
 from kvm_jax.nn.llama import Llama
 from kvm_jax.nn.full import FullAttention
 from kvm_jax.nn.kvm import KVMAttention
@@ -237,6 +238,7 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int) -> tuple[int, ...]:
 # The families first: building a layer (the checks of register_mixer) needs the default one.
 register_family("gptalpha2", GPTAlpha2)
 register_family("llama", Llama)
+register_family("gemma", Gemma)
 
 for _kind, _cls in (("full", FullAttention), ("swa", SlidingWindowAttention),
                     ("bswa", BlockSlidingWindowAttention), ("kvm", KVMAttention),
