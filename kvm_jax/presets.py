@@ -18,6 +18,8 @@ from kvm_jax.budget import FixedBudget, PowerLawBudget, SaturatingBudget
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.bswa import BSWAOptions
+from kvm_jax.nn.gemma import GemmaOptions
+from kvm_jax.nn.llama import LlamaOptions
 from kvm_jax.nn.rwkv7 import RWKV7Options
 from kvm_jax.nn.swa import SWAOptions
 from kvm_jax.ops.ovq.config import OVQConfig
@@ -188,6 +190,58 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {f.__name__: f for f in (
     rwkv7_350m)}
 
 
+# Published shapes of pretrained families (their config.json values; no weights): what
+# ``--memory-report`` sizes a conversion by. ``converted(cfg)`` makes their attention KVM-256.
+
+def qwen3_0_6b() -> ModelConfig:
+  """Qwen3-0.6B: 28 layers of width 1024, 16 query heads on 8 KV heads of 128, q/k norms, tied
+  embeddings, vocabulary 151936."""
+  return ModelConfig(
+      family="llama", family_options=LlamaOptions(intermediate_size=3072, norm_eps=1e-6,
+                                                  qk_norm=True, tie_embeddings=True),
+      vocab_size=151936, num_layers=28, hidden_size=1024, num_heads=16, num_kv_heads=8,
+      head_dim=128, mixers="full", rope_dims=128, rope_theta=1e6)
+
+
+def llama3_2_1b() -> ModelConfig:
+  """Llama-3.2-1B: 16 layers of width 2048, 32 query heads on 8 KV heads of 64, llama3 RoPE
+  scaling (factor 32 from 8192 tokens), tied embeddings, vocabulary 128256."""
+  return ModelConfig(
+      family="llama", family_options=LlamaOptions(
+          intermediate_size=8192, norm_eps=1e-5, tie_embeddings=True, rope_scaling="llama3",
+          rope_factor=32.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+          rope_original_max_len=8192),
+      vocab_size=128256, num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8,
+      mixers="full", rope_dims=64, rope_theta=500000.0)
+
+
+def gemma3_1b() -> ModelConfig:
+  """Gemma-3-1B (text): 26 layers of width 1152, 4 query heads on 1 KV head of 256, five local
+  layers (window 512, RoPE base 10^4) to each global one (base 10^6), vocabulary 262144."""
+  kinds = tuple("full" if (i + 1) % 6 == 0 else "swa" for i in range(26))
+  return ModelConfig(
+      family="gemma", family_options=GemmaOptions(
+          intermediate_size=6912, norm_eps=1e-6, query_pre_attn_scalar=256,
+          local_layers=tuple(i for i, k in enumerate(kinds) if k == "swa")),
+      vocab_size=262144, num_layers=26, hidden_size=1152, num_heads=4, num_kv_heads=1,
+      head_dim=256, mixers=kinds, options={"swa": SWAOptions(window=512)}, rope_dims=256,
+      rope_theta=1e6)
+
+
+PRETRAINED_SHAPES: dict[str, Callable[[], ModelConfig]] = {
+    f.__name__: f for f in (qwen3_0_6b, llama3_2_1b, gemma3_1b)}
+
+
+def converted(cfg: ModelConfig, layers: str = "global") -> ModelConfig:
+  """``cfg`` with its full-attention layers (``layers="global"``; "all" adds the sliding-window
+  ones) made KVM-256 layers (the paper's chunks of 256, two window chunks, a fixed 256-row state)
+  rotating the model's channels: the config ``kj.convert_to_kvm`` would give."""
+  from kvm_jax.convert import converted_config, select_layers  # the model layer, above presets
+  kvm = KVMConfig(budget=FixedBudget(256), max_state_rows=256,
+                  **{**_PAPER_KVM, "rope_dims": cfg.rope_dims})
+  return converted_config(cfg, select_layers(layers, cfg.num_layers, cfg.layer_mixers), kvm)
+
+
 # The options of tiny(): KVM with C=8, L=16; SWA over 12 tokens with full RoPE; BSWA like KVM's
 # window with one sink; OVQ chunks of 8 with at most 12 centroids; RWKV-7 chunks of 16.
 TINY_OPTIONS = {
@@ -216,4 +270,5 @@ def tiny(mixers="kvm", options=None, **overrides) -> ModelConfig:
   return ModelConfig(**base)
 
 
-__all__ = sorted(PRESETS) + ["PRESETS", "TINY_OPTIONS", "tiny"]
+__all__ = sorted(PRESETS) + sorted(PRETRAINED_SHAPES) + ["PRESETS", "PRETRAINED_SHAPES",
+                                                        "TINY_OPTIONS", "converted", "tiny"]

@@ -137,9 +137,14 @@ class LM(nnx.Module):
     x0 = self.embed(tokens)
     anchors = self.value_anchors(x0, caches if decode else None, documents)
     sharing = cfg.kv_sharing != "none"
-    period = layer_period(cfg)
-    if remat != "none" and caches is None and period is not None:
-      x = self._scanned_blocks(x0, anchors, positions, period, REMAT_POLICIES[remat], documents)
+    plan = scan_plan(cfg)
+    if remat != "none" and caches is None and plan is not None:
+      period, count = plan
+      policy = REMAT_POLICIES[remat]
+      x = self._scanned_blocks(x0, anchors, positions, period, count, policy, documents)
+      for i in range(count, cfg.num_layers):  # the layers after the last whole period
+        x, _ = _checkpointed_block(self.blocks[i], policy, x, anchors[cfg.value_anchor(i)],
+                                   positions, {}, False, documents)
       return self.ln_head(x).astype(x.dtype), None
     x, new_caches, exports = x0, [], {}
     old_caches = None if caches is None else [c.mixer for c in caches]
@@ -199,9 +204,10 @@ class LM(nnx.Module):
       outputs.append(h)
     return inputs, outputs, self.ln_head(x).astype(x.dtype)
 
-  def _scanned_blocks(self, x, anchors, positions, period: int, policy, documents=None):
-    """The blocks as a ``lax.scan`` over groups of ``period`` layers whose states are stacked
-    (maxtext's scanned layers), each group rematerialized under ``policy``.
+  def _scanned_blocks(self, x, anchors, positions, period: int, count: int, policy,
+                      documents=None):
+    """The first ``count`` blocks as a ``lax.scan`` over groups of ``period`` layers whose states
+    are stacked (maxtext's scanned layers), each group rematerialized under ``policy``.
 
     Recomputation happens inside the backward loop, one group per iteration, so only the group
     inputs ``[B, T, C]`` of every layer group outlive the forward pass. (Unrolled
@@ -213,7 +219,7 @@ class LM(nnx.Module):
     graphdefs = [nnx.graphdef(blocks[j]) for j in range(period)]
     stacked = tuple(
         jax.tree_util.tree_map(lambda *xs: jnp.stack(xs),
-                               *[nnx.state(blocks[i]) for i in range(j, cfg.num_layers, period)])
+                               *[nnx.state(blocks[i]) for i in range(j, count, period)])
         for j in range(period))
     group_anchors = [anchors[cfg.value_anchor(j)] for j in range(period)]
 
@@ -369,25 +375,38 @@ class LM(nnx.Module):
     return last, caches
 
 
+def scan_plan(cfg: ModelConfig) -> Optional[tuple[int, int]]:
+  """``(period, count)``: the first ``count`` layers repeat a pattern of ``period`` layers at
+  least twice (mixer kinds and the family's per-layer differences), the most layers any period
+  covers (the smallest period among equals), so a remat forward scans them; None when no
+  pattern repeats or the layers read each other's K/V. Gemma-3-1B: 6 (five local layers, one
+  global) over 24 of its 26 layers."""
+  if cfg.kv_sharing != "none":
+    return None
+  family, L = family_of(cfg), cfg.num_layers
+  kinds = [(kind, family.layer_key(cfg, i)) for i, kind in enumerate(cfg.layer_mixers)]
+  best = None
+  for p in range(1, L // 2 + 1):
+    n = p
+    while n < L and kinds[n] == kinds[n - p]:
+      n += 1
+    count = n // p * p
+    if count >= 2 * p and (best is None or count > best[1]):
+      best = (p, count)
+  return best
+
+
 def _post(block: Block, name: str, h: Array) -> Array:
   """A branch's output through the block's post-norm ``name`` when its family has one."""
   norm = getattr(block, name, None)
   return h if norm is None else norm(h).astype(h.dtype)
 
 
-def layer_period(cfg: ModelConfig):
-  """The smallest number of layers whose pattern of mixers (and of the family's per-layer
-  differences, e.g. Gemma's local and global RoPE) repeats through the model (1 for a uniform
-  model, 2 for the paper's alternating hybrids), or None when the layers cannot run as a scan:
-  cross-layer KV sharing (layers read each other's K/V), no repeating pattern."""
-  if cfg.kv_sharing != "none":
-    return None
-  family, L = family_of(cfg), cfg.num_layers
-  kinds = [(kind, family.layer_key(cfg, i)) for i, kind in enumerate(cfg.layer_mixers)]
-  for p in range(1, L + 1):
-    if L % p == 0 and all(kinds[i] == kinds[i % p] for i in range(L)):
-      return p if p < L else None
-  return None
+def layer_period(cfg: ModelConfig) -> Optional[int]:
+  """The period of :func:`scan_plan` when it covers every layer (1 for a uniform model, 2 for
+  the paper's alternating hybrids), else None."""
+  plan = scan_plan(cfg)
+  return plan[0] if plan is not None and plan[1] == cfg.num_layers else None
 
 
 def _checkpointed_block(block: Block, policy, x, v_first, positions, exports, sharing: bool,
@@ -435,11 +454,15 @@ def _total_params(cfg: ModelConfig) -> int:
   # One abstract trace per block rather than one for the whole model: each parameter's RNG
   # counter update asks a tracer for its sharding, and the error message JAX builds for that
   # walks the whole trace, so one trace costs the square of the parameters made in it (4.5 s for
-  # a 350M model, against well under a second block by block). The parts outside the blocks are
-  # a one-layer model's count minus its block. A config is hashable and its count never changes.
+  # a 350M model, against well under a second block by block). The parts outside the blocks
+  # (embedding, its norm, the final norm, an untied head) are counted the same way, as the
+  # family makes them. A config is hashable and its count never changes.
   blocks = sum(abstract_param_count(lambda i=i: Block(cfg, i, rngs=nnx.Rngs(0)))
                for i in range(cfg.num_layers))
-  one = dataclasses.replace(cfg, num_layers=1, mixers=cfg.layer_mixers[0], kv_sharing="none")
-  outside = (abstract_param_count(lambda: LM(one, rngs=nnx.Rngs(0)))
-             - abstract_param_count(lambda: Block(one, 0, rngs=nnx.Rngs(0))))
-  return outside + blocks
+  family, rngs = family_of(cfg), lambda: nnx.Rngs(0)
+  parts = [lambda: family.embedding(cfg, rngs()), lambda: family.norm(cfg, cfg.hidden_size, rngs())]
+  if nnx.eval_shape(lambda: family.embedding_norm(cfg, rngs())) is not None:
+    parts.append(lambda: family.embedding_norm(cfg, rngs()))
+  if not family.tied_head(cfg):
+    parts.append(lambda: family.head(cfg, rngs()))
+  return blocks + sum(abstract_param_count(make) for make in parts)
