@@ -31,7 +31,9 @@ from kvm_jax.budget import BUDGET_SPEC_HELP, budget_label
 from kvm_jax.config_io import parse_value
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.kvm import KVMAttention
 from kvm_jax.nn.model import LM
+from kvm_jax.nn.roles import conversion_value, parameter_role
 
 # KVMConfig fields a trained model's parameters do not depend on: what a test-time schedule may
 # change. The others add, remove or reinterpret parameters.
@@ -46,9 +48,8 @@ SHAPE_FIELDS = {
                          "parameters",
 }
 # Parameters a kvm layer has that its full-attention source has not, and the values that leave
-# in-window logits unchanged (module docstring).
-KVM_ONLY_PARAMS = {("ln_s", "scale"): 1.0, ("ln_s", "bias"): 0.0, ("key_weighting", "kernel"): 0.0,
-                   ("window_temperature",): 1.0, ("state_temperature",): 1.0}
+# in-window logits unchanged (module docstring); the KVM layer's own table.
+KVM_ONLY_PARAMS = KVMAttention.CONVERSION_VALUES
 # Kinds that convert: full attention always; block sliding-window attention when its chunks are
 # the KVM window's (the KVM layer is then that same window plus a state); sliding-window attention
 # (Mistral's layers, Gemma's local ones), exact up to the shorter of its window and KVM's.
@@ -270,11 +271,11 @@ def convert_to_kvm(model: LM, layers: LayerSpec = "all",
       filled.append((path, old))
       used.add(path)
       continue
-    layer, tail = path[1], path[3:]
-    if path[:1] != ("blocks",) or path[2] != "attn" or layer not in chosen \
-        or tail not in KVM_ONLY_PARAMS:
+    role = parameter_role(path)
+    start = conversion_value(role, str(path[-1]))
+    if role.layer not in chosen or start is None:
       raise AssertionError(f"conversion made an unexpected parameter {path}")
-    value = jnp.full(variable.shape, KVM_ONLY_PARAMS[tail], variable.dtype)
+    value = jnp.full(variable.shape, start, variable.dtype)
     filled.append((path, variable.replace(value)))
   dropped = sorted(set(source) - used)
   if dropped:

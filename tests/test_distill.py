@@ -23,6 +23,7 @@ from kvm_jax.ops.loss import IGNORE, kl_sums, sliced_distill_sums
 from kvm_jax.runs.config import DistillSpec, TrainConfig
 from kvm_jax.runs.directory import load_trained
 from kvm_jax.tasks.mqar import MQARSpec
+from kvm_jax.nn.layers import path_names
 from kvm_jax.train import distill
 from kvm_jax.train.default_job import model_configs
 from kvm_jax.train.loop import train
@@ -305,7 +306,7 @@ def _trainable_case(name, **model_fields):
              distill=DistillSpec(stage="logits", trainable=mode))
   teacher = kj.presets.tiny(mixers=teacher_mixers, num_layers=len(mixers))
   params = nnx.state(random_model(cfg.model, seed=3))
-  paths = ["/".join(map(str, distill.path_names(p)))
+  paths = ["/".join(map(str, path_names(p)))
            for p, _ in jax.tree_util.tree_leaves_with_path(params)]
   assert set(paths) == _every_path(mixers)  # the table above is the model's parameters
   return cfg, teacher, params, paths, trains
@@ -319,7 +320,7 @@ def test_trainable_sets_and_optimizer_state_are_exact(name):
   cfg, teacher, params, paths, trains = _trainable_case(name)
   keep = distill.trainable_predicate(cfg, teacher)
   leaves = jax.tree_util.tree_leaves_with_path(params)
-  chosen = {"/".join(map(str, distill.path_names(p))) for p, _ in leaves
+  chosen = {"/".join(map(str, path_names(p))) for p, _ in leaves
             if keep is None or keep(p)}
   assert chosen == trains
   optimizer = make_optimizer(cfg, params, keep)

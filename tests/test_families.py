@@ -140,8 +140,8 @@ def _llama_cfg(mixers, **overrides) -> kj.ModelConfig:
   options = LlamaOptions(intermediate_size=96, qkv_bias=True, qk_norm=True, tie_embeddings=True,
                          rope_scaling="llama3", rope_factor=4.0, rope_original_max_len=16)
   kvm = dataclasses.replace(kj.presets.TINY_OPTIONS["kvm"], rope_dims=16)
-  return kj.presets.tiny(mixers, family="llama", family_options=options, rope_dims=16,
-                         options={"kvm": kvm}, **overrides)
+  fields = dict(family="llama", family_options=options, rope_dims=16, options={"kvm": kvm})
+  return kj.presets.tiny(mixers, **{**fields, **overrides})
 
 
 @pytest.mark.parametrize("mixers", ["swa,kvm", "full,bswa", "rwkv7,ovq"])
@@ -256,3 +256,79 @@ def test_gemma_global_layers_convert_and_keep_their_rope(loaded):
   every = kj.convert_to_kvm(source, "all", kvm)   # one kind, two RoPEs: no one-layer scan group
   features = np.asarray(every.features(tokens, remat="block"))
   np.testing.assert_allclose(features, np.asarray(every.features(tokens)), rtol=0, atol=1e-5)
+
+
+def test_a_family_added_from_outside(tmp_path):
+  """The recipe of docs/design.md: a Llama variant with LayerNorms, registered from outside the
+  package, builds, trains a step, decodes as it runs whole, and saves and reloads its config."""
+  from kvm_jax import config_io
+  from kvm_jax.nn import Llama, register_family
+  from kvm_jax.nn.layers import layer_norm
+
+  @dataclasses.dataclass(frozen=True)
+  class LayerNormLlamaOptions(LlamaOptions):
+    pass
+
+  class LayerNormLlama(Llama):
+    Options = LayerNormLlamaOptions
+
+    @classmethod
+    def norm(cls, cfg, n, rngs):
+      return layer_norm(cfg, n, rngs)
+
+  register_family("layernorm_llama", LayerNormLlama)
+  cfg = _llama_cfg("swa,kvm", family="layernorm_llama",
+                   family_options=LayerNormLlamaOptions(intermediate_size=96))
+  model = kj.LM(cfg, rngs=nnx.Rngs(0))
+  assert "bias" in nnx.state(model.blocks[0].ln_attn)          # its own norms
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 24)), jnp.int32)
+  graphdef, params = nnx.split(model)
+  loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)
+  grads = jax.grad(loss)(params)
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree_util.tree_leaves(grads))
+  whole = np.asarray(model(tokens))
+  logits, caches = model.prefill(tokens[:, :20], model.init_cache(2, 32))
+  steps = [np.asarray(logits)]
+  for t in range(20, 24):
+    step, caches = model.decode_step(tokens[:, t:t + 1], caches)
+    steps.append(np.asarray(step))
+  np.testing.assert_allclose(np.concatenate(steps, 1), whole, rtol=0,
+                             atol=1e-5 * np.max(np.abs(whole)))
+  assert config_io.from_jsonable(config_io.to_jsonable(cfg)) == cfg
+
+
+@pytest.mark.parametrize("stage", ["attention", "logits"])
+def test_distillation_against_a_family_teacher(stage, loaded):
+  """Gemma-3's conversion (global layer) distilled against the imported Gemma-3 teacher: on
+  sequences inside the window the student is the teacher (attention-transfer error and KL zero to
+  float32 rounding); on 45 tokens both are positive and the gradient reaches the converted layer's
+  KVM-only parameters (attention transfer: only those train). Gemma rotates every channel, and the
+  state zeroes the rotary ones of its keys (docs/pretrained.md §3): LN_s's scale and the state
+  temperature then get no gradient, which this test records."""
+  from kvm_jax.runs.config import DistillSpec
+  from kvm_jax.train import distill
+  teacher = loaded["gemma3"]
+  kvm = dataclasses.replace(CONVERT_KVM, rope_dims=teacher.cfg.rope_dims)
+  student = kj.convert_to_kvm(teacher, "global", kvm)
+  objective = distill.DistillObjective(
+      DistillSpec(stage=stage), nnx.graphdef(teacher),
+      distill.converted_layers(student.cfg, teacher.cfg), "none", 0, "float32")
+  assert objective.converted == (2,)
+  graphdef, params = nnx.split(student)
+  tokens = _reference("gemma3")["tokens"]
+  metric = "attn_mse" if stage == "attention" else "kl"
+  results = {}
+  for length in (8, 45):
+    batch = {"inputs": jnp.asarray(tokens[:, :length - 1]), "labels": jnp.asarray(tokens[:, 1:length])}
+    total = jnp.asarray(float(2 * (length - 1)))
+    (loss, aux), grads = jax.value_and_grad(
+        lambda p: objective(graphdef, p, batch, nnx.state(teacher), total), has_aux=True)(params)
+    results[length] = (float(aux[metric]), grads)
+  # in the window: float32 rounding of equal models (a KL sum cancels to ~1e-9 per token);
+  # beyond it the state takes over and both measures are orders of magnitude larger
+  assert results[8][0] < 1e-6 and results[45][0] > 1e-4
+  grads = dict(nnx.to_flat_state(results[45][1]))
+  moved = {p[3:] for p in grads if p[:3] == ("blocks", 2, "attn") and p[3] in distill.KVM_ONLY
+           and float(jnp.abs(grads[p][...]).max()) > 0}
+  assert {("window_temperature",), ("ln_s", "bias")} <= moved
+  assert ("ln_s", "scale") not in moved and ("state_temperature",) not in moved

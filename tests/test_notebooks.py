@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
-def test_there_are_five_notebooks_with_stripped_outputs():
-  assert len(NOTEBOOKS) == 5
+def test_there_are_six_notebooks_with_stripped_outputs():
+  assert len(NOTEBOOKS) == 6
   for path in NOTEBOOKS:
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:
@@ -28,8 +28,10 @@ def test_there_are_five_notebooks_with_stripped_outputs():
 # CI executes 01 (budget tables and memory plots, a few seconds); nightly also 02 (one update,
 # plotted), 03 (its own assertions check its equivalence table, ~40 s; the same comparisons run in
 # CI in tests/test_kvm_equivalence.py and kvm-check's tests) and 04 (it retrains the default
-# job's four models, which tests/test_train.py runs in CI) and 05 (it trains, converts and distils
-# the main job's models; tests/test_convert.py and tests/test_distill.py run each part in CI).
+# job's four models, which tests/test_train.py runs in CI), 05 (it trains, converts and distils
+# the main job's models; tests/test_convert.py and tests/test_distill.py run each part in CI) and
+# 06 (the same for a Llama-family model beside GPTAlpha-2; tests/test_families.py checks the
+# family's conversion in CI).
 @pytest.mark.parametrize("path", in_ci(NOTEBOOKS, {"01_budgets_and_memory"}, ids=lambda p: p.stem),
                          ids=lambda p: p.stem)
 def test_notebook_executes_and_plots(path, tmp_path, monkeypatch):

@@ -29,7 +29,9 @@ import jax.numpy as jnp
 
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn import registry
-from kvm_jax.nn.layers import path_names
+from kvm_jax.nn.family import family_param_groups
+from kvm_jax.nn.layers import path_names  # noqa: F401  (re-exported: train.distill's old import)
+from kvm_jax.nn.roles import parameter_role
 
 GROUPS = registry.PARAM_GROUP_NAMES
 
@@ -61,21 +63,16 @@ def lr_schedule(peak: float, total_steps: int, warmup_steps: int = 200):
 
 
 def group_of(path) -> str:
-  """The authors' label of one parameter, from its NNX state path: a mixer's own label for it
-  (``PARAM_GROUPS`` of its class, kvm_jax.nn.registry) or the default rule."""
-  names = path_names(path)
-  if "lm_head" in names:
-    return "lm_head"
-  if "wte" in names:
-    return "wte_embed"
-  if "attn" in names:
-    own = registry.param_groups()
-    owner = next((n for n in reversed(names) if n in own), None)
-    if owner is not None:
-      return own[owner]
-  if names[-1] == "kernel":
-    return "matrix_params"
-  return "scalars"
+  """The authors' label of one parameter, from its role (kvm_jax.nn.roles): the family's label
+  for its embedding and head, a mixer's own label for it (``PARAM_GROUPS`` of its class,
+  kvm_jax.nn.registry), or the default rule (a weight matrix is "matrix_params", the rest
+  "scalars")."""
+  role = parameter_role(path)
+  if role.part in ("embedding", "head"):
+    return family_param_groups()[role.owner]
+  if role.part == "mixer" and role.owner in registry.param_groups():
+    return registry.param_groups()[role.owner]
+  return "matrix_params" if role.matrix else "scalars"
 
 
 def group_tree(params: Any) -> Any:
@@ -87,12 +84,11 @@ def mup_ratio(path, cfg: ModelConfig) -> float:
   """The μP width ratio of one parameter: hidden_size / mup_base_dim, unless its mixer gives the
   parameter its own (``mup_d_in_ratios`` of the layer's class: a LoRA's output projection reads
   ``lora`` channels, not the model width)."""
-  names = path_names(path)
-  if len(names) > 3 and names[0] == "blocks" and names[2] == "attn":
-    own = registry.mixer_class(cfg.layer_mixers[int(names[1])]).mup_d_in_ratios(cfg)
-    owner = next((n for n in reversed(names) if n in own), None)
-    if owner is not None:
-      return float(own[owner])
+  role = parameter_role(path)
+  if role.part == "mixer":
+    own = registry.mixer_class(cfg.layer_mixers[role.layer]).mup_d_in_ratios(cfg)
+    if role.owner in own:
+      return float(own[role.owner])
   return cfg.hidden_size / cfg.mup_base_dim
 
 

@@ -47,13 +47,25 @@ def _metrics(workdir: Path) -> list[dict]:
   return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def run_study(workdir, steps: int = 600, distill_steps: int = 200, seed: int = 0,
-              verbose: bool = False) -> dict:
-  """Trains, converts, distils and evaluates (module docstring). Returns ``{"rows": [...],
-  "curves": {run: metrics lines}}``: one row per model with its recall in window / state only,
-  the steps it saw from scratch (``pretrain``) and in distillation (``distill``)."""
-  workdir = Path(workdir)
+def family_models(family: str = "gptalpha2") -> dict:
+  """The default job's models in backbone ``family`` (its default options: for "llama" RMSNorm,
+  SwiGLU, rotate-half RoPE on the same 16 channels, no token shift or value residual)."""
   models = model_configs()
+  if family == "gptalpha2":
+    return models
+  return {name: dataclasses.replace(cfg, family=family, family_options=None)
+          for name, cfg in models.items()}
+
+
+def run_study(workdir, steps: int = 600, distill_steps: int = 200, seed: int = 0,
+              verbose: bool = False, family: str = "gptalpha2", from_scratch: bool = True) -> dict:
+  """Trains, converts, distils and evaluates (module docstring) models of backbone ``family``
+  (``from_scratch=False`` leaves out the KVM models trained from scratch).
+  Returns ``{"rows": [...], "curves": {run: metrics lines}}``: one row per model with its recall
+  in window / state only, the steps it saw from scratch (``pretrain``) and in distillation
+  (``distill``)."""
+  workdir = Path(workdir)
+  models = family_models(family)
   base = lambda model, n: dataclasses.replace(train_config(model, n, seed), eval_every=0,
                                               checkpoint_every=n)
   teacher_cfg = base(models["full"], steps)
@@ -78,7 +90,7 @@ def run_study(workdir, steps: int = 600, distill_steps: int = 200, seed: int = 0
       rows.append(dict(model=f"converted ({label}) + {recipe} distillation", pretrain=steps,
                        distill=distill_steps, **_recall(run, teacher_cfg)))
       curves[run.name] = _metrics(run)
-  for total in (distill_steps, steps + distill_steps):
+  for total in (distill_steps, steps + distill_steps) if from_scratch else ():
     run = workdir / f"kvm-scratch-{total}"
     cfg = base(models["kvm-sqrt"], total)
     train(cfg, run, verbose=verbose)

@@ -27,10 +27,11 @@ from kvm_jax.ops.loss import IGNORE, sliced_distill_sums
 from kvm_jax.runs.config import DistillSpec, TrainConfig
 from kvm_jax.runs.directory import is_run_directory, load_config, load_trained
 from kvm_jax.train import sharding
-from kvm_jax.train.completep import path_names
+from kvm_jax.nn.kvm import KVMAttention
+from kvm_jax.nn.roles import is_kvm_only, parameter_role
 
 # The KVM-only parameters of a kvm layer (what a conversion adds), by owner name under ``attn``.
-KVM_ONLY = ("ln_s", "key_weighting", "window_temperature", "state_temperature")
+KVM_ONLY = KVMAttention.OWN_PARAMETERS  # LN_s, W_g and the two temperatures
 # Model fields the teacher takes from the student (as fine-tuning's init_from does).
 STUDENT_FIELDS = ("param_dtype", "compute_dtype", "kvm_implementation",
                   "attention_implementation")
@@ -114,8 +115,8 @@ def trainable_predicate(cfg: TrainConfig, teacher_cfg=None) -> Optional[Callable
     layers = set(converted_layers(model, teacher_cfg))
 
     def converted(path) -> bool:
-      names = path_names(path)
-      return names[0] == "blocks" and int(names[1]) in layers and names[2] == "attn"
+      role = parameter_role(path)
+      return role.part == "mixer" and role.layer in layers
     return converted
 
   kvm_layers = {i for i in range(model.num_layers) if model.is_kvm(i)}
@@ -124,9 +125,7 @@ def trainable_predicate(cfg: TrainConfig, teacher_cfg=None) -> Optional[Callable
                      f"has no kvm layers (mixers {model.layer_mixers}).")
 
   def kvm_only(path) -> bool:
-    names = path_names(path)
-    return (names[0] == "blocks" and int(names[1]) in kvm_layers and names[2] == "attn"
-            and names[3] in KVM_ONLY)
+    return is_kvm_only(parameter_role(path), model)
   return kvm_only
 
 

@@ -24,6 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from kvm_jax.nn import registry
 from kvm_jax.nn.family import family_logical_axes
 from kvm_jax.nn.layers import path_names
+from kvm_jax.nn.roles import parameter_role
 
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")
@@ -63,13 +64,13 @@ def logical_axes(path, ndim: int) -> tuple:
   """Logical axis names of a parameter (empty for vectors)."""
   if ndim != 2:
     return ()
-  names = path_names(path)
-  in_mlp = "mlp" in names
-  table = (family_logical_axes(mlp=True) if in_mlp
+  role = parameter_role(path)
+  table = (family_logical_axes(mlp=True) if role.part == "mlp"
            else {**registry.logical_axes(), **family_logical_axes(mlp=False)})
-  owner = next((n for n in reversed(names) if n in table), None)
+  owner = role.owner if role.owner in table else None
   if owner is None:
-    raise ValueError(f"no logical axes for parameter {'/'.join(names)}; a mixer declares its "
+    raise ValueError(f"no logical axes for parameter {'/'.join(path_names(path))}; a mixer "
+                     "declares its "
                      "parameters' axes in its class's LOGICAL_AXES (kvm_jax.nn.registry), a "
                      "backbone family those of its MLP, embedding and head (MLP_AXES, "
                      "LOGICAL_AXES; kvm_jax.nn.family).")

@@ -52,9 +52,9 @@ def _field(config: Mapping, name: str, kind=int, default: Any = ..., minimum=Non
   ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
         and (kind is float or float(value).is_integer()) and math.isfinite(value))
   if not ok or (minimum is not None and value < minimum):
-    raise ConfigError(f"config.json: {name}={value!r} must be a{' finite' if kind is float else 'n'}"
-                      f" {'number' if kind is float else 'integer'}"
-                      + (f" >= {minimum}" if minimum is not None else "") + ".")
+    what = "a finite number" if kind is float else "an integer"
+    bound = f" >= {minimum}" if minimum is not None else ""
+    raise ConfigError(f"config.json: {name}={value!r} must be {what}{bound}.")
   return kind(value)
 
 

@@ -88,7 +88,8 @@ def read_transformers(path, *, dtype: str = "float32", progress: bool = True
 
 
 def read_model_directory(path, *, dtype: str = "float32", numerics: str = "authors",
-                         progress: bool = True) -> tuple[dict, ModelConfig, nnx.GraphDef, nnx.State]:
+                         progress: bool = True
+                         ) -> tuple[dict, ModelConfig, nnx.GraphDef, nnx.State]:
   """:func:`read_authors` or :func:`read_transformers`, as the directory's kind says
   (``numerics`` applies to the authors' format only)."""
   if checkpoint_kind(path) == "transformers":

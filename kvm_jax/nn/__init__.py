@@ -1,7 +1,8 @@
 """Flax NNX modules: the attention front end (``attention.py``), one module per mixer kind
 (``full.py``, ``swa.py``, ``bswa.py``, ``kvm.py``, ``ovq.py``, ``rwkv7.py``) and the list of kinds
-(``registry.py``: :func:`register_mixer`), cross-layer KV sharing (``kv_sharing.py``), and the
-GPTAlpha-2 block and LM (``model.py``)."""
+(``registry.py``: :func:`register_mixer`), cross-layer KV sharing (``kv_sharing.py``), one module
+per backbone family (``gptalpha2.py``, ``llama.py``, ``gemma.py``; ``family.py``:
+:func:`register_family`), and the block and LM (``model.py``)."""
 
 from kvm_jax.nn.attention import AttentionFrontEnd, LayerCache, SoftmaxAttention
 from kvm_jax.nn.bswa import BlockSlidingWindowAttention, BSWAOptions
@@ -9,12 +10,18 @@ from kvm_jax.nn.full import FullAttention, FullOptions
 from kvm_jax.nn.kvm import KVMAttention
 from kvm_jax.nn.ovq import OVQAttention
 from kvm_jax.nn.rwkv7 import RWKV7Cache, RWKV7Options, RWKV7TimeMix
+from kvm_jax.nn.family import register_family, registered_families
+from kvm_jax.nn.gemma import Gemma, GemmaOptions
+from kvm_jax.nn.gptalpha2 import GPTAlpha2, GPTAlpha2Options
+from kvm_jax.nn.llama import Llama, LlamaOptions
 from kvm_jax.nn.registry import mixer_class, register_mixer, registered_mixers
 from kvm_jax.nn.swa import SlidingWindowAttention, SWAOptions
 from kvm_jax.nn.model import LM, Block, count_params
 
 __all__ = ["AttentionFrontEnd", "BlockSlidingWindowAttention", "Block", "BSWAOptions",
-           "FullAttention", "FullOptions", "KVMAttention", "LM", "LayerCache", "OVQAttention",
-           "RWKV7Cache", "RWKV7Options", "RWKV7TimeMix",
+           "FullAttention", "FullOptions", "GPTAlpha2", "GPTAlpha2Options", "Gemma",
+           "GemmaOptions", "KVMAttention", "LM", "LayerCache", "Llama", "LlamaOptions",
+           "OVQAttention", "RWKV7Cache", "RWKV7Options", "RWKV7TimeMix",
            "SlidingWindowAttention", "SoftmaxAttention", "SWAOptions", "count_params",
-           "mixer_class", "register_mixer", "registered_mixers"]
+           "mixer_class", "register_family", "register_mixer", "registered_families",
+           "registered_mixers"]

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvm_jax.model_config import ModelConfig
-from kvm_jax.nn.llama import (Llama, LlamaOptions, _linear, _normal, _positive, apply_half_rope,
-                              half_rope_tables, rope_inverse_frequencies)
+from kvm_jax.nn.llama import (Llama, LlamaOptions, apply_half_rope, check_positive,
+                              half_rope_tables, normal_init, projection_layer,
+                              rope_inverse_frequencies)
 
 Array = jax.Array
 
@@ -58,11 +59,11 @@ class GemmaOptions:
   def __post_init__(self):
     owner = "GemmaOptions"
     if self.intermediate_size is not None:
-      _positive(owner, "intermediate_size", self.intermediate_size, int)
+      check_positive(owner, "intermediate_size", self.intermediate_size, int)
     for name in ("norm_eps", "local_rope_theta", "rope_factor", "initializer_range"):
-      _positive(owner, name, getattr(self, name))
+      check_positive(owner, name, getattr(self, name))
     if self.query_pre_attn_scalar is not None:
-      _positive(owner, "query_pre_attn_scalar", self.query_pre_attn_scalar)
+      check_positive(owner, "query_pre_attn_scalar", self.query_pre_attn_scalar)
     if self.rope_scaling not in ("none", "linear"):
       raise ValueError(f"GemmaOptions.rope_scaling={self.rope_scaling!r}; choose 'none' or "
                        "'linear'.")
@@ -116,9 +117,9 @@ class GeGLU(nnx.Module):
   def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
     del layer
     C, F = cfg.hidden_size, cfg.mlp_width
-    self.c_gate = _linear(cfg, C, F, rngs, False)
-    self.c_fc = _linear(cfg, C, F, rngs, False)
-    self.c_proj = _linear(cfg, F, C, rngs, False)
+    self.c_gate = projection_layer(cfg, C, F, rngs, False)
+    self.c_fc = projection_layer(cfg, C, F, rngs, False)
+    self.c_proj = projection_layer(cfg, F, C, rngs, False)
 
   def __call__(self, x: Array, prev: Optional[Array] = None,
                starts: Optional[Array] = None) -> Array:
@@ -157,7 +158,7 @@ class Gemma(Llama):
 
   @classmethod
   def projection(cls, cfg: ModelConfig, n_in: int, n_out: int, rngs: nnx.Rngs, role: str):
-    return _linear(cfg, n_in, n_out, rngs, cfg.family_options.attention_bias)
+    return projection_layer(cfg, n_in, n_out, rngs, cfg.family_options.attention_bias)
 
   @classmethod
   def query_scale(cls, cfg: ModelConfig) -> float:
@@ -173,7 +174,7 @@ class Gemma(Llama):
   @classmethod
   def embedding(cls, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Embed:
     return ScaledEmbed(cfg.vocab_size, cfg.hidden_size, param_dtype=cfg.jnp_param_dtype,
-                       dtype=cfg.jnp_compute_dtype, embedding_init=_normal(cfg), rngs=rngs)
+                       dtype=cfg.jnp_compute_dtype, embedding_init=normal_init(cfg), rngs=rngs)
 
   @classmethod
   def tied_head(cls, cfg: ModelConfig) -> bool:

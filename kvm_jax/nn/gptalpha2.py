@@ -41,8 +41,9 @@ class GPTAlpha2Options:
   share_value_anchor: bool = False
 
   def __post_init__(self):
-    if not (isinstance(self.ffn_expansion, (int, float)) and not isinstance(self.ffn_expansion, bool)
-            and math.isfinite(self.ffn_expansion) and self.ffn_expansion > 0):
+    value = self.ffn_expansion
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0):
       raise ValueError(f"GPTAlpha2Options.ffn_expansion must be a positive number, got "
                        f"{self.ffn_expansion!r}.")
 
@@ -87,7 +88,7 @@ class GPTAlpha2:
   # mixers declare their own).
   MLP_AXES = {"c_fc": ("embed", "mlp"), "c_proj": ("mlp", "embed")}
   LOGICAL_AXES = {"wte": ("vocab", "embed"), "lm_head": ("embed", "vocab")}
-  PARAM_GROUPS: dict = {}
+  PARAM_GROUPS = {"wte": "wte_embed", "lm_head": "lm_head"}
 
   @classmethod
   def norm(cls, cfg: ModelConfig, n: int, rngs: nnx.Rngs):

@@ -27,7 +27,8 @@ Array = jax.Array
 ROPE_SCALINGS = ("none", "linear", "llama3")
 
 
-def _positive(owner: str, name: str, value, kind=(int, float)) -> None:
+def check_positive(owner: str, name: str, value, kind=(int, float)) -> None:
+  """A ValueError naming ``owner.name`` unless ``value`` is a positive ``kind``."""
   if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
     raise ValueError(f"{owner}.{name} must be positive, got {value!r}.")
 
@@ -69,11 +70,11 @@ class LlamaOptions:
   def __post_init__(self):
     owner = "LlamaOptions"
     if self.intermediate_size is not None:
-      _positive(owner, "intermediate_size", self.intermediate_size, int)
+      check_positive(owner, "intermediate_size", self.intermediate_size, int)
     for name in ("norm_eps", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                  "initializer_range"):
-      _positive(owner, name, getattr(self, name))
-    _positive(owner, "rope_original_max_len", self.rope_original_max_len, int)
+      check_positive(owner, name, getattr(self, name))
+    check_positive(owner, "rope_original_max_len", self.rope_original_max_len, int)
     if self.rope_scaling not in ROPE_SCALINGS:
       raise ValueError(f"LlamaOptions.rope_scaling={self.rope_scaling!r}; choose from "
                        f"{ROPE_SCALINGS}.")
@@ -130,14 +131,18 @@ def apply_half_rope(x: Array, cos: Array, sin: Array) -> Array:
   return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
-def _normal(cfg: ModelConfig):
+def normal_init(cfg: ModelConfig):
+  """N(0, initializer_range²) in float32, cast to the parameter dtype (transformers' init)."""
   std = cfg.family_options.initializer_range
   return lambda key, shape, dtype: (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
-def _linear(cfg: ModelConfig, n_in: int, n_out: int, rngs: nnx.Rngs, bias: bool) -> nnx.Linear:
+def projection_layer(cfg: ModelConfig, n_in: int, n_out: int, rngs: nnx.Rngs,
+                     bias: bool) -> nnx.Linear:
+  """A projection (with a bias when ``bias``) in the model's dtypes, drawn by
+  :func:`normal_init`."""
   return nnx.Linear(n_in, n_out, use_bias=bias, param_dtype=cfg.jnp_param_dtype,
-                    dtype=cfg.jnp_compute_dtype, kernel_init=_normal(cfg), rngs=rngs)
+                    dtype=cfg.jnp_compute_dtype, kernel_init=normal_init(cfg), rngs=rngs)
 
 
 class SwiGLU(nnx.Module):
@@ -146,9 +151,9 @@ class SwiGLU(nnx.Module):
   def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
     del layer
     C, F, bias = cfg.hidden_size, cfg.mlp_width, cfg.family_options.mlp_bias
-    self.c_gate = _linear(cfg, C, F, rngs, bias)
-    self.c_fc = _linear(cfg, C, F, rngs, bias)
-    self.c_proj = _linear(cfg, F, C, rngs, bias)
+    self.c_gate = projection_layer(cfg, C, F, rngs, bias)
+    self.c_fc = projection_layer(cfg, C, F, rngs, bias)
+    self.c_proj = projection_layer(cfg, F, C, rngs, bias)
 
   def __call__(self, x: Array, prev: Optional[Array] = None,
                starts: Optional[Array] = None) -> Array:
@@ -165,7 +170,7 @@ class Llama:
   CHECKPOINT_FORMAT = "transformers"
   MLP_AXES = {"c_gate": ("embed", "mlp"), "c_fc": ("embed", "mlp"), "c_proj": ("mlp", "embed")}
   LOGICAL_AXES = {"wte": ("vocab", "embed"), "lm_head": ("embed", "vocab")}
-  PARAM_GROUPS: dict = {}
+  PARAM_GROUPS = {"wte": "wte_embed", "lm_head": "lm_head"}
 
   @classmethod
   def norm(cls, cfg: ModelConfig, n: int, rngs: nnx.Rngs):
@@ -179,7 +184,7 @@ class Llama:
   @classmethod
   def projection(cls, cfg: ModelConfig, n_in: int, n_out: int, rngs: nnx.Rngs, role: str):
     options = cfg.family_options
-    return _linear(cfg, n_in, n_out, rngs,
+    return projection_layer(cfg, n_in, n_out, rngs,
                    options.output_bias if role == "o" else options.qkv_bias)
 
   @classmethod
@@ -204,7 +209,7 @@ class Llama:
   @classmethod
   def embedding(cls, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Embed:
     return nnx.Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=cfg.jnp_param_dtype,
-                     dtype=cfg.jnp_compute_dtype, embedding_init=_normal(cfg), rngs=rngs)
+                     dtype=cfg.jnp_compute_dtype, embedding_init=normal_init(cfg), rngs=rngs)
 
   @classmethod
   def embedding_norm(cls, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -216,7 +221,7 @@ class Llama:
 
   @classmethod
   def head(cls, cfg: ModelConfig, rngs: nnx.Rngs):
-    return _linear(cfg, cfg.hidden_size, cfg.vocab_size, rngs, False)
+    return projection_layer(cfg, cfg.hidden_size, cfg.vocab_size, rngs, False)
 
   @classmethod
   def rope(cls, cfg: ModelConfig, layer: int, positions: Array):
