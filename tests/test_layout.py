@@ -418,3 +418,47 @@ def test_trainer_functions_are_short():
                         + "\n".join(problems))
   nested = "class A:\n  def f(self):\n    def g():\n" + "      x = 1\n" * 3
   assert long_functions(nested, 3) == [("A.f", 5), ("A.f.g", 4)]  # the checker sees them all
+
+
+def _parameter_owner_names() -> set[str]:
+  """Every module and vector name on a parameter path of the built-in families and kinds, less
+  the leaf names (``kernel``, ``scale``, ...), the sharding and μP vocabularies (``mlp`` is a
+  logical axis, ``lm_head`` a μP group) and plain English words that other code says for other
+  reasons (``key``, ``value``, ``output``)."""
+  import dataclasses
+
+  from flax import nnx
+
+  import kvm_jax as kj
+  from kvm_jax.nn import registry
+
+  names = set()
+  kvm16 = dataclasses.replace(kj.presets.TINY_OPTIONS["kvm"], rope_dims=16)
+  for family in kj.nn.registered_families():
+    if family not in ("gptalpha2", "llama", "gemma"):
+      continue
+    kw = {} if family == "gptalpha2" else dict(family=family, rope_dims=16, options={"kvm": kvm16})
+    for mixers in ("swa,kvm", "full,bswa", "rwkv7,ovq"):
+      extra = dict(share_value_anchor=True) if family == "gptalpha2" and "rwkv7" in mixers else {}
+      cfg = kj.presets.tiny(mixers, **kw, **extra)
+      state = nnx.state(nnx.eval_shape(lambda: kj.LM(cfg, rngs=nnx.Rngs(0))))
+      names |= {p for path, _ in nnx.to_flat_state(state) for p in path[:-1] if isinstance(p, str)}
+  return names - set(registry.LOGICAL_AXIS_NAMES) - set(registry.PARAM_GROUP_NAMES) - {
+      "key", "value", "output"}
+
+
+def test_no_module_outside_nn_matches_parameter_names():
+  """Parameter names belong to ``kvm_jax.nn``: sharding, μP groups, distillation, conversion
+  and the checkpoint mappings ask ``kvm_jax.nn.roles`` and the modules' own tables, so renaming
+  a parameter is a change inside ``nn/``. The ops and kernels take arrays, never parameter
+  trees (``KVMParams`` fields share some names), so they are not scanned."""
+  owners = _parameter_owner_names()
+  assert {"c_q", "ln_s", "wte", "blocks", "attn", "c_gate", "post_mlp_norm"} <= owners
+  problems = []
+  for module, path in MODULES.items():
+    if module.startswith(("kvm_jax.nn.", "kvm_jax.ops", "kvm_jax.kernels")):
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in owners:
+        problems.append(f"{module}:{node.lineno}: {node.value!r}")
+  assert not problems, "parameter names matched outside kvm_jax.nn:\n  " + "\n  ".join(problems)

@@ -68,7 +68,7 @@ def group_of(path) -> str:
   kvm_jax.nn.registry), or the default rule (a weight matrix is "matrix_params", the rest
   "scalars")."""
   role = parameter_role(path)
-  if role.part in ("embedding", "head"):
+  if role.part in ("token_embedding", "head"):
     return family_param_groups()[role.owner]
   if role.part == "mixer" and role.owner in registry.param_groups():
     return registry.param_groups()[role.owner]

@@ -21,6 +21,7 @@ from kvm_jax.hf.safetensors import CheckpointError
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.family import family_of
 from kvm_jax.nn.layers import path_names
+from kvm_jax.nn.roles import parameter_role
 from kvm_jax.nn.gemma import GemmaOptions
 from kvm_jax.nn.llama import LlamaOptions
 from kvm_jax.nn.swa import SWAOptions
@@ -290,10 +291,11 @@ def from_transformers(tensors: Mapping[str, np.ndarray], cfg: ModelConfig,
     arr = np.asarray(tensors[name])
     if not np.issubdtype(arr.dtype, np.floating) and arr.dtype.name != "bfloat16":
       raise CheckpointError(f"{source}: tensor {name!r} has dtype {arr.dtype}.")
-    if key.endswith("kernel"):
+    matrix = parameter_role(path).matrix  # an nn.Linear weight: stored [out, in]
+    if matrix:
       arr = arr.T
     if tuple(arr.shape) != tuple(leaf.shape):
-      implied = list(leaf.shape)[::-1] if key.endswith("kernel") else list(leaf.shape)
+      implied = list(leaf.shape)[::-1] if matrix else list(leaf.shape)
       raise CheckpointError(f"{source}: tensor {name!r} has shape {list(np.shape(tensors[name]))}"
                             f" but the config implies {implied}.")
     done += arr.nbytes
@@ -423,5 +425,5 @@ def to_transformers(params, cfg: ModelConfig, dtype=None) -> dict[str, np.ndarra
     key = "/".join(path_names(path))
     arr = np.asarray(jax.device_get(leaf))
     arr = arr.astype(dtype) if dtype is not None else arr
-    out[table[key]] = np.ascontiguousarray(arr.T if key.endswith("kernel") else arr)
+    out[table[key]] = np.ascontiguousarray(arr.T if parameter_role(path).matrix else arr)
   return out

@@ -17,6 +17,7 @@ from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.authors_format import Layout, layout_of, unused_zeros
 from kvm_jax.nn.layers import path_names
 from kvm_jax.nn.model import LM
+from kvm_jax.nn.roles import parameter_role
 from kvm_jax.progress import ProgressReport
 
 def abstract_model(cfg: ModelConfig):
@@ -32,7 +33,8 @@ def layouts(cfg: ModelConfig, state=None) -> dict[str, Layout]:
   out = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
     names = path_names(path)
-    kind = cfg.layer_mixers[int(names[1])] if names[0] == "blocks" else None
+    layer = parameter_role(path).layer
+    kind = None if layer is None else cfg.layer_mixers[layer]
     layout = layout_of(names, tuple(leaf.shape), kind)
     if layout is None:
       raise CheckpointError(f"parameter {'/'.join(names)} has no counterpart in the authors' "

@@ -128,9 +128,11 @@ class LM(nnx.Module):
       raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size}).")
 
   def _run(self, tokens, positions, caches, decode, remat: str = "none",
-           documents: Optional[Documents] = None):
-    """Final hidden states ``[B, T, C]`` (after the head LayerNorm, compute dtype) and caches.
-    ``documents``: packed documents (then ``positions`` are their positions)."""
+           documents: Optional[Documents] = None, taps: Optional[tuple[list, list]] = None):
+    """Final hidden states ``[B, T, C]`` (after the final norm, compute dtype) and caches: the
+    one loop over the blocks of forward, prefill, decode and the distillation taps.
+    ``documents``: packed documents (then ``positions`` are their positions). ``taps``: two
+    lists that receive each block's input and its mixer's output (:meth:`mixer_io`)."""
     cfg = self.cfg
     if remat not in REMAT_POLICIES:
       raise ValueError(f"remat={remat!r} is unknown; choose from {tuple(REMAT_POLICIES)}.")
@@ -156,8 +158,13 @@ class LM(nnx.Module):
         c = None
       else:
         shared = SharedKV(exports=exports, old_caches=old_caches) if sharing else None
-        x, c, exports[i] = block(x, anchor, positions, None if caches is None else caches[i],
-                                 decode, shared, documents)
+        x_in = x
+        x, c, exports[i], h = block.run(x, anchor, positions,
+                                        None if caches is None else caches[i], decode, shared,
+                                        documents)
+        if taps is not None:
+          taps[0].append(x_in)
+          taps[1].append(h)
       new_caches.append(c)
     features = self.ln_head(x).astype(x.dtype)
     return features, (None if caches is None else new_caches)
@@ -191,18 +198,10 @@ class LM(nnx.Module):
     (:meth:`features`). What layer-wise attention transfer matches: a student layer run on the
     teacher's ``x_i`` against the teacher's ``h_i``."""
     self.check_tokens(tokens)
-    cfg = self.cfg
+    inputs, outputs = [], []
     positions = jnp.arange(tokens.shape[1])[None]
-    x = self.embed(tokens)
-    anchors = self.value_anchors(x)
-    inputs, outputs, exports = [], [], {}
-    for i, block in enumerate(self.blocks):
-      shared = SharedKV(exports=exports) if cfg.kv_sharing != "none" else None
-      inputs.append(x)
-      x, _, exports[i], h = block.run(x, anchors[cfg.value_anchor(i)], positions, None, False,
-                                      shared)
-      outputs.append(h)
-    return inputs, outputs, self.ln_head(x).astype(x.dtype)
+    features, _ = self._run(tokens, positions, None, False, taps=(inputs, outputs))
+    return inputs, outputs, features
 
   def _scanned_blocks(self, x, anchors, positions, period: int, count: int, policy,
                       documents=None):

@@ -2,7 +2,7 @@
 knows how parameters are named, so that sharding, μP groups, distillation's trainable sets,
 conversion and the checkpoint mappings ask roles instead of matching names.
 
-``parameter_role(path)`` -> :class:`ParamRole`: its part of the model ("embedding",
+``parameter_role(path)`` -> :class:`ParamRole`: its part of the model ("token_embedding",
 "embedding_norm", "final_norm", "head", and in a block "mixer", "mlp" or "block" for the block's
 own norms), its layer, its owner (the module or vector holding it inside that part: ``c_q``,
 ``ln_s``, ``window_temperature``, ``c_fc``, ``ln_attn``, ``wte``) and whether it is a weight
@@ -19,7 +19,7 @@ from kvm_jax.nn.kvm import KVMAttention
 from kvm_jax.nn.layers import path_names
 
 # Parts outside the blocks, by the LM attribute that holds them.
-_OUTSIDE = {"wte": "embedding", "ln_emb": "embedding_norm", "ln_head": "final_norm",
+_OUTSIDE = {"wte": "token_embedding", "ln_emb": "embedding_norm", "ln_head": "final_norm",
             "lm_head": "head"}
 # Parts of a block, by the Block attribute that holds them ("block": its own norms).
 _IN_BLOCK = {"attn": "mixer", "mlp": "mlp"}
