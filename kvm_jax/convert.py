@@ -5,9 +5,10 @@ Two things the paper leaves open (docs/conversion.md):
 * :func:`with_kvm` — the same parameters under another schedule of the ``kvm`` layers (budget,
   ``max_state_rows``, chunk geometry, sinks): a model trained with one state budget evaluated
   under another.
-* :func:`convert_to_kvm` — chosen ``full`` (or geometry-compatible ``bswa``) layers of a trained
-  model become ``kvm`` layers. A KVM layer is its source layer's attention front end plus LN_s,
-  the merge-gate projection W_g and two key temperatures, and its first
+* :func:`convert_to_kvm` — chosen ``full`` (or ``swa``, or geometry-compatible ``bswa``) layers
+  of a trained model of any backbone family become ``kvm`` layers. A KVM layer is its source
+  layer's attention front end plus LN_s, the merge-gate projection W_g and two key
+  temperatures, and its first
   ``window_chunks · chunk_size`` tokens are plain causal attention (docs/kvm-spec.md §6.5). Every
   source parameter is kept; the new ones start at window temperature 1 (window scores unchanged),
   state temperature 1, LN_s the identity and W_g = 0 (merge gate g = 1: merges weighted by counts
@@ -244,9 +245,12 @@ def convert_to_kvm(model: LM, layers: LayerSpec = "all",
 
   Args:
     model: a trained ``kvm_jax.LM`` (e.g. ``kj.load_pretrained(path)``).
-    layers: "all", "odd", "even", "I,J,..." or a sequence of layer indices. Each must be a
-      ``full`` layer, or a ``bswa`` layer whose chunk size and window equal the KVM window's;
-      other kinds are refused by name.
+    layers: "all", "odd", "even", "global" (the full-attention layers), "local" (the
+      sliding-window ones), "I,J,..." or a sequence of layer indices. Each must be a ``full``
+      layer, a ``swa`` layer (exact up to the shorter of its window and KVM's:
+      :func:`exact_length`), or a ``bswa`` layer whose chunk size and window equal the KVM
+      window's; other kinds are refused by name. The kvm layers keep the family's attention
+      front end (projections, biases, q/k norms, RoPE).
     kvm: the options of the new ``kvm`` layers: a :class:`KVMConfig`, a mapping of fields
       replacing those of :func:`default_kvm_options` (a budget may be a spec string such as
       ``"sqrt:16@256"``), or None for the defaults.

@@ -56,13 +56,15 @@ class ModelConfig:
       is converted): :class:`kvm_jax.KVMConfig` for ``kvm``, ``kvm_jax.nn.swa.SWAOptions``
       (window, rotary width) for ``swa``, ``kvm_jax.nn.bswa.BSWAOptions`` (chunk geometry, sinks)
       for ``bswa``. A kind without an entry uses its options' defaults (:meth:`options_of`).
-    family: the backbone family ("gptalpha2", "llama" or one added with
+    family: the backbone family ("gptalpha2", "llama", "gemma" or one added with
       :func:`kvm_jax.nn.register_family`): its block (norms, MLP), embedding, head, attention
-      front end (projections, q/k norms, RoPE style) and checkpoint mapping.
-    family_options: the family's own frozen options (``kvm_jax.nn.gptalpha2.GPTAlpha2Options``:
-      MLP width factor, token shift, value residual; ``kvm_jax.nn.llama.LlamaOptions``: MLP
-      width, norm epsilon, biases, q/k norms, RoPE scaling, tied embeddings); None (or a dict)
-      means the family's defaults (or those fields).
+      front end (projections, q/k norms, RoPE style and score scale) and checkpoint mapping
+      (docs/pretrained.md).
+    family_options: the family's own frozen options (``kvm_jax.nn.GPTAlpha2Options``: MLP
+      width factor, token shift, value residual, shared anchor; ``kvm_jax.nn.LlamaOptions``: MLP
+      width, norm epsilon, biases, q/k norms, RoPE scaling, tied embeddings;
+      ``kvm_jax.nn.GemmaOptions``: also the local layers and their RoPE base, the score scale);
+      None (or a dict) means the family's defaults (or those fields).
     rope_dims / rope_theta: rotary channels (first ``rope_dims`` of D) and base (docs/kvm-spec.md
       §5) of every layer whose kind does not set its own (``swa`` may); the ``kvm`` options'
       ``rope_dims`` must equal it.
@@ -190,7 +192,8 @@ class ModelConfig:
       options = cls(**options)
     if not isinstance(options, cls):
       raise TypeError(f"ModelConfig.family_options must be a {cls.__name__} for family "
-                      f"{self.family!r}, got {type(options).__name__} {options!r}.")
+                      f"{self.family!r}, got {type(options).__name__} {options!r}; when "
+                      "changing the family, give its options too (None: its defaults).")
     object.__setattr__(self, "family_options", options)
 
   def _validate_kv_sharing(self, mixers) -> None:

@@ -139,7 +139,8 @@ def _shipped_configs() -> list[str]:
   specs = [f.name for f in sorted((ROOT / "train/configs").glob("*.py"))
            if f.name not in ("__init__.py", "paper.py")]
   return specs + [f"paper.py:{name}" for name in sorted(kj.presets.PRESETS)
-                  if name.rsplit("_", 1)[-1] in paper.SIZES]
+                  if name.rsplit("_", 1)[-1] in paper.SIZES] + [
+                      "pretrained.py:gemma3_1b,attention", "pretrained.py:llama3_2_1b,kvm"]
 
 
 @pytest.mark.parametrize("spec", _shipped_configs())

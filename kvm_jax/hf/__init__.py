@@ -1,22 +1,30 @@
-"""The authors' Hugging Face checkpoint format (``featherless-ai/KVM-paper``'s
-``RWKV7BackboneForCausalLM``: ``config.json`` + safetensors), read and written without torch.
+"""Hugging Face checkpoints read and written without torch: the authors' format
+(``featherless-ai/KVM-paper``'s ``RWKV7BackboneForCausalLM``: ``config.json`` + safetensors) for
+GPTAlpha-2 models, and transformers' own for the Llama family (Llama, Qwen2, Qwen3, Mistral) and
+Gemma 3 (:mod:`kvm_jax.hf.families`).
 
     import kvm_jax as kj
-    model = kj.load_pretrained("path/to/kvm-256-120m")       # their directory, or a run directory
+    model = kj.load_pretrained("path/to/kvm-256-120m")   # either format, or a run directory
     logits = model(tokens)
 
-``kvm-import SRC DEST`` writes a run directory from their checkpoint; ``kvm-export RUN_DIR DEST``
-writes their format from a run directory. docs/checkpoints.md has the field and tensor tables.
+``kvm-import SRC DEST`` writes a run directory from a checkpoint; ``kvm-export RUN_DIR DEST``
+writes the family's format from a run directory. docs/checkpoints.md (the authors' format) and
+docs/pretrained.md (transformers') have the field and tensor tables.
 """
 
 from kvm_jax.hf.config import (ConfigError, ExportError, authors_config_from_model,
                                model_config_from_authors)
+from kvm_jax.hf.families import (from_transformers, model_config_from_transformers,
+                                 to_transformers, transformers_config_from_model)
 from kvm_jax.hf.load import (checkpoint_kind, export_run, import_checkpoint, load_pretrained,
-                             numerics_note, read_authors)
+                             numerics_note, read_authors, read_model_directory, read_transformers)
 from kvm_jax.hf.params import authors_shapes, from_authors, to_authors
 from kvm_jax.hf.safetensors import CheckpointError, read_checkpoint, write_checkpoint
 
 __all__ = ["CheckpointError", "ConfigError", "ExportError", "authors_config_from_model",
            "authors_shapes", "checkpoint_kind", "export_run", "from_authors", "import_checkpoint",
-           "load_pretrained", "model_config_from_authors", "numerics_note", "read_authors",
+           "from_transformers", "load_pretrained", "model_config_from_authors",
+           "model_config_from_transformers", "numerics_note", "read_authors",
+           "read_model_directory", "read_transformers", "to_transformers",
+           "transformers_config_from_model",
            "read_checkpoint", "to_authors", "write_checkpoint"]

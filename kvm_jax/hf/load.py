@@ -208,9 +208,10 @@ def import_checkpoint(src, dest, *, dtype: str = "float32", numerics: str = "aut
     save_starting_point(stage, TrainConfig(model=cfg, task="text", tokenizer_file=tok_path),
                         params, {"imported_from": str(src.resolve())})
     leaves = [np.size(x) for x in jax.tree_util.tree_leaves(params)]
+    authors = checkpoint_kind(src) == "authors"
     record = {"source": str(src.resolve()), "source_config": config, "dtype": dtype,
-              "numerics": numerics, "parameters": int(sum(leaves)), "tensors": len(leaves),
-              "tokenizer": tok_path or None}
+              "numerics": numerics if authors else None, "parameters": int(sum(leaves)),
+              "tensors": len(leaves), "tokenizer": tok_path or None}
     (stage / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
   return dest
 

@@ -204,7 +204,8 @@ class AttentionFrontEnd(nnx.Module):
     (``starts [B, T]``: packed documents' first tokens, where the shift restarts)."""
     q = self.c_q(x)
     tails = (q[:, -1:], None, None)
-    return self._scaled(self._rotate(self._query_heads(q, prev, x.dtype, starts), positions)), tails
+    q = self._rotate(self._query_heads(q, prev, x.dtype, starts), positions)
+    return self._scaled(q), tails
 
   def qkv(self, x: Array, v_first: Optional[Array], positions: Array,
           prev: Optional[LayerCache], starts: Optional[Array] = None):

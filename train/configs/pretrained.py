@@ -32,7 +32,7 @@ STAGES = {"attention": (100e6, 2048, 64, "kvm_only"), "logits": (250e6, 2048, 64
           "finetune": (100e6, 8192, 32, "all")}
 
 
-def get_config(spec: str) -> TrainConfig:
+def get_config(spec: str = "qwen3_0_6b") -> TrainConfig:
   model_name, _, stage = spec.partition(",")
   if model_name not in presets.PRETRAINED_SHAPES:
     raise ValueError(f"unknown model {model_name!r}; choose from "
