@@ -129,10 +129,6 @@ def model_config_from_transformers(config: Mapping, *, dtype: str = "float32") -
   if act != "silu":
     raise ConfigError(f"config.json: hidden_act={act!r}; the Llama family's MLP is SwiGLU "
                       "(silu).")
-  hidden = _field(config, "hidden_size", minimum=1)
-  heads = _field(config, "num_attention_heads", minimum=1)
-  kv_heads = _field(config, "num_key_value_heads", default=heads, minimum=1)
-  head_dim = _field(config, "head_dim", default=hidden // heads, minimum=1)
   layers = _field(config, "num_hidden_layers", minimum=1)
   theta, rope_fields = _rope(config)
   kinds, window = _mixers(config, model_type, layers)
@@ -146,17 +142,31 @@ def model_config_from_transformers(config: Mapping, *, dtype: str = "float32") -
       mlp_bias=bool(config.get("mlp_bias", False)) and model_type == "llama",
       qk_norm=model_type == "qwen3",
       tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-      initializer_range=_field(config, "initializer_range", float, default=0.02, minimum=0.0)
-      or 0.02,
-      **rope_fields)
-  pattern = kinds[0] if len(set(kinds)) == 1 else kinds
+      initializer_range=_initializer_range(config), **rope_fields)
+  return _model_config(config, "llama", options, kinds, window, theta, dtype, head_dim=None)
+
+
+def _initializer_range(config: Mapping) -> float:
+  return _field(config, "initializer_range", float, default=0.02, minimum=0.0) or 0.02
+
+
+def _model_config(config: Mapping, family: str, options, kinds: tuple[str, ...],
+                  window: Optional[int], theta: float, dtype: str,
+                  head_dim: Optional[int]) -> ModelConfig:
+  """The ModelConfig of ``family`` with ``options``, one mixer kind per layer and the shape
+  fields every family shares (``head_dim`` when the family's default is not width / heads)."""
+  hidden = _field(config, "hidden_size", minimum=1)
+  heads = _field(config, "num_attention_heads", minimum=1)
+  kv_heads = _field(config, "num_key_value_heads", default=heads, minimum=1)
+  head_dim = _field(config, "head_dim", default=head_dim or hidden // heads, minimum=1)
   try:
     return ModelConfig(
-        family="llama", family_options=options, vocab_size=_field(config, "vocab_size", minimum=1),
-        num_layers=layers, hidden_size=hidden, num_heads=heads,
+        family=family, family_options=options, vocab_size=_field(config, "vocab_size", minimum=1),
+        num_layers=len(kinds), hidden_size=hidden, num_heads=heads,
         num_kv_heads=None if kv_heads == heads else kv_heads,
         head_dim=None if head_dim * heads == hidden else head_dim,
-        mixers=pattern, options={"swa": SWAOptions(window=window)} if window else {},
+        mixers=kinds[0] if len(set(kinds)) == 1 else kinds,
+        options={"swa": SWAOptions(window=window)} if window else {},
         rope_dims=head_dim, rope_theta=theta, param_dtype=dtype, compute_dtype=dtype)
   except ValueError as e:
     raise ConfigError(f"config.json gives no valid kvm_jax model: {e}") from None
@@ -204,11 +214,8 @@ def _gemma_config(config: Mapping, dtype: str) -> ModelConfig:
   if act != "gelu_pytorch_tanh":
     raise ConfigError(f"config.json: hidden_activation={act!r}; Gemma's MLP is GeGLU with "
                       "gelu_pytorch_tanh.")
-  hidden = _field(config, "hidden_size", minimum=1)
-  heads = _field(config, "num_attention_heads", minimum=1)
-  kv_heads = _field(config, "num_key_value_heads", default=heads, minimum=1)
-  head_dim = _field(config, "head_dim", default=256, minimum=1)
   layers = _field(config, "num_hidden_layers", minimum=1)
+  head_dim = _field(config, "head_dim", default=256, minimum=1)  # Gemma 3's default
   types = config.get("layer_types")
   if types is None:
     pattern = _field(config, "sliding_window_pattern", default=6, minimum=1)
@@ -227,19 +234,8 @@ def _gemma_config(config: Mapping, dtype: str) -> ModelConfig:
                                    minimum=0.0),
       local_layers=tuple(i for i, k in enumerate(kinds) if k == "swa"),
       local_rope_theta=local_theta, attention_bias=bool(config.get("attention_bias", False)),
-      initializer_range=_field(config, "initializer_range", float, default=0.02, minimum=0.0)
-      or 0.02, **rope_fields)
-  try:
-    return ModelConfig(
-        family="gemma", family_options=options, vocab_size=_field(config, "vocab_size", minimum=1),
-        num_layers=layers, hidden_size=hidden, num_heads=heads,
-        num_kv_heads=None if kv_heads == heads else kv_heads,
-        head_dim=None if head_dim * heads == hidden else head_dim,
-        mixers=kinds[0] if len(set(kinds)) == 1 else kinds,
-        options={"swa": SWAOptions(window=window)} if window else {},
-        rope_dims=head_dim, rope_theta=theta, param_dtype=dtype, compute_dtype=dtype)
-  except ValueError as e:
-    raise ConfigError(f"config.json gives no valid kvm_jax model: {e}") from None
+      initializer_range=_initializer_range(config), **rope_fields)
+  return _model_config(config, "gemma", options, kinds, window, theta, dtype, head_dim=head_dim)
 
 
 # Tensors some checkpoints hold that compute nothing here (RoPE buffers of older exports).

@@ -1,6 +1,7 @@
 """Backbone families as plug-ins: what a family owns and the one list of families.
 
-A family (``ModelConfig.family``) is a class with only classmethods, registered with
+A family (``ModelConfig.family``) is a class with only classmethods (usually a subclass of
+:class:`Family`, which answers what most families share), registered with
 :func:`register_family`. The generic :class:`kvm_jax.nn.model.LM`, its blocks and the attention
 front end of every mixer kind ask it for the parts that differ between GPTAlpha-2, Llama and their
 relatives, and never test a family's name:
@@ -39,6 +40,34 @@ from kvm_jax.family_options import register_family_options
 from kvm_jax.model_config import ModelConfig
 
 _FAMILIES: dict[str, type] = {}
+
+
+class Family:
+  """What most families share: pre-norm blocks (no norm after a branch), no norm after the
+  embedding, the kinds' own score scale, layers that differ only by kind, and the μP groups of
+  the embedding and head. A family subclasses it (or a built-in family) and gives the rest."""
+
+  PARAM_GROUPS = {"wte": "wte_embed", "lm_head": "lm_head"}
+
+  @classmethod
+  def layer_key(cls, cfg: ModelConfig, layer: int):
+    """Every layer of one mixer kind computes alike (layers scan in groups by kind)."""
+    return None
+
+  @classmethod
+  def post_norm(cls, cfg: ModelConfig, n: int, rngs):
+    """No norm after a branch (pre-norm blocks)."""
+    return None
+
+  @classmethod
+  def embedding_norm(cls, cfg: ModelConfig, rngs):
+    """No norm after the embedding."""
+    return None
+
+  @classmethod
+  def query_scale(cls, cfg: ModelConfig) -> float:
+    """Scores are the kinds' own ``D^-1/2`` ones."""
+    return 1.0
 _REQUIRED = ("Options", "MLP_AXES", "LOGICAL_AXES", "PARAM_GROUPS", "norm", "head_norm",
              "layer_key", "post_norm", "query_scale", "projection", "mlp",
              "embedding", "embedding_norm", "tied_head", "head", "rope", "rotate",

@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.family import Family
 from kvm_jax.nn.layers import (depth_ratio, float32_init, layer_norm, linear, token_shift,
                                 zeros_init)
 from kvm_jax.ops.rope import apply_rope, rope_tables
@@ -78,7 +79,7 @@ class MLP(nnx.Module):
     return self.c_proj(jnp.square(jax.nn.relu(self.c_fc(x))))
 
 
-class GPTAlpha2:
+class GPTAlpha2(Family):
   """The family's parts (see :mod:`kvm_jax.nn.family`)."""
 
   Options = GPTAlpha2Options
@@ -88,7 +89,6 @@ class GPTAlpha2:
   # mixers declare their own).
   MLP_AXES = {"c_fc": ("embed", "mlp"), "c_proj": ("mlp", "embed")}
   LOGICAL_AXES = {"wte": ("vocab", "embed"), "lm_head": ("embed", "vocab")}
-  PARAM_GROUPS = {"wte": "wte_embed", "lm_head": "lm_head"}
 
   @classmethod
   def norm(cls, cfg: ModelConfig, n: int, rngs: nnx.Rngs):
@@ -103,21 +103,6 @@ class GPTAlpha2:
   def projection(cls, cfg: ModelConfig, n_in: int, n_out: int, rngs: nnx.Rngs, role: str):
     """Bias-free; the output projection starts at zero (the authors' init)."""
     return linear(cfg, n_in, n_out, rngs, init=zeros_init if role == "o" else None)
-
-  @classmethod
-  def layer_key(cls, cfg: ModelConfig, layer: int):
-    """Every layer of one mixer kind computes alike (layers scan in groups by kind)."""
-    return None
-
-  @classmethod
-  def post_norm(cls, cfg: ModelConfig, n: int, rngs: nnx.Rngs):
-    """No norm after a branch (pre-norm blocks)."""
-    return None
-
-  @classmethod
-  def query_scale(cls, cfg: ModelConfig) -> float:
-    """Scores are the kinds' own ``D^-1/2`` ones."""
-    return 1.0
 
   @classmethod
   def mlp(cls, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.family import Family
 from kvm_jax.nn.layers import RMSNorm
 
 Array = jax.Array
@@ -162,7 +163,7 @@ class SwiGLU(nnx.Module):
     return self.c_proj(jax.nn.silu(self.c_gate(x)) * self.c_fc(x))
 
 
-class Llama:
+class Llama(Family):
   """The family's parts (see :mod:`kvm_jax.nn.family`)."""
 
   Options = LlamaOptions
@@ -170,7 +171,6 @@ class Llama:
   CHECKPOINT_FORMAT = "transformers"
   MLP_AXES = {"c_gate": ("embed", "mlp"), "c_fc": ("embed", "mlp"), "c_proj": ("mlp", "embed")}
   LOGICAL_AXES = {"wte": ("vocab", "embed"), "lm_head": ("embed", "vocab")}
-  PARAM_GROUPS = {"wte": "wte_embed", "lm_head": "lm_head"}
 
   @classmethod
   def norm(cls, cfg: ModelConfig, n: int, rngs: nnx.Rngs):
@@ -188,21 +188,6 @@ class Llama:
                    options.output_bias if role == "o" else options.qkv_bias)
 
   @classmethod
-  def layer_key(cls, cfg: ModelConfig, layer: int):
-    """Every layer of one mixer kind computes alike (layers scan in groups by kind)."""
-    return None
-
-  @classmethod
-  def post_norm(cls, cfg: ModelConfig, n: int, rngs: nnx.Rngs):
-    """No norm after a branch (pre-norm blocks)."""
-    return None
-
-  @classmethod
-  def query_scale(cls, cfg: ModelConfig) -> float:
-    """Scores are the kinds' own ``D^-1/2`` ones."""
-    return 1.0
-
-  @classmethod
   def mlp(cls, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
     return SwiGLU(cfg, layer, rngs=rngs)
 
@@ -210,10 +195,6 @@ class Llama:
   def embedding(cls, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Embed:
     return nnx.Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=cfg.jnp_param_dtype,
                      dtype=cfg.jnp_compute_dtype, embedding_init=normal_init(cfg), rngs=rngs)
-
-  @classmethod
-  def embedding_norm(cls, cfg: ModelConfig, rngs: nnx.Rngs):
-    return None
 
   @classmethod
   def tied_head(cls, cfg: ModelConfig) -> bool:
