@@ -78,6 +78,18 @@ def test_training_flops_per_token_by_hand(name):
   assert flops_per_token(cfg, params) == pytest.approx(want, rel=1e-12)
 
 
+def test_a_tied_head_counts_as_a_matmul():
+  """A tied head (Llama's option, Gemma's rule) multiplies by the embedding table: every
+  parameter is a matmul parameter then, the table included."""
+  from kvm_jax.nn.llama import LlamaOptions
+  cfg = TrainConfig(model=_model("full", family="llama", family_options=LlamaOptions(
+      tie_embeddings=True), rope_dims=16, options={}), task="text", seq_len=16)
+  params = nnx.state(nnx.eval_shape(lambda: kj.LM(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
+  want = 6 * kj.count_params(cfg.model)["total"] + 12 * 16 * 4 * visible_keys(cfg)
+  assert kj.count_params(cfg.model)["lm_head"] == 0
+  assert flops_per_token(cfg, params) == pytest.approx(want, rel=1e-12)
+
+
 # (mixers, overrides, batch, max_len, cache bytes of each layer), by hand. Every cache counts the
 # tokens of each row (an int32 length per row: rows are sequences of their own lengths).
 CACHES = {

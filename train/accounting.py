@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from kvm_jax.nn import registry
+from kvm_jax.nn.family import family_of
 from kvm_jax.runs.config import TrainConfig
 
 # Dense bf16 peak per device, for the MFU estimate (matched against device_kind).
@@ -40,8 +41,9 @@ def flops_per_token(cfg: TrainConfig, params) -> float:
   multiply-add each, tripled for the backward pass). KVM's merge and compression are not
   counted (a few percent at the paper's shapes), so its MFU is a slight underestimate."""
   m = cfg.model
-  n = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params)) - \
-      m.vocab_size * m.hidden_size  # the embedding lookup is not a matmul
+  n = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params))
+  if not family_of(m).tied_head(m):
+    n -= m.vocab_size * m.hidden_size  # the embedding lookup is not a matmul (a tied head is)
   return 6.0 * n + 12.0 * visible_keys(cfg) * m.qk_head_dim * m.num_heads
 
 
