@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvm_jax.model_config import ModelConfig
-from kvm_jax.nn.llama import (Llama, LlamaOptions, apply_half_rope, check_positive,
+from kvm_jax.nn.layers import rms_normalized
+from kvm_jax.nn.llama import (GatedMLP, Llama, LlamaOptions, apply_half_rope, check_positive,
                               half_rope_tables, normal_init, projection_layer,
                               rope_inverse_frequencies)
 
@@ -97,9 +98,8 @@ class GemmaRMSNorm(nnx.Module):
     self.scale = nnx.Param(jnp.zeros((n,), param_dtype))
 
   def __call__(self, x: Array) -> Array:
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + self.epsilon)
-    return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+    scale = 1.0 + self.scale[...].astype(jnp.float32)
+    return (rms_normalized(x, self.epsilon) * scale).astype(x.dtype)
 
 
 class ScaledEmbed(nnx.Embed):
@@ -111,21 +111,9 @@ class ScaledEmbed(nnx.Embed):
     return super().__call__(tokens) * scale.astype(self.dtype or self.param_dtype)
 
 
-class GeGLU(nnx.Module):
-  """``c_proj(gelu_tanh(c_gate(x)) · c_fc(x))`` (transformers' gate, up and down projections)."""
-
-  def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
-    del layer
-    C, F = cfg.hidden_size, cfg.mlp_width
-    self.c_gate = projection_layer(cfg, C, F, rngs, False)
-    self.c_fc = projection_layer(cfg, C, F, rngs, False)
-    self.c_proj = projection_layer(cfg, F, C, rngs, False)
-
-  def __call__(self, x: Array, prev: Optional[Array] = None,
-               starts: Optional[Array] = None) -> Array:
-    """``x [B, T, C]`` -> ``[B, T, C]`` (a per-token map: ``prev`` and ``starts`` unused)."""
-    del prev, starts
-    return self.c_proj(jax.nn.gelu(self.c_gate(x), approximate=True) * self.c_fc(x))
+def gelu_tanh(x: Array) -> Array:
+  """transformers' ``gelu_pytorch_tanh``."""
+  return jax.nn.gelu(x, approximate=True)
 
 
 class Gemma(Llama):
@@ -169,7 +157,7 @@ class Gemma(Llama):
 
   @classmethod
   def mlp(cls, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
-    return GeGLU(cfg, layer, rngs=rngs)
+    return GatedMLP(cfg, gelu_tanh, False, rngs=rngs)
 
   @classmethod
   def embedding(cls, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Embed:

@@ -110,6 +110,10 @@ class RMSNorm(nnx.Module):
     self.scale = nnx.Param(jnp.ones((n,), param_dtype))
 
   def __call__(self, x: Array) -> Array:
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + self.epsilon)
-    return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
+    return self.scale[...].astype(x.dtype) * rms_normalized(x, self.epsilon).astype(x.dtype)
+
+
+def rms_normalized(x: Array, epsilon: float) -> Array:
+  """``x / sqrt(mean(x²) + ε)`` over the last axis, in float32 (every RMSNorm's core)."""
+  x32 = x.astype(jnp.float32)
+  return x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + epsilon)

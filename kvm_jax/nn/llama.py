@@ -146,12 +146,13 @@ def projection_layer(cfg: ModelConfig, n_in: int, n_out: int, rngs: nnx.Rngs,
                     dtype=cfg.jnp_compute_dtype, kernel_init=normal_init(cfg), rngs=rngs)
 
 
-class SwiGLU(nnx.Module):
-  """``c_proj(silu(c_gate(x)) · c_fc(x))`` (transformers' gate, up and down projections)."""
+class GatedMLP(nnx.Module):
+  """``c_proj(act(c_gate(x)) · c_fc(x))`` (transformers' gate, up and down projections): SwiGLU
+  with ``act`` = SiLU (Llama), GeGLU with the tanh GELU (Gemma)."""
 
-  def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
-    del layer
-    C, F, bias = cfg.hidden_size, cfg.mlp_width, cfg.family_options.mlp_bias
+  def __init__(self, cfg: ModelConfig, activation, bias: bool, *, rngs: nnx.Rngs):
+    C, F = cfg.hidden_size, cfg.mlp_width
+    self.activation = activation
     self.c_gate = projection_layer(cfg, C, F, rngs, bias)
     self.c_fc = projection_layer(cfg, C, F, rngs, bias)
     self.c_proj = projection_layer(cfg, F, C, rngs, bias)
@@ -160,7 +161,7 @@ class SwiGLU(nnx.Module):
                starts: Optional[Array] = None) -> Array:
     """``x [B, T, C]`` -> ``[B, T, C]`` (a per-token map: ``prev`` and ``starts`` unused)."""
     del prev, starts
-    return self.c_proj(jax.nn.silu(self.c_gate(x)) * self.c_fc(x))
+    return self.c_proj(self.activation(self.c_gate(x)) * self.c_fc(x))
 
 
 class Llama(Family):
@@ -189,7 +190,7 @@ class Llama(Family):
 
   @classmethod
   def mlp(cls, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
-    return SwiGLU(cfg, layer, rngs=rngs)
+    return GatedMLP(cfg, jax.nn.silu, cfg.family_options.mlp_bias, rngs=rngs)
 
   @classmethod
   def embedding(cls, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Embed:
