@@ -30,7 +30,15 @@ class KVMConfig:
     sink_rows: S, protected state rows holding the first S tokens; never merged into
       (``sink_len``, paper 1).
     rope_dims: r, leading rotary channels of q/k (``rope_partial_dim``, paper 64). They are zeroed
-      in state keys before LN_s. Must be even; 0 means no rotary channels.
+      in state keys before LN_s (unless ``state_rope_dims`` says fewer). Must be even; 0 means no
+      rotary channels.
+    state_rope_dims: how many of the leading rotary channels are zeroed in state keys; None:
+      all ``rope_dims`` (the paper). The op takes rotary channels in pairs, fastest first
+      (GPTAlpha-2's interleaved layout; a family rotating halves presents its channels in that
+      order, :meth:`kvm_jax.nn.family.Family.state_channel_order`), so fewer keeps the slowest
+      pairs, nearly position-free over the context, in the state keys. A family that rotates
+      every channel (Llama, Qwen, Mistral, Gemma) needs it: with all channels zeroed, every
+      state key is LN_s's bias and the state cannot be addressed. Even, at most ``rope_dims``.
     budget: target state rows as a function of tokens processed: ``FixedBudget(rows)``,
       ``PowerLawBudget(factor, exponent, min_rows)``, ``SaturatingBudget(limit, min_rows)`` or any
       callable ``ctx_len -> rows`` (``state_budget_mode`` & co., docs/kvm-spec.md §6.3).
@@ -50,6 +58,10 @@ class KVMConfig:
       authors' hard-coded ``.bfloat16()`` cast of normalize(S_V)·radius (docs/kvm-spec.md
       §11.6), forward and gradient.
     ln_eps: epsilon of LN_s (1e-5 like every LayerNorm of the authors).
+    logit_softcap: None, or every scaled score of the readout (state rows and window alike)
+      becomes ``cap · tanh(score / cap)`` before the softmax: a KVM layer in a family that
+      soft-caps attention (Gemma 2) takes the family's cap here, so that it equals the
+      attention it replaces inside the window. Plain XLA only (the kernels do not cap).
   """
 
   chunk_size: int = 256
@@ -66,6 +78,8 @@ class KVMConfig:
   value_norm: str = "radius"
   readout_value_dtype: Optional[str] = None
   ln_eps: float = 1e-5
+  logit_softcap: Optional[float] = None
+  state_rope_dims: Optional[int] = None
 
   def __post_init__(self):
     def positive_int(name, minimum):
@@ -81,6 +95,12 @@ class KVMConfig:
       raise ValueError(
           f"KVMConfig.rope_dims must be even (rotary channels come in interleaved pairs), got "
           f"{self.rope_dims}; use {self.rope_dims - 1} or {self.rope_dims + 1}.")
+    if self.state_rope_dims is not None:
+      positive_int("state_rope_dims", 0)
+      if self.state_rope_dims % 2 or self.state_rope_dims > self.rope_dims:
+        raise ValueError(f"KVMConfig.state_rope_dims={self.state_rope_dims} must be even and at "
+                         f"most rope_dims={self.rope_dims} (the rotary channels zeroed in state "
+                         "keys, in pairs).")
     if self.sink_rows >= self.chunk_size:
       raise ValueError(
           f"KVMConfig.sink_rows={self.sink_rows} must be < chunk_size={self.chunk_size}: the state "
@@ -109,6 +129,11 @@ class KVMConfig:
       raise ValueError(
           f"KVMConfig.readout_value_dtype must be one of {_READOUT_DTYPES}, got "
           f"{self.readout_value_dtype!r}.")
+    if self.logit_softcap is not None and (
+        isinstance(self.logit_softcap, bool) or not isinstance(self.logit_softcap, (int, float))
+        or not self.logit_softcap > 0):
+      raise ValueError(f"KVMConfig.logit_softcap must be a positive number or None, got "
+                       f"{self.logit_softcap!r}.")
     if not (isinstance(self.ln_eps, float) and self.ln_eps > 0):
       raise ValueError(f"KVMConfig.ln_eps must be a positive float, got {self.ln_eps!r}.")
     for name in ("gate_keys", "gate_values", "gate_appends", "gate_initial_state",
@@ -120,6 +145,11 @@ class KVMConfig:
   def window_len(self) -> int:
     """L = window_chunks · chunk_size, tokens of exact attention."""
     return self.window_chunks * self.chunk_size
+
+  @property
+  def state_zeroed_dims(self) -> int:
+    """Leading channels zeroed in state keys: ``state_rope_dims``, or every rotary one."""
+    return self.rope_dims if self.state_rope_dims is None else self.state_rope_dims
 
   @property
   def uses_gate(self) -> bool:

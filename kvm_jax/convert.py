@@ -47,6 +47,9 @@ SHAPE_FIELDS = {
                  "projections fix (ModelConfig.rope_dims)",
     "head_temperatures": "it adds or removes the window_temperature / state_temperature "
                          "parameters",
+    "state_rope_dims": "the trained LN_s and state temperatures fit the channels the state "
+                       "keys keep",
+    "logit_softcap": "it is the family's attention soft-cap, under which the layer was trained",
 }
 # Parameters a kvm layer has that its full-attention source has not, and the values that leave
 # in-window logits unchanged (module docstring); the KVM layer's own table.
@@ -174,6 +177,11 @@ def default_kvm_options(cfg: ModelConfig, layers: Sequence[int]) -> KVMConfig:
   if has_kvm_layers(cfg):
     return cfg.kvm
   fields: dict[str, Any] = {"rope_dims": cfg.rope_dims}
+  if cfg.rope_dims == cfg.qk_head_dim and cfg.options_of("kvm").state_rope_dims is None:
+    # Every channel rotates (Llama, Qwen, Mistral, Gemma): zeroing them all would leave the
+    # state keys without content, so the state keeps the slower half of the pairs, as the
+    # paper's state keeps the unrotated half of its heads.
+    fields["state_rope_dims"] = cfg.rope_dims // 2
   if any(cfg.layer_mixers[i] == "bswa" for i in layers):
     bswa = cfg.options_of("bswa")
     fields.update(chunk_size=bswa.chunk_size, window_chunks=bswa.window_chunks)

@@ -237,8 +237,10 @@ def converted(cfg: ModelConfig, layers: str = "global") -> ModelConfig:
   ones) made KVM-256 layers (the paper's chunks of 256, two window chunks, a fixed 256-row state)
   rotating the model's channels: the config ``kj.convert_to_kvm`` would give."""
   from kvm_jax.convert import converted_config, select_layers  # the model layer, above presets
+  every = cfg.rope_dims == cfg.qk_head_dim  # then the state keeps the slower half of the pairs
   kvm = KVMConfig(budget=FixedBudget(256), max_state_rows=256,
-                  **{**_PAPER_KVM, "rope_dims": cfg.rope_dims})
+                  **{**_PAPER_KVM, "rope_dims": cfg.rope_dims,
+                     "state_rope_dims": cfg.rope_dims // 2 if every else None})
   return converted_config(cfg, select_layers(layers, cfg.num_layers, cfg.layer_mixers), kvm)
 
 

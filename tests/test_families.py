@@ -49,7 +49,12 @@ def test_fixtures_cover_every_family_option():
   assert cfgs.pop("gemma3_tf4") == gemma and gemma.family == "gemma"
   assert gemma.family_options.local_layers == (0, 1, 3) and gemma.layer_mixers[2] == "full"
   assert gemma.family_options.query_pre_attn_scalar != gemma.qk_head_dim
-  assert gemma.family_options.rope_scaling == "linear"
+  assert gemma.family_options.rope_scaling == "linear" and gemma.family_options.qk_norm
+  gemma2 = cfgs.pop("gemma2_softcap")
+  assert cfgs.pop("gemma2_softcap_tf4") == gemma2 and gemma2.family == "gemma"
+  o2 = gemma2.family_options
+  assert not o2.qk_norm and o2.attention_softcap == 4.0 and o2.final_logit_softcap == 30.0
+  assert o2.local_layers == (0, 2) and gemma2.num_kv_heads == 2
   options = [c.family_options for c in cfgs.values()]
   assert {o.rope_scaling for o in options} == {"none", "linear", "llama3"}
   assert any(o.tie_embeddings for o in options) and any(not o.tie_embeddings for o in options)
@@ -79,7 +84,7 @@ def test_logits_and_greedy_generation_equal_transformers(name, loaded):
 def test_both_config_layouts_read_the_same_model():
   """transformers 4.x's ``rope_theta``/``rope_scaling`` and 5.x's ``rope_parameters`` give one
   config."""
-  for name in ("llama3_gqa", "qwen2", "gemma3"):
+  for name in ("llama3_gqa", "qwen2", "gemma3", "gemma2_softcap"):
     read = lambda d: model_config_from_transformers(json.loads((DATA / d / "config.json")
                                                                .read_text()))
     assert read(name) == read(name + "_tf4")
@@ -177,17 +182,41 @@ CONVERT_KVM = kj.KVMConfig(chunk_size=4, window_chunks=2, sink_rows=1, rope_dims
                            budget=kj.budget.PowerLawBudget(2.0, 0.5, min_rows=4))
 
 
-# CI: GQA with llama3 scaling, q/k/v biases, Gemma's front end (q/k norms, local/global RoPE);
-# sliding-window layers in test_kvm_convert_reads_a_transformers_directory.
+def _convert_kvm(model) -> kj.KVMConfig:
+  """CONVERT_KVM rotating the model's channels (all of them in these families), the state keeping
+  the slower half of the rotary pairs (what kvm-convert chooses for them)."""
+  r = model.cfg.rope_dims
+  return dataclasses.replace(CONVERT_KVM, rope_dims=r, state_rope_dims=r // 2)
+
+
+def test_state_channel_order_pairs_the_rotate_half_layout_fastest_first():
+  """The KVM layer shows the op q/k channels as adjacent rotary pairs, fastest first, so that
+  state_rope_dims zeroes the fastest pairs and keeps the slow ones (checked against the RoPE
+  frequencies of a llama3-scaled model, 12 of 16 channels rotated)."""
+  from kvm_jax.nn.llama import Llama, rope_inverse_frequencies
+  cfg = _llama_cfg("kvm", rope_dims=12, options={"kvm": dataclasses.replace(
+      kj.presets.TINY_OPTIONS["kvm"], rope_dims=12)})
+  order = Llama.state_channel_order(cfg, 0)
+  assert sorted(order) == list(range(16)) and list(order[12:]) == [12, 13, 14, 15]
+  inverse = rope_inverse_frequencies(cfg.family_options, 12, cfg.rope_theta)
+  frequency = np.concatenate([inverse, inverse])        # of each channel, rotate-half layout
+  pairs = frequency[np.asarray(order[:12])].reshape(6, 2)
+  assert np.all(pairs[:, 0] == pairs[:, 1])              # partners side by side
+  assert np.all(np.diff(pairs[:, 0]) < 0)                # fastest first
+
+
+# CI: GQA with llama3 scaling, q/k/v biases, Gemma's front end (q/k norms, local/global RoPE),
+# Gemma 2's soft-capped scores in the KVM readout; sliding-window layers in
+# test_kvm_convert_reads_a_transformers_directory.
 @pytest.mark.parametrize("name", in_ci([n for n in FIXTURES if not n.endswith("_tf4")],
-                                       {"llama3_gqa", "qwen2", "gemma3"}))
+                                       {"llama3_gqa", "qwen2", "gemma3", "gemma2_softcap"}))
 def test_conversion_is_exact_inside_the_window(name, loaded):
   """Every layer made kvm with the family's front end: logits equal the source's (float32, 1e-5
   of the largest logit) on sequences up to the exact length (the KVM window of 8 tokens; 8 <
   Mistral's 12), and differ past it, where the state takes over."""
   from kvm_jax.convert import exact_length
   source = loaded[name]
-  kvm = dataclasses.replace(CONVERT_KVM, rope_dims=source.cfg.rope_dims)
+  kvm = _convert_kvm(source)
   converted = kj.convert_to_kvm(source, "all", kvm)
   assert set(converted.cfg.layer_mixers) == {"kvm"}
   assert converted.cfg.family == source.cfg.family
@@ -218,7 +247,7 @@ def test_kvm_convert_reads_a_transformers_directory(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["llama3_gqa", "llama_linear_tied_bias", "qwen2", "qwen3_bf16",
-                                  "mistral_window_sharded", "gemma3"])
+                                  "mistral_window_sharded", "gemma3", "gemma2_softcap"])
 def test_export_writes_back_what_transformers_wrote(tmp_path, name):
   """kvm-import then kvm-export: the same model type, a config.json read back to the same model,
   and exactly transformers' tensors (names, values; a tied head stored once). (Outside CI the
@@ -255,7 +284,7 @@ def test_gemma_global_layers_convert_and_keep_their_rope(loaded):
   """``layers="global"`` picks Gemma's full-attention layer; the kvm layer keeps the global RoPE
   (base and scaling): exact inside the window; a remat scan groups layers by local/global too."""
   source = loaded["gemma3"]
-  kvm = dataclasses.replace(CONVERT_KVM, rope_dims=source.cfg.rope_dims)
+  kvm = _convert_kvm(source)
   converted = kj.convert_to_kvm(source, "global", kvm)
   assert converted.cfg.layer_mixers == ("swa", "swa", "kvm", "swa")
   tokens = jnp.asarray(_reference("gemma3")["tokens"])
@@ -265,6 +294,32 @@ def test_gemma_global_layers_convert_and_keep_their_rope(loaded):
   every = kj.convert_to_kvm(source, "all", kvm)   # one kind, two RoPEs: no one-layer scan group
   features = np.asarray(every.features(tokens, remat="block"))
   np.testing.assert_allclose(features, np.asarray(every.features(tokens)), rtol=0, atol=1e-5)
+
+
+def test_gemma2_decodes_and_packs_documents_as_it_runs_whole(loaded):
+  """Gemma 2 with its global layers converted to kvm (soft-capped scores in the ring decode of
+  its local layers, in the KVM readout of prefill, decode and packed documents, and a soft-capped
+  head): prefill of 31 tokens then 5 decode steps equal the whole-sequence forward, and two
+  packed documents equal each run alone (float32 rounding, 1e-5 of the largest logit)."""
+  source = loaded["gemma2_softcap"]
+  kvm = _convert_kvm(source)
+  model = kj.convert_to_kvm(source, "global", kvm)
+  assert model.cfg.layer_mixers == ("swa", "kvm", "swa", "kvm")
+  tokens = jnp.asarray(_reference("gemma2_softcap")["tokens"][:, :36])
+  whole = np.asarray(model(tokens))
+  atol = 1e-5 * np.max(np.abs(whole))
+  logits, caches = model.prefill(tokens[:, :31], model.init_cache(2, 64))
+  steps = [np.asarray(logits)]
+  step_fn = nnx.jit(lambda m, t, c: m.decode_step(t, c))
+  for t in range(31, 36):
+    step, caches = step_fn(model, tokens[:, t:t + 1], caches)
+    steps.append(np.asarray(step))
+  np.testing.assert_allclose(np.concatenate(steps, 1), whole, rtol=0, atol=atol)
+  ids = jnp.asarray([[1] * 14 + [2] * 22] * 2, jnp.int32)
+  packed = np.asarray(model(tokens, segment_ids=ids))
+  for a, b in ((0, 14), (14, 36)):
+    np.testing.assert_allclose(packed[:, a:b], np.asarray(model(tokens[:, a:b])), rtol=0,
+                               atol=atol)
 
 
 def test_a_family_added_from_outside(tmp_path):
@@ -311,13 +366,14 @@ def test_distillation_against_a_family_teacher(stage, loaded):
   """Gemma-3's conversion (global layer) distilled against the imported Gemma-3 teacher: on
   sequences inside the window the student is the teacher (attention-transfer error and KL zero to
   float32 rounding); on 45 tokens both are positive and the gradient reaches the converted layer's
-  KVM-only parameters (attention transfer: only those train). Gemma rotates every channel, and the
-  state zeroes the rotary ones of its keys (docs/pretrained.md §3): LN_s's scale and the state
-  temperature then get no gradient, which this test records."""
+  KVM-only parameters (attention transfer: only those train), LN_s's scale and the state
+  temperature included: Gemma rotates every channel, and the state keys keep the slower half of
+  the rotary pairs (with every rotary channel zeroed, state keys would be LN_s's bias alone and
+  those two would get no gradient)."""
   from kvm_jax.runs.config import DistillSpec
   from kvm_jax.train import distill
   teacher = loaded["gemma3"]
-  kvm = dataclasses.replace(CONVERT_KVM, rope_dims=teacher.cfg.rope_dims)
+  kvm = _convert_kvm(teacher)
   student = kj.convert_to_kvm(teacher, "global", kvm)
   objective = distill.DistillObjective(
       DistillSpec(stage=stage), nnx.graphdef(teacher),
@@ -340,5 +396,5 @@ def test_distillation_against_a_family_teacher(stage, loaded):
   grads = dict(nnx.to_flat_state(results[45][1]))
   moved = {p[3:] for p in grads if p[:3] == ("blocks", 2, "attn") and p[3] in distill.KVM_ONLY
            and float(jnp.abs(grads[p][...]).max()) > 0}
-  assert {("window_temperature",), ("ln_s", "bias")} <= moved
-  assert ("ln_s", "scale") not in moved and ("state_temperature",) not in moved
+  assert {("window_temperature",), ("ln_s", "bias"), ("ln_s", "scale"),
+          ("state_temperature",)} <= moved

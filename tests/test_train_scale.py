@@ -24,7 +24,8 @@ from flax import nnx
 from kvm_jax import presets
 from kvm_jax.nn.model import LM, layer_period
 from kvm_jax.ops import attention as dense
-from kvm_jax.ops.attention_api import causal_attention, resolve_attention
+from kvm_jax.ops.attention_api import (causal_attention, resolve_attention,
+                                      resolve_attention_backend)
 from kvm_jax.ops.chunked_attention import chunked_attention
 from kvm_jax.ops.loss import IGNORE, sliced_loss_sums
 from kvm_jax.runs.checkpoint import Checkpointer
@@ -100,6 +101,46 @@ def test_chunked_attention_scale_and_bf16():
     assert float(np.max(np.abs(g - w))) <= 3e-2 * scale, name
 
 
+def _softcapped_oracle(q, k, v, window, cap):
+  """Written here: scaled scores, ``cap · tanh(s / cap)``, the causal (window) mask, softmax."""
+  T, G = q.shape[1], q.shape[2] // k.shape[2]
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, G, 2)) / np.sqrt(q.shape[-1])
+  s = cap * jnp.tanh(s / cap)
+  pos = jnp.arange(T)
+  visible = pos[None, :] <= pos[:, None]
+  if window is not None:
+    visible &= pos[None, :] > pos[:, None] - window
+  p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), -1)
+  return jnp.einsum("bhqk,bkhd->bqhd", p, jnp.repeat(v, G, 2))
+
+
+def test_softcapped_attention_equals_a_plain_oracle():
+  """Gemma 2's soft-capped scores (cap 2 against scores of standard deviation ~3, so most are
+  bent) on the dense path, the chunked path over several blocks (its hand-written backward
+  multiplies by 1 - tanh²) and packed documents: values and gradients equal a softmax written
+  here (float32, as the uncapped comparisons above), and differ from the uncapped attention."""
+  q, k, v = _qkv(T=40)
+  q = 3.0 * q
+  cap = 2.0
+  for window in (None, 9):
+    want = _values_and_grads(lambda *a: _softcapped_oracle(*a, window, cap), q, k, v)
+    paths = {"xla": lambda *a: causal_attention(*a, window=window, softcap=cap,
+                                                implementation="xla"),
+             "chunked": lambda *a: chunked_attention(*a, window=window, block=8, softcap=cap)}
+    for path, fn in paths.items():
+      got = _values_and_grads(fn, q, k, v)
+      for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5, err_msg=f"{path} {name} {window}")
+    assert np.max(np.abs(np.asarray(_dense(q, k, v, window)) - want[0])) > 0.1
+  # packed documents: each of the two documents as if alone
+  ids = jnp.asarray([[1] * 17 + [2] * 23] * 2, jnp.int32)
+  got = causal_attention(q, k, v, window=9, softcap=cap, implementation="chunked",
+                         segment_ids=ids)
+  alone = [_softcapped_oracle(q[:, a:b], k[:, a:b], v[:, a:b], 9, cap) for a, b in ((0, 17),
+                                                                                   (17, 40))]
+  np.testing.assert_allclose(got, jnp.concatenate(alone, 1), atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("implementation", ["xla", "chunked", "splash"])
 def test_attention_registry_implementations_equal_dense(implementation):
   """splash runs its Pallas TPU kernel in interpret mode on CPU (T must be a multiple of 128)."""
@@ -129,6 +170,11 @@ def test_attention_registry_resolution_and_errors():
     causal_attention(q, k, v, implementation="cudnn")
   with pytest.raises(ValueError, match="multiple of 128, got 16"):
     causal_attention(q, k, v, implementation="splash")
+  # cuDNN's fused attention cannot soft-cap: "auto" avoids it, asking for it is refused
+  assert resolve_attention_backend("auto", q16, platform="gpu", softcap=50.0).implementation \
+      == "chunked"
+  with pytest.raises(ValueError, match="'cudnn' cannot soft-cap scores"):
+    causal_attention(q, k, v, implementation="cudnn", softcap=50.0)
 
 
 def test_splash_lowers_for_tpu_with_gradients():

@@ -61,7 +61,7 @@ def loss_sums(graphdef, params, inputs, labels, *, remat: str, slice_len: int, c
   features = model.features(inputs, remat, segment_ids=segment_ids)
   return sliced_loss_sums(features, model.head_kernel(), labels,
                           compute_dtype=compute_dtype, slice_len=slice_len,
-                          predictions=predictions)
+                          predictions=predictions, softcap=model.logit_softcap)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -514,6 +514,12 @@ def authors_config_from_model(model: ModelConfig) -> dict:
                         "computes something else (docs/kvm-spec.md §6.9).")
     if k.ln_eps != 1e-5:
       raise ExportError(f"kvm.ln_eps={k.ln_eps}: their LN_s uses 1e-5.")
+    if k.state_zeroed_dims != k.rope_dims:
+      raise ExportError(f"kvm.state_rope_dims={k.state_rope_dims}: their state zeroes every "
+                        f"rotary channel ({k.rope_dims}).")
+    if k.logit_softcap is not None:
+      raise ExportError(f"kvm.logit_softcap={k.logit_softcap}: their readout does not soft-cap "
+                        "scores.")
     out.update(_authors_budget(k))
     out.update(kvm_use_merge_gate_keys=int(k.gate_keys),
                kvm_use_merge_gate_values=int(k.gate_values),

@@ -1,4 +1,5 @@
-"""transformers-format checkpoints of the Llama family (Llama, Qwen2, Qwen3, Mistral), read exactly.
+"""transformers-format checkpoints of the Llama (Llama, Qwen2, Qwen3, Mistral) and Gemma (Gemma 2,
+Gemma 3 text) families, read exactly.
 
 A directory that transformers' ``save_pretrained`` wrote: ``config.json`` in the layout of
 transformers 4.x (``rope_theta``, ``rope_scaling``) or 5.x (``rope_parameters``,
@@ -31,10 +32,10 @@ from kvm_jax.progress import ProgressReport
 # always carry biases (its o_proj never does), Llama and Qwen3 follow ``attention_bias`` for all
 # four, Mistral has none; Qwen3 norms q and k per head; Mistral may slide a window.
 MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
-               "gemma3_text": "gemma"}
+               "gemma2": "gemma", "gemma3_text": "gemma"}
 # Families transformers has that these readers do not (yet) express: refused by name.
 NOT_SUPPORTED = {
-    "gemma": "Gemma 1", "gemma2": "Gemma 2 (attention logit soft-capping)",
+    "gemma": "Gemma 1",
     "gemma3": "the multimodal Gemma 3 (its text model alone, model_type 'gemma3_text', reads)",
     "qwen2_moe": "Qwen2-MoE (mixture of experts)", "qwen3_moe": "Qwen3-MoE (mixture of experts)",
     "mixtral": "Mixtral (mixture of experts)", "llama4": "Llama 4", "phi3": "Phi-3",
@@ -124,7 +125,7 @@ def model_config_from_transformers(config: Mapping, *, dtype: str = "float32") -
     raise ConfigError(f"model_type={model_type!r} is not a family kvm_jax reads (it reads "
                       f"{sorted(MODEL_TYPES)}, and the authors' RWKV7Backbone format).")
   if MODEL_TYPES[model_type] == "gemma":
-    return _gemma_config(config, dtype)
+    return _gemma_config(config, model_type, dtype)
   act = config.get("hidden_act", "silu")
   if act != "silu":
     raise ConfigError(f"config.json: hidden_act={act!r}; the Llama family's MLP is SwiGLU "
@@ -199,12 +200,42 @@ def _gemma_rope(config: Mapping) -> tuple[float, float, dict]:
           _field(local, "rope_theta", float, default=10_000.0, minimum=1.0), fields)
 
 
-def _gemma_config(config: Mapping, dtype: str) -> ModelConfig:
-  """The ModelConfig of a Gemma 3 text model (``Gemma3ForCausalLM``)."""
-  for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-    if config.get(name) is not None:
-      raise ConfigError(f"config.json: {name}={config[name]!r}; logit soft-capping (Gemma 2's) "
-                        "is not supported.")
+def _gemma2_rope(config: Mapping) -> tuple[float, float, dict]:
+  """(theta, theta, {}): Gemma 2 rotates its local and global layers alike, in Llama's layout
+  (``rope_theta``, or one ``rope_parameters`` entry), without scaling."""
+  theta, fields = _rope(config)
+  if fields["rope_scaling"] != "none":
+    raise ConfigError(f"config.json: RoPE scaling {fields['rope_scaling']!r} in a Gemma 2 model "
+                      "is not supported (published Gemma 2 checkpoints have none).")
+  return theta, theta, {}
+
+
+def _gemma_layer_types(config: Mapping, model_type: str, layers: int) -> tuple[str, ...]:
+  """The mixer kind of each layer: ``layer_types``, else the model type's default pattern
+  (Gemma 2: every even layer slides; Gemma 3: every ``sliding_window_pattern``-th is global)."""
+  types = config.get("layer_types")
+  if types is None and model_type == "gemma2":
+    types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+  elif types is None:
+    pattern = _field(config, "sliding_window_pattern", default=6, minimum=1)
+    types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+             for i in range(layers)]
+  if len(types) != layers or any(t not in LAYER_TYPES for t in types):
+    raise ConfigError(f"config.json: layer_types={types!r} must name one of "
+                      f"{sorted(LAYER_TYPES)} for each of the {layers} layers.")
+  return tuple(LAYER_TYPES[t] for t in types)
+
+
+def _softcap(config: Mapping, name: str) -> Optional[float]:
+  """A soft-capping field: None or 0 (off), else a positive cap."""
+  if config.get(name) in (None, 0, 0.0):
+    return None
+  return _field(config, name, float, minimum=0.0)
+
+
+def _gemma_config(config: Mapping, model_type: str, dtype: str) -> ModelConfig:
+  """The ModelConfig of a Gemma 2 (``Gemma2ForCausalLM``) or Gemma 3 text model
+  (``Gemma3ForCausalLM``)."""
   if config.get("use_bidirectional_attention"):
     raise ConfigError("config.json: use_bidirectional_attention=true; kvm_jax's models are "
                       "causal.")
@@ -215,18 +246,11 @@ def _gemma_config(config: Mapping, dtype: str) -> ModelConfig:
     raise ConfigError(f"config.json: hidden_activation={act!r}; Gemma's MLP is GeGLU with "
                       "gelu_pytorch_tanh.")
   layers = _field(config, "num_hidden_layers", minimum=1)
-  head_dim = _field(config, "head_dim", default=256, minimum=1)  # Gemma 3's default
-  types = config.get("layer_types")
-  if types is None:
-    pattern = _field(config, "sliding_window_pattern", default=6, minimum=1)
-    types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-             for i in range(layers)]
-  if len(types) != layers or any(t not in LAYER_TYPES for t in types):
-    raise ConfigError(f"config.json: layer_types={types!r} must name one of "
-                      f"{sorted(LAYER_TYPES)} for each of the {layers} layers.")
-  kinds = tuple(LAYER_TYPES[t] for t in types)
+  head_dim = _field(config, "head_dim", default=256, minimum=1)  # both models' default
+  kinds = _gemma_layer_types(config, model_type, layers)
   window = _field(config, "sliding_window", minimum=1) if "swa" in kinds else None
-  theta, local_theta, rope_fields = _gemma_rope(config)
+  gemma2 = model_type == "gemma2"
+  theta, local_theta, rope_fields = (_gemma2_rope if gemma2 else _gemma_rope)(config)
   options = GemmaOptions(
       intermediate_size=_field(config, "intermediate_size", minimum=1),
       norm_eps=_field(config, "rms_norm_eps", float, minimum=0.0),
@@ -234,6 +258,8 @@ def _gemma_config(config: Mapping, dtype: str) -> ModelConfig:
                                    minimum=0.0),
       local_layers=tuple(i for i, k in enumerate(kinds) if k == "swa"),
       local_rope_theta=local_theta, attention_bias=bool(config.get("attention_bias", False)),
+      qk_norm=not gemma2, attention_softcap=_softcap(config, "attn_logit_softcapping"),
+      final_logit_softcap=_softcap(config, "final_logit_softcapping"),
       initializer_range=_initializer_range(config), **rope_fields)
   return _model_config(config, "gemma", options, kinds, window, theta, dtype, head_dim=head_dim)
 
@@ -344,11 +370,26 @@ def _model_type(cfg: ModelConfig) -> str:
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+
+
+def _gemma_model_type(cfg: ModelConfig) -> str:
+  """"gemma3_text" for a Gemma-family ``cfg`` with q/k norms, else "gemma2" (one RoPE for every
+  layer), or :class:`ExportError`."""
+  o = cfg.family_options
+  if o.qk_norm:
+    return "gemma3_text"
+  if o.local_rope_theta != cfg.rope_theta or o.rope_scaling != "none":
+    raise ExportError("a Gemma model without q/k norms exports as Gemma 2, whose local and "
+                      f"global layers share one RoPE without scaling (local_rope_theta="
+                      f"{o.local_rope_theta}, rope_theta={cfg.rope_theta}, rope_scaling="
+                      f"{o.rope_scaling!r}).")
+  return "gemma2"
 
 
 def _gemma_export_config(cfg: ModelConfig) -> dict:
-  """The Gemma 3 text fields of a Gemma-family ``cfg`` (4.x layout), or :class:`ExportError`."""
+  """The Gemma 2 / Gemma 3 text fields of a Gemma-family ``cfg`` (4.x layout), or
+  :class:`ExportError`."""
   o, kinds = cfg.family_options, cfg.layer_mixers
   if not set(kinds) <= {"full", "swa"}:
     raise ExportError(f"layers {sorted(set(kinds) - {'full', 'swa'})} have no transformers "
@@ -361,16 +402,19 @@ def _gemma_export_config(cfg: ModelConfig) -> dict:
       or cfg.residual_scale not in (None, 1.0) or cfg.rope_dims != cfg.qk_head_dim:
     raise ExportError("cross-layer KV sharing, wider value heads, a residual scale or partial "
                       "RoPE have no transformers format in this family.")
-  return {
+  fields = {
       "layer_types": ["sliding_attention" if k == "swa" else "full_attention" for k in kinds],
       "sliding_window": cfg.options_of("swa").window if local else None,
       "query_pre_attn_scalar": o.query_pre_attn_scalar or cfg.qk_head_dim,
-      "rope_local_base_freq": o.local_rope_theta,
-      "rope_scaling": ({"rope_type": "linear", "factor": o.rope_factor}
-                       if o.rope_scaling == "linear" else None),
       "hidden_activation": "gelu_pytorch_tanh", "attention_bias": o.attention_bias,
-      "tie_word_embeddings": True, "final_logit_softcapping": None,
-      "attn_logit_softcapping": None, "use_bidirectional_attention": False}
+      "tie_word_embeddings": True, "final_logit_softcapping": o.final_logit_softcap,
+      "attn_logit_softcapping": o.attention_softcap}
+  if _gemma_model_type(cfg) == "gemma2":
+    return fields
+  return {**fields, "rope_local_base_freq": o.local_rope_theta,
+          "use_bidirectional_attention": False,
+          "rope_scaling": ({"rope_type": "linear", "factor": o.rope_factor}
+                           if o.rope_scaling == "linear" else None)}
 
 
 def transformers_config_from_model(cfg: ModelConfig, dtype: str,
@@ -380,7 +424,7 @@ def transformers_config_from_model(cfg: ModelConfig, dtype: str,
   if not hasattr(family_of(cfg), "hf_name"):
     raise ExportError(f"family {cfg.family!r} has no transformers format.")
   gemma = isinstance(cfg.family_options, GemmaOptions)
-  model_type = "gemma3_text" if gemma else _model_type(cfg)
+  model_type = _gemma_model_type(cfg) if gemma else _model_type(cfg)
   o = cfg.family_options
   config = {
       "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,

@@ -104,6 +104,9 @@ class AttentionFrontEnd(nnx.Module):
   # Whether ``mix_own`` takes packed documents (a ``documents=`` keyword, see
   # :meth:`kvm_jax.nn.model.LM.__call__`): a kind without it is refused with segment_ids.
   DOCUMENTS: bool = False
+  # Whether the kind soft-caps its scores at ``self.softcap`` (a family's attention soft-cap,
+  # Gemma 2): a kind without it is refused in such a family rather than computing another model.
+  SOFTCAP: bool = True
 
   @classmethod
   def mup_d_in_ratios(cls, cfg: ModelConfig) -> dict:
@@ -125,6 +128,12 @@ class AttentionFrontEnd(nnx.Module):
     pd = cfg.jnp_param_dtype
     stores_kv = self.sources is None
     family = self.family = family_of(cfg)
+    # Scores squashed to (-cap, cap) before the softmax (Gemma 2), or None.
+    self.softcap = family.attention_softcap(cfg)
+    if self.softcap is not None and not self.SOFTCAP:
+      raise ValueError(f"layer {layer}: {self.kind!r} layers do not soft-cap attention scores, "
+                       f"which the {cfg.family!r} family's options ask for (cap "
+                       f"{self.softcap}); use full, swa, bswa or kvm layers there.")
     head_norm = lambda: family.head_norm(cfg, D, rngs) if self.QK_NORM else None
     # Creation order fixes which random key each parameter gets: keep it.
     self.c_q = family.projection(cfg, C, dq, rngs, "q")
@@ -310,7 +319,8 @@ class SoftmaxAttention(AttentionFrontEnd):
     Hkv = k.shape[2]
     parts = document_window_partials(q.reshape(B, T, Hkv, H // Hkv, D), k, v, documents,
                                      self.document_rule(),
-                                     key_scale=D ** -0.5 if scale is None else scale)
+                                     key_scale=D ** -0.5 if scale is None else scale,
+                                     softcap=self.softcap)
     return combine_partials(parts).reshape(B, T, H, v.shape[-1]).astype(q.dtype)
 
   def init_cache(self, batch: int, max_len: int) -> Optional[RingCache]:
@@ -323,9 +333,9 @@ class SoftmaxAttention(AttentionFrontEnd):
     if documents is not None:
       y = self.attend_documents(q, k, v, documents)
     elif decode == RESUME:
-      y, mixer_cache = attn_ops.ring_resume(q, k, v, mixer_cache)
+      y, mixer_cache = attn_ops.ring_resume(q, k, v, mixer_cache, softcap=self.softcap)
     elif decode:
-      y, mixer_cache = attn_ops.ring_decode_step(q, k, v, mixer_cache)
+      y, mixer_cache = attn_ops.ring_decode_step(q, k, v, mixer_cache, softcap=self.softcap)
     else:
       y = self.attend(q, k, v)
       if mixer_cache is not None:

@@ -56,7 +56,8 @@ class BlockSlidingWindowAttention(SoftmaxAttention):
   def attend(self, q, k, v, scale=None):
     o = self.options
     return attn_ops.block_sliding_window_attention(q, k, v, o.chunk_size, o.window_chunks,
-                                                   o.sink_rows, scale=scale)
+                                                   o.sink_rows, scale=scale,
+                                                   softcap=self.softcap)
 
   def ring_geometry(self):
     o = self.options
@@ -75,8 +76,9 @@ class BlockSlidingWindowAttention(SoftmaxAttention):
     Hkv = k.shape[2]
     q5 = q.reshape(B, T, Hkv, H // Hkv, D)
     parts = [document_window_partials(q5, k, v, documents, self.document_rule(),
-                                      key_scale=key_scale)]
+                                      key_scale=key_scale, softcap=self.softcap)]
     if o.sink_rows:
       parts.append(document_sink_partials(q5, k, v, documents, o.sink_rows, o.chunk_size,
-                                          o.window_chunks, key_scale=key_scale))
+                                          o.window_chunks, key_scale=key_scale,
+                                          softcap=self.softcap))
     return combine_partials(*parts).reshape(B, T, H, v.shape[-1]).astype(q.dtype)

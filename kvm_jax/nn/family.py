@@ -16,6 +16,8 @@ relatives, and never test a family's name:
   (Gemma's post-attention and post-feedforward norms), or None;
 * ``query_scale(cfg)``: a constant the queries are multiplied by after RoPE, so that the kinds'
   ``D^-1/2`` scores take the family's scale (1.0 for most);
+* ``attention_softcap(cfg)`` / ``logit_softcap(cfg)``: the cap of attention scores and of the
+  LM head's logits (``cap · tanh(x / cap)``, Gemma 2's soft-capping), or None;
 * ``projection(cfg, n_in, n_out, rngs, role)``: the attention's projections (``role`` "q", "k",
   "v" or "o": biases and initializations differ by role);
 * ``mlp(cfg, layer, rngs)``: the channel mixer, called as ``mlp(x, prev, starts)``;
@@ -23,6 +25,9 @@ relatives, and never test a family's name:
   None), ``tied_head(cfg)`` (the head reads the embedding) and ``head(cfg, rngs)`` (an untied
   head's projection);
 * ``rope(cfg, layer, positions)`` -> tables and ``rotate(x, tables)``: its RoPE style;
+* ``state_channel_order(cfg, layer)``: the permutation of q/k channels that puts rotary pairs
+  first, fastest first (what the KVM state's ``state_rope_dims`` counts in), or None when its
+  layout already is (interleaved RoPE);
 * ``MLP_AXES`` / ``LOGICAL_AXES`` / ``PARAM_GROUPS``: the sharding axes of the 2-D parameters of
   its MLP and of the rest it owns outside the mixers (embedding, head), and their μP/CompleteP
   groups where the default rule is not right (kvm_jax.train.sharding and kvm_jax.train.completep
@@ -68,9 +73,27 @@ class Family:
   def query_scale(cls, cfg: ModelConfig) -> float:
     """Scores are the kinds' own ``D^-1/2`` ones."""
     return 1.0
+
+  @classmethod
+  def state_channel_order(cls, cfg: ModelConfig, layer: int):
+    """Rotary channels come in adjacent pairs, fastest first (interleaved RoPE)."""
+    return None
+
+  @classmethod
+  def attention_softcap(cls, cfg: ModelConfig):
+    """Attention scores are not soft-capped."""
+    return None
+
+  @classmethod
+  def logit_softcap(cls, cfg: ModelConfig):
+    """The LM head's logits are not soft-capped."""
+    return None
+
 _REQUIRED = ("Options", "MLP_AXES", "LOGICAL_AXES", "PARAM_GROUPS", "norm", "head_norm",
-             "layer_key", "post_norm", "query_scale", "projection", "mlp",
+             "layer_key", "post_norm", "query_scale", "attention_softcap", "logit_softcap",
+             "projection", "mlp",
              "embedding", "embedding_norm", "tied_head", "head", "rope", "rotate",
+             "state_channel_order",
              "CHECKPOINT_FORMAT")
 
 

@@ -33,12 +33,12 @@ class FullAttention(SoftmaxAttention):
     return (seq_len + 1) / 2  # token t sees t + 1 keys
 
   def attend(self, q, k, v, scale=None):
-    return causal_attention(q, k, v, scale=scale,
+    return causal_attention(q, k, v, scale=scale, softcap=self.softcap,
                             implementation=self.cfg.attention_implementation)
 
   def attend_documents(self, q, k, v, documents, scale=None):
     """Packed documents through the layer's backend (splash natively; the others on the document
     window path, see :func:`kvm_jax.ops.attention_api.causal_attention`)."""
-    return causal_attention(q, k, v, scale=scale,
+    return causal_attention(q, k, v, scale=scale, softcap=self.softcap,
                             implementation=self.cfg.attention_implementation,
                             segment_ids=documents.segment_ids())

@@ -1,11 +1,13 @@
-"""The Gemma family: Gemma 3's text models as transformers computes them.
+"""The Gemma family: Gemma 2's and Gemma 3's text models as transformers computes them.
 
 Differences from :mod:`kvm_jax.nn.llama`: the embedding is multiplied by √C (rounded to the
 parameter dtype, as transformers does), every RMSNorm multiplies by ``1 + w`` in float32, each
 branch has a norm before and after it (four per block), the MLP is GeGLU with tanh-approximate
-GELU, q and k are RMS-normed per head, scores are scaled by ``query_pre_attn_scalar^-1/2``, the
-head is the embedding's transpose, and local (sliding-window) and global layers rotate with
-different bases (``local_rope_theta``; RoPE scaling applies to the global layers only). Which
+GELU, scores are scaled by ``query_pre_attn_scalar^-1/2``, the head is the embedding's
+transpose, and local (sliding-window) and global layers may rotate with different bases
+(``local_rope_theta``; RoPE scaling applies to the global layers only). Gemma 3 RMS-norms q and
+k per head (``qk_norm``); Gemma 2 instead soft-caps attention scores and the final logits
+(``cap · tanh(x / cap)``: ``attention_softcap``, ``final_logit_softcap``). Which
 layers are local is the family's ``local_layers``; which mixer each layer runs is
 ``ModelConfig.mixers`` (a local layer is ``swa``, a global one ``full``, or either converted to
 ``kvm``, which keeps the layer's RoPE).
@@ -32,7 +34,8 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class GemmaOptions:
-  """Options of the Gemma family (transformers' ``Gemma3TextConfig`` names in brackets).
+  """Options of the Gemma family (transformers' ``Gemma3TextConfig`` / ``Gemma2Config`` names in
+  brackets; the defaults are Gemma 3's).
 
   Attributes:
     intermediate_size: the MLP's hidden width (``intermediate_size``); None: 4 x the width.
@@ -44,6 +47,12 @@ class GemmaOptions:
     local_rope_theta: RoPE base of the local layers (``rope_local_base_freq``).
     rope_scaling / rope_factor: "none" or "linear" RoPE scaling of the global layers.
     attention_bias: biases on the four attention projections (``attention_bias``).
+    qk_norm: per-head (1 + w) RMSNorms of q and k before RoPE (Gemma 3; Gemma 2 has none).
+    attention_softcap: every scaled attention score becomes ``cap · tanh(s / cap)`` before the
+      mask (``attn_logit_softcapping``, Gemma 2: 50), in every layer, ``kvm`` ones included;
+      None: no cap.
+    final_logit_softcap: the LM head's logits become ``cap · tanh(x / cap)``
+      (``final_logit_softcapping``, Gemma 2: 30); None: no cap.
     initializer_range: standard deviation of the weights of a model trained from scratch.
   """
 
@@ -55,6 +64,9 @@ class GemmaOptions:
   rope_scaling: str = "none"
   rope_factor: float = 1.0
   attention_bias: bool = False
+  qk_norm: bool = True
+  attention_softcap: Optional[float] = None
+  final_logit_softcap: Optional[float] = None
   initializer_range: float = 0.02
 
   def __post_init__(self):
@@ -63,8 +75,9 @@ class GemmaOptions:
       check_positive(owner, "intermediate_size", self.intermediate_size, int)
     for name in ("norm_eps", "local_rope_theta", "rope_factor", "initializer_range"):
       check_positive(owner, name, getattr(self, name))
-    if self.query_pre_attn_scalar is not None:
-      check_positive(owner, "query_pre_attn_scalar", self.query_pre_attn_scalar)
+    for name in ("query_pre_attn_scalar", "attention_softcap", "final_logit_softcap"):
+      if getattr(self, name) is not None:
+        check_positive(owner, name, getattr(self, name))
     if self.rope_scaling not in ("none", "linear"):
       raise ValueError(f"GemmaOptions.rope_scaling={self.rope_scaling!r}; choose 'none' or "
                        "'linear'.")
@@ -138,7 +151,15 @@ class Gemma(Llama):
 
   @classmethod
   def head_norm(cls, cfg: ModelConfig, n: int, rngs: nnx.Rngs):
-    return cls.norm(cfg, n, rngs)
+    return cls.norm(cfg, n, rngs) if cfg.family_options.qk_norm else None
+
+  @classmethod
+  def attention_softcap(cls, cfg: ModelConfig) -> Optional[float]:
+    return cfg.family_options.attention_softcap
+
+  @classmethod
+  def logit_softcap(cls, cfg: ModelConfig) -> Optional[float]:
+    return cfg.family_options.final_logit_softcap
 
   @classmethod
   def post_norm(cls, cfg: ModelConfig, n: int, rngs: nnx.Rngs):

@@ -95,7 +95,7 @@ def mix_folded(layer, q, shared: SharedKV, decode: bool, documents=None):
         values=kv_fusion.stack_sources([c.values for c in vc]),
         sink_keys=kv_fusion.stack_sources([c.sink_keys for c in kc]),
         sink_values=kv_fusion.stack_sources([c.sink_values for c in vc]))
-    y, _ = ring_decode_step(q, keys, values, view, scale=scale)
+    y, _ = ring_decode_step(q, keys, values, view, scale=scale, softcap=layer.softcap)
   elif documents is not None:
     y = layer.attend_documents(q, keys, values, documents, scale=scale)
   else:

@@ -4,6 +4,7 @@ W_g and the two key temperatures, over the KVM op of :mod:`kvm_jax.ops.kvm`; its
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
@@ -67,7 +68,26 @@ class KVMAttention(AttentionFrontEnd):
     # a source of a fused-state layer, which replays this layer's state with its routing
     self.exports_routing = any(cfg.shares_state(i) and layer in sum(cfg.kv_sources(i), ())
                                for i in range(cfg.num_layers))
+    if self.softcap is not None:  # the family's cap, so that the window equals its attention
+      if self.options.logit_softcap not in (None, self.softcap):
+        raise ValueError(f"layer {layer}: kvm.logit_softcap={self.options.logit_softcap} "
+                         f"differs from the {cfg.family!r} family's attention soft-cap "
+                         f"{self.softcap}; leave it None (the layer takes the family's).")
+      self.options = dataclasses.replace(self.options, logit_softcap=self.softcap)
     kc = self.options
+    # The op zeroes the leading state_zeroed_dims channels of state keys, counting rotary pairs
+    # fastest first: a family whose RoPE pairs channels otherwise shows q and k to the op in that
+    # order (scores do not depend on the order of channels, so nothing else changes). Zeroing all
+    # rotary channels or none needs no order.
+    self.channel_order = None
+    if kc.state_zeroed_dims not in (0, kc.rope_dims):
+      order = self.family.state_channel_order(cfg, layer)
+      if order is not None and cfg.kv_sharing != "none":
+        raise ValueError(f"kvm.state_rope_dims={kc.state_rope_dims} in the {cfg.family!r} "
+                         "family reorders the KVM layers' q/k channels, which cross-layer KV "
+                         f"sharing (kv_sharing={cfg.kv_sharing!r}) would mix with other layers' "
+                         "order; use kv_sharing='none' or state_rope_dims=None.")
+      self.channel_order = None if order is None else tuple(int(i) for i in order)
     if not self.shares_state:  # a fused state is built by the sources' LN_s and gates
       self.ln_s = layer_norm(cfg, cfg.qk_head_dim, rngs)
       if kc.uses_gate:
@@ -138,6 +158,9 @@ class KVMAttention(AttentionFrontEnd):
     if self.routing_leader is not None:
       routing = shared.exports[self.routing_leader]["routing"]
     g, params = self.merge_gate(x), self.kvm_params()
+    if self.channel_order is not None:
+      order = jnp.asarray(self.channel_order, jnp.int32)
+      q, k = jnp.take(q, order, axis=-1), jnp.take(k, order, axis=-1)
     if documents is not None:
       return self.kvm_documents(q, k, v, g, params, documents, routing), None, {
           "k": k, "v": v, "g": g, "params": params, "cache": None}

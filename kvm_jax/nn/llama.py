@@ -132,6 +132,15 @@ def apply_half_rope(x: Array, cos: Array, sin: Array) -> Array:
   return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
+def half_rope_pair_order(head_dim: int, rope_dims: int) -> np.ndarray:
+  """The channel permutation ``[head_dim]`` that turns the "rotate half" layout (channel i pairs
+  with i + r/2, frequency falling with i) into adjacent pairs, fastest first: ``[0, r/2, 1,
+  r/2 + 1, ...]``, then the unrotated channels in place."""
+  half = rope_dims // 2
+  pairs = np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)
+  return np.concatenate([pairs, np.arange(rope_dims, head_dim)]).astype(np.int32)
+
+
 def normal_init(cfg: ModelConfig):
   """N(0, initializer_range²) in float32, cast to the parameter dtype (transformers' init)."""
   std = cfg.family_options.initializer_range
@@ -215,6 +224,12 @@ class Llama(Family):
   @classmethod
   def rotate(cls, x: Array, tables) -> Array:
     return apply_half_rope(x, *tables)
+
+  @classmethod
+  def state_channel_order(cls, cfg: ModelConfig, layer: int) -> np.ndarray:
+    """Pairs of the "rotate half" layout side by side, fastest first (every scaling rule here
+    keeps the frequencies falling with the channel index)."""
+    return half_rope_pair_order(cfg.qk_head_dim, cfg.rope_dims_of(layer))
 
   # transformers' tensor names: the parts outside the blocks, and a block's parameters by their
   # path inside it ("model.layers.{i}." + the name). A ``kernel`` is the transpose of its

@@ -110,6 +110,9 @@ class LM(nnx.Module):
     self.ln_head = family.norm(cfg, cfg.hidden_size, rngs)
     if not family.tied_head(cfg):
       self.lm_head = family.head(cfg, rngs)
+    # The head's logits squashed to (-cap, cap) (Gemma 2), or None: every head below and the
+    # training losses read it.
+    self.logit_softcap = family.logit_softcap(cfg)
 
   def check_tokens(self, tokens):
     """A clear ValueError for ids that are not ``[batch, time]``, hold no token, or lie outside
@@ -238,7 +241,8 @@ class LM(nnx.Module):
 
   def logits(self, features: Array) -> Array:
     """The LM head: ``[..., C]`` hidden states -> float32 logits ``[..., V]``."""
-    return head_logits(features, self.head_kernel(), self.cfg.compute_dtype)
+    return head_logits(features, self.head_kernel(), self.cfg.compute_dtype,
+                       self.logit_softcap)
 
   def features(self, tokens: Array, remat: str = "none", *,
                segment_ids: Optional[Array] = None) -> Array:

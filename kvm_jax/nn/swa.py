@@ -52,12 +52,14 @@ class SlidingWindowAttention(SoftmaxAttention):
 
   def attend(self, q, k, v, scale=None):
     return causal_attention(q, k, v, window=self.options.window, scale=scale,
+                            softcap=self.softcap,
                             implementation=self.cfg.attention_implementation)
 
   def attend_documents(self, q, k, v, documents, scale=None):
     """Packed documents through the layer's backend (splash natively; the others on the document
     window path, see :func:`kvm_jax.ops.attention_api.causal_attention`)."""
     return causal_attention(q, k, v, window=self.options.window, scale=scale,
+                            softcap=self.softcap,
                             implementation=self.cfg.attention_implementation,
                             segment_ids=documents.segment_ids())
 

@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvm_jax.ops.common import (batch_rows, fill_ring, joint_attention, ring_positions, to_chunks,
-                                tree_nbytes, window_mask, window_stack, write_ring)
+from kvm_jax.ops.common import (MASKED, batch_rows, fill_ring, joint_attention, ring_positions,
+                                soft_capped, to_chunks, tree_nbytes, window_mask, window_stack,
+                                write_ring)
 
 Array = jax.Array
 
@@ -39,22 +40,48 @@ def _dot_product_attention(q: Array, k: Array, v: Array, scale: Optional[float],
   return jax.nn.dot_product_attention(pad(q), pad(k), pad(v), scale=scale, **kwargs)[..., :Dv]
 
 
+def softcapped_attention(q: Array, k: Array, v: Array, window: Optional[int],
+                         scale: Optional[float], softcap: float) -> Array:
+  """Dense causal attention whose scaled scores are soft-capped (``cap · tanh(s / cap)``,
+  Gemma 2) before the mask, which ``jax.nn.dot_product_attention`` cannot do: ``[T, T]`` float32
+  scores, the yardstick of the chunked path. Shapes as :func:`full_attention`."""
+  B, T, H, D = q.shape
+  Hkv = k.shape[2]
+  scale = 1.0 / np.sqrt(D) if scale is None else scale
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", q.reshape(B, T, Hkv, H // Hkv, D), k,
+                 preferred_element_type=jnp.float32) * scale
+  position = np.arange(T)
+  visible = position[None, :] <= position[:, None]
+  if window is not None:
+    visible &= position[None, :] > position[:, None] - window
+  p = jax.nn.softmax(jnp.where(visible, soft_capped(s, softcap), MASKED), axis=-1)
+  y = jnp.einsum("bhgqk,bkhv->bqhgv", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return y.reshape(B, T, H, v.shape[-1]).astype(q.dtype)
+
+
 def full_attention(q: Array, k: Array, v: Array, scale: Optional[float] = None,
-                   implementation: Optional[str] = None) -> Array:
+                   implementation: Optional[str] = None, softcap: Optional[float] = None
+                   ) -> Array:
   """Causal attention over all previous tokens (``jax.nn.dot_product_attention``; no dense mask
   built here).
 
   ``scale``: softmax scale (default ``1/sqrt(D)``; folded cross-layer fusion stacks sources along
   D and passes the scale of one source's head dim). ``implementation``: that function's "xla"
-  (dense scores) or "cudnn"; None lets it choose.
+  (dense scores) or "cudnn"; None lets it choose. ``softcap``: soft-capped scores
+  (:func:`softcapped_attention`, dense XLA only).
   """
+  if softcap is not None:
+    return softcapped_attention(q, k, v, None, scale, softcap)
   return _dot_product_attention(q, k, v, scale, is_causal=True, implementation=implementation)
 
 
 def sliding_window_attention(q: Array, k: Array, v: Array, window: int,
                              scale: Optional[float] = None,
-                             implementation: Optional[str] = None) -> Array:
+                             implementation: Optional[str] = None,
+                             softcap: Optional[float] = None) -> Array:
   """Causal attention over the last ``window`` tokens (the query's own token included)."""
+  if softcap is not None:
+    return softcapped_attention(q, k, v, window, scale, softcap)
   return _dot_product_attention(q, k, v, scale, is_causal=True,
                                 local_window_size=(window - 1, 0), implementation=implementation)
 
@@ -68,7 +95,8 @@ def _scale_as_temperature(scale: Optional[float], q: Array, Hkv: int) -> Array:
 
 def block_sliding_window_attention(q: Array, k: Array, v: Array, chunk_size: int,
                                    window_chunks: int, sink_rows: int = 0,
-                                   scale: Optional[float] = None) -> Array:
+                                   scale: Optional[float] = None,
+                                   softcap: Optional[float] = None) -> Array:
   """Block sliding window with sinks; every chunk is independent, so no scan is needed."""
   B, T, H, D = q.shape
   Hkv = k.shape[2]
@@ -88,7 +116,7 @@ def block_sliding_window_attention(q: Array, k: Array, v: Array, chunk_size: int
     begin = (c - nb + 1) * C
     sink_valid = (jnp.arange(S) < sink_rows) & (jnp.arange(S) < begin)  # not already in window
     return joint_attention(qc, sink_k, sink_v, sink_valid[None, :], wk, wv,
-                           window_mask(c, C, nb), temp, temp)
+                           window_mask(c, C, nb), temp, temp, softcap)
 
   y = jax.vmap(one_chunk, out_axes=1)(jnp.arange(nC), q_c, win_k, win_v)
   return y.reshape(B, nC * C, H, -1)[:, :T].astype(q.dtype)
@@ -177,9 +205,11 @@ def ring_prefill(k: Array, v: Array, cache: RingCache) -> RingCache:
 
 @jax.jit
 def ring_decode_step(q_t: Array, k_t: Array, v_t: Array, cache: RingCache,
-                     scale: Optional[float] = None) -> tuple[Array, RingCache]:
+                     scale: Optional[float] = None, softcap: Optional[float] = None
+                     ) -> tuple[Array, RingCache]:
   """One token per row, each at its own position ``cache.length[b]``: ``q_t [B,1,H,D]``,
-  ``k_t [B,1,Hkv,D]``, ``v_t [B,1,Hkv,Dv]`` -> ``y [B,1,H,Dv]``."""
+  ``k_t [B,1,Hkv,D]``, ``v_t [B,1,Hkv,Dv]`` -> ``y [B,1,H,Dv]`` (``softcap``: soft-capped
+  scores, as in prefill)."""
   B, _, H, D = q_t.shape
   Hkv = k_t.shape[2]
   t = batch_rows(cache.length, B)                                             # [B]
@@ -203,7 +233,7 @@ def ring_decode_step(q_t: Array, k_t: Array, v_t: Array, cache: RingCache,
     state_valid = jnp.zeros((1, 1), bool)
   temp = _scale_as_temperature(scale, q_t, Hkv)
   y = joint_attention(q_t.reshape(B, 1, Hkv, H // Hkv, D), state_k, state_v, state_valid, keys,
-                      values, window_valid, temp, temp)
+                      values, window_valid, temp, temp, softcap)
   y = jnp.where((t < cache.max_len)[:, None, None, None], y.reshape(B, 1, H, -1), jnp.nan)
   return y.astype(q_t.dtype), dataclasses.replace(cache, keys=keys, values=values,
                                                   sink_keys=sink_keys, sink_values=sink_values,
@@ -212,7 +242,8 @@ def ring_decode_step(q_t: Array, k_t: Array, v_t: Array, cache: RingCache,
 
 @jax.jit
 def ring_resume(q: Array, k: Array, v: Array, cache: RingCache,
-                scale: Optional[float] = None) -> tuple[Array, RingCache]:
+                scale: Optional[float] = None, softcap: Optional[float] = None
+                ) -> tuple[Array, RingCache]:
   """``W`` more tokens per row, in parallel, each row continuing from its own length
   ``cache.length[b]``: ``q [B,W,H,D]``, ``k [B,W,Hkv,D]``, ``v [B,W,Hkv,Dv]`` -> ``y [B,W,H,Dv]``
   and the cache after them. The same attention as ``W`` :func:`ring_decode_step` calls: each
@@ -249,7 +280,7 @@ def ring_resume(q: Array, k: Array, v: Array, cache: RingCache,
     state_valid = jnp.zeros((1, 1), bool)
   temp = _scale_as_temperature(scale, q, Hkv)
   y = joint_attention(q.reshape(B, W, Hkv, H // Hkv, D), state_k, state_v, state_valid, keys,
-                      values, window_valid, temp, temp)
+                      values, window_valid, temp, temp, softcap)
   y = jnp.where((query_pos < cache.max_len)[..., None, None], y.reshape(B, W, H, -1), jnp.nan)
   # The ring keeps the last `slots` positions; only the piece's last min(W, slots) tokens can be
   # among them (their slots are distinct), written over what they replace.

@@ -72,15 +72,18 @@ class AttentionBackend:
 
 def resolve_attention_backend(implementation: str, q: Array, *, platform: Optional[str] = None,
                               interpret: Optional[bool] = None,
-                              shard_axes: Optional[ShardAxes] = None) -> AttentionBackend:
+                              shard_axes: Optional[ShardAxes] = None,
+                              softcap: Optional[float] = None) -> AttentionBackend:
   """The one place softmax attention's backend is decided, for queries ``q`` (``[B, T, H, D]``;
   only shape and dtype are read) on ``platform`` (default: this machine's,
   :func:`kvm_jax.ops.common.current_platform`).
 
   "auto" takes cudnn on GPU for bf16/fp16 heads of a size cuDNN supports, splash on TPU when T is
-  a multiple of 128, otherwise dense XLA up to one block and the chunked path beyond. Raises
-  ValueError naming the bad value for an unknown implementation and for requests the chosen
-  kernel cannot serve (cudnn with float32, splash with T not a multiple of 128)."""
+  a multiple of 128, otherwise dense XLA up to one block and the chunked path beyond; with
+  soft-capped scores (``softcap``, Gemma 2), which cuDNN's fused attention cannot compute, never
+  cudnn. Raises ValueError naming the bad value for an unknown implementation and for requests
+  the chosen kernel cannot serve (cudnn with float32 or a soft-cap, splash with T not a multiple
+  of 128)."""
   if implementation not in ATTENTION_IMPLEMENTATIONS:
     raise ValueError(f"attention implementation {implementation!r} is unknown; choose from "
                      f"{ATTENTION_IMPLEMENTATIONS}.")
@@ -88,7 +91,8 @@ def resolve_attention_backend(implementation: str, q: Array, *, platform: Option
   T, D = q.shape[1], q.shape[3]
   impl = implementation
   if impl == "auto":
-    if platform in ("gpu", "cuda") and q.dtype in _HALF_PRECISION and D <= 256 and D % 8 == 0:
+    if (platform in ("gpu", "cuda") and q.dtype in _HALF_PRECISION and D <= 256 and D % 8 == 0
+        and softcap is None):
       impl = "cudnn"
     elif platform == "tpu" and T % 128 == 0:
       impl = "splash"
@@ -96,6 +100,9 @@ def resolve_attention_backend(implementation: str, q: Array, *, platform: Option
       # Up to one block the chunked path computes exactly the dense scores, only slower (loops
       # that XLA cannot fuse across): short sequences take the dense path.
       impl = "xla" if T <= DEFAULT_BLOCK else "chunked"
+  if impl == "cudnn" and softcap is not None:
+    raise ValueError(f"attention implementation 'cudnn' cannot soft-cap scores (softcap="
+                     f"{softcap}); use 'chunked', 'tokamax' or 'auto'.")
   if impl == "cudnn" and q.dtype not in _HALF_PRECISION:
     raise ValueError(f"attention implementation 'cudnn' needs bfloat16 or float16 inputs, got "
                      f"{q.dtype}; use 'chunked' (or 'auto') for float32.")
@@ -126,7 +133,8 @@ def runs_pallas(implementation: str, platform: Optional[str] = None) -> bool:
 def causal_attention(q: Array, k: Array, v: Array, *, window: Optional[int] = None,
                      scale: Optional[float] = None, implementation: str = "auto",
                      interpret: Optional[bool] = None,
-                     segment_ids: Optional[Array] = None) -> Array:
+                     segment_ids: Optional[Array] = None,
+                     softcap: Optional[float] = None) -> Array:
   """Causal attention of ``q`` over ``k``/``v`` (``window``: the last ``window`` tokens only).
 
   Args:
@@ -143,36 +151,39 @@ def causal_attention(q: Array, k: Array, v: Array, *, window: Optional[int] = No
       memory, so those implementations, and chunked, run the document window path instead
       (:func:`kvm_jax.ops.documents.document_attention`: blocks of queries against the keys in
       reach, plain XLA, O(T · (block + window)) memory).
+    softcap: None, or every scaled score becomes ``cap · tanh(score / cap)`` before the mask
+      (Gemma 2's ``attn_logit_softcapping``); every implementation but cudnn computes it.
   Returns:
     ``[B, T, H, Dv]`` in ``q.dtype``.
   """
-  be = resolve_attention_backend(implementation, q, interpret=interpret)
+  be = resolve_attention_backend(implementation, q, interpret=interpret, softcap=softcap)
   impl = be.implementation
   if segment_ids is not None:
     check_segment_ids(segment_ids, q.shape[:2], "causal_attention")
     if impl == "splash":
-      return _splash(q, k, v, window, scale, be, segment_ids=segment_ids)
+      return _splash(q, k, v, window, scale, be, segment_ids=segment_ids, softcap=softcap)
     rule = WindowRule("causal") if window is None else WindowRule("sliding", window=window)
-    return document_attention(q, k, v, segment_ids, rule, scale=scale)
+    return document_attention(q, k, v, segment_ids, rule, scale=scale, softcap=softcap)
   if impl in ("xla", "cudnn"):  # jax.nn.dot_product_attention's own two implementations
     if window is None:
-      return dense.full_attention(q, k, v, scale=scale, implementation=impl)
-    return dense.sliding_window_attention(q, k, v, window, scale=scale, implementation=impl)
+      return dense.full_attention(q, k, v, scale=scale, implementation=impl, softcap=softcap)
+    return dense.sliding_window_attention(q, k, v, window, scale=scale, implementation=impl,
+                                          softcap=softcap)
   if impl == "chunked":
-    return chunked_attention(q, k, v, window=window, scale=scale)
+    return chunked_attention(q, k, v, window=window, scale=scale, softcap=softcap)
   if impl == "tokamax":
-    return _tokamax(q, k, v, window, scale)
-  return _splash(q, k, v, window, scale, be)
+    return _tokamax(q, k, v, window, scale, softcap)
+  return _splash(q, k, v, window, scale, be, softcap=softcap)
 
 
-def _tokamax(q, k, v, window, scale):
+def _tokamax(q, k, v, window, scale, softcap):
   tokamax = import_tokamax("attention implementation 'tokamax' (or use 'auto')")
   local = None if window is None else (window - 1, 0)
   return tokamax.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
-                                       scale=scale)
+                                       scale=scale, logits_soft_cap=softcap)
 
 
-def _splash(q, k, v, window, scale, be: AttentionBackend, segment_ids=None):
+def _splash(q, k, v, window, scale, be: AttentionBackend, segment_ids=None, softcap=None):
   """Splash attention: the MQA kernel per (batch row, KV head) over its group of query heads.
   ``segment_ids``: packed documents, as splash's own ``SegmentIds`` (one id per document and
   per padding token, so that a padding token sees only itself)."""
@@ -193,7 +204,8 @@ def _splash(q, k, v, window, scale, be: AttentionBackend, segment_ids=None):
 
   def kernel():
     return splash.make_splash_mqa(splash.MultiHeadMask([one] * G), block_sizes=blocks,
-                                  head_shards=1, q_seq_shards=1, interpret=be.interpret)
+                                  attn_logits_soft_cap=softcap, head_shards=1, q_seq_shards=1,
+                                  interpret=be.interpret)
 
   def run(qh, kh, vh):
     return (jax.vmap(jax.vmap(kernel()))(qh, kh, vh),)                         # [B,Hkv,G,T,Dv]

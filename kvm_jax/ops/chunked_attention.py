@@ -23,6 +23,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from kvm_jax.ops.common import soft_capped
+
 Array = jax.Array
 
 DEFAULT_BLOCK = 512
@@ -30,7 +32,8 @@ _NEG = -1e30  # finite "minus infinity": exp(_NEG - m) underflows to 0 without i
 
 
 def chunked_attention(q: Array, k: Array, v: Array, *, window: Optional[int] = None,
-                      scale: Optional[float] = None, block: int = DEFAULT_BLOCK) -> Array:
+                      scale: Optional[float] = None, block: int = DEFAULT_BLOCK,
+                      softcap: Optional[float] = None) -> Array:
   """Causal attention; ``window`` = w restricts query p to keys (p - w, p] (None: all of [0, p]).
 
   Args:
@@ -39,6 +42,8 @@ def chunked_attention(q: Array, k: Array, v: Array, *, window: Optional[int] = N
     scale: softmax scale (default ``1/sqrt(D)``).
     block: query and key block length; sequences are padded to a multiple of it (a sequence no
       longer than ``block`` is one block).
+    softcap: None, or scaled scores become ``cap · tanh(score / cap)`` (Gemma 2); the backward
+      pass multiplies their gradients by the derivative ``1 - tanh²``.
   Returns:
     ``[B, T, H, Dv]`` in ``q.dtype``.
   """
@@ -53,8 +58,11 @@ def chunked_attention(q: Array, k: Array, v: Array, *, window: Optional[int] = N
     raise ValueError(f"chunked_attention: window must be >= 1, got {window}.")
   if block < 1:
     raise ValueError(f"chunked_attention: block must be >= 1, got {block}.")
+  if softcap is not None and not softcap > 0:
+    raise ValueError(f"chunked_attention: softcap must be positive or None, got {softcap}.")
   scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-  return _attention(q, k, v, window, scale, min(block, T))
+  return _attention(q, k, v, window, (scale, None if softcap is None else float(softcap)),
+                    min(block, T))
 
 
 # -- layout helpers ----------------------------------------------------------------------------
@@ -97,13 +105,16 @@ def _mask(i, j, block: int, T: int, window: Optional[int]) -> Array:
   return ok
 
 
-def _scores(qb: Array, kb: Array, scale: float) -> Array:
-  """``qb [B, bq, Hkv, G, D]``, ``kb [B, bk, Hkv, D]`` -> ``[B, Hkv, G, bq, bk]`` float32."""
-  return jnp.einsum("bqhgd,bkhd->bhgqk", qb, kb, preferred_element_type=jnp.float32) * scale
+def _scores(qb: Array, kb: Array, scaling) -> Array:
+  """``qb [B, bq, Hkv, G, D]``, ``kb [B, bk, Hkv, D]`` -> ``[B, Hkv, G, bq, bk]`` float32,
+  scaled and soft-capped (``scaling`` = (scale, softcap or None))."""
+  scale, softcap = scaling
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", qb, kb, preferred_element_type=jnp.float32) * scale
+  return soft_capped(s, softcap)
 
 
 # -- forward -----------------------------------------------------------------------------------
-def _forward(q, k, v, window, scale, block):
+def _forward(q, k, v, window, scaling, block):
   B, T, H, D = q.shape
   Hkv, Dv = k.shape[2], v.shape[-1]
   G = H // Hkv
@@ -116,7 +127,7 @@ def _forward(q, k, v, window, scale, block):
 
     def visit(j, carry):
       m, l, acc = carry
-      s = jnp.where(_mask(i, j, block, T, window), _scores(qb, ks[j], scale), _NEG)
+      s = jnp.where(_mask(i, j, block, T, window), _scores(qb, ks[j], scaling), _NEG)
       m_new = jnp.maximum(m, s.max(-1))
       p = jnp.exp(s - m_new[..., None])
       alpha = jnp.exp(m - m_new)
@@ -138,18 +149,19 @@ def _forward(q, k, v, window, scale, block):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q, k, v, window, scale, block):
-  return _forward(q, k, v, window, scale, block)[0]
+def _attention(q, k, v, window, scaling, block):
+  return _forward(q, k, v, window, scaling, block)[0]
 
 
-def _attention_fwd(q, k, v, window, scale, block):
-  out, lse = _forward(q, k, v, window, scale, block)
+def _attention_fwd(q, k, v, window, scaling, block):
+  out, lse = _forward(q, k, v, window, scaling, block)
   return out, (q, k, v, out, lse)
 
 
 # -- backward ----------------------------------------------------------------------------------
-def _attention_bwd(window, scale, block, residuals, d_out):
+def _attention_bwd(window, scaling, block, residuals, d_out):
   q, k, v, out, lse = residuals
+  scale, softcap = scaling
   B, T, H, D = q.shape
   Hkv, Dv = k.shape[2], v.shape[-1]
   G = H // Hkv
@@ -163,10 +175,14 @@ def _attention_bwd(window, scale, block, residuals, d_out):
 
   def block_grads(i, j):
     """Probabilities and score gradients of query block i against key block j."""
-    s = jnp.where(_mask(i, j, block, T, window), _scores(qs[i], ks[j], scale), _NEG)
+    capped = _scores(qs[i], ks[j], scaling)
+    s = jnp.where(_mask(i, j, block, T, window), capped, _NEG)
     p = jnp.exp(s - lse[i][..., None])                                # [B, Hkv, G, bq, bk]
     dp = jnp.einsum("bqhgd,bkhd->bhgqk", dos[i], vs[j], preferred_element_type=jnp.float32)
-    return p, p * (dp - deltas[i][..., None])
+    ds = p * (dp - deltas[i][..., None])
+    if softcap is not None:  # d(cap·tanh(s/cap))/ds = 1 - tanh², and tanh = capped / cap
+      ds = ds * (1.0 - jnp.square(capped / softcap))
+    return p, ds
 
   def dq_block(i):
     def visit(j, dq):

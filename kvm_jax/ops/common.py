@@ -7,6 +7,7 @@
 * matmul helpers and a float32 LayerNorm;
 * :func:`joint_attention`, one softmax over ``[extra rows ; exact window]``: the KVM readout
   (rows = state) and the block sliding window with sinks (rows = sink tokens);
+* :func:`soft_capped`: scores squashed into ``(-cap, cap)`` (Gemma 2's attention soft-capping);
 * chunking: a sequence cut into chunks, the exact window of each chunk, and its causal mask.
 
 Token tensors use the public layout ``[batch, time, heads, dim]``.
@@ -22,6 +23,15 @@ Array = jax.Array
 # A finite "minus infinity" for masked scores: a fully masked row gives zeros, never NaN
 # gradients. The Pallas readout uses the same constant, so both paths mask identically.
 MASKED = -1e30
+
+
+def soft_capped(scores: Array, cap) -> Array:
+  """``cap · tanh(scores / cap)``, or ``scores`` when ``cap`` is None: the soft-capping of
+  attention scores (Gemma 2's ``attn_logit_softcapping``) and of LM logits (its
+  ``final_logit_softcapping``), applied after the softmax scale and before any mask."""
+  if cap is None:
+    return scores
+  return jnp.tanh(scores / cap) * cap
 
 
 def current_platform() -> str:
@@ -143,7 +153,7 @@ def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
 
 def joint_attention(q: Array, state_keys: Array, state_values: Array, state_valid: Array,
                     window_keys: Array, window_values: Array, window_valid: Array,
-                    state_temp: Array, window_temp: Array) -> Array:
+                    state_temp: Array, window_temp: Array, softcap=None) -> Array:
   """One softmax over [state rows ; exact window], token-major (see :func:`joint_attention_heads`
   for the math).
 
@@ -156,19 +166,21 @@ def joint_attention(q: Array, state_keys: Array, state_values: Array, state_vali
     window_keys / window_values: ``[B, W, Hkv, D]`` / ``[B, W, Hkv, Dv]``.
     window_valid: bool ``[Tq, W]`` (or broadcastable), the causal/window mask.
     state_temp / window_temp: float32 ``[Hkv, G]`` key temperatures.
+    softcap: None, or every scaled score becomes ``cap · tanh(score / cap)`` before the mask
+      (:func:`soft_capped`).
   Returns:
     ``[B, Tq, Hkv, G, Dv]`` float32.
   """
   y = joint_attention_heads(jnp.transpose(q, (0, 2, 3, 1, 4)), state_keys, state_values,
                             state_valid, jnp.transpose(window_keys, (0, 2, 1, 3)),
                             jnp.transpose(window_values, (0, 2, 1, 3)), window_valid, state_temp,
-                            window_temp)
+                            window_temp, softcap)
   return jnp.transpose(y, (0, 3, 1, 2, 4))
 
 
 def joint_attention_heads(q: Array, state_keys: Array, state_values: Array, state_valid: Array,
                           window_keys: Array, window_values: Array, window_valid: Array,
-                          state_temp: Array, window_temp: Array) -> Array:
+                          state_temp: Array, window_temp: Array, softcap=None) -> Array:
   """:func:`joint_attention` in head-major layout: ``q [B, Hkv, G, Tq, D]``, window keys / values
   ``[B, Hkv, W, ·]`` -> ``[B, Hkv, G, Tq, Dv]`` float32 (the scan prepares this layout once per
   sequence instead of transposing every chunk).
@@ -184,7 +196,8 @@ def joint_attention_heads(q: Array, state_keys: Array, state_values: Array, stat
   B, Hkv, G, Tq, D = q.shape
   if Tq == 1:  # a decode step: scaling scores is the cheaper side, and no concatenation
     return _joint_attention_one_query(q, state_keys, state_values, state_valid, window_keys,
-                                      window_values, window_valid, state_temp, window_temp)
+                                      window_values, window_valid, state_temp, window_temp,
+                                      softcap)
   dtype = q.dtype
   precision = precision_for(dtype)
   R, W = state_keys.shape[2], window_keys.shape[2]
@@ -195,8 +208,8 @@ def joint_attention_heads(q: Array, state_keys: Array, state_values: Array, stat
   keys = jnp.concatenate([state_keys.astype(f32)[:, :, None] * per_head(state_temp),
                           window_keys.astype(f32)[:, :, None] * per_head(window_temp)],
                          axis=3).astype(dtype)                                 # [B,Hkv,G,R+W,D]
-  s = jnp.einsum("bhgqd,bhgkd->bhgqk", mm(q), mm(keys), precision=precision,
-                 preferred_element_type=f32)
+  s = soft_capped(jnp.einsum("bhgqd,bhgkd->bhgqk", mm(q), mm(keys), precision=precision,
+                             preferred_element_type=f32), softcap)
   lead = np.broadcast_shapes(np.shape(state_valid)[:-2], np.shape(window_valid)[:-2])
   valid = jnp.concatenate([jnp.broadcast_to(state_valid, lead + (Tq, R)),
                            jnp.broadcast_to(window_valid, lead + (Tq, W))], axis=-1)
@@ -219,7 +232,8 @@ def joint_attention_heads(q: Array, state_keys: Array, state_values: Array, stat
 
 
 def _joint_attention_one_query(q, state_keys, state_values, state_valid, window_keys,
-                               window_values, window_valid, state_temp, window_temp):
+                               window_values, window_valid, state_temp, window_temp,
+                               softcap=None):
   """:func:`joint_attention_heads` for one query per head (a decode step): the temperatures
   multiply the ``Tq·(R+W)`` scores instead of the ``(R+W)·D`` keys, and the state and the window
   are scored apart, so a step reads the cache once and writes no scaled copy of it. Same math;
@@ -235,6 +249,7 @@ def _joint_attention_one_query(q, state_keys, state_values, state_valid, window_
                        precision=precision, preferred_element_type=f32) * scale(state_temp)
   s_window = jnp.einsum("bhgqd,bhwd->bhgqw", mm(q), mm(window_keys.astype(dtype)),
                         precision=precision, preferred_element_type=f32) * scale(window_temp)
+  s_state, s_window = soft_capped(s_state, softcap), soft_capped(s_window, softcap)
   s_state = jnp.where(jnp.broadcast_to(state_valid, np.shape(state_valid)[:-2] + (Tq, R)),
                       s_state, MASKED)
   s_window = jnp.where(jnp.broadcast_to(window_valid, np.shape(window_valid)[:-2] + (Tq, W)),

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvm_jax.ops.common import MASKED, is_concrete, matmul_operand, precision_for
+from kvm_jax.ops.common import MASKED, is_concrete, matmul_operand, precision_for, soft_capped
 
 Array = jax.Array
 
@@ -169,7 +169,7 @@ def combine_partials(*parts: Partials) -> Array:
 
 def document_window_partials(q: Array, k: Array, v: Array, docs: Documents, rule: WindowRule, *,
                              key_scale: Array | float = 1.0, block: int = 128,
-                             queries: Optional[Array] = None) -> Partials:
+                             queries: Optional[Array] = None, softcap=None) -> Partials:
   """Softmax attention of every query over the keys of its own document that ``rule`` lets it
   see, as :class:`Partials`.
 
@@ -188,6 +188,8 @@ def document_window_partials(q: Array, k: Array, v: Array, docs: Documents, rule
       before their document's state). A block of queries holding none of them, in any row, is
       skipped (``lax.cond``) and gives max ``MASKED``, sum 1 and values 0 there: finite, with
       zero gradients, for a caller that selects other outputs at those queries.
+    softcap: None, or scaled scores become ``cap · tanh(score / cap)`` before the mask
+      (:func:`kvm_jax.ops.common.soft_capped`).
   Returns:
     :class:`Partials` of shape ``[B, T, Hkv, G(, Dv)]``; every valid or padding query sees at
     least its own key.
@@ -226,7 +228,7 @@ def document_window_partials(q: Array, k: Array, v: Array, docs: Documents, rule
     keys = (kb.astype(jnp.float32)[:, :, :, None] * scale[None, None, :, :, None]).astype(dtype)
     s = jnp.einsum("bqhgd,bshgd->bhgqs", matmul_operand(qb), matmul_operand(keys),
                    precision=precision, preferred_element_type=jnp.float32)
-    s = jnp.where(sees[:, None, None], s, MASKED)
+    s = jnp.where(sees[:, None, None], soft_capped(s, softcap), MASKED)
     top = jax.lax.stop_gradient(jnp.max(s, axis=-1))
     p = jnp.exp(s - top[..., None])
     acc = jnp.einsum("bhgqs,bshv->bhgqv", matmul_operand(p.astype(v.dtype)), matmul_operand(vb),
@@ -251,22 +253,25 @@ def document_window_partials(q: Array, k: Array, v: Array, docs: Documents, rule
 
 
 def document_attention(q: Array, k: Array, v: Array, segment_ids: Array, rule: WindowRule, *,
-                       scale: Optional[float] = None, block: int = 128) -> Array:
+                       scale: Optional[float] = None, block: int = 128,
+                       softcap: Optional[float] = None) -> Array:
   """Softmax attention of ``q [B, T, H, D]`` over keys ``k [B, T, Hkv, D]`` / values
   ``[B, T, Hkv, Dv]`` of the query's own document within ``rule``'s window: ``[B, T, H, Dv]`` in
-  ``q``'s dtype. Each document gets exactly what it would get run alone."""
+  ``q``'s dtype (``softcap``: soft-capped scores). Each document gets exactly what it would get
+  run alone."""
   B, T, H, D = q.shape
   Hkv = k.shape[2]
   check_segment_ids(segment_ids, (B, T), "document_attention")
   scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
   parts = document_window_partials(q.reshape(B, T, Hkv, H // Hkv, D), k, v,
-                                   documents(segment_ids), rule, key_scale=scale, block=block)
+                                   documents(segment_ids), rule, key_scale=scale, block=block,
+                                   softcap=softcap)
   return combine_partials(parts).reshape(B, T, H, v.shape[-1]).astype(q.dtype)
 
 
 def document_sink_partials(q: Array, k: Array, v: Array, docs: Documents, sink_rows: int,
                            chunk: int, window_chunks: int, *,
-                           key_scale: Array | float = 1.0) -> Partials:
+                           key_scale: Array | float = 1.0, softcap=None) -> Partials:
   """Block sliding-window attention's sinks on packed documents, as :class:`Partials`: every
   query also sees the first ``sink_rows`` tokens of its own document while they lie before its
   window (document position below ``(p // chunk - window_chunks + 1)·chunk``); inside the window
@@ -286,7 +291,7 @@ def document_sink_partials(q: Array, k: Array, v: Array, docs: Documents, sink_r
   keys = (sink_k.astype(jnp.float32)[:, :, :, :, None] * scale[:, :, None]).astype(q.dtype)
   s = jnp.einsum("bqhgd,bqshgd->bqhgs", matmul_operand(q), matmul_operand(keys),
                  precision=precision_for(q.dtype), preferred_element_type=jnp.float32)
-  s = jnp.where(sees[:, :, None, None], s, MASKED)
+  s = jnp.where(sees[:, :, None, None], soft_capped(s, softcap), MASKED)
   top = jax.lax.stop_gradient(jnp.max(s, axis=-1))
   p = jnp.exp(s - top[..., None])
   acc = jnp.einsum("bqhgs,bqshv->bqhgv", matmul_operand(p.astype(v.dtype)), matmul_operand(sink_v),

@@ -17,19 +17,22 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from kvm_jax.ops.common import soft_capped
+
 Array = jax.Array
 
 # Label of positions that carry no loss (prompt tokens, padding, tokens after a document's EOS).
 IGNORE = -100
 
 
-def head_logits(features: Array, kernel: Array, compute_dtype) -> Array:
+def head_logits(features: Array, kernel: Array, compute_dtype, softcap=None) -> Array:
   """``features [..., C] @ kernel [C, V]`` in ``compute_dtype``, returned as float32 (the LM head:
-  a bias-free projection whose logits are float32 whatever the compute dtype)."""
+  a bias-free projection whose logits are float32 whatever the compute dtype); ``softcap``: the
+  float32 logits become ``cap · tanh(logits / cap)`` (Gemma 2's final soft-capping)."""
   dt = jnp.dtype(compute_dtype)
   out = jax.lax.dot_general(features.astype(dt), kernel.astype(dt),
                             (((features.ndim - 1,), (0,)), ((), ())))
-  return out.astype(jnp.float32)
+  return soft_capped(out.astype(jnp.float32), softcap)
 
 
 def cross_entropy_sums(logits: Array, labels: Array) -> tuple[Array, Array]:
@@ -50,7 +53,7 @@ def to_slices(x: Array, slice_len: int, fill=0) -> Array:
 
 
 def sliced_loss_sums(features: Array, kernel: Array, labels: Array, *, compute_dtype,
-                     slice_len: int = 0, predictions: bool = False
+                     slice_len: int = 0, predictions: bool = False, softcap=None
                      ) -> tuple[Array, Array, Optional[Array]]:
   """Cross-entropy sums of the LM head applied to ``features``, one sequence slice at a time.
 
@@ -62,12 +65,13 @@ def sliced_loss_sums(features: Array, kernel: Array, labels: Array, *, compute_d
     slice_len: tokens per slice; 0 or >= T computes the whole logits at once. T need not be a
       multiple (the last slice is padded with ignored labels).
     predictions: also return the argmax token ``[B, T]`` (for recall metrics).
+    softcap: the head's logit soft-cap (:func:`head_logits`), or None.
   Returns:
     ``(loss_sum float32, tokens int32, argmax [B, T] int32 or None)``.
   """
   B, T, C = features.shape
   if slice_len <= 0 or slice_len >= T:
-    logits = head_logits(features, kernel, compute_dtype)
+    logits = head_logits(features, kernel, compute_dtype, softcap)
     loss, count = cross_entropy_sums(logits, labels)
     return loss, count, (jnp.argmax(logits, -1).astype(jnp.int32) if predictions else None)
   n = -(-T // slice_len)
@@ -76,7 +80,7 @@ def sliced_loss_sums(features: Array, kernel: Array, labels: Array, *, compute_d
 
   @jax.checkpoint  # the backward pass recomputes a slice's logits instead of storing them
   def one_slice(f, lab):
-    logits = head_logits(f, kernel, compute_dtype)
+    logits = head_logits(f, kernel, compute_dtype, softcap)
     loss, count = cross_entropy_sums(logits, lab)
     pred = jnp.argmax(logits, -1).astype(jnp.int32) if predictions else None
     return loss, count, pred
@@ -115,18 +119,22 @@ def sliced_distill_sums(student: tuple[Array, Array], teacher: tuple[Array, Arra
   (as :func:`sliced_loss_sums`: only ``[B, slice_len, V]`` logits of each model exist at once).
 
   Args:
-    student / teacher: ``(features [B, T, C], head kernel [C, V])`` of each model; both heads'
-      vocabularies are the same. The teacher's side is constant (``stop_gradient``).
+    student / teacher: ``(features [B, T, C], head kernel [C, V])`` of each model, or
+      ``(features, kernel, logit soft-cap)`` for a head that soft-caps (:func:`head_logits`);
+      both heads' vocabularies are the same. The teacher's side is constant
+      (``stop_gradient``).
     labels: ``[B, T]`` int, :data:`IGNORE` where nothing is counted.
     temperatures: the temperatures at which KL sums are wanted.
   Returns:
     ``{"ce": student cross-entropy sum, "kl": (one KL sum per temperature, in order),
     "count": labelled tokens}``.
   """
+  cap_s, cap_t = (side[2] if len(side) > 2 else None for side in (student, teacher))
+
   def sums(f_s, f_t, lab):
-    logits_s = head_logits(f_s, student[1], compute_dtype)
+    logits_s = head_logits(f_s, student[1], compute_dtype, cap_s)
     logits_t = head_logits(jax.lax.stop_gradient(f_t), jax.lax.stop_gradient(teacher[1]),
-                           teacher_compute_dtype)
+                           teacher_compute_dtype, cap_t)
     ce, count = cross_entropy_sums(logits_s, lab)
     kls = tuple(kl_sums(logits_s, logits_t, lab, t)[0] for t in temperatures)
     return ce, kls, count

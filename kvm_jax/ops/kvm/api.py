@@ -147,8 +147,13 @@ def resolve_kvm_backend(cfg: KVMConfig, *, implementation: str = "auto", readout
                      "KernelConfig; build one with KernelConfig.for_target(...) or pass None.")
   platform = _platform(platform)
   requested = implementation
+  softcap = cfg.logit_softcap
   if implementation == "auto":
-    implementation = "pallas" if platform in AUTO_PALLAS_BACKENDS else "xla"
+    implementation = ("pallas" if platform in AUTO_PALLAS_BACKENDS and softcap is None
+                      else "xla")
+  if implementation == "pallas" and softcap is not None:
+    raise ValueError(f"implementation='pallas': the kernels do not soft-cap scores "
+                     f"(logit_softcap={softcap}); use implementation='xla' or 'auto'.")
   if implementation == "pallas" and cfg.readout_value_dtype is not None:
     raise ValueError("implementation='pallas' reads float32 state values; it does not reproduce "
                      "readout_value_dtype (use implementation='xla' for that).")
@@ -157,8 +162,11 @@ def resolve_kvm_backend(cfg: KVMConfig, *, implementation: str = "auto", readout
                      f"{requested!r}, which runs XLA and no kernel on {platform!r}; use "
                      "implementation='pallas' or drop kernel_config.")
   if readout == "auto":
-    faster = platform in TOKAMAX_READOUT_BACKENDS[implementation]
+    faster = platform in TOKAMAX_READOUT_BACKENDS[implementation] and softcap is None
     readout = "tokamax" if faster and tokamax_available() else "own"
+  elif readout == "tokamax" and softcap is not None:
+    raise ValueError(f"readout='tokamax' does not soft-cap scores (logit_softcap={softcap}); "
+                     "use readout='own' or 'auto'.")
   elif readout == "tokamax" and not tokamax_available():
     raise ImportError(f"readout='tokamax' needs the optional tokamax package: {INSTALL_HINT}.")
   if implementation == "pallas" and kernel_config is None:

@@ -177,6 +177,9 @@ CASES: tuple[Case, ...] = (
                                       budget=SaturatingBudget(limit=14)), 35, uses=ORACLE),
     Case("no_rope_channels", _tiny(rope_dims=0, budget=FixedBudget(6)), 26, uses=ORACLE),
     Case("all_rope_channels", _tiny(rope_dims=8, budget=FixedBudget(6)), 26, uses=ORACLE),
+    Case("state_keeps_slow_rope_pairs", _grow(rope_dims=8, state_rope_dims=4), 30, uses=ORACLE),
+    # Gemma 2's soft-capped scores (cap 2 against O(1) scores: most of them bent).
+    Case("softcapped_scores_gqa", _grow(logit_softcap=2.0), 30, heads=4, uses=GRAD),
     # Scan vs oracle at longer sequences: more rows, more chances of near-ties.
     Case("C32_T700_growth", KVMConfig(chunk_size=32, window_chunks=2, sink_rows=1, rope_dims=16,
                                       budget=PowerLawBudget(8.0, 0.5, min_rows=32)), 700,
@@ -191,6 +194,8 @@ CASES: tuple[Case, ...] = (
     Case("decode_saturating_nb3_gated_init",
          _grow(window_chunks=3, budget=SaturatingBudget(16), gate_initial_state=True,
                gate_appends=True), 31, kv_heads=1, uses=frozenset({"decode"})),
+    Case("decode_softcapped_gqa", _grow(logit_softcap=2.0), 31, heads=4,
+         uses=frozenset({"decode"})),
     # Pallas kernels (interpreted) vs the XLA scan.
     Case("fixed_sink1_gqa", _kernel(budget=_FIXED_SMALL, sink_rows=1), 61, heads=4,
          head_dim=16, value_dim=16, uses=frozenset({"kernels"})),

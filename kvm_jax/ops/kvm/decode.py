@@ -161,10 +161,14 @@ def per_row_state(state: KVMState, batch: int) -> KVMState:
 
 def decode_attention(q_t: Array, state_keys: Array, state_values: Array, num_rows: Array,
                      window_keys: Array, window_values: Array, t: Array, state_temp: Array,
-                     window_temp: Array, cfg: KVMConfig, attend=joint_attention) -> Array:
+                     window_temp: Array, cfg: KVMConfig, attend=None) -> Array:
   """Token ``t`` attends to readout state rows (once ``t >= L``) and the window ring (positions
   ``[bswa_begin(t + 1), t]``): ``q_t [B,1,H,D]`` -> ``[B,1,Hkv,G,Dv]`` float32. ``t`` and
-  ``num_rows`` are per row (``[B]``) or one for the batch."""
+  ``num_rows`` are per row (``[B]``) or one for the batch. ``attend``: the contract of
+  :func:`kvm_jax.ops.common.joint_attention` (default: it), called with
+  ``softcap=cfg.logit_softcap``."""
+  if attend is None:
+    attend = joint_attention
   B, _, H, D = q_t.shape
   Hkv = window_keys.shape[2]
   C, L = cfg.chunk_size, cfg.window_len
@@ -175,7 +179,8 @@ def decode_attention(q_t: Array, state_keys: Array, state_values: Array, num_row
   rows = jnp.arange(state_keys.shape[2])
   state_valid = ((rows < num_rows[:, None]) & (t >= L)[:, None])[:, None, None, None, :]
   return attend(q_t.reshape(B, 1, Hkv, H // Hkv, D), state_keys, state_values, state_valid,
-                window_keys, window_values, window_valid, state_temp, window_temp)
+                window_keys, window_values, window_valid, state_temp, window_temp,
+                softcap=cfg.logit_softcap)
 
 
 def _per_row_select(rows: Array, new, old):
@@ -357,7 +362,7 @@ def resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, c
                       max_len=cache.max_len)
     state_keys, state_values = cached_readout(cached, cfg, G)
     y = ops.attend(q_chunk, state_keys, state_values, state_valid, keys, values, window_valid,
-                   state_temp, window_temp)
+                   state_temp, window_temp, softcap=cfg.logit_softcap)
     return (state, readout_keys, readout_values), y
 
   carry = (state, cache.readout_keys, cache.readout_values)

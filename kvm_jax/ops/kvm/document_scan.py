@@ -204,7 +204,7 @@ def _attend_chunk(plan: ScanPlan, params: KVMParams, num_rows: Array, q_c, win_k
     keys, values = no_state_readout(params, cfg, B, Hkv, G, win_k.shape[-1], win_v.shape[-1])
     valid = np.zeros((1, 1), bool)
   return plan.ops.attend(q_c, keys, values, valid, win_k, win_v, window_valid[:, None, None],
-                         state_temp, window_temp)
+                         state_temp, window_temp, softcap=plan.cfg.logit_softcap)
 
 
 def _reads_state(plan: ScanPlan, q_pos: Array) -> Array:

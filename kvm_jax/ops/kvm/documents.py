@@ -118,7 +118,7 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
   front = docs.position < nb * C                    # padding too: a document of one token
   window = document_window_partials(q5, k, v, docs, WindowRule("chunks", chunk=C, window_chunks=nb),
                                     key_scale=window_temp * scale, block=min(C, 256),
-                                    queries=front)
+                                    queries=front, softcap=cfg.logit_softcap)
   window_only = lambda: combine_partials(window).reshape(B, T, H, Dv).astype(q.dtype)  # noqa: E731
   sched = kvm_schedule(cfg, T)
   R = sched.final_rows
@@ -167,7 +167,7 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
     valid_rows = jnp.arange(R)[None, :] < num_rows[:, None]             # [B, R]
     y = ops.attend(rows_of(q_p, at, C), read_keys, read_values,
                    valid_rows[:, None, None, None, :], win_k, win_v, causal, state_temp,
-                   window_temp)                                        # [B, C, Hkv, G, Dv] f32
+                   window_temp, softcap=cfg.logit_softcap)             # [B, C, Hkv, G, Dv] f32
     out = y.reshape(B, C, H, Dv).astype(q.dtype)
     # Fold the document chunk leaving the window, if the document goes on past this chunk.
     folds = exists & ((c + 1) * C < doc_len)

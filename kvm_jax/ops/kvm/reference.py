@@ -65,9 +65,12 @@ def _cast_then_repeat_bwd(groups, low, _, ct):
 _cast_then_repeat.defvjp(_cast_then_repeat_fwd, _cast_then_repeat_bwd)
 
 
-def _sdpa(q, k, v, mask):
-  """softmax(q kᵀ / √D + mask) v with a boolean mask [Tq, Tk]."""
+def _sdpa(q, k, v, mask, softcap=None):
+  """softmax(softcap(q kᵀ / √D) + mask) v with a boolean mask [Tq, Tk] (``softcap``: None, or
+  scores become ``cap · tanh(s / cap)``)."""
   s = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=_HI) / math.sqrt(q.shape[-1])
+  if softcap is not None:
+    s = softcap * jnp.tanh(s / softcap)
   s = jnp.where(mask, s, -jnp.inf)
   return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v, precision=_HI)
 
@@ -103,7 +106,7 @@ def _reference(q, k, v, merge_gate, params, cfg: KVMConfig, dtype):
   B, T, H, D = q.shape
   Hkv = k.shape[2]
   G = H // Hkv
-  C, L, r = cfg.chunk_size, cfg.window_len, cfg.rope_dims
+  C, L, r = cfg.chunk_size, cfg.window_len, cfg.state_zeroed_dims
   # Authors' layout: [B, heads, T, dim].
   q = jnp.transpose(q, (0, 2, 1, 3)).astype(dtype)
   k = jnp.transpose(k, (0, 2, 1, 3)).astype(dtype)
@@ -134,7 +137,8 @@ def _reference(q, k, v, merge_gate, params, cfg: KVMConfig, dtype):
       s_v_read = _repeat_kv(s_v_read, G)
     k_star = jnp.concatenate([s_k_read * tau_s, _repeat_kv(kw, G) * tau_f], axis=2)
     v_star = jnp.concatenate([s_v_read, _repeat_kv(vw, G)], axis=2)
-    return _sdpa(qc, k_star, v_star, _lower_right_causal(qc.shape[2], k_star.shape[2]))
+    return _sdpa(qc, k_star, v_star, _lower_right_causal(qc.shape[2], k_star.shape[2]),
+                 cfg.logit_softcap)
 
   def update(s_k, s_v, s_r, ok, ov, og, ctx_len, available):
     k_bar = prep(ok)
@@ -174,7 +178,8 @@ def _reference(q, k, v, merge_gate, params, cfg: KVMConfig, dtype):
   # Front: plain causal attention over the first min(T, L) tokens, window temperature only.
   front = min(T, L)
   outs = [_sdpa(q[:, :, :front], _repeat_kv(k[:, :, :front], G) * tau_f,
-                _repeat_kv(v[:, :, :front], G), _lower_right_causal(front, front))]
+                _repeat_kv(v[:, :, :front], G), _lower_right_causal(front, front),
+                cfg.logit_softcap)]
   # Initial state: the first chunk, ungated unless gate_initial_state; radius from ungated v.
   c0 = min(T, C)
   s_k, s_v = prep(k[:, :, :c0]), v[:, :, :c0]

@@ -50,6 +50,10 @@ class ChunkOps:
     kernel: static configuration passed to all three as ``kc=`` (a kernel's target, interpret
       mode and mesh axes), or None for plain XLA functions.
 
+  :meth:`attend` and :meth:`attend_heads` take ``softcap=`` (the config's
+  ``logit_softcap``), passed on when set: only the XLA functions take it (the backend resolver
+  refuses kernels and the tokamax readout for a config with a cap).
+
   Frozen and compared by value, so it is a static argument of ``jit``: equal ops share compiled
   programs.
   """
@@ -61,9 +65,11 @@ class ChunkOps:
   decode_attend_fn: Optional[Callable] = None
   attend_heads_fn: Optional[Callable] = None
 
-  def attend(self, *args, **kwargs):
+  def attend(self, *args, softcap=None, **kwargs):
     if self.kernel is not None:
       kwargs["kc"] = self.kernel
+    if softcap is not None:
+      kwargs["softcap"] = softcap
     return self.attend_fn(*args, **kwargs)
 
   def update(self, *args, **kwargs):
@@ -71,7 +77,7 @@ class ChunkOps:
       kwargs["kc"] = self.kernel
     return self.update_fn(*args, **kwargs)
 
-  def attend_heads(self, *args, **kwargs):
+  def attend_heads(self, *args, softcap=None, **kwargs):
     """:meth:`attend` in the scan's head-major layout (``attend_heads_fn``'s contract:
     :func:`kvm_jax.ops.common.joint_attention_heads`); without one, transposes around
     :meth:`attend`."""
@@ -79,10 +85,12 @@ class ChunkOps:
       q, sk, sv, sval, wk, wv, *rest = args
       y = self.attend(jnp.transpose(q, (0, 3, 1, 2, 4)), sk, sv, sval,
                       jnp.transpose(wk, (0, 2, 1, 3)), jnp.transpose(wv, (0, 2, 1, 3)), *rest,
-                      **kwargs)
+                      softcap=softcap, **kwargs)
       return jnp.transpose(y, (0, 2, 3, 1, 4))
     if self.kernel is not None:
       kwargs["kc"] = self.kernel
+    if softcap is not None:
+      kwargs["softcap"] = softcap
     return self.attend_heads_fn(*args, **kwargs)
 
   def decode_attend(self, *args, **kwargs):
@@ -371,14 +379,15 @@ def _chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState, c, base
     else:
       state_valid = (jnp.arange(R) < state.num_rows)[None, :]
     y = attend(q_c, state_keys, state_values, state_valid, win_k, win_v,
-               window_mask(nb, C, nb), state_temp, window_temp)
+               window_mask(nb, C, nb), state_temp, window_temp, softcap=cfg.logit_softcap)
   else:
     # The causal front sees no state: reading all R rows only to mask them would cost R
     # columns per query.
     row_keys, row_values = no_state_readout(params, cfg, B, Hkv, G, k_src.shape[-1],
                                             v_src.shape[-1])
     y = attend(q_c, row_keys, row_values, np.zeros((1, 1), bool), win_k, win_v,
-               window_mask(c, C, nb)[:, before:], state_temp, window_temp)
+               window_mask(c, C, nb)[:, before:], state_temp, window_temp,
+               softcap=cfg.logit_softcap)
   if not plan.time_major:
     y = jnp.transpose(y, (0, 3, 1, 2, 4))               # [B, C, Hkv, G, Dv]
   y = y.reshape(B, C, Hkv * G, y.shape[-1]).astype(plan.out_dtype)

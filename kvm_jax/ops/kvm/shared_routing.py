@@ -89,7 +89,7 @@ def kvm_attention_shared_state(q: Array, k: Array, v: Array, tracks: tuple, key_
                                             key_tracks, value_tracks, cfg)
     state_valid = ((rows < states[0].num_rows) & x["visible"])[None, :]
     y = joint_attention(x["q"], state_keys, state_values, state_valid, x["win_k"], x["win_v"],
-                        mask(x["chunk"]), state_temp, window_temp)
+                        mask(x["chunk"]), state_temp, window_temp, cfg.logit_softcap)
 
     # Every chunk replays: a chunk without a fold has decisions "no row" everywhere and
     # n_append = 0, an exact no-op, so no per-chunk conditional (a host round trip on GPU).

@@ -170,10 +170,10 @@ def validate_inputs(q, k, v, merge_gate, params: KVMParams, cfg: KVMConfig, *,
 
 
 def prepare_state_keys(k: Array, params: KVMParams, cfg: KVMConfig) -> Array:
-  """prep(k) = LN_s(zero the first ``rope_dims`` channels of k), float32
-  (docs/kvm-spec.md §6.2)."""
+  """prep(k) = LN_s(zero the first ``state_zeroed_dims`` channels of k: every rotary one unless
+  ``state_rope_dims`` keeps the slowest), float32 (docs/kvm-spec.md §6.2)."""
   channel = jnp.arange(k.shape[-1])
-  k = jnp.where(channel < cfg.rope_dims, 0.0, k.astype(jnp.float32))
+  k = jnp.where(channel < cfg.state_zeroed_dims, 0.0, k.astype(jnp.float32))
   return layer_norm(k, params.ln_scale, params.ln_bias, cfg.ln_eps)
 
 
