@@ -373,6 +373,12 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
+def _int_if_whole(x: float):
+  """``x`` as an int when it is one (transformers 5.x types Gemma 2's ``query_pre_attn_scalar``
+  as an int and refuses 12.0)."""
+  return int(x) if float(x).is_integer() else x
+
+
 def _gemma_model_type(cfg: ModelConfig) -> str:
   """"gemma3_text" for a Gemma-family ``cfg`` with q/k norms, else "gemma2" (one RoPE for every
   layer), or :class:`ExportError`."""
@@ -405,7 +411,7 @@ def _gemma_export_config(cfg: ModelConfig) -> dict:
   fields = {
       "layer_types": ["sliding_attention" if k == "swa" else "full_attention" for k in kinds],
       "sliding_window": cfg.options_of("swa").window if local else None,
-      "query_pre_attn_scalar": o.query_pre_attn_scalar or cfg.qk_head_dim,
+      "query_pre_attn_scalar": _int_if_whole(o.query_pre_attn_scalar or cfg.qk_head_dim),
       "hidden_activation": "gelu_pytorch_tanh", "attention_bias": o.attention_bias,
       "tie_word_embeddings": True, "final_logit_softcapping": o.final_logit_softcap,
       "attn_logit_softcapping": o.attention_softcap}
