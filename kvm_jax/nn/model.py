@@ -225,9 +225,17 @@ class LM(nnx.Module):
         for j in range(period))
     group_anchors = [anchors[cfg.value_anchor(j)] for j in range(period)]
 
+    def layer(graphdef, state, x, anchor):
+      return nnx.merge(graphdef, state)(x, anchor, positions, None, False, None, documents)[0]
+
+    if period > 2:
+      # A long period (Gemma 3's six layers) would otherwise keep all its layers' activations
+      # live while the group's backward runs: each layer saves only its input there.
+      layer = jax.checkpoint(layer, policy=policy, prevent_cse=True, static_argnums=(0,))
+
     def group(x, states):
       for graphdef, state, anchor in zip(graphdefs, states, group_anchors):
-        x = nnx.merge(graphdef, state)(x, anchor, positions, None, False, None, documents)[0]
+        x = layer(graphdef, state, x, anchor)
       return x, None
 
     group = jax.checkpoint(group, policy=policy, prevent_cse=True)
