@@ -365,6 +365,8 @@ def test_kv_sharing_is_refused_by_export(tmp_path):
     (dict(mixers="swa", head_dim=8, swa_rope_dims=8), "their SWA layer reshapes"),
     (dict(residual_scale=0.0), "residual_scale=0"),
     (dict(mixers=("kvm", "swa"), swa_rope_dims=4), "zeroes rope_partial_dim=4"),
+    (dict(kvm=_kvm(state_rope_dims=4)), "kvm.state_rope_dims=4"),
+    (dict(kvm=_kvm(logit_softcap=30.0)), "kvm.logit_softcap=30.0"),
 ])
 def test_export_refuses_what_their_code_cannot_express(overrides, match):
   with pytest.raises(hf.ExportError, match=match):
