@@ -260,14 +260,14 @@ REMAT_MODELS = {  # name: (model, policies compared with "none")
     "fusedkv (unrolled checkpoint)": (dict(mixers="full", num_layers=2, kv_sharing="fusedkv"),
                                       ("block",)),
     # a period longer than two checkpoints each layer inside the group too (Gemma 3's six)
-    "swa/swa/kvm (scanned, period 3, layers nested)": (
-        dict(mixers=("swa", "swa", "kvm") * 2, num_layers=6), ("block",)),
+    "full/full/swa (scanned, period 3, layers nested)": (
+        dict(mixers=("full", "full", "swa") * 2, num_layers=6), ("block",)),
 }
 
 
 # CI: the scan with nested layer checkpoints (the period-1 scan is the same code without them)
 @pytest.mark.parametrize("name", in_ci(list(REMAT_MODELS),
-                                       {"swa/swa/kvm (scanned, period 3, layers nested)"}))
+                                       {"full/full/swa (scanned, period 3, layers nested)"}))
 def test_remat_policies_give_the_same_loss_and_gradients(name):
   overrides, policies = REMAT_MODELS[name]
   cfg = presets.tiny(**overrides)
