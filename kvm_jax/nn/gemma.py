@@ -150,10 +150,6 @@ class Gemma(Llama):
     return GemmaRMSNorm(n, cfg.family_options.norm_eps, cfg.jnp_param_dtype)
 
   @classmethod
-  def head_norm(cls, cfg: ModelConfig, n: int, rngs: nnx.Rngs):
-    return cls.norm(cfg, n, rngs) if cfg.family_options.qk_norm else None
-
-  @classmethod
   def attention_softcap(cls, cfg: ModelConfig) -> Optional[float]:
     return cfg.family_options.attention_softcap
 
