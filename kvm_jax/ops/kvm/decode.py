@@ -161,14 +161,11 @@ def per_row_state(state: KVMState, batch: int) -> KVMState:
 
 def decode_attention(q_t: Array, state_keys: Array, state_values: Array, num_rows: Array,
                      window_keys: Array, window_values: Array, t: Array, state_temp: Array,
-                     window_temp: Array, cfg: KVMConfig, attend=None) -> Array:
+                     window_temp: Array, cfg: KVMConfig, attend=joint_attention) -> Array:
   """Token ``t`` attends to readout state rows (once ``t >= L``) and the window ring (positions
   ``[bswa_begin(t + 1), t]``): ``q_t [B,1,H,D]`` -> ``[B,1,Hkv,G,Dv]`` float32. ``t`` and
-  ``num_rows`` are per row (``[B]``) or one for the batch. ``attend``: the contract of
-  :func:`kvm_jax.ops.common.joint_attention` (default: it), called with
-  ``softcap=cfg.logit_softcap``."""
-  if attend is None:
-    attend = joint_attention
+  ``num_rows`` are per row (``[B]``) or one for the batch. ``attend`` (the contract of
+  :func:`kvm_jax.ops.common.joint_attention`) is called with ``softcap=cfg.logit_softcap``."""
   B, _, H, D = q_t.shape
   Hkv = window_keys.shape[2]
   C, L = cfg.chunk_size, cfg.window_len
