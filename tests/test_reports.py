@@ -12,6 +12,7 @@ through :func:`check_eval_report`, :func:`check_sweep_report` and :func:`check_d
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -209,6 +210,21 @@ def test_demo_report_equals_its_summary():
 
 
 # -- the conversion study -----------------------------------------------------------------------
+
+@pytest.mark.slow  # trains and distils five tiny runs; docs/pretrained.md §3 has its numbers
+def test_state_rope_study_runs_its_rows(tmp_path):
+  """The study of docs/pretrained.md §3 at 2 steps per run: a teacher, then two conversions
+  (every rotary channel zeroed, half kept) each with its two distillations, in that order; the
+  half-kept conversion's state keeps half of the rotary channels."""
+  study = conversion_study.state_rope_study(tmp_path, steps=2, distill_steps=2)
+  names = [r["model"] for r in study["rows"]]
+  assert len(names) == 7 and names[0].endswith("(teacher)")
+  assert "zero all 32 rotary channels), no training" in names[1]
+  assert "keep the 8 slowest rotary pairs), no training" in names[4]
+  kvm = json.loads((tmp_path / "converted-state-zeroes-16" / "config.json").read_text())
+  assert kvm["model"]["options"]["kvm"]["state_rope_dims"] == 16
+  assert all(0.0 <= r["recall"] <= 1.0 for r in study["rows"])
+
 
 def test_conversion_study_table_equals_its_rows():
   rng = np.random.default_rng(7)

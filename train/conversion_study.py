@@ -75,27 +75,80 @@ def run_study(workdir, steps: int = 600, distill_steps: int = 200, seed: int = 0
                **_recall(teacher, teacher_cfg))]
   curves = {}
   for label, layers in CONVERSIONS:
-    converted = workdir / f"converted-{label}"
-    if not is_run_directory(converted):
-      write_converted(teacher, converted, layers=layers, progress=False)
-    rows.append(dict(model=f"converted ({label} layers), no training", pretrain=steps,
-                     distill=0, **_recall(converted, teacher_cfg)))
-    for recipe, stage, trainable in RECIPES:
-      run = workdir / f"{label}-{recipe}"
-      cfg = dataclasses.replace(
-          base(models["kvm-sqrt"], distill_steps), init_from=str(converted),
-          teacher=str(teacher), distill=DistillSpec(stage=stage, trainable=trainable),
-          warmup_steps=min(20, distill_steps // 4))
-      train(cfg, run, verbose=verbose)
-      rows.append(dict(model=f"converted ({label}) + {recipe} distillation", pretrain=steps,
-                       distill=distill_steps, **_recall(run, teacher_cfg)))
-      curves[run.name] = _metrics(run)
+    rows += _convert_and_distill(workdir, label, teacher, teacher_cfg,
+                                 base(models["kvm-sqrt"], distill_steps), steps, curves,
+                                 layers=layers, verbose=verbose)
   for total in (distill_steps, steps + distill_steps) if from_scratch else ():
     run = workdir / f"kvm-scratch-{total}"
     cfg = base(models["kvm-sqrt"], total)
     train(cfg, run, verbose=verbose)
     rows.append(dict(model=f"KVM from scratch, {total} steps", pretrain=total, distill=0,
                      **_recall(run, cfg)))
+  return {"rows": rows, "curves": curves}
+
+
+def _convert_and_distill(workdir: Path, label: str, teacher: Path, teacher_cfg: TrainConfig,
+                         student_cfg: TrainConfig, steps: int, curves: dict, *, layers,
+                         kvm=None, slug: Optional[str] = None,
+                         verbose: bool = False) -> list[dict]:
+  """Converts ``teacher``'s ``layers`` (with ``kvm`` options, default: kvm-convert's) into
+  ``workdir/converted-{slug}`` (``slug`` default: ``label``), then distils it by each of
+  :data:`RECIPES` for ``student_cfg.steps`` steps into ``workdir/{slug}-{recipe}``: one row per
+  model (recall against the teacher's task), each distillation run's metrics added to
+  ``curves``."""
+  slug = slug or label
+  converted = workdir / f"converted-{slug}"
+  if not is_run_directory(converted):
+    write_converted(teacher, converted, layers=layers, kvm=kvm, progress=False)
+  rows = [dict(model=f"converted ({label} layers), no training", pretrain=steps, distill=0,
+               **_recall(converted, teacher_cfg))]
+  for recipe, stage, trainable in RECIPES:
+    run = workdir / f"{slug}-{recipe}"
+    cfg = dataclasses.replace(
+        student_cfg, init_from=str(converted), teacher=str(teacher),
+        distill=DistillSpec(stage=stage, trainable=trainable),
+        warmup_steps=min(20, student_cfg.steps // 4))
+    train(cfg, run, verbose=verbose)
+    rows.append(dict(model=f"converted ({label}) + {recipe} distillation", pretrain=steps,
+                     distill=student_cfg.steps, **_recall(run, teacher_cfg)))
+    curves[run.name] = _metrics(run)
+  return rows
+
+
+def state_rope_study(workdir, steps: int = 600, distill_steps: int = 200, seed: int = 0,
+                     verbose: bool = False) -> dict:
+  """What the KVM state keeps of a model that rotates every channel (docs/pretrained.md §3):
+  the default job's full-attention model with RoPE on all channels of its heads, trained
+  ``steps`` steps, every layer converted with every rotary channel zeroed in the state keys
+  (``state_rope_dims=None``, the paper's rule) and with the slower half of the pairs kept
+  (``head_dim / 2``, kvm-convert's choice for such models), each distilled by both recipes.
+  Returns ``{"rows", "curves"}`` as :func:`run_study`."""
+  workdir = Path(workdir)
+  models = model_configs()
+  rotary = models["full"].qk_head_dim
+
+  def every_channel(cfg):
+    kvm = dataclasses.replace(cfg.options_of("kvm"), rope_dims=rotary)
+    return dataclasses.replace(cfg, rope_dims=rotary, options={**cfg.options, "kvm": kvm})
+
+  base = lambda model, n: dataclasses.replace(train_config(every_channel(model), n, seed),
+                                              eval_every=0, checkpoint_every=n)
+  teacher_cfg = base(models["full"], steps)
+  teacher = workdir / "full"
+  train(teacher_cfg, teacher, verbose=verbose)
+  rows = [dict(model="full attention, RoPE on every channel (teacher)", pretrain=steps,
+               distill=0, **_recall(teacher, teacher_cfg))]
+  student_cfg = base(models["kvm-sqrt"], distill_steps)
+  curves = {}
+  for zeroed in (None, rotary // 2):
+    kvm = dataclasses.replace(student_cfg.model.options_of("kvm"), state_rope_dims=zeroed)
+    label = (f"all layers, state keys zero all {rotary} rotary channels" if zeroed is None else
+             f"all layers, state keys keep the {(rotary - zeroed) // 2} slowest rotary pairs")
+    converted = _convert_and_distill(workdir, label, teacher, teacher_cfg, student_cfg, steps,
+                                     curves, layers="all", kvm=kvm,
+                                     slug=f"state-zeroes-{zeroed or rotary}", verbose=verbose)
+    converted[0]["model"] = f"converted ({label}), no training"
+    rows += converted
   return {"rows": rows, "curves": curves}
 
 
