@@ -1,7 +1,7 @@
 """Hugging Face checkpoints read and written without torch: the authors' format
 (``featherless-ai/KVM-paper``'s ``RWKV7BackboneForCausalLM``: ``config.json`` + safetensors) for
 GPTAlpha-2 models, and transformers' own for the Llama family (Llama, Qwen2, Qwen3, Mistral) and
-Gemma 3 (:mod:`kvm_jax.hf.families`).
+Gemma 2 and 3 (:mod:`kvm_jax.hf.families`).
 
     import kvm_jax as kj
     model = kj.load_pretrained("path/to/kvm-256-120m")   # either format, or a run directory
