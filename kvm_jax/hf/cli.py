@@ -1,5 +1,5 @@
 """``kvm-import``, ``kvm-export`` and ``kvm-convert``: Hugging Face checkpoints (the authors'
-format, and transformers' of the Llama family) to kvm_jax run directories and back
+format, and transformers' of the Llama and Gemma families) to kvm_jax run directories and back
 (docs/checkpoints.md, docs/pretrained.md)."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ IMPORT_HELP = """\
 Write a kvm_jax run directory (config.json, checkpoints/0 with the parameters, import.json) from a
 Hugging Face checkpoint directory: the authors' format (config.json of their MixerConfig and
 model.safetensors, or model-*.safetensors shards with model.safetensors.index.json), e.g. one of
-the paper's released models, or a transformers directory of the Llama family (Llama 2/3, Qwen2,
-Qwen3, Mistral: what save_pretrained writes), each fetched beforehand with `hf download`. The result works wherever a run directory
+the paper's released models, or a transformers directory of the Llama or Gemma family (Llama 2/3,
+Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3 text: what save_pretrained writes), each fetched beforehand with `hf download`. The result works wherever a run directory
 does: kvm-eval --checkpoint DEST, the lm-eval adapter (KVMEvalLM(checkpoint=DEST)),
 kvm_jax.load_pretrained(DEST), and fine-tuning with kvm-train --config.init_from=DEST.
 
@@ -30,8 +30,9 @@ kvm_jax.load_pretrained(DEST), and fine-tuning with kvm-train --config.init_from
 EXPORT_HELP = """\
 Write config.json + model.safetensors from a kvm_jax run directory's parameters: a GPTAlpha-2
 model in the authors' format, loadable by their RWKV7BackboneForCausalLM.from_pretrained (their
-repository's model/ on the Python path); a Llama-family model in transformers' format (Llama,
-Qwen2, Qwen3 or Mistral, as its options say), loadable by AutoModelForCausalLM.from_pretrained.
+repository's model/ on the Python path); a Llama- or Gemma-family model in transformers' format
+(Llama, Qwen2, Qwen3, Mistral, Gemma 2 or Gemma 3, as its options say), loadable by
+AutoModelForCausalLM.from_pretrained.
 Models the format cannot express (kvm layers in transformers' format; cross-layer KV sharing, a
 callable KVM budget, layer layouts other than one mixer or two alternating in the authors') are
 refused with the reason.
@@ -45,7 +46,7 @@ Convert the attention layers of a trained model into KVM layers and write a run 
 
 SRC is a kvm_jax run directory (kvm-train, kvm-demo's sub-runs, kvm-import) or a checkpoint
 directory: the authors' format (their GPTAlpha-2 models) or transformers' (Llama, Qwen2, Qwen3,
-Mistral). The chosen layers (full attention; sliding-window attention, exact up to the shorter of
+Mistral, Gemma 2, Gemma 3). The chosen layers (full attention; sliding-window attention, exact up to the shorter of
 the two windows; block sliding-window attention whose chunks equal the KVM window's) become kvm
 layers with the family's attention front end; every
 parameter of SRC is kept, and the new ones (LN_s, the merge gate W_g, the window and state
