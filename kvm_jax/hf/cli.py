@@ -61,7 +61,10 @@ and kvm-train --config.init_from=DEST (train/configs/distill.py distils it again
 KVM options (--kvm.FIELD=VALUE, any field of kvm_jax.KVMConfig): budget takes fixed:ROWS,
 sqrt:FACTOR, pow:FACTOR:EXPONENT or sat:LIMIT, each with an optional @MIN_ROWS floor; without
 flags the options are SRC's own kvm options when it records some, else KVMConfig's defaults with
-SRC's rotary width (and the chunk geometry of converted bswa layers).
+SRC's rotary width (and the chunk geometry of converted bswa layers); when SRC rotates every
+channel of its heads (Llama, Qwen, Mistral, Gemma), state_rope_dims is half the head, so that
+the state keys keep the slower half of the rotary pairs (--kvm.state_rope_dims=none zeroes them
+all, the paper's rule).
 """
 
 
