@@ -322,6 +322,19 @@ def test_gemma2_decodes_and_packs_documents_as_it_runs_whole(loaded):
                                atol=atol)
 
 
+def test_a_soft_capping_family_refuses_kinds_that_cannot_cap(loaded):
+  """Gemma 2 caps every layer's scores: an ovq layer (its dictionary readout has no capped form)
+  is refused by name instead of computing another model, and a kind built on the attention front
+  end counts as capping only when its class says so (the softmax kinds and kvm do)."""
+  from kvm_jax.nn import AttentionFrontEnd, SoftmaxAttention
+  from kvm_jax.nn.kvm import KVMAttention
+  cfg = dataclasses.replace(loaded["gemma2_softcap"].cfg, mixers=("swa", "ovq", "swa", "full"),
+                            num_kv_heads=None)  # ovq keeps one dictionary per query head
+  with pytest.raises(ValueError, match="layer 1: 'ovq' layers do not soft-cap"):
+    kj.LM(cfg, rngs=nnx.Rngs(0))
+  assert not AttentionFrontEnd.SOFTCAP and SoftmaxAttention.SOFTCAP and KVMAttention.SOFTCAP
+
+
 def test_a_family_added_from_outside(tmp_path):
   """The recipe of docs/design.md: a Llama variant with LayerNorms, registered from outside the
   package, builds, trains a step, decodes as it runs whole, and saves and reloads its config."""

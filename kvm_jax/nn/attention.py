@@ -106,7 +106,9 @@ class AttentionFrontEnd(nnx.Module):
   DOCUMENTS: bool = False
   # Whether the kind soft-caps its scores at ``self.softcap`` (a family's attention soft-cap,
   # Gemma 2): a kind without it is refused in such a family rather than computing another model.
-  SOFTCAP: bool = True
+  # False unless the kind's class says so, so a kind added from outside that never reads
+  # ``self.softcap`` is refused there instead of silently leaving the cap out.
+  SOFTCAP: bool = False
 
   @classmethod
   def mup_d_in_ratios(cls, cfg: ModelConfig) -> dict:
@@ -297,6 +299,7 @@ class SoftmaxAttention(AttentionFrontEnd):
 
   RING: str = "full"
   DOCUMENTS = True
+  SOFTCAP = True
 
   @classmethod
   def resume_alignment(cls, cfg: ModelConfig, layer: int) -> Optional[int]:

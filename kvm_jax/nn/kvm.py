@@ -38,11 +38,12 @@ class KVMAttention(AttentionFrontEnd):
   # What a KVM layer adds to the attention front end (the "KVM-only" parameters of conversion and
   # distillation), and the values that leave a converted layer's in-window logits unchanged:
   # LN_s the identity, W_g = 0 (merge gate 1), both temperatures 1.
-  OWN_PARAMETERS = ("ln_s", "key_weighting", "window_temperature", "state_temperature")
   CONVERSION_VALUES = {("ln_s", "scale"): 1.0, ("ln_s", "bias"): 0.0,
                        ("key_weighting", "kernel"): 0.0, ("window_temperature",): 1.0,
                        ("state_temperature",): 1.0}
+  OWN_PARAMETERS = tuple(dict.fromkeys(path[0] for path in CONVERSION_VALUES))
   DOCUMENTS = True
+  SOFTCAP = True  # the readout caps its scores over state and window alike
 
   @classmethod
   def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:

@@ -43,7 +43,7 @@ class OVQAttention(AttentionFrontEnd):
   Options = OVQConfig
   QK_NORM = False
   DOCUMENTS = True
-  SOFTCAP = False  # its dictionary readout has no soft-capped form
+  # SOFTCAP stays False: its dictionary readout has no soft-capped form.
 
   @classmethod
   def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
