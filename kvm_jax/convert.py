@@ -168,6 +168,15 @@ def select_layers(spec: LayerSpec, num_layers: int,
   return tuple(sorted(indices))
 
 
+def default_state_rope_dims(cfg: ModelConfig) -> Optional[int]:
+  """How many rotary channels a converted layer's state keys zero (``KVMConfig.state_rope_dims``):
+  None (the paper's rule: all of them) when some channels of the head are left unrotated, else
+  half of them. Every channel rotates in Llama, Qwen, Mistral and Gemma: zeroing them all would
+  leave the state keys without content, so the state keeps the slower half of the pairs, as the
+  paper's state keeps the unrotated half of its heads."""
+  return cfg.rope_dims // 2 if cfg.rope_dims == cfg.qk_head_dim else None
+
+
 def default_kvm_options(cfg: ModelConfig, layers: Sequence[int]) -> KVMConfig:
   """The KVM options a conversion uses when none are given: those of the model's kvm layers when
   it has some (all kvm layers share one set); otherwise the ``kvm`` options the model records
@@ -177,11 +186,8 @@ def default_kvm_options(cfg: ModelConfig, layers: Sequence[int]) -> KVMConfig:
   if has_kvm_layers(cfg):
     return cfg.kvm
   fields: dict[str, Any] = {"rope_dims": cfg.rope_dims}
-  if cfg.rope_dims == cfg.qk_head_dim and cfg.options_of("kvm").state_rope_dims is None:
-    # Every channel rotates (Llama, Qwen, Mistral, Gemma): zeroing them all would leave the
-    # state keys without content, so the state keeps the slower half of the pairs, as the
-    # paper's state keeps the unrotated half of its heads.
-    fields["state_rope_dims"] = cfg.rope_dims // 2
+  if cfg.options_of("kvm").state_rope_dims is None:
+    fields["state_rope_dims"] = default_state_rope_dims(cfg)
   if any(cfg.layer_mixers[i] == "bswa" for i in layers):
     bswa = cfg.options_of("bswa")
     fields.update(chunk_size=bswa.chunk_size, window_chunks=bswa.window_chunks)

@@ -236,11 +236,11 @@ def converted(cfg: ModelConfig, layers: str = "global") -> ModelConfig:
   """``cfg`` with its full-attention layers (``layers="global"``; "all" adds the sliding-window
   ones) made KVM-256 layers (the paper's chunks of 256, two window chunks, a fixed 256-row state)
   rotating the model's channels: the config ``kj.convert_to_kvm`` would give."""
-  from kvm_jax.convert import converted_config, select_layers  # the model layer, above presets
-  every = cfg.rope_dims == cfg.qk_head_dim  # then the state keeps the slower half of the pairs
+  from kvm_jax.convert import (converted_config, default_state_rope_dims,  # the model layer,
+                               select_layers)                               # above presets
   kvm = KVMConfig(budget=FixedBudget(256), max_state_rows=256,
                   **{**_PAPER_KVM, "rope_dims": cfg.rope_dims,
-                     "state_rope_dims": cfg.rope_dims // 2 if every else None})
+                     "state_rope_dims": default_state_rope_dims(cfg)})
   return converted_config(cfg, select_layers(layers, cfg.num_layers, cfg.layer_mixers), kvm)
 
 
