@@ -30,7 +30,6 @@ import jax.numpy as jnp
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn import registry
 from kvm_jax.nn.family import family_param_groups
-from kvm_jax.nn.layers import path_names  # noqa: F401  (re-exported: train.distill's old import)
 from kvm_jax.nn.roles import parameter_role
 
 GROUPS = registry.PARAM_GROUP_NAMES

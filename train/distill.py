@@ -155,9 +155,10 @@ class DistillObjective:
       features_t = teacher.features(batch["inputs"])
     features_t = jax.lax.stop_gradient(features_t)
     features_s = student.features(batch["inputs"], self.remat)
-    return sliced_distill_sums((features_s, student.head_kernel(), student.logit_softcap),
-                               (features_t, teacher.head_kernel(), teacher.logit_softcap),
-                               batch["labels"],
+    return sliced_distill_sums((features_s, student.head_kernel()),
+                               (features_t, teacher.head_kernel()), batch["labels"],
+                               softcap=student.logit_softcap,
+                               teacher_softcap=teacher.logit_softcap,
                                compute_dtype=self.compute_dtype,
                                teacher_compute_dtype=teacher.cfg.compute_dtype,
                                temperatures=temperatures, slice_len=self.slice_len)

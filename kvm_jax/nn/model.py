@@ -139,6 +139,9 @@ class LM(nnx.Module):
     cfg = self.cfg
     if remat not in REMAT_POLICIES:
       raise ValueError(f"remat={remat!r} is unknown; choose from {tuple(REMAT_POLICIES)}.")
+    if taps is not None and remat != "none":
+      raise ValueError(f"taps record each block's input and mixer output, which remat={remat!r} "
+                       "discards; take them with remat='none'.")
     x0 = self.embed(tokens)
     anchors = self.value_anchors(x0, caches if decode else None, documents)
     sharing = cfg.kv_sharing != "none"

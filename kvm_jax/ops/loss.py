@@ -114,27 +114,25 @@ def kl_sums(student_logits: Array, teacher_logits: Array, labels: Array,
 
 def sliced_distill_sums(student: tuple[Array, Array], teacher: tuple[Array, Array], labels: Array,
                         *, compute_dtype, teacher_compute_dtype, temperatures: tuple[float, ...],
-                        slice_len: int = 0) -> dict[str, Array]:
+                        slice_len: int = 0, softcap: Optional[float] = None,
+                        teacher_softcap: Optional[float] = None) -> dict[str, Array]:
   """Cross-entropy and KL(teacher ‖ student) sums of two LM heads, one sequence slice at a time
   (as :func:`sliced_loss_sums`: only ``[B, slice_len, V]`` logits of each model exist at once).
 
   Args:
-    student / teacher: ``(features [B, T, C], head kernel [C, V])`` of each model, or
-      ``(features, kernel, logit soft-cap)`` for a head that soft-caps (:func:`head_logits`);
-      both heads' vocabularies are the same. The teacher's side is constant
-      (``stop_gradient``).
+    student / teacher: ``(features [B, T, C], head kernel [C, V])`` of each model; both heads'
+      vocabularies are the same. The teacher's side is constant (``stop_gradient``).
     labels: ``[B, T]`` int, :data:`IGNORE` where nothing is counted.
     temperatures: the temperatures at which KL sums are wanted.
+    softcap / teacher_softcap: each head's logit soft-cap (:func:`head_logits`), or None.
   Returns:
     ``{"ce": student cross-entropy sum, "kl": (one KL sum per temperature, in order),
     "count": labelled tokens}``.
   """
-  cap_s, cap_t = (side[2] if len(side) > 2 else None for side in (student, teacher))
-
   def sums(f_s, f_t, lab):
-    logits_s = head_logits(f_s, student[1], compute_dtype, cap_s)
+    logits_s = head_logits(f_s, student[1], compute_dtype, softcap)
     logits_t = head_logits(jax.lax.stop_gradient(f_t), jax.lax.stop_gradient(teacher[1]),
-                           teacher_compute_dtype, cap_t)
+                           teacher_compute_dtype, teacher_softcap)
     ce, count = cross_entropy_sums(logits_s, lab)
     kls = tuple(kl_sums(logits_s, logits_t, lab, t)[0] for t in temperatures)
     return ce, kls, count
