@@ -69,10 +69,7 @@ def run_study(workdir, steps: int = 600, distill_steps: int = 200, seed: int = 0
   base = lambda model, n: dataclasses.replace(train_config(model, n, seed), eval_every=0,
                                               checkpoint_every=n)
   teacher_cfg = base(models["full"], steps)
-  teacher = workdir / "full"
-  train(teacher_cfg, teacher, verbose=verbose)
-  rows = [dict(model="full attention (teacher)", pretrain=steps, distill=0,
-               **_recall(teacher, teacher_cfg))]
+  teacher, rows = _train_teacher(workdir, teacher_cfg, "full attention (teacher)", verbose)
   curves = {}
   for label, layers in CONVERSIONS:
     rows += _convert_and_distill(workdir, label, teacher, teacher_cfg,
@@ -87,21 +84,30 @@ def run_study(workdir, steps: int = 600, distill_steps: int = 200, seed: int = 0
   return {"rows": rows, "curves": curves}
 
 
+def _train_teacher(workdir: Path, cfg: TrainConfig, name: str, verbose: bool
+                   ) -> tuple[Path, list[dict]]:
+  """Trains the full-attention teacher into ``workdir/full``: (its run, [its row ``name``])."""
+  teacher = workdir / "full"
+  train(cfg, teacher, verbose=verbose)
+  return teacher, [dict(model=name, pretrain=cfg.steps, distill=0, **_recall(teacher, cfg))]
+
+
 def _convert_and_distill(workdir: Path, label: str, teacher: Path, teacher_cfg: TrainConfig,
                          student_cfg: TrainConfig, steps: int, curves: dict, *, layers,
-                         kvm=None, slug: Optional[str] = None,
+                         kvm=None, slug: Optional[str] = None, untrained: Optional[str] = None,
                          verbose: bool = False) -> list[dict]:
   """Converts ``teacher``'s ``layers`` (with ``kvm`` options, default: kvm-convert's) into
   ``workdir/converted-{slug}`` (``slug`` default: ``label``), then distils it by each of
   :data:`RECIPES` for ``student_cfg.steps`` steps into ``workdir/{slug}-{recipe}``: one row per
-  model (recall against the teacher's task), each distillation run's metrics added to
-  ``curves``."""
+  model (recall against the teacher's task; the untrained one named "converted ({untrained}),
+  no training", ``untrained`` default: "{label} layers"), each distillation run's metrics added
+  to ``curves``."""
   slug = slug or label
   converted = workdir / f"converted-{slug}"
   if not is_run_directory(converted):
     write_converted(teacher, converted, layers=layers, kvm=kvm, progress=False)
-  rows = [dict(model=f"converted ({label} layers), no training", pretrain=steps, distill=0,
-               **_recall(converted, teacher_cfg))]
+  rows = [dict(model=f"converted ({untrained or label + ' layers'}), no training",
+               pretrain=steps, distill=0, **_recall(converted, teacher_cfg))]
   for recipe, stage, trainable in RECIPES:
     run = workdir / f"{slug}-{recipe}"
     cfg = dataclasses.replace(
@@ -134,21 +140,17 @@ def state_rope_study(workdir, steps: int = 600, distill_steps: int = 200, seed: 
   base = lambda model, n: dataclasses.replace(train_config(every_channel(model), n, seed),
                                               eval_every=0, checkpoint_every=n)
   teacher_cfg = base(models["full"], steps)
-  teacher = workdir / "full"
-  train(teacher_cfg, teacher, verbose=verbose)
-  rows = [dict(model="full attention, RoPE on every channel (teacher)", pretrain=steps,
-               distill=0, **_recall(teacher, teacher_cfg))]
+  teacher, rows = _train_teacher(workdir, teacher_cfg,
+                                 "full attention, RoPE on every channel (teacher)", verbose)
   student_cfg = base(models["kvm-sqrt"], distill_steps)
   curves = {}
   for zeroed in (None, rotary // 2):
     kvm = dataclasses.replace(student_cfg.model.options_of("kvm"), state_rope_dims=zeroed)
     label = (f"all layers, state keys zero all {rotary} rotary channels" if zeroed is None else
              f"all layers, state keys keep the {(rotary - zeroed) // 2} slowest rotary pairs")
-    converted = _convert_and_distill(workdir, label, teacher, teacher_cfg, student_cfg, steps,
-                                     curves, layers="all", kvm=kvm,
-                                     slug=f"state-zeroes-{zeroed or rotary}", verbose=verbose)
-    converted[0]["model"] = f"converted ({label}), no training"
-    rows += converted
+    rows += _convert_and_distill(workdir, label, teacher, teacher_cfg, student_cfg, steps,
+                                 curves, layers="all", kvm=kvm, untrained=label,
+                                 slug=f"state-zeroes-{zeroed or rotary}", verbose=verbose)
   return {"rows": rows, "curves": curves}
 
 
