@@ -425,8 +425,8 @@ def _gemma_export_config(cfg: ModelConfig) -> dict:
 
 def transformers_config_from_model(cfg: ModelConfig, dtype: str,
                                    max_position_embeddings: int = 4096) -> dict:
-  """A transformers ``config.json`` (the 4.x layout, which 5.x reads too) for a Llama-family
-  ``cfg``, or :class:`ExportError`."""
+  """A transformers ``config.json`` (the 4.x layout, which 5.x reads too) for a Llama- or
+  Gemma-family ``cfg``, or :class:`ExportError`."""
   if not hasattr(family_of(cfg), "hf_name"):
     raise ExportError(f"family {cfg.family!r} has no transformers format.")
   gemma = isinstance(cfg.family_options, GemmaOptions)
@@ -463,8 +463,8 @@ def transformers_config_from_model(cfg: ModelConfig, dtype: str,
 
 
 def to_transformers(params, cfg: ModelConfig, dtype=None) -> dict[str, np.ndarray]:
-  """transformers' state dict (numpy, in ``dtype`` or the parameters' own) of a Llama-family
-  model's parameters (``nnx.state(model, nnx.Param)``)."""
+  """transformers' state dict (numpy, in ``dtype`` or the parameters' own) of a Llama- or
+  Gemma-family model's parameters (``nnx.state(model, nnx.Param)``)."""
   table = hf_tensor_table(cfg, params)
   out = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:

@@ -51,8 +51,8 @@ AUTHORS_MODEL_TYPES = (None, "rwkv7backbone", "rwkv7_backbone")
 def checkpoint_kind(path) -> str:
   """"run" for a kvm_jax run directory (local or ``gs://``), "authors" for a local Hugging Face
   directory in the authors' format, "transformers" for one that transformers' ``save_pretrained``
-  wrote (any other ``model_type``: :mod:`kvm_jax.hf.families` reads the Llama family and refuses
-  the rest by name); anything else is a :class:`CheckpointError` saying what the directory
+  wrote (any other ``model_type``: :mod:`kvm_jax.hf.families` reads the Llama and Gemma
+  families and refuses the rest by name); anything else is a :class:`CheckpointError` saying what the directory
   lacks."""
   path = epath.Path(path)
   if not path.is_dir():
@@ -75,7 +75,7 @@ def checkpoint_kind(path) -> str:
 def read_transformers(path, *, dtype: str = "float32", progress: bool = True
                       ) -> tuple[dict, ModelConfig, nnx.GraphDef, nnx.State]:
   """(its config.json, the ModelConfig, graphdef, parameters) of a transformers-format directory
-  of the Llama family (:mod:`kvm_jax.hf.families`)."""
+  of the Llama or Gemma family (:mod:`kvm_jax.hf.families`)."""
   path = Path(path)
   config = _read_json(path / CONFIG_FILE)
   try:
@@ -121,8 +121,8 @@ def load_pretrained(path, dtype: str = "float32", *, numerics: Optional[str] = N
 
   ``path`` is a directory in the authors' Hugging Face format (``config.json`` of their
   ``MixerConfig`` and ``model.safetensors``, or shards with ``model.safetensors.index.json``), such
-  as the paper's released models; a transformers-format directory of the Llama family (Llama,
-  Qwen2, Qwen3, Mistral: what ``save_pretrained`` writes, its logits transformers' own); or a
+  as the paper's released models; a transformers-format directory of the Llama or Gemma family
+  (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3's text model: what ``save_pretrained`` writes, its logits transformers' own); or a
   kvm_jax run directory (``kvm-train``, ``kvm-import``, ``kvm-convert``).
 
   Args:
@@ -184,7 +184,7 @@ def import_checkpoint(src, dest, *, dtype: str = "float32", numerics: str = "aut
                       tokenizer_file: Optional[str] = None, overwrite: bool = False,
                       progress: bool = True) -> Path:
   """Writes a kvm_jax run directory at ``dest`` from the checkpoint ``src`` (the authors' format
-  or a transformers-format Llama-family directory; ``numerics`` applies to the former).
+  or a transformers-format Llama- or Gemma-family directory; ``numerics`` applies to the former).
 
   ``dest`` then holds ``config.json`` (a :class:`TrainConfig`: the model, ``task="text"``),
   ``checkpoints/0/`` (the parameters only, no optimizer state), ``import.json`` (where it came
@@ -193,7 +193,8 @@ def import_checkpoint(src, dest, *, dtype: str = "float32", numerics: str = "aut
   ``kvm-train --config.init_from=DEST`` fine-tunes from it.
   """
   src, dest = Path(src), Path(dest)
-  if checkpoint_kind(src) == "run":
+  kind = checkpoint_kind(src)
+  if kind == "run":
     raise ValueError(f"{src} is already a kvm_jax run directory; use it as it is.")
   config, cfg, _, params = read_model_directory(src, dtype=dtype, numerics=numerics,
                                                 progress=progress)
@@ -208,7 +209,7 @@ def import_checkpoint(src, dest, *, dtype: str = "float32", numerics: str = "aut
     save_starting_point(stage, TrainConfig(model=cfg, task="text", tokenizer_file=tok_path),
                         params, {"imported_from": str(src.resolve())})
     leaves = [np.size(x) for x in jax.tree_util.tree_leaves(params)]
-    authors = checkpoint_kind(src) == "authors"
+    authors = kind == "authors"
     record = {"source": str(src.resolve()), "source_config": config, "dtype": dtype,
               "numerics": numerics if authors else None, "parameters": int(sum(leaves)),
               "tensors": len(leaves), "tokenizer": tok_path or None}
@@ -221,9 +222,10 @@ def export_run(run_dir, dest, *, step: Optional[int] = None, dtype: Optional[str
                progress: bool = True) -> list[Path]:
   """Writes ``config.json`` and ``model.safetensors`` (or shards plus an index) from a run
   directory's parameters (``step``: default the newest): a GPTAlpha-2 model in the authors'
-  format, loadable by their ``RWKV7BackboneForCausalLM.from_pretrained``; a Llama-family model
-  without kvm layers in transformers' (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
-  ``Qwen3ForCausalLM`` or ``MistralForCausalLM``, as its options say). ``dtype`` defaults to the
+  format, loadable by their ``RWKV7BackboneForCausalLM.from_pretrained``; a Llama- or
+  Gemma-family model without kvm layers in transformers' (``LlamaForCausalLM``,
+  ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Gemma2ForCausalLM`` or
+  ``Gemma3ForCausalLM``, as its options say). ``dtype`` defaults to the
   run's parameter dtype. A model the format cannot express is refused
   (:class:`kvm_jax.hf.ExportError` says why). Returns the files written."""
   run_dir, dest = Path(run_dir), Path(dest)
