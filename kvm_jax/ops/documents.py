@@ -167,6 +167,26 @@ def combine_partials(*parts: Partials) -> Array:
   return values / total[..., None]
 
 
+def _slab_partials(qb: Array, kb: Array, vb: Array, sees: Array, scale: Array, softcap
+                   ) -> tuple[Array, Array, Array]:
+  """One block's partials (running max, sum, unnormalised values) over its slab of keys:
+  queries ``qb [B, bq, Hkv, G, D]``, keys ``kb [B, S, Hkv, D]`` scaled per query head by
+  ``scale [Hkv, G]`` (in float32, cast back to the queries' dtype), values ``vb [B, S, Hkv,
+  Dv]``, visibility ``sees [B, bq, S]``. Returns ``[B, bq, Hkv, G(, Dv)]`` float32 arrays."""
+  dtype, precision = qb.dtype, precision_for(qb.dtype)
+  keys = (kb.astype(jnp.float32)[:, :, :, None] * scale[None, None, :, :, None]).astype(dtype)
+  s = jnp.einsum("bqhgd,bshgd->bhgqs", matmul_operand(qb), matmul_operand(keys),
+                 precision=precision, preferred_element_type=jnp.float32)
+  s = jnp.where(sees[:, None, None], soft_capped(s, softcap), MASKED)
+  top = jax.lax.stop_gradient(jnp.max(s, axis=-1))
+  p = jnp.exp(s - top[..., None])
+  acc = jnp.einsum("bhgqs,bshv->bhgqv", matmul_operand(p.astype(vb.dtype)), matmul_operand(vb),
+                   precision=precision, preferred_element_type=jnp.float32)
+  # [B, Hkv, G, bq, ...] -> [B, bq, Hkv, G, ...]
+  move = lambda x: jnp.moveaxis(x, 3, 1)  # noqa: E731
+  return move(top), move(jnp.sum(p, axis=-1)), move(acc)
+
+
 def document_window_partials(q: Array, k: Array, v: Array, docs: Documents, rule: WindowRule, *,
                              key_scale: Array | float = 1.0, block: int = 128,
                              queries: Optional[Array] = None, softcap=None) -> Partials:
@@ -214,7 +234,6 @@ def document_window_partials(q: Array, k: Array, v: Array, docs: Documents, rule
   q_p = pad_time(q, 0, pad_q)
   q_doc = pad_time(docs.index, 0, pad_q, -2)
   q_pos = pad_time(docs.position, 0, pad_q)
-  dtype, precision = q.dtype, precision_for(q.dtype)
 
   def one_block(i):
     first = i * block
@@ -225,17 +244,7 @@ def document_window_partials(q: Array, k: Array, v: Array, docs: Documents, rule
              == jax.lax.dynamic_slice_in_dim(key_doc, first, slab, 1)[:, None, :])
             & rule.sees(jax.lax.dynamic_slice_in_dim(q_pos, first, block, 1)[:, :, None],
                         jax.lax.dynamic_slice_in_dim(key_pos, first, slab, 1)[:, None, :]))
-    keys = (kb.astype(jnp.float32)[:, :, :, None] * scale[None, None, :, :, None]).astype(dtype)
-    s = jnp.einsum("bqhgd,bshgd->bhgqs", matmul_operand(qb), matmul_operand(keys),
-                   precision=precision, preferred_element_type=jnp.float32)
-    s = jnp.where(sees[:, None, None], soft_capped(s, softcap), MASKED)
-    top = jax.lax.stop_gradient(jnp.max(s, axis=-1))
-    p = jnp.exp(s - top[..., None])
-    acc = jnp.einsum("bhgqs,bshv->bhgqv", matmul_operand(p.astype(v.dtype)), matmul_operand(vb),
-                     precision=precision, preferred_element_type=jnp.float32)
-    # [B, Hkv, G, bq, ...] -> [B, bq, Hkv, G, ...]
-    move = lambda x: jnp.moveaxis(x, 3, 1)  # noqa: E731
-    return move(top), move(jnp.sum(p, axis=-1)), move(acc)
+    return _slab_partials(qb, kb, vb, sees, scale, softcap)
 
   def skipped(i):
     del i

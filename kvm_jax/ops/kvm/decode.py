@@ -290,6 +290,24 @@ def _begin_rows(state: KVMState, readout_keys: Array, readout_values: Array, beg
           _per_row_select(begins, values, readout_values))
 
 
+def _ring_in_order(ring: Array, start: Array, window: int) -> Array:
+  """The ring's ``[B, window, ...]`` tokens at positions ``[start - window, start)`` per row,
+  oldest first (slot ``position % window``)."""
+  index = (start[:, None] - window + jnp.arange(window)) % window
+  return jnp.take_along_axis(ring, index.reshape(index.shape + (1,) * (ring.ndim - 2)), axis=1)
+
+
+def _ring_after_piece(extended: Array, end: Array, width: int) -> Array:
+  """The ring after a piece of ``width`` tokens: the last ``window`` tokens of ``extended [B,
+  window + width, ...]`` (ring in order, then the piece), each in the slot of its position
+  (rows ending at ``end [B]``)."""
+  window = extended.shape[1] - width
+  slot_source = (jnp.arange(window)[None, :] - end[:, None]) % window       # [B, window]
+  return jnp.take_along_axis(
+      extended[:, width:], slot_source.reshape(slot_source.shape + (1,) * (extended.ndim - 2)),
+      axis=1)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "ops", "row_update"))
 def resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, cfg: KVMConfig,
            cache: KVMCache, ops: ChunkOps = XLA_OPS, row_update: str = "auto"):
@@ -310,14 +328,11 @@ def resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, c
   state = per_row_state(cache.state, B)
   R = state.capacity
   dtype = cache.window_keys.dtype
-
-  def in_order(ring):  # the ring's last L positions [start - L, start), oldest first
-    index = (start[:, None] - L + jnp.arange(L)) % L
-    return jnp.take_along_axis(ring, index.reshape(index.shape + (1,) * (ring.ndim - 2)), axis=1)
-
-  ext_k = jnp.concatenate([in_order(cache.window_keys), k.astype(dtype)], axis=1)
-  ext_v = jnp.concatenate([in_order(cache.window_values), v.astype(dtype)], axis=1)
-  ext_g = jnp.concatenate([in_order(cache.window_gates), merge_gate.astype(jnp.float32)], axis=1)
+  # The ring's last L tokens, oldest first, then the piece's: chunk j's window is one slice.
+  ext_k, ext_v, ext_g = (
+      jnp.concatenate([_ring_in_order(ring, start, L), x.astype(x_dtype)], axis=1)
+      for ring, x, x_dtype in ((cache.window_keys, k, dtype), (cache.window_values, v, dtype),
+                               (cache.window_gates, merge_gate, jnp.float32)))
   ext_pos = start[:, None] - L + jnp.arange(L + W)                           # [B, L + W]
   rows_table = jnp.asarray(_rows_after_overflow(cfg, cache.max_len))
   state_temp, window_temp = temperatures(params, cfg, Hkv)
@@ -367,11 +382,8 @@ def resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, c
       chunk, carry, (jnp.arange(W // C), qs))
   y = jnp.moveaxis(ys, 0, 1).reshape(B, W, H, -1)
   y = jnp.where(((start[:, None] + jnp.arange(W)) < cache.max_len)[..., None, None], y, jnp.nan)
-  # the ring after the piece: its last L tokens, each in the slot of its position
   end = start + W
-  slot_source = (jnp.arange(L)[None, :] - end[:, None]) % L                 # [B, L]
-  tail = lambda x: jnp.take_along_axis(
-      x[:, W:], slot_source.reshape(slot_source.shape + (1,) * (x.ndim - 2)), axis=1)
+  tail = functools.partial(_ring_after_piece, end=end, width=W)
   new = KVMCache(state=state, readout_keys=readout_keys, readout_values=readout_values,
                  window_keys=tail(ext_k), window_values=tail(ext_v), window_gates=tail(ext_g),
                  length=end, max_len=cache.max_len)

@@ -96,10 +96,6 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
   ``num_rows`` per row, ``[B]``; capacity: the rows the schedule reaches at ``T``). ``remat``:
   the backward pass keeps the state every ~sqrt(steps) steps and recomputes the rest.
   """
-  B, T, H, D = q.shape
-  Hkv, Dv = k.shape[2], v.shape[-1]
-  G = H // Hkv
-  C, nb = cfg.chunk_size, cfg.window_chunks
   docs = documents(segment_ids)
   if path not in DOCUMENT_PATHS:
     raise ValueError(f"path must be one of {DOCUMENT_PATHS}, got {path!r}.")
@@ -109,10 +105,22 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
     y, final = kvm_attention_scan_documents(q, k, v, merge_gate, params, docs, cfg, ops=ops,
                                             row_update=row_update)
     short = _last_document_start_state(k, v, merge_gate, docs, params, cfg, final.capacity)
-    return y, select_rows(_last_document_length(docs) > nb * C, final, short)
+    return y, select_rows(_last_document_length(docs) > cfg.window_len, final, short)
+  return _kvm_attention_steps(q, k, v, merge_gate, params, docs, cfg, ops, row_update, remat)
+
+
+def _kvm_attention_steps(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
+                         docs: Documents, cfg: KVMConfig, ops: ChunkOps, row_update: str,
+                         remat: bool):
+  """The "steps" path of :func:`kvm_attention_documents` (module docstring): the documents'
+  fronts from their windows alone, every later query chunk from one state step. Returns as
+  :func:`kvm_attention_documents`."""
+  B, T, H, D = q.shape
+  Hkv, Dv = k.shape[2], v.shape[-1]
+  C, nb = cfg.chunk_size, cfg.window_chunks
   state_temp, window_temp = temperatures(params, cfg, Hkv)
   scale = 1.0 / math.sqrt(D)
-  q5 = q.reshape(B, T, Hkv, G, D)
+  q5 = q.reshape(B, T, Hkv, H // Hkv, D)
   # A step's readout is one softmax over [state ; window] (the plain scan's chunk), so the
   # window alone is needed only for the front (document position < L).
   front = docs.position < nb * C                    # padding too: a document of one token
@@ -120,13 +128,46 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
                                     key_scale=window_temp * scale, block=min(C, 256),
                                     queries=front, softcap=cfg.logit_softcap)
   window_only = lambda: combine_partials(window).reshape(B, T, H, Dv).astype(q.dtype)  # noqa: E731
-  sched = kvm_schedule(cfg, T)
-  R = sched.final_rows
+  R = kvm_schedule(cfg, T).final_rows
   num_steps = max_state_steps(T, cfg)
   state = _last_document_start_state(k, v, merge_gate, docs, params, cfg, R)
   if num_steps == 0:
     return window_only(), state
 
+  step = _state_step(q5, k, v, merge_gate, params, docs, cfg, ops, row_update,
+                     (state_temp, window_temp), q.dtype)
+  zero = empty_rows(B, Hkv, R, D, Dv)
+  carry0 = ((zero.keys, zero.values, zero.radius), jnp.zeros((B,), jnp.int32))
+  xs = jnp.moveaxis(state_steps(docs, cfg, num_steps), 1, 0)             # [num_steps, B]
+  if remat:
+    (final_arrays, final_rows), (outs, where) = scan_in_blocks(step, carry0, xs)
+  else:
+    (final_arrays, final_rows), (outs, where) = jax.lax.scan(step, carry0, xs)
+
+  # Every query past its document's front is in exactly one step: the steps' outputs go over
+  # the front's.
+  rows = jnp.broadcast_to(jnp.arange(B)[None, :, None], where.shape)
+  y = window_only().at[rows, where].set(outs, mode="drop")
+
+  # The final state of each row's last document: what its last step left when it is long enough
+  # to have steps, else its first rows (already in ``state``).
+  last_is_long = _last_document_length(docs) > nb * C
+  final = KVMState(*final_arrays, num_rows=final_rows)
+  return y, select_rows(last_is_long, final, state)
+
+
+def _state_step(q5: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
+                docs: Documents, cfg: KVMConfig, ops: ChunkOps, row_update: str,
+                temps: tuple[Array, Array], out_dtype):
+  """The body of the state steps' scan: ``step((state arrays, num_rows [B]), first [B]) ->
+  (carry, (out [B, C, H, Dv], where [B, C]))`` for the step whose first query token is
+  ``first`` (``T``: no step), ``where`` the row index of each output (``T``: dropped)."""
+  B, T, Hkv, G, _ = q5.shape
+  H, Dv = Hkv * G, v.shape[-1]
+  C, nb = cfg.chunk_size, cfg.window_chunks
+  state_temp, window_temp = temps
+  sched = kvm_schedule(cfg, T)
+  R = sched.final_rows
   # Every gather below reads at most C rows past a position < T: pad C zeros once.
   pad = lambda x: jnp.pad(x, [(0, 0), (0, C)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
   q_p, k_p, v_p, g_p = pad(q5), pad(k), pad(v), pad(merge_gate)
@@ -139,8 +180,6 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
   may_append = any(sched.n_append[c] > 0 for c in fold_chunks)
   rows_after = {sched.rows_before[c] + sched.n_append[c] for c in fold_chunks}
   rows_after = rows_after.pop() if len(rows_after) == 1 else None
-  steps = state_steps(docs, cfg, num_steps)                              # [B, num_steps]
-  zero = empty_rows(B, Hkv, R, D, Dv)
   causal = window_mask(nb, C, nb)                                        # [C, nb·C], static
 
   def step(carry, first):
@@ -168,7 +207,7 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
     y = ops.attend(rows_of(q_p, at, C), read_keys, read_values,
                    valid_rows[:, None, None, None, :], win_k, win_v, causal, state_temp,
                    window_temp, softcap=cfg.logit_softcap)             # [B, C, Hkv, G, Dv] f32
-    out = y.reshape(B, C, H, Dv).astype(q.dtype)
+    out = y.reshape(B, C, H, Dv).astype(out_dtype)
     # Fold the document chunk leaving the window, if the document goes on past this chunk.
     folds = exists & ((c + 1) * C < doc_len)
     appended = jnp.where(folds, n_append[jnp.clip(c, 0, len(sched.n_append) - 1)], 0)
@@ -183,23 +222,7 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
     where = jnp.where(in_doc, at[:, None] + jnp.arange(C)[None], T)     # T: dropped
     return (state_arrays, num_rows), (out, where)
 
-  carry0 = ((zero.keys, zero.values, zero.radius), jnp.zeros((B,), jnp.int32))
-  xs = jnp.moveaxis(steps, 1, 0)
-  if remat:
-    (final_arrays, final_rows), (outs, where) = scan_in_blocks(step, carry0, xs)
-  else:
-    (final_arrays, final_rows), (outs, where) = jax.lax.scan(step, carry0, xs)
-
-  # Every query past its document's front is in exactly one step: the steps' outputs go over
-  # the front's.
-  rows = jnp.broadcast_to(jnp.arange(B)[None, :, None], where.shape)
-  y = window_only().at[rows, where].set(outs, mode="drop")
-
-  # The final state of each row's last document: what its last step left when it is long enough
-  # to have steps, else its first rows (already in ``state``).
-  last_is_long = _last_document_length(docs) > nb * C
-  final = KVMState(*final_arrays, num_rows=final_rows)
-  return y, select_rows(last_is_long, final, state)
+  return step
 
 
 def empty_rows(batch: int, kv_heads: int, rows: int, head_dim: int, value_dim: int) -> KVMState:

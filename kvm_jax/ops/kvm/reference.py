@@ -101,32 +101,31 @@ def kvm_attention_reference(q, k, v, merge_gate, params, cfg: KVMConfig, *, dtyp
   return _reference(q, k, v, merge_gate, params, cfg=cfg, dtype=dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
-def _reference(q, k, v, merge_gate, params, cfg: KVMConfig, dtype):
-  B, T, H, D = q.shape
-  Hkv = k.shape[2]
-  G = H // Hkv
-  C, L, r = cfg.chunk_size, cfg.window_len, cfg.state_zeroed_dims
-  # Authors' layout: [B, heads, T, dim].
-  q = jnp.transpose(q, (0, 2, 1, 3)).astype(dtype)
-  k = jnp.transpose(k, (0, 2, 1, 3)).astype(dtype)
-  v = jnp.transpose(v, (0, 2, 1, 3)).astype(dtype)
-  g = jnp.transpose(merge_gate, (0, 2, 1))[..., None].astype(dtype)        # [B, Hkv, T, 1]
-  w, b = params.ln_scale.astype(dtype), params.ln_bias.astype(dtype)
-  if cfg.head_temperatures:
-    tau_f = params.window_temperature.astype(dtype).reshape(1, H, 1, 1)
-    tau_s = params.state_temperature.astype(dtype).reshape(1, H, 1, 1)
-  else:
-    tau_f = tau_s = jnp.ones((1, H, 1, 1), dtype)
+class _OraclePieces:
+  """The pieces of one layer's oracle, in the authors' layout ``[B, heads, T, dim]``: LN_s, the
+  state keys' preparation, one query chunk's readout over [state ; window] and the fold of one
+  chunk into the state, for ``H`` query heads in groups of ``G`` per KV head."""
 
-  def ln_s(x):
-    return _ln(x, w, b, cfg.ln_eps)
+  def __init__(self, params, cfg: KVMConfig, dtype, H: int, G: int):
+    self.cfg, self.dtype, self.G = cfg, dtype, G
+    self.w, self.b = params.ln_scale.astype(dtype), params.ln_bias.astype(dtype)
+    if cfg.head_temperatures:
+      self.tau_f = params.window_temperature.astype(dtype).reshape(1, H, 1, 1)
+      self.tau_s = params.state_temperature.astype(dtype).reshape(1, H, 1, 1)
+    else:
+      self.tau_f = self.tau_s = jnp.ones((1, H, 1, 1), dtype)
 
-  def prep(kk):
-    return ln_s(jnp.concatenate([jnp.zeros_like(kk[..., :r]), kk[..., r:]], axis=-1))
+  def ln_s(self, x):
+    return _ln(x, self.w, self.b, self.cfg.ln_eps)
 
-  def attend(qc, kw, vw, s_k, s_v, s_r):
-    s_k_read = _repeat_kv(ln_s(s_k), G)
+  def prep(self, kk):
+    """Stored state keys: the zeroed rotary channels, then LN_s."""
+    r = self.cfg.state_zeroed_dims
+    return self.ln_s(jnp.concatenate([jnp.zeros_like(kk[..., :r]), kk[..., r:]], axis=-1))
+
+  def attend(self, qc, kw, vw, s_k, s_v, s_r):
+    cfg, G = self.cfg, self.G
+    s_k_read = _repeat_kv(self.ln_s(s_k), G)
     if cfg.value_norm == "radius":
       s_v_read = s_v / jnp.maximum(_norm(s_v), 1e-12) * s_r
     else:
@@ -135,20 +134,23 @@ def _reference(q, k, v, merge_gate, params, cfg: KVMConfig, dtype):
       s_v_read = _cast_then_repeat(s_v_read, G, cfg.readout_value_dtype)
     else:
       s_v_read = _repeat_kv(s_v_read, G)
-    k_star = jnp.concatenate([s_k_read * tau_s, _repeat_kv(kw, G) * tau_f], axis=2)
+    k_star = jnp.concatenate([s_k_read * self.tau_s, _repeat_kv(kw, G) * self.tau_f], axis=2)
     v_star = jnp.concatenate([s_v_read, _repeat_kv(vw, G)], axis=2)
     return _sdpa(qc, k_star, v_star, _lower_right_causal(qc.shape[2], k_star.shape[2]),
                  cfg.logit_softcap)
 
-  def update(s_k, s_v, s_r, ok, ov, og, ctx_len, available):
-    k_bar = prep(ok)
+  def update(self, s_k, s_v, s_r, ok, ov, og, ctx_len, available):
+    """The state after folding the chunk ``ok, ov`` (gate ``og``): the least novel keys' rows
+    appended up to the budget, the rest merged into their nearest non-sink rows."""
+    cfg = self.cfg
+    k_bar = self.prep(ok)
     k_g = k_bar * og if cfg.gate_keys else k_bar
     v_g = ov * og if cfg.gate_values else ov
     k_app, v_app = (k_g, v_g) if cfg.gate_appends else (k_bar, ov)
     m = s_k.shape[2]
     n_app = min(max(_desired(cfg, ctx_len, available, m) - m, 0), ok.shape[2])
     if n_app > 0:
-      ref = jax.lax.stop_gradient(ln_s(s_k))
+      ref = jax.lax.stop_gradient(self.ln_s(s_k))
       novelty = jnp.einsum("bhcd,bhmd->bhcm", jax.lax.stop_gradient(k_bar), ref,
                            precision=_HI).max(-1)
       order = jnp.argsort(novelty, axis=-1, stable=True)      # least similar first, ties by index
@@ -163,17 +165,36 @@ def _reference(q, k, v, merge_gate, params, cfg: KVMConfig, dtype):
       k_m, v_m = k_g, v_g
     if k_m.shape[2] == 0:
       return s_k, s_v, s_r
+    return self.merge(s_k, s_v, s_r, k_m, v_m)
+
+  def merge(self, s_k, s_v, s_r, k_m, v_m):
+    """Each merged key's row added into the state row its key scores highest on (sinks
+    excluded, first index on ties)."""
     m = s_k.shape[2]
-    sinks = min(cfg.sink_rows, m)
+    sinks = min(self.cfg.sink_rows, m)
     if m <= sinks:
       raise AssertionError("state has no non-sink row to merge into")
     logits = jnp.einsum("bhcd,bhmd->bhcm", jax.lax.stop_gradient(k_m),
-                        jax.lax.stop_gradient(ln_s(s_k)), precision=_HI)
+                        jax.lax.stop_gradient(self.ln_s(s_k)), precision=_HI)
     logits = logits.at[..., :sinks].set(-jnp.inf)
-    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), m, dtype=dtype)   # first index on ties
+    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), m, dtype=self.dtype)
     s_k = s_k + jnp.einsum("bhcm,bhcd->bhmd", onehot, k_m, precision=_HI)
     s_v = s_v + jnp.einsum("bhcm,bhcd->bhmd", onehot, v_m, precision=_HI)
     return s_k, s_v, s_r
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
+def _reference(q, k, v, merge_gate, params, cfg: KVMConfig, dtype):
+  B, T, H, D = q.shape
+  G = H // k.shape[2]
+  C, L = cfg.chunk_size, cfg.window_len
+  # Authors' layout: [B, heads, T, dim].
+  q = jnp.transpose(q, (0, 2, 1, 3)).astype(dtype)
+  k = jnp.transpose(k, (0, 2, 1, 3)).astype(dtype)
+  v = jnp.transpose(v, (0, 2, 1, 3)).astype(dtype)
+  g = jnp.transpose(merge_gate, (0, 2, 1))[..., None].astype(dtype)        # [B, Hkv, T, 1]
+  pieces = _OraclePieces(params, cfg, dtype, H, G)
+  tau_f, prep = pieces.tau_f, pieces.prep
 
   # Front: plain causal attention over the first min(T, L) tokens, window temperature only.
   front = min(T, L)
@@ -191,13 +212,13 @@ def _reference(q, k, v, merge_gate, params, cfg: KVMConfig, dtype):
     qe = min(T, qb + C)
     wb = _bswa_begin(qe, C, L)
     assert wb == coverage, (wb, coverage)
-    outs.append(attend(q[:, :, qb:qe], k[:, :, wb:qe], v[:, :, wb:qe], s_k, s_v, s_r))
+    outs.append(pieces.attend(q[:, :, qb:qe], k[:, :, wb:qe], v[:, :, wb:qe], s_k, s_v, s_r))
     if qe >= T:
       break
     nwb = _bswa_begin(min(T, qe + C), C, L)
     if nwb > wb:
-      s_k, s_v, s_r = update(s_k, s_v, s_r, k[:, :, wb:nwb], v[:, :, wb:nwb], g[:, :, wb:nwb],
-                             ctx_len=qe, available=nwb)
+      s_k, s_v, s_r = pieces.update(s_k, s_v, s_r, k[:, :, wb:nwb], v[:, :, wb:nwb],
+                                    g[:, :, wb:nwb], ctx_len=qe, available=nwb)
       coverage = nwb
   y = jnp.transpose(jnp.concatenate(outs, axis=2), (0, 2, 1, 3))
   state = KVMState(keys=s_k, values=s_v, radius=s_r[..., 0], num_rows=jnp.asarray(s_k.shape[2], jnp.int32))
