@@ -268,6 +268,47 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
     ConfigError: a field selects something kvm_jax does not implement (the message names it).
   """
   cfg, _ = authors_fields(config)
+  _check_authors_switches(cfg)
+  kinds = layer_kinds(cfg)
+  used = sorted(set(kinds))
+  alternates = _int(cfg, "alt_layer_every") > 1
+  hidden, heads = _int(cfg, "hidden_size", 1), _int(cfg, "num_attention_heads", 1)
+  d_qk, d_v, kv_heads = _authors_head_widths(cfg, used, hidden, heads)
+  ropes, rope_dims, theta = _authors_rope(cfg, kinds, used, alternates)
+  shift, value_residual = _authors_front_end(cfg, used)
+  chunk, window_chunks = _int(cfg, "chunk_len", 1), _int(cfg, "n_bswa_chunks", 1)
+  sink = _int(cfg, "sink_len", 0)
+  kvm = _authors_kvm(cfg, ropes["kvm"][0], d_qk) if "kvm" in used else KVMConfig()
+  ovq = _authors_ovq(cfg) if "ovq" in used else OVQConfig()
+  swa_window = _int(cfg, "swa_window_size")
+  swa_window = swa_window if swa_window > 0 else chunk  # their swa_mixer rule
+  try:
+    model = ModelConfig(
+        vocab_size=_int(cfg, "vocab_size", 1), num_layers=len(kinds), hidden_size=hidden,
+        num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=None if d_qk * heads == hidden else d_qk,
+        value_head_dim=None if d_v == d_qk else d_v,  # kvm_jax's value width defaults to D
+        mixers=kinds[0] if len(used) == 1 else kinds, rope_dims=rope_dims, rope_theta=theta,
+        options={"kvm": kvm,
+                 "swa": SWAOptions(window=swa_window,
+                                   rope_dims=ropes["swa"][0] if "swa" in used else None),
+                 "bswa": BSWAOptions(chunk_size=chunk, window_chunks=window_chunks,
+                                     sink_rows=sink),
+                 "ovq": ovq, "rwkv7": RWKV7Options()},
+        family="gptalpha2", family_options=GPTAlpha2Options(
+            ffn_expansion=_float(cfg, "ffn_expansion"), tokenshift_attention=shift,
+            tokenshift_mlp=_flag(cfg, "use_tokenshift_ffn"), value_residual=value_residual,
+            share_value_anchor=alternates and _flag(cfg, "alt_share_v0")),
+        # their Block: residual_scale or 1.0
+        residual_scale=_float(cfg, "residual_scale", allow_none=True) or None,
+        mup_base_dim=_int(cfg, "mup_base_dim", 1))
+  except ValueError as e:
+    raise ConfigError(f"config.json gives no valid kvm_jax model: {e}") from None
+  return with_numerics(model, dtype, numerics)
+
+
+def _check_authors_switches(cfg: dict) -> None:
+  """Refuses, by name, the switches of their model that kvm_jax does not implement."""
   if cfg["model_class_path"] not in (None, MODEL_CLASS_PATH):
     raise ConfigError(f"model_class_path={cfg['model_class_path']!r}: kvm_jax reads "
                       f"{MODEL_CLASS_PATH} checkpoints only.")
@@ -280,14 +321,12 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
   if _float(cfg, "logit_softcap", allow_none=True):
     raise ConfigError(f"logit_softcap={cfg['logit_softcap']!r}: kvm_jax's LM head has no logit "
                       "soft-capping; only 0 loads.")
-  kinds = layer_kinds(cfg)
-  used = sorted(set(kinds))
-  every = _int(cfg, "alt_layer_every")
-  alternates = every > 1
 
-  # Heads and widths, exactly as their ValueResidualMixin resolves them (their RWKV-7 layer
-  # reads d_head only).
-  hidden, heads = _int(cfg, "hidden_size", 1), _int(cfg, "num_attention_heads", 1)
+
+def _authors_head_widths(cfg: dict, used: list, hidden: int, heads: int
+                         ) -> tuple[int, int, Optional[int]]:
+  """(q/k head width, value head width, KV heads or None) exactly as their ValueResidualMixin
+  resolves them (their RWKV-7 layer reads d_head only)."""
   d_head = _opt_int(cfg, "d_head")
   d_qk = _opt_int(cfg, "d_qk_head") or d_head or hidden // heads
   d_v = _opt_int(cfg, "d_v_head") or d_head or hidden // heads
@@ -302,10 +341,15 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
   kv_heads = None if cfg["num_key_value_heads"] is None else _int(cfg, "num_key_value_heads", 1)
   if used == ["rwkv7"]:
     kv_heads = None  # their time mix never reads num_key_value_heads
+  return d_qk, d_v, kv_heads
 
-  # RoPE: the main role's layers use (rope_partial_dim, rope_theta), the alt role's
-  # (alt_rope_partial_dim, alt_rope_theta). kvm_jax has one width for swa layers and one for the
-  # others, and one theta.
+
+def _authors_rope(cfg: dict, kinds: tuple, used: list, alternates: bool
+                  ) -> tuple[dict, int, float]:
+  """({kind: (rotary width, theta)}, the model's rotary width, its theta). The main role's
+  layers use (rope_partial_dim, rope_theta), the alt role's (alt_rope_partial_dim,
+  alt_rope_theta); kvm_jax has one width for swa layers and one for the others, and one
+  theta."""
   def role_rope(kind):
     if kind in NO_ROPE_KINDS:
       return 0, _float(cfg, "rope_theta")
@@ -328,9 +372,12 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
     rope_dims = non_swa.pop()
   else:  # no layer reads the model's RoPE width; 0 when none of them rotates at all
     rope_dims = 0 if set(used) & set(NO_ROPE_KINDS) else _int(cfg, "rope_partial_dim", 0)
-  swa_rope = ropes["swa"][0] if "swa" in used else None
+  return ropes, rope_dims, theta
 
-  # Front end: token shift and value residual, per mixer kind's own mode fields.
+
+def _authors_front_end(cfg: dict, used: list) -> tuple[bool, bool]:
+  """(token shift of attention, value residual): one setting for every layer, read from each
+  mixer kind's own mode fields."""
   def shifts(kind):
     if MODE_PREFIX[kind] is None:
       return _flag(cfg, "use_tokenshift_att")
@@ -360,71 +407,51 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
       if cfg[field] != "rwkv":
         raise ConfigError(f"{field}={cfg[field]!r}: kvm_jax implements the 'rwkv' value residual "
                           "only.")
+  return shift[used[0]], value_residual
 
+
+def _authors_kvm(cfg: dict, dims: int, d_qk: int) -> KVMConfig:
+  """The KVM layers' options (rotating ``dims`` channels of heads ``d_qk`` wide)."""
   chunk, window_chunks = _int(cfg, "chunk_len", 1), _int(cfg, "n_bswa_chunks", 1)
   sink = _int(cfg, "sink_len", 0)
-  kvm = KVMConfig()
-  if "kvm" in used:
-    dims = ropes["kvm"][0]
-    zeroed = _int(cfg, "rope_partial_dim", 0) or d_qk
-    if dims <= 0 or zeroed != dims:
-      raise ConfigError(
-          f"the KVM layers rotate {dims} channels (rope_partial_dim / alt_rope_partial_dim) but "
-          f"their state keys zero {zeroed} (rope_partial_dim={cfg['rope_partial_dim']}, where 0 "
-          "means every channel); kvm_jax zeroes exactly the rotary channels, so the two must be "
-          "equal and positive.")
-    if not _flag(cfg, "kvm_use_vlens"):
-      raise ConfigError("kvm_use_vlens=0: their state-value readout without radii divides by a "
-                        "count that is never kept (docs/kvm-spec.md §6.9); kvm_jax does not "
-                        "reproduce it (its value_norm='none' reads raw sums instead).")
-    fields = dict(
-        chunk_size=chunk, window_chunks=window_chunks, sink_rows=sink, rope_dims=dims,
-        budget=_budget(cfg), max_state_rows=chunk * _int(cfg, "n_max_d_chunks", 1),
-        gate_keys=_flag(cfg, "kvm_use_merge_gate_keys"),
-        gate_values=_flag(cfg, "kvm_use_merge_gate_values"),
-        gate_appends=_flag(cfg, "kvm_apply_merge_gate_to_appends"),
-        gate_initial_state=_flag(cfg, "kvm_apply_merge_gate_to_initial_state"),
-        head_temperatures=_flag(cfg, "kvm_use_head_temps"), value_norm="radius")
-    try:
-      kvm = KVMConfig(**fields)
-    except ValueError as e:  # KVMConfig's own validation
-      raise ConfigError(f"the KVM fields (chunk_len, n_bswa_chunks, sink_len, state_*) give no "
-                        f"valid KVM layer: {e}") from None
-  ovq = OVQConfig()
-  if "ovq" in used:
-    try:
-      ovq = OVQConfig(chunk_size=_int(cfg, "ovq_chunk_size", 1),
-                      max_centroids=_int(cfg, "ovq_max_centroids", 1),
-                      min_state_size=_flag(cfg, "ovq_use_min_state_size"),
-                      count_bias=not _flag(cfg, "ovq_use_counts_for_lr_only"),
-                      normalize_centroids=_flag(cfg, "ovq_normalize_centroids"),
-                      delta_rule=_flag(cfg, "ovq_use_delta_rule"))
-    except ValueError as e:  # OVQConfig's own validation
-      raise ConfigError(f"ovq_chunk_size={cfg['ovq_chunk_size']!r}, ovq_max_centroids="
-                        f"{cfg['ovq_max_centroids']!r}: {e}") from None
-  swa_window = _int(cfg, "swa_window_size")
-  swa_window = swa_window if swa_window > 0 else chunk  # their swa_mixer rule
+  zeroed = _int(cfg, "rope_partial_dim", 0) or d_qk
+  if dims <= 0 or zeroed != dims:
+    raise ConfigError(
+        f"the KVM layers rotate {dims} channels (rope_partial_dim / alt_rope_partial_dim) but "
+        f"their state keys zero {zeroed} (rope_partial_dim={cfg['rope_partial_dim']}, where 0 "
+        "means every channel); kvm_jax zeroes exactly the rotary channels, so the two must be "
+        "equal and positive.")
+  if not _flag(cfg, "kvm_use_vlens"):
+    raise ConfigError("kvm_use_vlens=0: their state-value readout without radii divides by a "
+                      "count that is never kept (docs/kvm-spec.md §6.9); kvm_jax does not "
+                      "reproduce it (its value_norm='none' reads raw sums instead).")
+  fields = dict(
+      chunk_size=chunk, window_chunks=window_chunks, sink_rows=sink, rope_dims=dims,
+      budget=_budget(cfg), max_state_rows=chunk * _int(cfg, "n_max_d_chunks", 1),
+      gate_keys=_flag(cfg, "kvm_use_merge_gate_keys"),
+      gate_values=_flag(cfg, "kvm_use_merge_gate_values"),
+      gate_appends=_flag(cfg, "kvm_apply_merge_gate_to_appends"),
+      gate_initial_state=_flag(cfg, "kvm_apply_merge_gate_to_initial_state"),
+      head_temperatures=_flag(cfg, "kvm_use_head_temps"), value_norm="radius")
   try:
-    model = ModelConfig(
-        vocab_size=_int(cfg, "vocab_size", 1), num_layers=len(kinds), hidden_size=hidden,
-        num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=None if d_qk * heads == hidden else d_qk,
-        value_head_dim=None if d_v == d_qk else d_v,  # kvm_jax's value width defaults to D
-        mixers=kinds[0] if len(used) == 1 else kinds, rope_dims=rope_dims, rope_theta=theta,
-        options={"kvm": kvm, "swa": SWAOptions(window=swa_window, rope_dims=swa_rope),
-                 "bswa": BSWAOptions(chunk_size=chunk, window_chunks=window_chunks,
-                                     sink_rows=sink),
-                 "ovq": ovq, "rwkv7": RWKV7Options()},
-        family="gptalpha2", family_options=GPTAlpha2Options(
-            ffn_expansion=_float(cfg, "ffn_expansion"), tokenshift_attention=shift[used[0]],
-            tokenshift_mlp=_flag(cfg, "use_tokenshift_ffn"), value_residual=value_residual,
-            share_value_anchor=alternates and _flag(cfg, "alt_share_v0")),
-        # their Block: residual_scale or 1.0
-        residual_scale=_float(cfg, "residual_scale", allow_none=True) or None,
-        mup_base_dim=_int(cfg, "mup_base_dim", 1))
-  except ValueError as e:
-    raise ConfigError(f"config.json gives no valid kvm_jax model: {e}") from None
-  return with_numerics(model, dtype, numerics)
+    return KVMConfig(**fields)
+  except ValueError as e:  # KVMConfig's own validation
+    raise ConfigError(f"the KVM fields (chunk_len, n_bswa_chunks, sink_len, state_*) give no "
+                      f"valid KVM layer: {e}") from None
+
+
+def _authors_ovq(cfg: dict) -> OVQConfig:
+  """The OVQ layers' options."""
+  try:
+    return OVQConfig(chunk_size=_int(cfg, "ovq_chunk_size", 1),
+                     max_centroids=_int(cfg, "ovq_max_centroids", 1),
+                     min_state_size=_flag(cfg, "ovq_use_min_state_size"),
+                     count_bias=not _flag(cfg, "ovq_use_counts_for_lr_only"),
+                     normalize_centroids=_flag(cfg, "ovq_normalize_centroids"),
+                     delta_rule=_flag(cfg, "ovq_use_delta_rule"))
+  except ValueError as e:  # OVQConfig's own validation
+    raise ConfigError(f"ovq_chunk_size={cfg['ovq_chunk_size']!r}, ovq_max_centroids="
+                      f"{cfg['ovq_max_centroids']!r}: {e}") from None
 
 
 def _budget(cfg: dict):
@@ -465,27 +492,14 @@ def authors_config_from_model(model: ModelConfig) -> dict:
     raise ExportError(f"kv_sharing={model.kv_sharing!r}: their model has no cross-layer KV "
                       "sharing.")
   used = sorted(set(kinds))
-  if len(used) == 1:
-    main, alt, every = used[0], None, -1
-  else:
-    main = alt = None
-    every = next((e for e in range(2, len(kinds) + 1)
-                  if len({kinds[i] for i in range(len(kinds)) if i % e == 0}) == 1
-                  and len({kinds[i] for i in range(len(kinds)) if i % e}) == 1
-                  and kinds[0] != kinds[1]), None)
-    if every is None:
-      raise ExportError(f"mixers={kinds}: their model runs one mixer, or two alternating with "
-                        "the alt mixer on layers i % alt_layer_every == 0; this layout is "
-                        "neither.")
-    alt, main = kinds[0], kinds[1]
+  main, alt, every = _authors_roles(kinds)
   for kind in used:
     if kind not in KVM_JAX_MIXERS:
       raise ExportError(f"mixer {kind!r}: their code has no such mixer (it has "
                         f"{sorted(KVM_JAX_MIXERS)}).")
   out = dict(AUTHORS_DEFAULTS)
   out["token_mixer"] = KVM_JAX_MIXERS[main]
-  first_main = kinds.index(main)
-  rope_main = model.rope_dims_of(first_main)
+  rope_main = model.rope_dims_of(kinds.index(main))
   out.update(rope_partial_dim=rope_main, rope_theta=float(model.rope_theta),
              alt_rope_theta=float(model.rope_theta))
   if alt is not None:
@@ -502,53 +516,14 @@ def authors_config_from_model(model: ModelConfig) -> dict:
                         f"sink_len, but kvm has ({k.chunk_size}, {k.window_chunks}, "
                         f"{k.sink_rows}) and bswa ({chunk}, {window_chunks}, {sink}).")
     chunk, window_chunks, sink = k.chunk_size, k.window_chunks, k.sink_rows
-    zeroed = rope_main or model.qk_head_dim  # their KVM layer zeroes rope_partial_dim, 0 = all
-    if model.rope_dims == 0 or model.rope_dims != zeroed:
-      raise ExportError(
-          f"the KVM layers rotate rope_dims={model.rope_dims} channels, but their KVM layer "
-          f"zeroes rope_partial_dim={rope_main} ({zeroed}) channels of the state keys "
-          "(rope_partial_dim belongs to the main mixer; 0 means every channel).")
-    if k.value_norm != "radius":
-      raise ExportError(f"kvm.value_norm={k.value_norm!r}: their code reads the state values "
-                        "normalized times the radius (kvm_use_vlens=1); its kvm_use_vlens=0 path "
-                        "computes something else (docs/kvm-spec.md §6.9).")
-    if k.ln_eps != 1e-5:
-      raise ExportError(f"kvm.ln_eps={k.ln_eps}: their LN_s uses 1e-5.")
-    if k.state_zeroed_dims != k.rope_dims:
-      raise ExportError(f"kvm.state_rope_dims={k.state_rope_dims}: their state zeroes every "
-                        f"rotary channel ({k.rope_dims}).")
-    if k.logit_softcap is not None:
-      raise ExportError(f"kvm.logit_softcap={k.logit_softcap}: their readout does not soft-cap "
-                        "scores.")
-    out.update(_authors_budget(k))
-    out.update(kvm_use_merge_gate_keys=int(k.gate_keys),
-               kvm_use_merge_gate_values=int(k.gate_values),
-               kvm_apply_merge_gate_to_appends=int(k.gate_appends),
-               kvm_apply_merge_gate_to_initial_state=int(k.gate_initial_state),
-               kvm_use_head_temps=int(k.head_temperatures), kvm_use_vlens=1)
+    out.update(_authors_kvm_fields(model, k, rope_main))
   if "ovq" in used:
-    o = model.options_of("ovq")
-    # ovq_window_size is never read by their layer; the paper's configs set it to the chunk.
-    out.update(ovq_chunk_size=o.chunk_size, ovq_window_size=o.chunk_size,
-               ovq_max_centroids=o.max_centroids, ovq_use_min_state_size=int(o.min_state_size),
-               ovq_use_counts_for_lr_only=int(not o.count_bias),
-               ovq_normalize_centroids=int(o.normalize_centroids),
-               ovq_use_delta_rule=int(o.delta_rule))
+    out.update(_authors_ovq_fields(model.options_of("ovq")))
   out.update(chunk_len=chunk, n_bswa_chunks=window_chunks, sink_len=sink,
              swa_window_size=model.options_of("swa").window)
+  _check_authors_heads(model, used)
   D, Dv = model.qk_head_dim, model.v_head_dim
   default_head = model.hidden_size // model.num_heads
-  softmax_kinds = sorted(set(used) - {"kvm"})
-  if model.kv_heads != model.num_heads and softmax_kinds:
-    raise ExportError(f"num_kv_heads={model.num_kv_heads} with {softmax_kinds} layers: their "
-                      "full/SWA/block-SWA layers call scaled_dot_product_attention without "
-                      "enable_gqa, so only KVM layers may use grouped K/V heads.")
-  if "swa" in used and model.num_heads * Dv != model.hidden_size:
-    raise ExportError(f"SWA layers with num_heads x value head dim = {model.num_heads * Dv} != "
-                      f"hidden_size={model.hidden_size}: their SWA layer reshapes its output to "
-                      "the input's shape.")
-  if model.residual_scale == 0:
-    raise ExportError("residual_scale=0: their Block reads `residual_scale or 1.0`, i.e. 1.")
   out.update(
       vocab_size=model.vocab_size, num_hidden_layers=model.num_layers,
       num_attention_heads=model.num_heads, num_key_value_heads=model.num_kv_heads,
@@ -562,6 +537,77 @@ def authors_config_from_model(model: ModelConfig) -> dict:
   out["architectures"] = [ARCHITECTURE]
   out["tie_word_embeddings"] = False
   return out
+
+
+def _authors_roles(kinds: tuple) -> tuple[str, Optional[str], int]:
+  """(main mixer, alt mixer or None, alt_layer_every) of a layer pattern: their model runs one
+  mixer, or two with the alt one on layers ``i % alt_layer_every == 0``."""
+  used = sorted(set(kinds))
+  if len(used) == 1:
+    return used[0], None, -1
+  every = next((e for e in range(2, len(kinds) + 1)
+                if len({kinds[i] for i in range(len(kinds)) if i % e == 0}) == 1
+                and len({kinds[i] for i in range(len(kinds)) if i % e}) == 1
+                and kinds[0] != kinds[1]), None)
+  if every is None:
+    raise ExportError(f"mixers={kinds}: their model runs one mixer, or two alternating with "
+                      "the alt mixer on layers i % alt_layer_every == 0; this layout is "
+                      "neither.")
+  return kinds[1], kinds[0], every
+
+
+def _authors_kvm_fields(model: ModelConfig, k: KVMConfig, rope_main: int) -> dict:
+  """Their KVM fields for options ``k`` (the main mixer rotating ``rope_main`` channels), or
+  :class:`ExportError` naming what their KVM layer computes otherwise."""
+  zeroed = rope_main or model.qk_head_dim  # their KVM layer zeroes rope_partial_dim, 0 = all
+  if model.rope_dims == 0 or model.rope_dims != zeroed:
+    raise ExportError(
+        f"the KVM layers rotate rope_dims={model.rope_dims} channels, but their KVM layer "
+        f"zeroes rope_partial_dim={rope_main} ({zeroed}) channels of the state keys "
+        "(rope_partial_dim belongs to the main mixer; 0 means every channel).")
+  if k.value_norm != "radius":
+    raise ExportError(f"kvm.value_norm={k.value_norm!r}: their code reads the state values "
+                      "normalized times the radius (kvm_use_vlens=1); its kvm_use_vlens=0 path "
+                      "computes something else (docs/kvm-spec.md §6.9).")
+  if k.ln_eps != 1e-5:
+    raise ExportError(f"kvm.ln_eps={k.ln_eps}: their LN_s uses 1e-5.")
+  if k.state_zeroed_dims != k.rope_dims:
+    raise ExportError(f"kvm.state_rope_dims={k.state_rope_dims}: their state zeroes every "
+                      f"rotary channel ({k.rope_dims}).")
+  if k.logit_softcap is not None:
+    raise ExportError(f"kvm.logit_softcap={k.logit_softcap}: their readout does not soft-cap "
+                      "scores.")
+  return dict(**_authors_budget(k), kvm_use_merge_gate_keys=int(k.gate_keys),
+              kvm_use_merge_gate_values=int(k.gate_values),
+              kvm_apply_merge_gate_to_appends=int(k.gate_appends),
+              kvm_apply_merge_gate_to_initial_state=int(k.gate_initial_state),
+              kvm_use_head_temps=int(k.head_temperatures), kvm_use_vlens=1)
+
+
+def _authors_ovq_fields(o: OVQConfig) -> dict:
+  """Their OVQ fields for options ``o``."""
+  # ovq_window_size is never read by their layer; the paper's configs set it to the chunk.
+  return dict(ovq_chunk_size=o.chunk_size, ovq_window_size=o.chunk_size,
+              ovq_max_centroids=o.max_centroids, ovq_use_min_state_size=int(o.min_state_size),
+              ovq_use_counts_for_lr_only=int(not o.count_bias),
+              ovq_normalize_centroids=int(o.normalize_centroids),
+              ovq_use_delta_rule=int(o.delta_rule))
+
+
+def _check_authors_heads(model: ModelConfig, used: list) -> None:
+  """Refuses head layouts their softmax layers cannot run."""
+  Dv = model.v_head_dim
+  softmax_kinds = sorted(set(used) - {"kvm"})
+  if model.kv_heads != model.num_heads and softmax_kinds:
+    raise ExportError(f"num_kv_heads={model.num_kv_heads} with {softmax_kinds} layers: their "
+                      "full/SWA/block-SWA layers call scaled_dot_product_attention without "
+                      "enable_gqa, so only KVM layers may use grouped K/V heads.")
+  if "swa" in used and model.num_heads * Dv != model.hidden_size:
+    raise ExportError(f"SWA layers with num_heads x value head dim = {model.num_heads * Dv} != "
+                      f"hidden_size={model.hidden_size}: their SWA layer reshapes its output to "
+                      "the input's shape.")
+  if model.residual_scale == 0:
+    raise ExportError("residual_scale=0: their Block reads `residual_scale or 1.0`, i.e. 1.")
 
 
 def _authors_budget(k: KVMConfig) -> dict:
