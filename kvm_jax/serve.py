@@ -263,6 +263,178 @@ class _Choice:
   finish_reason: Optional[str] = None
 
 
+def _usage(completions: Sequence[Completion], choices: dict[int, _Choice]) -> dict:
+  """The OpenAI ``usage`` of a finished request: every sample counts its prompt once."""
+  prompt = sum(len(c.prompt) * c.n for c in completions)
+  generated = sum(len(c.tokens) for c in choices.values())
+  return {"prompt_tokens": prompt, "completion_tokens": generated,
+          "total_tokens": prompt + generated}
+
+
+def _choice_json(choice: _Choice, text: str) -> dict:
+  """A choice as the response shows it, with ``text`` (the whole text, or a streamed piece)."""
+  return {"index": choice.index, "text": text, "logprobs": None,
+          "finish_reason": choice.finish_reason, "token_ids": list(choice.tokens)}
+
+
+class _Running:
+  """One ``/v1/completions`` request on the engine: a choice per sample (by engine request id),
+  the queue their token events arrive on, and the fields every response to it carries."""
+
+  def __init__(self, server: _Server, completions: list[Completion], ids: list[int],
+               events: asyncio.Queue):
+    self.server, self.completions, self.events = server, completions, events
+    stops = [c.stop for c in completions for _ in range(c.n)]  # the engine's ids run in this order
+    self.choices = {rid: _Choice(index=i, stops=stops[i]) for i, rid in enumerate(ids)}
+    self.header = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion",
+                   "created": int(time.time()), "model": server.model_name}
+
+  def unfinished(self) -> list[int]:
+    """The engine ids of the samples still running: what a client that leaves must cancel."""
+    return [rid for rid, c in self.choices.items() if c.finish_reason is None]
+
+  async def next_event(self, timeout=None):
+    """``(choice, new text, new token ids)`` of the next token event (text None: the choice
+    had already ended at a stop string)."""
+    event = await asyncio.wait_for(self.events.get(), timeout)
+    choice = self.choices[event.request_id]
+    if choice.finish_reason is not None:
+      return choice, None, []
+    delta = self.server.advance(choice, event)
+    if choice.finish_reason is not None and event.finish_reason is None:
+      self.server.worker.cancel([event.request_id])  # a stop string ended it early: free the slot
+    return choice, delta, ([] if event.token == self.server.eos else [event.token])
+
+  async def chunks(self):
+    """The server-sent events of a streamed response, one chunk per token that shows."""
+    try:
+      while self.unfinished():
+        choice, delta, new_ids = await self.next_event()
+        if delta is None:
+          continue
+        if delta or new_ids or choice.finish_reason:
+          chunk = {**self.header, "choices": [{**_choice_json(choice, delta),
+                                               "token_ids": new_ids}]}
+          yield f"data: {json.dumps(chunk)}\n\n"
+      yield "data: [DONE]\n\n"
+    finally:  # the client went away (or the stream ended): nothing may keep a slot
+      if self.unfinished():
+        self.server.worker.cancel(self.unfinished())
+
+  async def wait(self, request) -> bool:
+    """Takes token events until every sample ends; False (its samples cancelled) if the client
+    disconnected first. The engine never tells of a disconnect, so the wait looks now and then."""
+    try:
+      while self.unfinished():
+        try:
+          await self.next_event(timeout=0.25)
+        except asyncio.TimeoutError:
+          if await request.is_disconnected():
+            self.server.worker.cancel(self.unfinished())
+            return False
+    except asyncio.CancelledError:  # the server drops the handler: its slots go with it
+      self.server.worker.cancel(self.unfinished())
+      raise
+    return True
+
+  def result(self) -> dict:
+    """The whole (non-streamed) response, once every sample ended."""
+    ordered = sorted(self.choices.values(), key=lambda c: c.index)
+    return {**self.header, "choices": [_choice_json(c, c.sent) for c in ordered],
+            "usage": _usage(self.completions, self.choices)}
+
+
+class _Server:
+  """The endpoints of :func:`build_app` and what they share: the engine's worker, the tokenizer,
+  the served settings. Starlette's response classes come in from :func:`build_app`, the one
+  place that imports starlette (so a missing extra fails there, with :data:`INSTALL_HINT`)."""
+
+  def __init__(self, worker: EngineWorker, tokenizer, *, vocab_size: int, slots: int,
+               max_len: int, model_name: str, json_response, streaming_response):
+    self.worker, self.tokenizer, self.eos = worker, tokenizer, tokenizer.eos_id
+    self.vocab_size, self.slots, self.max_len = vocab_size, slots, max_len
+    self.model_name, self.created = model_name, int(time.time())
+    self._json_response, self._streaming_response = json_response, streaming_response
+
+  def error(self, e: RequestError):
+    kind = "invalid_request_error" if e.status == 400 else "not_found_error"
+    return self._json_response({"error": {"message": str(e), "type": kind, "param": e.param}},
+                               status_code=e.status)
+
+  def _start(self, engine: Engine, completions: list[Completion],
+             listener: Callable[[TokenEvent], None]) -> list[int]:
+    """Submits every sample (on the engine's thread, so no token comes before ``listener``)."""
+    ids = []
+    for c in completions:
+      stops = (self.eos,)
+      if c.n == 1:
+        ids.append(engine.submit(c.prompt, max_new_tokens=c.max_tokens, sampling=c.sampling,
+                                 seed=c.seed, stop_tokens=stops))
+      else:
+        ids += engine.submit_samples(c.prompt, c.n, max_new_tokens=c.max_tokens,
+                                     sampling=c.sampling, seed=c.seed, stop_tokens=stops)
+    self.worker.listen(ids, listener)
+    return ids
+
+  async def submit(self, completions: list[Completion]) -> _Running:
+    """Submits every sample; the request, its token events queued on this event loop."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    deliver = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
+    ids = await asyncio.wrap_future(
+        self.worker.call(lambda engine: self._start(engine, completions, deliver)))
+    return _Running(self, completions, ids, events)
+
+  def advance(self, choice: _Choice, event: TokenEvent) -> str:
+    """Takes one token event; returns the new text to send."""
+    if event.token != self.eos:
+      choice.tokens.append(event.token)
+    text, stopped = cut_at_stop(self.tokenizer.decode(choice.tokens), choice.stops)
+    if stopped:
+      choice.finish_reason = "stop"
+    elif event.finish_reason is not None:
+      choice.finish_reason = "stop" if event.finish_reason == "stop" else "length"
+    ready = text if choice.finish_reason else safe_prefix(text, choice.stops)
+    delta, choice.sent = ready[len(choice.sent):], ready
+    return delta
+
+  async def completions(self, request):
+    """``POST /v1/completions``: a 4xx before the engine sees a bad request; else the whole
+    response, or its server-sent events as they come."""
+    try:
+      body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      return self.error(RequestError(f"the request body is not JSON: {e}."))
+    try:
+      completions, stream = parse_completion(body, tokenizer=self.tokenizer,
+                                             vocab_size=self.vocab_size, max_len=self.max_len,
+                                             slots=self.slots, model_name=self.model_name)
+    except RequestError as e:
+      return self.error(e)
+    running = await self.submit(completions)
+    if stream:
+      return self._streaming_response(running.chunks(), media_type="text/event-stream")
+    if not await running.wait(request):
+      return self._json_response({}, status_code=499)
+    return self._json_response(running.result())
+
+  async def models(self, request):
+    return self._json_response({"object": "list", "data": [
+        {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvm_jax",
+         "max_len": self.max_len, "slots": self.slots}]})
+
+  async def health(self, request):
+    def count(engine: Engine):
+      running, waiting = engine.occupancy
+      return {"status": "ok", "slots": self.slots, "running": running, "waiting": waiting}
+    return self._json_response(await asyncio.wrap_future(self.worker.call(count)))
+
+  @contextlib.asynccontextmanager
+  async def lifespan(self, app):
+    yield
+    self.worker.close()
+
+
 def build_app(model, tokenizer, *, slots: int = 8, max_len: int = 2048, prefill_chunk: int = 64,
               prefill_lanes: int = 4, tokens_per_step: int = 4, model_name: str = "kvm_jax"):
   """The starlette application serving ``model`` (and its ``engine_worker``, to close)."""
@@ -274,146 +446,14 @@ def build_app(model, tokenizer, *, slots: int = 8, max_len: int = 2048, prefill_
     raise ImportError(INSTALL_HINT) from e
   engine = Engine(model, slots=slots, max_len=max_len, prefill_chunk=prefill_chunk,
                   prefill_lanes=prefill_lanes, tokens_per_step=tokens_per_step)
-  worker = EngineWorker(engine)
-  eos = tokenizer.eos_id
-  created = int(time.time())
-
-  def error(e: RequestError):
-    kind = "invalid_request_error" if e.status == 400 else "not_found_error"
-    return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param}},
-                        status_code=e.status)
-
-  async def submit(completions: list[Completion]):
-    """Submits every sample; returns its choices and a queue of its token events."""
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
-    deliver = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
-
-    def start(engine: Engine) -> list[int]:
-      ids = []
-      for c in completions:
-        stops = (eos,)
-        if c.n == 1:
-          ids.append(engine.submit(c.prompt, max_new_tokens=c.max_tokens, sampling=c.sampling,
-                                   seed=c.seed, stop_tokens=stops))
-        else:
-          ids += engine.submit_samples(c.prompt, c.n, max_new_tokens=c.max_tokens,
-                                       sampling=c.sampling, seed=c.seed, stop_tokens=stops)
-      worker.listen(ids, deliver)
-      return ids
-
-    ids = await asyncio.wrap_future(worker.call(start))
-    stops = [c.stop for c in completions for _ in range(c.n)]
-    choices = {rid: _Choice(index=i, stops=stops[i]) for i, rid in enumerate(ids)}
-    return choices, events
-
-  def advance(choice: _Choice, event: TokenEvent) -> str:
-    """Takes one token event; returns the new text to send."""
-    if event.token != eos:
-      choice.tokens.append(event.token)
-    text, stopped = cut_at_stop(tokenizer.decode(choice.tokens), choice.stops)
-    if stopped:
-      choice.finish_reason = "stop"
-    elif event.finish_reason is not None:
-      choice.finish_reason = "stop" if event.finish_reason == "stop" else "length"
-    ready = text if choice.finish_reason else safe_prefix(text, choice.stops)
-    delta, choice.sent = ready[len(choice.sent):], ready
-    return delta
-
-  def usage(completions, choices) -> dict:
-    prompt = sum(len(c.prompt) * c.n for c in completions)
-    generated = sum(len(c.tokens) for c in choices.values())
-    return {"prompt_tokens": prompt, "completion_tokens": generated,
-            "total_tokens": prompt + generated}
-
-  def choice_json(choice: _Choice, text: str) -> dict:
-    return {"index": choice.index, "text": text, "logprobs": None,
-            "finish_reason": choice.finish_reason, "token_ids": list(choice.tokens)}
-
-  async def completions_endpoint(request):
-    try:
-      body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      return error(RequestError(f"the request body is not JSON: {e}."))
-    try:
-      completions, stream = parse_completion(body, tokenizer=tokenizer,
-                                             vocab_size=model.cfg.vocab_size, max_len=max_len,
-                                             slots=slots, model_name=model_name)
-    except RequestError as e:
-      return error(e)
-    choices, events = await submit(completions)
-    name = f"cmpl-{secrets.token_hex(12)}"
-    header = {"id": name, "object": "text_completion", "created": int(time.time()),
-              "model": model_name}
-
-    async def next_event(timeout=None):
-      """``(choice, new text, new token ids)`` of the next token event (text None: the choice
-      had already ended at a stop string)."""
-      event = await asyncio.wait_for(events.get(), timeout)
-      choice = choices[event.request_id]
-      if choice.finish_reason is not None:
-        return choice, None, []
-      delta = advance(choice, event)
-      if choice.finish_reason is not None and event.finish_reason is None:
-        worker.cancel([event.request_id])  # a stop string ended it early: free the slot
-      return choice, delta, ([] if event.token == eos else [event.token])
-
-    def unfinished():
-      return [rid for rid, c in choices.items() if c.finish_reason is None]
-
-    if stream:
-      async def chunks():
-        try:
-          while unfinished():
-            choice, delta, new_ids = await next_event()
-            if delta is None:
-              continue
-            if delta or new_ids or choice.finish_reason:
-              chunk = {**header, "choices": [{**choice_json(choice, delta),
-                                              "token_ids": new_ids}]}
-              yield f"data: {json.dumps(chunk)}\n\n"
-          yield "data: [DONE]\n\n"
-        finally:  # the client went away (or the stream ended): nothing may keep a slot
-          if unfinished():
-            worker.cancel(unfinished())
-      return StreamingResponse(chunks(), media_type="text/event-stream")
-
-    try:
-      while unfinished():
-        try:
-          await next_event(timeout=0.25)
-        except asyncio.TimeoutError:
-          if await request.is_disconnected():
-            worker.cancel(unfinished())
-            return JSONResponse({}, status_code=499)
-    except asyncio.CancelledError:
-      worker.cancel(unfinished())
-      raise
-    ordered = sorted(choices.values(), key=lambda c: c.index)
-    return JSONResponse({**header, "choices": [choice_json(c, c.sent) for c in ordered],
-                         "usage": usage(completions, choices)})
-
-  async def models_endpoint(request):
-    return JSONResponse({"object": "list", "data": [
-        {"id": model_name, "object": "model", "created": created, "owned_by": "kvm_jax",
-         "max_len": max_len, "slots": slots}]})
-
-  async def health_endpoint(request):
-    def count(engine: Engine):
-      running, waiting = engine.occupancy
-      return {"status": "ok", "slots": slots, "running": running, "waiting": waiting}
-    return JSONResponse(await asyncio.wrap_future(worker.call(count)))
-
-  @contextlib.asynccontextmanager
-  async def lifespan(app):
-    yield
-    worker.close()
-
-  app = Starlette(routes=[Route("/v1/completions", completions_endpoint, methods=["POST"]),
-                          Route("/v1/models", models_endpoint, methods=["GET"]),
-                          Route("/health", health_endpoint, methods=["GET"])],
-                  lifespan=lifespan)
-  app.state.engine_worker = worker
+  server = _Server(EngineWorker(engine), tokenizer, vocab_size=model.cfg.vocab_size, slots=slots,
+                   max_len=max_len, model_name=model_name, json_response=JSONResponse,
+                   streaming_response=StreamingResponse)
+  app = Starlette(routes=[Route("/v1/completions", server.completions, methods=["POST"]),
+                          Route("/v1/models", server.models, methods=["GET"]),
+                          Route("/health", server.health, methods=["GET"])],
+                  lifespan=server.lifespan)
+  app.state.engine_worker = server.worker
   return app
 
 
