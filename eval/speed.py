@@ -459,30 +459,42 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
-def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
-  if args.paper:
-    args.batch, args.heads, args.head_dim, args.dtype = 8, 32, 128, "bfloat16"
-  if args.documents:
-    if args.doc_median < 1 or args.doc_step_len < 2:
-      raise SystemExit(f"--doc-median must be >= 1 and --doc-step-len >= 2, got "
-                       f"{args.doc_median} and {args.doc_step_len}.")
-    print(f"{jax.devices()[0].device_kind} ({kj.current_platform()}), jax {jax.__version__}",
-          flush=True)
-    measured = documents_speed.run(args)
-    if args.json:
-      with open(args.json, "w") as f:
-        json.dump({"setup": {k: v for k, v in vars(args).items()}, "documents": measured}, f,
-                  indent=2)
-    return 0
-  if args.engine:
-    print(f"{jax.devices()[0].device_kind} ({kj.current_platform()}), jax {jax.__version__}",
-          flush=True)
-    measured = engine_speed.run(args)
-    if args.json:
-      with open(args.json, "w") as f:
-        json.dump({"setup": vars(args), "engine": measured}, f, indent=2)
-    return 0
+def _device_line() -> str:
+  """The accelerator, its platform and jax's version: the first words every run prints."""
+  return f"{jax.devices()[0].device_kind} ({kj.current_platform()}), jax {jax.__version__}"
+
+
+def _write_json(path: str, payload: dict) -> None:
+  """Writes ``payload`` to ``path`` as indented JSON."""
+  with open(path, "w") as f:
+    json.dump(payload, f, indent=2)
+
+
+def _run_documents(args) -> int:
+  """``--documents``: only the packed-documents tables (and their JSON); returns the exit code."""
+  if args.doc_median < 1 or args.doc_step_len < 2:
+    raise SystemExit(f"--doc-median must be >= 1 and --doc-step-len >= 2, got "
+                     f"{args.doc_median} and {args.doc_step_len}.")
+  print(_device_line(), flush=True)
+  measured = documents_speed.run(args)
+  if args.json:
+    _write_json(args.json, {"setup": {k: v for k, v in vars(args).items()},
+                            "documents": measured})
+  return 0
+
+
+def _run_engine(args) -> int:
+  """``--engine``: only the generation-engine tables (and their JSON); returns the exit code."""
+  print(_device_line(), flush=True)
+  measured = engine_speed.run(args)
+  if args.json:
+    _write_json(args.json, {"setup": vars(args), "engine": measured})
+  return 0
+
+
+def _operator_plan(args) -> tuple[list[str], set[str], list[int]]:
+  """(arms, phases, lengths) of the operator tables, every flag checked before anything is
+  timed; ``args.budgets`` and ``args.baselines`` become lists (the JSON's setup records them so)."""
   args.budgets = [b for b in args.budgets.split(",") if b]
   for b in args.budgets:
     if b not in BUDGETS:
@@ -502,68 +514,91 @@ def main(argv=None) -> int:
     lengths = [512 * 2 ** i for i in range(12) if 512 * 2 ** i <= top]
   else:
     lengths = [int(x) for x in args.lengths.split(",") if x]
-  dtype = jnp.dtype(args.dtype)
-  print(f"{jax.devices()[0].device_kind} ({kj.current_platform()}), jax {jax.__version__}; "
-        f"B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}; C=256 L=512; KVM "
-        f"implementation={args.implementation}; full "
+  return arms, phases, lengths
+
+
+def _print_setup(args) -> None:
+  """Prints the run's device, shapes and implementations (and the readout legend)."""
+  print(f"{_device_line()}; B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}; C=256 "
+        f"L=512; KVM implementation={args.implementation}; full "
         f"attention: dot_product_attention({full_attention_impl()})", flush=True)
   if args.readout_anchor:
     print("readout of one chunk (Tq=256, G=1, R = valid/allocated state rows, W=512); ratios are "
           "the tokamax anchor's ms / the arm's ms (> 1: faster than the anchor)", flush=True)
-  kc = KernelConfig.for_target()
-  rows = []
-  for T in (lengths if phases or args.readout_anchor else []):
-    row = {"T": T}
-    if phases & {"prefill", "backward"}:
-      for arm, r in time_prefill_backward(T, args, dtype, phases).items():
-        row.update({f"{arm}_{k}": v for k, v in r.items()})
-      for arm, r in time_baselines_prefill_backward(T, args, dtype, phases).items():
-        row.update({f"{arm}_{k}": v for k, v in r.items()})
-    if "decode" in phases:
-      for arm, r in time_decode(T, args, dtype).items():
-        row.update({f"{arm}_{k}": v for k, v in r.items()})
-    readout = time_readout(T, args, dtype) if args.readout_anchor else {}
-    for arm, r in readout.items():
-      row.update({f"{arm}_{k}": v for k, v in r.items()})
-    rows.append(row)
-    cells = []
-    for phase in ("prefill", "backward", "decode"):
-      if f"full_{phase}_ms" in row:
-        ratios = " ".join(f"{b} {row[f'full_{phase}_ms'] / row[f'{b}_{phase}_ms']:.2f}x"
-                          for b in arms)
-        cells.append(f"{phase}: full {row[f'full_{phase}_ms']:.2f} ms, {ratios}")
-    if "prefill" in phases:
-      for b in args.budgets:
-        flops, nbytes = kvm_prefill_work(kvm_config(b, args.head_dim), T, args.batch, args.heads,
-                                         args.heads, args.head_dim, args.head_dim,
-                                         jnp.dtype(dtype).itemsize)
-        seconds = row[f"{b}_prefill_ms"] / 1e3
-        row[f"{b}_prefill_tflops"] = flops / seconds / 1e12
-        row[f"{b}_prefill_gbps"] = nbytes / seconds / 1e9
-      cells.append("achieved " + " ".join(
-          f"{b} {row[f'{b}_prefill_tflops']:.3f} TFLOP/s {row[f'{b}_prefill_gbps']:.1f} GB/s"
-          for b in args.budgets))
-    if cells:
-      print(f"T={T:>6}  " + " | ".join(cells), flush=True)
-    for budget, r in readout.items():
-      print(readout_line(T, budget, r, kc), flush=True)
-  if "prefill" in phases:
-    for b in args.budgets:
-      wins = [r["T"] for r in rows if r[f"{b}_prefill_ms"] < r["full_prefill_ms"]]
-      print(f"crossover ({b} prefill faster than full): "
-            f"{'T=' + str(min(wins)) if wins else 'not reached'}")
+
+
+def _add_arms(row: dict, measured: dict) -> None:
+  """Flattens ``{arm: {key: value}}`` into ``row`` as ``arm_key``."""
+  for arm, r in measured.items():
+    row.update({f"{arm}_{k}": v for k, v in r.items()})
+
+
+def _measure_length(T: int, args, dtype, phases: set[str]) -> tuple[dict, dict]:
+  """(row, readout) at context T: the row holds every phase's figures as ``arm_key``; readout is
+  :func:`time_readout`'s per-budget dict ({} without ``--readout-anchor``), kept apart for its
+  printed lines."""
+  row = {"T": T}
+  if phases & {"prefill", "backward"}:
+    _add_arms(row, time_prefill_backward(T, args, dtype, phases))
+    _add_arms(row, time_baselines_prefill_backward(T, args, dtype, phases))
   if "decode" in phases:
-    print("decode cache bytes at T (measured from the arrays):")
-    for r in rows:
-      print(f"  T={r['T']:>6}  full {r['full_cache_bytes']:>13,}  " + "  ".join(
-          f"{b} {r[f'{b}_cache_bytes']:>11,} ({memory_cell(r, b)})" for b in arms))
-    print("decode bytes per step: XLA's count for the compiled step (KVM: both branches of the "
-          "chunk-boundary fold included) [the token's attention over the cache alone: what a step "
-          "between folds moves, and its ratio to the minimum] / the minimum the step must move "
-          "(ratio):")
-    for r in rows:
-      print(f"  T={r['T']:>6}  " + "  ".join(
-          f"{arm} {decode_bytes_cell(r, arm)}" for arm in ["full"] + arms))
+    _add_arms(row, time_decode(T, args, dtype))
+  readout = time_readout(T, args, dtype) if args.readout_anchor else {}
+  _add_arms(row, readout)
+  return row, readout
+
+
+def _speedup_cells(row: dict, arms: list[str]) -> list[str]:
+  """Per phase measured: full attention's ms and each arm's speed-up over it."""
+  cells = []
+  for phase in ("prefill", "backward", "decode"):
+    if f"full_{phase}_ms" in row:
+      ratios = " ".join(f"{b} {row[f'full_{phase}_ms'] / row[f'{b}_{phase}_ms']:.2f}x"
+                        for b in arms)
+      cells.append(f"{phase}: full {row[f'full_{phase}_ms']:.2f} ms, {ratios}")
+  return cells
+
+
+def _achieved_cell(row: dict, T: int, args, dtype) -> str:
+  """The achieved TFLOP/s and GB/s of each budget's prefill (:func:`kvm_prefill_work` over the
+  measured ms), also stored in ``row`` for the JSON."""
+  for b in args.budgets:
+    flops, nbytes = kvm_prefill_work(kvm_config(b, args.head_dim), T, args.batch, args.heads,
+                                     args.heads, args.head_dim, args.head_dim,
+                                     jnp.dtype(dtype).itemsize)
+    seconds = row[f"{b}_prefill_ms"] / 1e3
+    row[f"{b}_prefill_tflops"] = flops / seconds / 1e12
+    row[f"{b}_prefill_gbps"] = nbytes / seconds / 1e9
+  return "achieved " + " ".join(
+      f"{b} {row[f'{b}_prefill_tflops']:.3f} TFLOP/s {row[f'{b}_prefill_gbps']:.1f} GB/s"
+      for b in args.budgets)
+
+
+def _print_crossovers(rows: list[dict], budgets: list[str]) -> None:
+  """Prints, per budget, the first T where KVM prefill beats full attention."""
+  for b in budgets:
+    wins = [r["T"] for r in rows if r[f"{b}_prefill_ms"] < r["full_prefill_ms"]]
+    print(f"crossover ({b} prefill faster than full): "
+          f"{'T=' + str(min(wins)) if wins else 'not reached'}")
+
+
+def _print_decode_tables(rows: list[dict], arms: list[str]) -> None:
+  """Prints the decode-cache bytes at each T and the bytes one decode step moves."""
+  print("decode cache bytes at T (measured from the arrays):")
+  for r in rows:
+    print(f"  T={r['T']:>6}  full {r['full_cache_bytes']:>13,}  " + "  ".join(
+        f"{b} {r[f'{b}_cache_bytes']:>11,} ({memory_cell(r, b)})" for b in arms))
+  print("decode bytes per step: XLA's count for the compiled step (KVM: both branches of the "
+        "chunk-boundary fold included) [the token's attention over the cache alone: what a step "
+        "between folds moves, and its ratio to the minimum] / the minimum the step must move "
+        "(ratio):")
+  for r in rows:
+    print(f"  T={r['T']:>6}  " + "  ".join(
+        f"{arm} {decode_bytes_cell(r, arm)}" for arm in ["full"] + arms))
+
+
+def _time_models(args) -> list[dict]:
+  """:func:`time_model_decode` of each ``--models`` preset, each printed as it finishes."""
   model_rows = []
   for name in (m for m in args.models.split(",") if m):
     r = time_model_decode(name, args.model_context, args.decode_steps, args.batch, args.dtype)
@@ -573,27 +608,62 @@ def main(argv=None) -> int:
           f"{r['context']} tokens: {r['tokens_per_s']:9.1f} tok/s ({r['ms_per_step']:.2f} ms/step, "
           f"B={r['batch']})  cache {r['cache_bytes']:,} B (per layer: "
           f"{', '.join(f'{b:,}' for b in per_layer)})", flush=True)
+  return model_rows
+
+
+def _plot(path: str, rows: list[dict], arms: list[str], phases: set[str]) -> None:
+  """Writes the PNG of ms vs T, one panel per phase measured."""
+  import matplotlib  # imported here: only --plot needs it
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  shown = [p for p in ("prefill", "backward", "decode") if p in phases]
+  fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
+  for ax, phase in zip(axes[0], shown):
+    for arm in ["full"] + arms:
+      ax.plot([r["T"] for r in rows], [r[f"{arm}_{phase}_ms"] for r in rows], "o-", label=arm)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context T")
+    ax.set_ylabel("ms")
+    ax.set_title(phase)
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  if args.paper:
+    args.batch, args.heads, args.head_dim, args.dtype = 8, 32, 128, "bfloat16"
+  if args.documents:
+    return _run_documents(args)
+  if args.engine:
+    return _run_engine(args)
+  arms, phases, lengths = _operator_plan(args)
+  dtype = jnp.dtype(args.dtype)
+  _print_setup(args)
+  kc = KernelConfig.for_target()
+  rows = []
+  for T in (lengths if phases or args.readout_anchor else []):
+    row, readout = _measure_length(T, args, dtype, phases)
+    rows.append(row)
+    cells = _speedup_cells(row, arms)
+    if "prefill" in phases:
+      cells.append(_achieved_cell(row, T, args, dtype))
+    if cells:
+      print(f"T={T:>6}  " + " | ".join(cells), flush=True)
+    for budget, r in readout.items():
+      print(readout_line(T, budget, r, kc), flush=True)
+  if "prefill" in phases:
+    _print_crossovers(rows, args.budgets)
+  if "decode" in phases:
+    _print_decode_tables(rows, arms)
+  model_rows = _time_models(args)
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"setup": {k: v for k, v in vars(args).items()}, "rows": rows,
-                 "models": model_rows}, f, indent=2)
+    _write_json(args.json, {"setup": {k: v for k, v in vars(args).items()}, "rows": rows,
+                            "models": model_rows})
   if args.plot:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    shown = [p for p in ("prefill", "backward", "decode") if p in phases]
-    fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
-    for ax, phase in zip(axes[0], shown):
-      for arm in ["full"] + arms:
-        ax.plot([r["T"] for r in rows], [r[f"{arm}_{phase}_ms"] for r in rows], "o-", label=arm)
-      ax.set_xscale("log", base=2)
-      ax.set_yscale("log")
-      ax.set_xlabel("context T")
-      ax.set_ylabel("ms")
-      ax.set_title(phase)
-      ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.plot, dpi=110)
+    _plot(args.plot, rows, arms, phases)
   return 0
 
 
