@@ -163,6 +163,78 @@ def _encode(tokenizer, doc) -> np.ndarray:
   return np.asarray(tokenizer.encode(doc), np.int64).reshape(-1)
 
 
+def _check_settings(tokenizer, shard_tokens: int, append_eos: bool) -> tuple[int, Optional[int]]:
+  """(vocab_size, eos_id) of ``tokenizer``, after the checks that must pass before anything on
+  disk is touched: a bad setting must not cost the caller an existing directory."""
+  if shard_tokens < 1:
+    raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}.")
+  vocab_size = int(tokenizer.vocab_size)
+  if not 0 < vocab_size <= MAX_VOCAB:
+    raise ValueError(f"tokenizer vocab_size={vocab_size} must be in [1, {MAX_VOCAB}]: token "
+                     "windows are int32.")
+  eos_id = tokenizer.eos_id
+  if append_eos and eos_id is None:
+    raise ValueError("the tokenizer has no EOS token (eos_id is None); use a tokenizer that has "
+                     "one, or append_eos=False (kvm-data --no-eos) to store documents without it.")
+  return vocab_size, eos_id
+
+
+def _check_ids(ids: np.ndarray, vocab_size: int, doc_number: int) -> None:
+  """Rejects ids the stored dtype (chosen from ``vocab_size``) could not hold: ``astype`` would
+  wrap them silently into other, valid-looking tokens."""
+  if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+    bad = int(ids.max()) if ids.max() >= vocab_size else int(ids.min())
+    raise ValueError(f"document {doc_number}: token id {bad} is outside [0, vocab_size="
+                     f"{vocab_size}); the tokenizer's vocab_size must cover every id it "
+                     "produces (and its eos_id).")
+
+
+def _stream_shards(documents: Iterable[str], tokenizer, out: Path, dtype: np.dtype,
+                   vocab_size: int, eos: np.ndarray, shard_tokens: int,
+                   bar: Optional[ProgressReport]) -> tuple[list[dict], int, int]:
+  """Tokenizes ``documents`` into numbered shards in ``out``, one document at a time.
+
+  Returns (the manifest entries of the shards, in order; documents; tokens). On any error,
+  interruptions included, the shard being written is removed, so that only complete shards are
+  left behind.
+  """
+  shards: list[dict] = []
+  writer: Optional[_ShardWriter] = None
+  num_docs = num_tokens = 0
+  try:
+    for doc in documents:
+      ids = np.concatenate([_encode(tokenizer, doc), eos])
+      _check_ids(ids, vocab_size, num_docs)
+      # Close before the document that would overflow, never on an empty shard: a document
+      # longer than shard_tokens then gets a shard of its own instead of being split.
+      if writer is not None and writer.num_docs and writer.num_tokens + len(ids) > shard_tokens:
+        shards.append(writer.close())
+        writer = None
+      if writer is None:
+        writer = _ShardWriter(out / shard_name(len(shards)), dtype)
+      writer.add(ids)
+      num_docs += 1
+      num_tokens += len(ids)
+      if bar is not None:
+        bar.update(num_docs, f"{num_tokens:,} tokens")
+    if writer is not None:
+      shards.append(writer.close())
+      writer = None  # closed: nothing for the handler below to abort
+  except BaseException:
+    if writer is not None:
+      writer.abort()
+    raise
+  return shards, num_docs, num_tokens
+
+
+def _write_manifest(out: Path, manifest: dict) -> None:
+  """Writes ``out/manifest.json`` atomically: its presence is what marks the directory complete,
+  so a reader must never see a partial one."""
+  tmp = out / (MANIFEST + ".tmp")
+  tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+  os.replace(tmp, out / MANIFEST)
+
+
 def write_shards(documents: Iterable[str], tokenizer, out_dir, *, shard_tokens: int = 100_000_000,
                  append_eos: bool = True, overwrite: bool = False, progress: bool = True,
                  total_docs: Optional[int] = None, tokenizer_file: str = "") -> dict:
@@ -188,16 +260,7 @@ def write_shards(documents: Iterable[str], tokenizer, out_dir, *, shard_tokens: 
   Returns:
     The manifest (also written to ``out_dir/manifest.json``).
   """
-  if shard_tokens < 1:
-    raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}.")
-  vocab_size = int(tokenizer.vocab_size)
-  if not 0 < vocab_size <= MAX_VOCAB:
-    raise ValueError(f"tokenizer vocab_size={vocab_size} must be in [1, {MAX_VOCAB}]: token "
-                     "windows are int32.")
-  eos_id = tokenizer.eos_id
-  if append_eos and eos_id is None:
-    raise ValueError("the tokenizer has no EOS token (eos_id is None); use a tokenizer that has "
-                     "one, or append_eos=False (kvm-data --no-eos) to store documents without it.")
+  vocab_size, eos_id = _check_settings(tokenizer, shard_tokens, append_eos)
   dtype = token_dtype(vocab_size)
   out = Path(out_dir)
   _prepare_out_dir(out, overwrite)
@@ -205,34 +268,8 @@ def write_shards(documents: Iterable[str], tokenizer, out_dir, *, shard_tokens: 
     total_docs = len(documents)  # type: ignore[arg-type]
   bar = ProgressReport(total_docs, "tokenizing", min_interval=0.5) if progress else None
   eos = np.asarray([eos_id] if append_eos else [], np.int64)
-  shards: list[dict] = []
-  writer: Optional[_ShardWriter] = None
-  num_docs = num_tokens = 0
-  try:
-    for doc in documents:
-      ids = np.concatenate([_encode(tokenizer, doc), eos])
-      if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        bad = int(ids.max()) if ids.max() >= vocab_size else int(ids.min())
-        raise ValueError(f"document {num_docs}: token id {bad} is outside [0, vocab_size="
-                         f"{vocab_size}); the tokenizer's vocab_size must cover every id it "
-                         "produces (and its eos_id).")
-      if writer is not None and writer.num_docs and writer.num_tokens + len(ids) > shard_tokens:
-        shards.append(writer.close())
-        writer = None
-      if writer is None:
-        writer = _ShardWriter(out / shard_name(len(shards)), dtype)
-      writer.add(ids)
-      num_docs += 1
-      num_tokens += len(ids)
-      if bar is not None:
-        bar.update(num_docs, f"{num_tokens:,} tokens")
-    if writer is not None:
-      shards.append(writer.close())
-      writer = None
-  except BaseException:
-    if writer is not None:
-      writer.abort()
-    raise
+  shards, num_docs, num_tokens = _stream_shards(documents, tokenizer, out, dtype, vocab_size, eos,
+                                                shard_tokens, bar)
   if bar is not None:
     bar.update(num_docs, f"{num_tokens:,} tokens, {len(shards)} shards", final=True)
   if not num_docs:
@@ -243,9 +280,7 @@ def write_shards(documents: Iterable[str], tokenizer, out_dir, *, shard_tokens: 
       "tokenizer": describe_tokenizer(tokenizer, tokenizer_file), "shard_tokens": shard_tokens,
       "num_docs": num_docs, "num_tokens": num_tokens, "shards": shards,
   }
-  tmp = out / (MANIFEST + ".tmp")
-  tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-  os.replace(tmp, out / MANIFEST)
+  _write_manifest(out, manifest)
   return manifest
 
 
