@@ -1,7 +1,7 @@
 """The options of each mixer kind, as :class:`kvm_jax.ModelConfig` holds them.
 
-A mixer kind (``"full"``, ``"swa"``, ``"bswa"``, ``"kvm"`` or one registered by
-:func:`kvm_jax.nn.register_mixer`) owns one small frozen dataclass of options. ``ModelConfig``
+A mixer kind (``"full"``, ``"swa"``, ``"bswa"``, ``"kvm"``, ``"ovq"``, ``"rwkv7"`` or one
+registered by :func:`kvm_jax.nn.register_mixer`) owns one small frozen dataclass of options. ``ModelConfig``
 keeps one options object per kind in a :class:`KindOptions` table and never branches on a kind
 name: what it needs of a kind it asks the options object, through two optional methods:
 

@@ -158,11 +158,6 @@ class TrainConfig:
   distill: DistillSpec = DistillSpec()
 
   @property
-  def micro_batch_size(self) -> int:
-    """Sequences per micro-batch (``batch_size / grad_accum_steps``)."""
-    return self.batch_size // self.grad_accum_steps
-
-  @property
   def sequence_length(self) -> int:
     """Tokens per training sequence (MQAR and NIAH set their own)."""
     return {"mqar": self.mqar.seq_len, "niah": self.niah.seq_len}.get(self.task, self.seq_len)
