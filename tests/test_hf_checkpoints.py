@@ -681,7 +681,7 @@ def test_destinations_that_would_delete_the_source_are_refused(tmp_path):
 
 
 def test_init_from_an_authors_directory_says_to_import_it():
-  from kvm_jax.train.loop import with_init_model
+  from kvm_jax.train.start import with_init_model
   cfg = TrainConfig(init_from=str(DATA / "full_bswa"))
   with pytest.raises(ValueError, match="convert it first: kvm-import"):
     with_init_model(cfg)
@@ -809,7 +809,8 @@ def test_fine_tuning_starts_from_the_imported_parameters(tmp_path):
   """kvm-train --config.init_from=DIR: the first step's loss is the imported model's loss on the
   first batch (computed here from its logits), the model config is DIR's, and the imported
   directory itself is refused as a workdir with the command to use."""
-  from kvm_jax.train.loop import task_dataset, train
+  from kvm_jax.train.data import task_dataset
+  from kvm_jax.train.loop import train
   _, imported = _imported_text_model(tmp_path)
   cfg = TrainConfig(model=kj.presets.tiny(), task="text", seq_len=32, batch_size=2, steps=2,
                     warmup_steps=1, log_every=1, checkpoint_every=2, init_from=str(imported))

@@ -26,7 +26,7 @@ from kvm_jax.engine import generate_many
 from kvm_jax.generate import SamplingConfig, generate
 from kvm_jax.runs.directory import load_trained, logits_fn
 from kvm_jax.runs.launch import free_local_port
-from kvm_jax.train import loop
+from kvm_jax.train.evaluation import evaluate
 from kvm_jax.train.main import main
 from tests.conftest import subprocess_xla_flags
 
@@ -105,7 +105,7 @@ assert main([f"--workdir={workdir}", *TINY, *launch]) == 0  # starts jax.distrib
 from kvm_jax.generate import SamplingConfig, generate
 from kvm_jax.runs.directory import load_trained, logits_fn
 from kvm_jax.runs.launch import free_local_port
-from kvm_jax.train import loop
+from kvm_jax.train.evaluation import evaluate
 cfg, model, step = load_trained(workdir)
 assert not jax.tree_util.tree_leaves(model)[0].is_fully_addressable  # spans both processes
 tokens = np.arange(2 * 64).reshape(2, 64) % 128
@@ -116,7 +116,7 @@ from kvm_jax.engine import generate_many
 many = generate_many(model, [tokens[0, :40].tolist(), tokens[1, :23].tolist()],
                      max_new_tokens=[5, 7], slots=2, prefill_chunk=16)
 graphdef, params = nnx.split(model)
-ev = loop.evaluate(graphdef, params, cfg, 2)
+ev = evaluate(graphdef, params, cfg, 2)
 print("RESULT", json.dumps({"step": step, "logits": float(np.abs(logits).sum()),
                             "tokens": np.asarray(out).tolist(), "eval": ev, "many": many}))
 """
@@ -166,7 +166,7 @@ def test_two_processes_train_resume_and_load_like_one(tmp_path):
   out, _ = generate(model, jnp.asarray(tokens[:, :40]), max_new_tokens=5, key=jax.random.key(0),
                     sampling=SamplingConfig(temperature=0.0))
   graphdef, params = nnx.split(model)
-  ev = loop.evaluate(graphdef, params, cfg, 2)
+  ev = evaluate(graphdef, params, cfg, 2)
   assert seen[0]["step"] == step == 8
   assert _close(seen[0]["logits"], float(np.abs(np.asarray(logits_fn(model)(tokens))).sum()),
                 1e-5)

@@ -19,6 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from kvm_jax.ops.loss import IGNORE
 from kvm_jax.tasks.pipeline import batched_iterator
 from kvm_jax.train import loop
+from kvm_jax.train.objectives import masked_loss
+from kvm_jax.train.step import global_norm, loss_and_grads
 from kvm_jax.train.main import load_config
 from kvm_jax.train.objectives import FrozenParameters, LMObjective
 from kvm_jax.train.step import objective_and_grads
@@ -58,7 +60,7 @@ def leaves(tree):
 
 def test_the_default_objective_is_the_language_model_loss(tiny):
   cfg, graphdef, params, batch = tiny
-  loss, grads = jax.jit(lambda p: loop.loss_and_grads(graphdef, p, batch, cfg))(params)
+  loss, grads = jax.jit(lambda p: loss_and_grads(graphdef, p, batch, cfg))(params)
   got_loss, aux, got = jax.jit(lambda p: objective_and_grads(
       LMObjective.of(cfg), graphdef, p, batch, None, cfg.grad_accum_steps))(params)
   assert aux == {}
@@ -67,7 +69,7 @@ def test_the_default_objective_is_the_language_model_loss(tiny):
     np.testing.assert_array_equal(a, b)
   # ... and that loss is the mean cross-entropy over every labelled token of the batch.
   logits = jax.jit(lambda p: nnx.merge(graphdef, p)(batch["inputs"]))(params)
-  assert float(loss) == pytest.approx(float(loop.masked_loss(logits, batch["labels"])), rel=1e-5)
+  assert float(loss) == pytest.approx(float(masked_loss(logits, batch["labels"])), rel=1e-5)
 
 
 def test_the_step_differentiates_its_objective_and_reports_its_metrics(tiny):
@@ -75,14 +77,14 @@ def test_the_step_differentiates_its_objective_and_reports_its_metrics(tiny):
   the parameters by twice the default objective's gradient; its metric, summed over the two
   micro-batches, is the batch's loss."""
   cfg, graphdef, params, batch = tiny
-  loss, grads = jax.jit(lambda p: loop.loss_and_grads(graphdef, p, batch, cfg))(params)
+  loss, grads = jax.jit(lambda p: loss_and_grads(graphdef, p, batch, cfg))(params)
   sgd = optax.sgd(1.0)
   step = loop.make_train_step(graphdef, sgd, None, cfg, Doubled(LMObjective.of(cfg)))
   start = jax.tree_util.tree_map(jnp.copy, params)
   new, _, stats = step(start, sgd.init(start), batch, jnp.zeros((), bool))
   assert float(stats["loss"]) == pytest.approx(2 * float(loss), rel=1e-6)
   assert float(stats["lm_loss"]) == pytest.approx(float(loss), rel=1e-6)
-  assert float(stats["grad_norm"]) == pytest.approx(2 * float(loop.global_norm(grads)), rel=1e-5)
+  assert float(stats["grad_norm"]) == pytest.approx(2 * float(global_norm(grads)), rel=1e-5)
   scale = max(float(np.max(np.abs(g))) for g in leaves(grads))
   for p0, p1, g in zip(leaves(params), leaves(new), leaves(grads)):
     np.testing.assert_allclose(p0 - p1, 2 * g, rtol=0, atol=1e-6 * scale)
@@ -107,9 +109,9 @@ def test_extra_inputs_reach_the_objective_undifferentiated_on_the_mesh(tiny):
   placed = loop.put_batch({k: np.asarray(v) for k, v in batch.items()}, shardings[2])
   _, _, stats = step(student, opt_state, placed, jnp.zeros((), bool), teacher)
   assert abs(float(stats["kl"])) < 1e-5
-  loss, grads = jax.jit(lambda p: loop.loss_and_grads(graphdef, p, batch, cfg))(params)
+  loss, grads = jax.jit(lambda p: loss_and_grads(graphdef, p, batch, cfg))(params)
   assert float(stats["loss"]) == pytest.approx(float(loss), rel=1e-6)
-  assert float(stats["grad_norm"]) == pytest.approx(float(loop.global_norm(grads)), rel=1e-5)
+  assert float(stats["grad_norm"]) == pytest.approx(float(global_norm(grads)), rel=1e-5)
 
 
 def test_frozen_parameters_get_no_gradient(tiny):
@@ -120,7 +122,7 @@ def test_frozen_parameters_get_no_gradient(tiny):
   objective = FrozenParameters(LMObjective.of(cfg), trainable)
   _, _, got = jax.jit(lambda p: objective_and_grads(objective, graphdef, p, batch, None,
                                                     cfg.grad_accum_steps))(params)
-  _, want = jax.jit(lambda p: loop.loss_and_grads(graphdef, p, batch, cfg))(params)
+  _, want = jax.jit(lambda p: loss_and_grads(graphdef, p, batch, cfg))(params)
   # The two programs differ (the frozen leaves' gradients are not computed), so XLA may fuse and
   # order the shared sums differently: the trainable leaves agree to float32 rounding (measured
   # 2.4e-7 at most on gradients of size ~0.1); a frozen leaf's gradient is exactly zero.

@@ -31,6 +31,9 @@ from kvm_jax.ops.loss import IGNORE, sliced_loss_sums
 from kvm_jax.runs.checkpoint import Checkpointer
 from kvm_jax.tasks.pipeline import batched_iterator
 from kvm_jax.train import loop
+from kvm_jax.train.evaluation import evaluate
+from kvm_jax.train.objectives import masked_loss
+from kvm_jax.train.step import clip_to_norm, global_norm, loss_and_grads, micro_batches
 from kvm_jax.train.main import load_config, main
 from kvm_jax.train.memory import memory_report
 from tests.conftest import in_ci
@@ -246,7 +249,7 @@ def test_masked_loss_value_against_numpy():
   labels[1, 3:] = IGNORE
   eye = np.eye(11, dtype=np.float64)
   total, count = _numpy_loss(np.asarray(logits), eye, labels)
-  np.testing.assert_allclose(float(loop.masked_loss(logits, jnp.asarray(labels))),
+  np.testing.assert_allclose(float(masked_loss(logits, jnp.asarray(labels))),
                              total / count, rtol=1e-6)
 
 
@@ -328,32 +331,44 @@ def test_accumulation_and_slicing_equal_the_whole_batch():
   batch = {"inputs": jnp.asarray(batch["inputs"]), "labels": jnp.asarray(labels)}
 
   def oracle(p):
-    return loop.masked_loss(nnx.merge(graphdef, p)(batch["inputs"]), batch["labels"])
+    return masked_loss(nnx.merge(graphdef, p)(batch["inputs"]), batch["labels"])
 
   want_loss, want = jax.value_and_grad(oracle)(params)
   scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree_util.tree_leaves(want))
   for accum, slice_len, remat in ((4, 24, "block"),):
     run = dataclasses.replace(cfg, grad_accum_steps=accum, loss_slice_len=slice_len, remat=remat)
-    loss, grads = jax.jit(lambda p: loop.loss_and_grads(graphdef, p, batch, run))(params)
+    loss, grads = jax.jit(lambda p: loss_and_grads(graphdef, p, batch, run))(params)
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-5), (accum, slice_len)
     for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want)):
       assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * scale, (accum, slice_len, remat)
 
 
+def test_names_moved_out_of_the_loop_warn_and_resolve():
+  """What the loop once re-exported still resolves there, to its defining module's object, with
+  a DeprecationWarning that names the module; an unknown name is an AttributeError."""
+  from kvm_jax.train import evaluation, step
+  with pytest.warns(DeprecationWarning, match="import it from kvm_jax.train.evaluation"):
+    assert loop.evaluate is evaluation.evaluate
+  with pytest.warns(DeprecationWarning, match="kvm_jax.train.step"):
+    assert loop.global_norm is step.global_norm
+  with pytest.raises(AttributeError, match="no attribute 'evaluat'"):
+    loop.evaluat  # noqa: B018
+
+
 def test_micro_batches_interleave_rows():
   x = jnp.arange(8)[:, None] * jnp.ones((1, 3), jnp.int32)
-  np.testing.assert_array_equal(loop.micro_batches(x, 4)[:, :, 0], [[0, 4], [1, 5], [2, 6],
+  np.testing.assert_array_equal(micro_batches(x, 4)[:, :, 0], [[0, 4], [1, 5], [2, 6],
                                                                        [3, 7]])
 
 
 def test_clip_to_norm():
   grads = {"a": jnp.array([3.0, 0.0]), "b": jnp.array([[4.0]])}
-  norm = loop.global_norm(grads)
+  norm = global_norm(grads)
   assert float(norm) == pytest.approx(5.0)
-  clipped = loop.clip_to_norm(grads, norm, 1.0)
+  clipped = clip_to_norm(grads, norm, 1.0)
   np.testing.assert_allclose(clipped["a"], [0.6, 0.0], rtol=1e-6)
   np.testing.assert_allclose(clipped["b"], [[0.8]], rtol=1e-6)
-  same = loop.clip_to_norm(grads, norm, 10.0)
+  same = clip_to_norm(grads, norm, 10.0)
   np.testing.assert_array_equal(same["a"], grads["a"])
 
 
@@ -500,7 +515,7 @@ def test_eval_step_sums_equal_whole_logits_metrics():
   cfg = _tiny_train_config(grad_accum_steps=2, loss_slice_len=24)
   graphdef, params, *_ = loop.setup(cfg)
   dataset = loop.task_dataset(cfg, "eval")
-  got = loop.evaluate(graphdef, params, cfg, 2, dataset)
+  got = evaluate(graphdef, params, cfg, 2, dataset)
   it = batched_iterator(dataset, cfg.batch_size)
   total = count = 0.0
   counts = None

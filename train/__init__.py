@@ -6,6 +6,8 @@ checkpointed data, exact resume, JSONL metrics, and the ``kvm-train`` / ``kvm-de
 """
 
 from kvm_jax.runs.config import TrainConfig
-from kvm_jax.train.loop import evaluate, task_dataset, train
+from kvm_jax.train.data import task_dataset
+from kvm_jax.train.evaluation import evaluate
+from kvm_jax.train.loop import train
 
 __all__ = ["TrainConfig", "evaluate", "task_dataset", "train"]

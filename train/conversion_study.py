@@ -23,7 +23,8 @@ from kvm_jax.runs.config import DistillSpec, TrainConfig
 from kvm_jax.runs.conversion import write_converted
 from kvm_jax.runs.directory import is_run_directory, load_trained
 from kvm_jax.train.default_job import model_configs, train_config
-from kvm_jax.train.loop import evaluate, train
+from kvm_jax.train.evaluation import evaluate
+from kvm_jax.train.loop import train
 
 # The recipes compared after conversion: (name, stage, trainable). Each distils for the same
 # number of steps against the full-attention teacher.

@@ -35,7 +35,8 @@ from kvm_jax.ops.ovq.config import OVQConfig
 from kvm_jax.runs.config import TrainConfig
 from kvm_jax.tasks.mqar import MQARSpec
 from kvm_jax.tasks.tokenizers import ByteTokenizer
-from kvm_jax.train.loop import evaluate, train
+from kvm_jax.train.evaluation import evaluate
+from kvm_jax.train.loop import train
 
 CHUNK, WINDOW_CHUNKS = 8, 2
 VALUES = 32  # value vocabulary of the MQAR task: chance recall is 1/32

@@ -9,14 +9,16 @@ all of them reach. Only process 0 writes ``config.json``, metrics and the consol
 
 ``train`` composes the parts: the start (:mod:`~kvm_jax.train.start`), the data
 (:mod:`~kvm_jax.train.data`), the step (:mod:`~kvm_jax.train.step`, differentiating an objective
-of :mod:`~kvm_jax.train.objectives`) and the hooks around it (:mod:`~kvm_jax.train.hooks`). The
-names those modules define that callers have always imported from here are re-exported.
+of :mod:`~kvm_jax.train.objectives`) and the hooks around it (:mod:`~kvm_jax.train.hooks`); import
+their names from them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import time
+import warnings
 from typing import Any, Optional
 
 import jax
@@ -32,23 +34,32 @@ from kvm_jax.runs.resume import change_record, check_resume
 from kvm_jax.tasks.pipeline import BatchReader
 from kvm_jax.train import distill, hooks, sharding
 from kvm_jax.train.adamc import PartlyFrozen
-from kvm_jax.train.accounting import StepClock, flops_per_token, peak_flops, visible_keys
+from kvm_jax.train.accounting import StepClock, flops_per_token, peak_flops
 from kvm_jax.train.data import check_packing_model, check_vocabulary, put_batch, task_dataset
-from kvm_jax.train.evaluation import EvalSpec, eval_sums, evaluate, make_eval_step
-from kvm_jax.train.hooks import NonFiniteError, parse_profile_steps
-from kvm_jax.train.objectives import (FrozenParameters, LMObjective, Objective, loss_sums,
-                                      masked_loss)
-from kvm_jax.train.start import (FINE_TUNE_FIELDS, check_workdir, fine_tuned_params,
-                                 make_optimizer, setup, with_init_model,
+from kvm_jax.train.objectives import FrozenParameters, LMObjective, Objective
+from kvm_jax.train.start import (check_workdir, fine_tuned_params, setup, with_init_model,
                                  with_teacher_task)
-from kvm_jax.train.step import (clip_to_norm, compile_ahead, global_norm, kernel_context,
-                                loss_and_grads, make_train_step, micro_batches)
+from kvm_jax.train.step import compile_ahead, kernel_context, make_train_step
 
-__all__ = ["EvalSpec", "FINE_TUNE_FIELDS", "NonFiniteError", "StepClock", "clip_to_norm",
-           "eval_sums", "evaluate", "flops_per_token", "global_norm", "loss_and_grads",
-           "loss_sums", "make_eval_step", "make_optimizer", "make_train_step", "masked_loss",
-           "micro_batches", "parse_profile_steps", "peak_flops", "put_batch", "setup",
-           "task_dataset", "train", "visible_keys", "with_init_model"]
+__all__ = ["train"]
+
+# Names this module once re-exported, and the modules that define them: still readable here,
+# with a DeprecationWarning, so that users' imports keep working while they move.
+_MOVED = {
+    "EvalSpec": "evaluation", "eval_sums": "evaluation", "evaluate": "evaluation",
+    "make_eval_step": "evaluation", "visible_keys": "accounting", "NonFiniteError": "hooks",
+    "parse_profile_steps": "hooks", "loss_sums": "objectives", "masked_loss": "objectives",
+    "FINE_TUNE_FIELDS": "start", "make_optimizer": "start", "clip_to_norm": "step",
+    "global_norm": "step", "loss_and_grads": "step", "micro_batches": "step"}
+
+
+def __getattr__(name: str):
+  if name not in _MOVED:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  module = f"kvm_jax.train.{_MOVED[name]}"
+  warnings.warn(f"kvm_jax.train.loop.{name} is deprecated; import it from {module}.",
+                DeprecationWarning, stacklevel=2)
+  return getattr(importlib.import_module(module), name)
 
 
 def _objective_and_extra(cfg: TrainConfig, objective, teacher_cfg, optimizer, params, shardings,

@@ -88,7 +88,9 @@ from kvm_jax import config_io
 from kvm_jax.mixer_options import KindOptions
 from kvm_jax.runs import launch
 from kvm_jax.train import memory
-from kvm_jax.train.loop import NonFiniteError, parse_profile_steps, train, with_init_model
+from kvm_jax.train.hooks import NonFiniteError, parse_profile_steps
+from kvm_jax.train.loop import train
+from kvm_jax.train.start import with_init_model
 from kvm_jax.train.start import with_teacher_task
 
 

@@ -31,7 +31,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from kvm_jax.nn.model import LM
 from kvm_jax.ops.common import current_platform
 from kvm_jax.runs.config import TrainConfig
-from kvm_jax.train import loop, sharding
+from kvm_jax.train import sharding
+from kvm_jax.train.start import make_optimizer
+from kvm_jax.train.step import make_train_step
 
 GIB = 1024 ** 3
 
@@ -94,7 +96,7 @@ def abstract_train_state(cfg: TrainConfig, mesh):
   allocated: ``ShapeDtypeStruct`` leaves carrying the trainer's shardings."""
   model = nnx.eval_shape(lambda: LM(cfg.model, rngs=nnx.Rngs(cfg.seed)))
   graphdef, params = nnx.split(model)
-  optimizer = loop.make_optimizer(cfg, params)
+  optimizer = make_optimizer(cfg, params)
   p_sh = sharding.param_shardings(params, mesh)
   opt_shape = jax.eval_shape(optimizer.init, params)
   o_sh = sharding.like_params_shardings(opt_shape, p_sh, mesh)
@@ -114,7 +116,7 @@ def memory_report(cfg: TrainConfig, mesh=None) -> MemoryReport:
   tokens = jax.ShapeDtypeStruct((cfg.batch_size, cfg.sequence_length), jnp.int32,
                                 sharding=shardings[2])
   halted = jax.ShapeDtypeStruct((), jnp.bool_, sharding=NamedSharding(mesh, PartitionSpec()))
-  step = loop.make_train_step(graphdef, optimizer, shardings, cfg)
+  step = make_train_step(graphdef, optimizer, shardings, cfg)
   batch = {"inputs": tokens, "labels": tokens}
   if cfg.packing == "documents":  # packed rows also carry their documents' segment ids
     batch["segment_ids"] = tokens

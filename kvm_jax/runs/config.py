@@ -111,7 +111,7 @@ class TrainConfig:
       checkpoints) to fine-tune: a new run starts from its newest parameters with a fresh optimizer
       and data stream, and its model config replaces ``model`` except for ``model``'s
       param_dtype, compute_dtype, kvm_implementation and attention_implementation
-      (``kvm_jax.train.loop.FINE_TUNE_FIELDS``). A run that already has checkpoints resumes from
+      (``kvm_jax.train.start.FINE_TUNE_FIELDS``). A run that already has checkpoints resumes from
       them instead. "" = train from a fresh initialization.
     teacher: a run directory whose model is a frozen teacher (distillation, :class:`DistillSpec`):
       its parameters are restored with the student's dtypes and shardings and its forward pass is
