@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,18 @@ Array = jax.Array
 # memory).
 REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
                   "block_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+class BlockOutput(NamedTuple):
+  """What a block returns: its output ``x [B, T, C]``, its new cache (None without one), what it
+  exports to the layers that read its keys and values (cross-layer KV sharing), and its mixer
+  branch's output ``mixer_output [B, T, C]`` before the residual (what attention transfer
+  matches layer by layer)."""
+
+  x: Array
+  cache: Optional[LayerCache]
+  exports: dict
+  mixer_output: Array
 
 
 class Block(nnx.Module):
@@ -73,13 +85,10 @@ class Block(nnx.Module):
     return self.attn(x_in, v_first, positions, cache, decode, shared, documents=documents)
 
   def __call__(self, x, v_first, positions, cache: Optional[LayerCache] = None, decode=False,
-               shared: Optional[SharedKV] = None, documents: Optional[Documents] = None):
-    x, new_cache, exports, _ = self.run(x, v_first, positions, cache, decode, shared, documents)
-    return x, new_cache, exports
-
-  def run(self, x, v_first, positions, cache: Optional[LayerCache] = None, decode=False,
-          shared: Optional[SharedKV] = None, documents: Optional[Documents] = None):
-    """The block: ``(output, new cache, exports, mixer output h)``."""
+               shared: Optional[SharedKV] = None, documents: Optional[Documents] = None
+               ) -> BlockOutput:
+    """The block on ``x [B, T, C]`` (a whole sequence, a prefill, a piece or, with ``decode``,
+    one token per row), continuing ``cache`` when given."""
     dtype = x.dtype
     h, mixer_cache, tails, exports = self.mix(x, v_first, positions, cache, decode, shared,
                                               documents)
@@ -92,7 +101,7 @@ class Block(nnx.Module):
     if cache is not None:
       new_cache = LayerCache(mixer=mixer_cache, last_q=tails[0], last_k=tails[1], last_v=tails[2],
                              last_mlp=m_in[:, -1:])
-    return x, new_cache, exports, h
+    return BlockOutput(x, new_cache, exports, h)
 
 
 class LM(nnx.Module):
@@ -165,9 +174,8 @@ class LM(nnx.Module):
       else:
         shared = SharedKV(exports=exports, old_caches=old_caches) if sharing else None
         x_in = x
-        x, c, exports[i], h = block.run(x, anchor, positions,
-                                        None if caches is None else caches[i], decode, shared,
-                                        documents)
+        x, c, exports[i], h = block(x, anchor, positions, None if caches is None else caches[i],
+                                    decode, shared, documents)
         if taps is not None:
           taps[0].append(x_in)
           taps[1].append(h)
@@ -229,7 +237,7 @@ class LM(nnx.Module):
     group_anchors = [anchors[cfg.value_anchor(j)] for j in range(period)]
 
     def layer(graphdef, state, x, anchor):
-      return nnx.merge(graphdef, state)(x, anchor, positions, None, False, None, documents)[0]
+      return nnx.merge(graphdef, state)(x, anchor, positions, None, False, None, documents).x
 
     if period > 2:
       # A long period (Gemma 3's six layers) would otherwise keep all its layers' activations
@@ -431,8 +439,8 @@ def _checkpointed_block(block: Block, policy, x, v_first, positions, exports, sh
 
   def run(state, x, v_first, positions, exports, documents):
     shared = SharedKV(exports=exports) if sharing else None
-    y, _, out = nnx.merge(graphdef, state)(x, v_first, positions, None, False, shared, documents)
-    return y, (out if sharing else {})  # exports are read only by cross-layer KV sharing
+    out = nnx.merge(graphdef, state)(x, v_first, positions, None, False, shared, documents)
+    return out.x, (out.exports if sharing else {})  # exports are read only by KV sharing
 
   return jax.checkpoint(run, policy=policy, prevent_cse=True)(state, x, v_first, positions,
                                                               exports if sharing else {},
