@@ -135,7 +135,8 @@ def test_plugin_flag_registers_a_kind_for_the_command_line(tmp_path, subprocess_
 
 # What a mixer class must have, written out (not read from the registry's own list).
 MEMBERS = ("Options", "LOGICAL_AXES", "PARAM_GROUPS", "mup_d_in_ratios", "keys_per_query",
-           "cache_bytes", "init_cache", "init_tails", "anchor_value", "__call__")
+           "exact_window", "beyond_window", "cache_bytes", "init_cache", "init_tails",
+           "anchor_value", "__call__")
 
 
 def _registered_state():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 import kvm_jax as kj
+from kvm_jax.nn.registry import memory_in_words
 from kvm_jax.runs.checkpoint import Checkpointer
 from kvm_jax.tasks import mqar, text
 from kvm_jax.tasks.labels import IGNORE
@@ -391,10 +393,13 @@ def test_demo_models_and_what_they_remember():
   per head (2 heads of width 64)."""
   configs = default_job.model_configs()
   assert set(default_job.DEFAULT_MODELS) < set(configs)
-  assert {name: default_job.memory_of(cfg, 64) for name, cfg in configs.items()} == {
+  assert {name: memory_in_words(cfg, 64) for name, cfg in configs.items()} == {
       "full": "all tokens", "bswa": "window only", "kvm-fixed": "8 state rows",
       "kvm-sqrt": f"{kj.state_rows_after(configs['kvm-sqrt'].kvm, 64)} state rows",
       "ovq-swa": "12 centroids", "rwkv7": "32x32 state/head"}
+  # A hybrid says what each of its kinds keeps, in layer order.
+  hybrid = dataclasses.replace(configs["kvm-fixed"], mixers=("full", "kvm"))
+  assert memory_in_words(hybrid, 64) == "all tokens, 8 state rows"
   assert configs["ovq-swa"].layer_mixers == ("swa", "ovq")
   assert configs["ovq-swa"].options_of("swa").window == 16  # the KVM models' exact window
   assert {cfg.num_layers for cfg in configs.values()} == {2}

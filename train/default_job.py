@@ -29,6 +29,7 @@ from pathlib import Path
 
 import kvm_jax as kj
 from kvm_jax.nn.bswa import BSWAOptions
+from kvm_jax.nn.registry import memory_in_words
 from kvm_jax.nn.rwkv7 import RWKV7Options
 from kvm_jax.nn.swa import SWAOptions
 from kvm_jax.ops.ovq.config import OVQConfig
@@ -66,18 +67,6 @@ def model_configs() -> dict[str, kj.ModelConfig]:
       "ovq-swa": kj.presets.tiny(mixers=("swa", "ovq"), options=baselines, **base),
       "rwkv7": kj.presets.tiny(mixers="rwkv7", options=baselines, **base),
   }
-
-
-def memory_of(model: kj.ModelConfig, seq_len: int) -> str:
-  """What a model remembers beyond its exact window after ``seq_len`` tokens, in words."""
-  kinds = set(model.layer_mixers)
-  if "kvm" in kinds:
-    return f"{kj.state_rows_after(model.options_of('kvm'), seq_len)} state rows"
-  if "ovq" in kinds:
-    return f"{model.options_of('ovq').dictionary_size(seq_len)} centroids"
-  if "rwkv7" in kinds:
-    return f"{model.qk_head_dim}x{model.v_head_dim} state/head"
-  return "all tokens" if "full" in kinds else "window only"
 
 
 def train_config(model: kj.ModelConfig, steps: int, seed: int) -> TrainConfig:
@@ -176,7 +165,7 @@ def main(argv=None) -> int:
     losses[name] = [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
     rows = (kj.state_rows_after(cfg.model.options_of("kvm"), cfg.mqar.seq_len)
             if cfg.model.layer_mixers[0] == "kvm" else 0)
-    results[name] = dict(metrics, state_rows=rows, memory=memory_of(cfg.model, cfg.mqar.seq_len),
+    results[name] = dict(metrics, state_rows=rows, memory=memory_in_words(cfg.model, cfg.mqar.seq_len),
                          seconds=time.perf_counter() - start,
                          final_train_loss=losses[name][-1][1] if losses[name] else float("nan"))
   report = summary_report(results)

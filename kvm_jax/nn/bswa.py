@@ -49,6 +49,10 @@ class BlockSlidingWindowAttention(SoftmaxAttention):
     return options.window_chunks * options.chunk_size
 
   @classmethod
+  def beyond_window(cls, cfg: ModelConfig, layer: int, seq_len: int) -> Optional[str]:
+    return None  # the sink rows aside, a token past the window is gone
+
+  @classmethod
   def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
     options = cfg.options_of(cfg.layer_mixers[layer])
     return average_window_keys(seq_len, options.chunk_size, options.window_chunks)

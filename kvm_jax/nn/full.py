@@ -29,6 +29,10 @@ class FullAttention(SoftmaxAttention):
     return None
 
   @classmethod
+  def beyond_window(cls, cfg: ModelConfig, layer: int, seq_len: int) -> Optional[str]:
+    return "all tokens"  # no window: it keeps every token exactly
+
+  @classmethod
   def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
     return (seq_len + 1) / 2  # token t sees t + 1 keys
 

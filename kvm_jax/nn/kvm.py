@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvm_jax.budget import average_visible_keys
+from kvm_jax.budget import average_visible_keys, state_rows_after
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn import kv_sharing
@@ -50,6 +50,11 @@ class KVMAttention(AttentionFrontEnd):
     """Keys at distance below this are attended exactly: the window ``L = window_chunks ·
     chunk_size`` (beyond it, a key lives on only as part of a state row)."""
     return cfg.options_of(cfg.layer_mixers[layer]).window_len
+
+  @classmethod
+  def beyond_window(cls, cfg: ModelConfig, layer: int, seq_len: int) -> Optional[str]:
+    """The state's rows after ``seq_len`` tokens (the budget's schedule)."""
+    return f"{state_rows_after(cfg.options_of(cfg.layer_mixers[layer]), seq_len)} state rows"
 
   @classmethod
   def resume_alignment(cls, cfg: ModelConfig, layer: int) -> Optional[int]:

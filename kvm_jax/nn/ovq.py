@@ -51,6 +51,11 @@ class OVQAttention(AttentionFrontEnd):
     return cfg.options_of(cfg.layer_mixers[layer]).chunk_size
 
   @classmethod
+  def beyond_window(cls, cfg: ModelConfig, layer: int, seq_len: int) -> Optional[str]:
+    """The dictionary's centroids after ``seq_len`` tokens."""
+    return f"{cfg.options_of(cfg.layer_mixers[layer]).dictionary_size(seq_len)} centroids"
+
+  @classmethod
   def resume_alignment(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
     """Pieces of whole chunks from a chunk boundary: each folds into the dictionary."""
     return None if cfg.kv_sources(layer) is not None else \

@@ -47,7 +47,8 @@ from kvm_jax.nn.swa import SlidingWindowAttention
 
 # What every mixer class must have (the block calls these; the library asks the rest).
 REQUIRED = ("Options", "LOGICAL_AXES", "PARAM_GROUPS", "mup_d_in_ratios", "keys_per_query",
-            "cache_bytes", "init_cache", "init_tails", "anchor_value", "__call__")
+            "exact_window", "beyond_window", "cache_bytes", "init_cache", "init_tails",
+            "anchor_value", "__call__")
 # The vocabularies of the two tables: logical axes (kvm_jax.train.sharding maps each to a mesh
 # axis) and μP/CompleteP groups (kvm_jax.train.completep gives each its learning-rate and
 # weight-decay scales).
@@ -215,18 +216,26 @@ def exact_window(cfg: ModelConfig) -> Optional[int]:
   """The longest distance at which some layer of ``cfg`` still attends a key exactly (each kind's
   ``exact_window``): None when a layer sees every earlier key (full attention), 0 when none keeps
   any (RWKV-7 alone). MQAR splits recall here: a key farther back can be recalled only through a
-  compressed state. A ValueError names a kind that does not say its window."""
+  compressed state."""
   reach = 0
   for layer, kind in enumerate(cfg.layer_mixers):
-    method = getattr(mixer_class(kind), "exact_window", None)
-    if method is None:
-      raise ValueError(f"mixer kind {kind!r} does not say its exact window (a classmethod "
-                       "exact_window(cfg, layer) -> int | None).")
-    window = method(cfg, layer)
+    window = mixer_class(kind).exact_window(cfg, layer)
     if window is None:
       return None
     reach = max(reach, int(window))
   return reach
+
+
+def memory_in_words(cfg: ModelConfig, seq_len: int) -> str:
+  """What ``cfg`` keeps of tokens beyond its layers' exact windows after ``seq_len`` tokens, in
+  words: each kind's ``beyond_window`` (a classmethod ``(cfg, layer, seq_len) -> str | None``,
+  None: nothing), the distinct answers in layer order, or "window only"."""
+  said = []
+  for layer, kind in enumerate(cfg.layer_mixers):
+    words = mixer_class(kind).beyond_window(cfg, layer, seq_len)
+    if words is not None and words not in said:
+      said.append(words)
+  return ", ".join(said) or "window only"
 
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int) -> tuple[int, ...]:

@@ -145,6 +145,11 @@ class RWKV7TimeMix(nnx.Module):
     return 0
 
   @classmethod
+  def beyond_window(cls, cfg: ModelConfig, layer: int, seq_len: int) -> Optional[str]:
+    """The recurrent state's size, which does not grow with ``seq_len``."""
+    return f"{cfg.qk_head_dim}x{cfg.v_head_dim} state/head"
+
+  @classmethod
   def resume_alignment(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
     """Any piece from any position: the recurrence continues from the cached state."""
     return 1

@@ -46,6 +46,10 @@ class SlidingWindowAttention(SoftmaxAttention):
     return cfg.options_of(cfg.layer_mixers[layer]).window
 
   @classmethod
+  def beyond_window(cls, cfg: ModelConfig, layer: int, seq_len: int) -> Optional[str]:
+    return None  # a token past the window is gone
+
+  @classmethod
   def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
     window = cfg.options_of(cfg.layer_mixers[layer]).window
     return float(np.mean(np.minimum(np.arange(1, seq_len + 1, dtype=np.float64), window)))
