@@ -3,7 +3,7 @@
 Every comparison of KVM implementations draws from :data:`CASES`: the tests of the scan against
 the oracle (outputs, final state, gradients), of prefill + decode against the whole sequence, of
 the Pallas kernels against the XLA scan, and ``kvm-check``. A case is tagged with the checks that
-run it (``uses``), so a new case is added in one place and every check it belongs to picks it up.
+run it (``tags``), so a new case is added in one place and every check it belongs to picks it up.
 
 Tags:
   ``oracle``        scan vs oracle: outputs and final state (small, many edge cases);
@@ -51,7 +51,7 @@ class Case:
   head_dim: int = 8
   value_dim: int = 6
   dtype: str = "float32"
-  uses: frozenset = frozenset()
+  tags: frozenset = frozenset()
   slow: bool = False  # too slow for the default test run (scripts/nightly.sh runs it)
 
   def inputs(self, seed: int = 0):
@@ -151,93 +151,93 @@ _FIXED_PAPER, _SQRT_PAPER = FixedBudget(256), PowerLawBudget(16.0, 0.5, min_rows
 
 CASES: tuple[Case, ...] = (
     # Scan vs oracle: budgets, sinks, GQA/MQA, ragged lengths, every schedule edge, every option.
-    Case("fixed_C_no_append_ragged", _tiny(), 29, uses=GRAD),
+    Case("fixed_C_no_append_ragged", _tiny(), 29, tags=GRAD),
     Case("fixed_above_C_appends_gqa_sink0", _tiny(sink_rows=0, budget=FixedBudget(7)), 30,
-         heads=4, uses=GRAD),
-    Case("powerlaw_gqa", _grow(), 37, heads=4, kv_heads=1, uses=GRAD),
-    Case("saturating", _tiny(budget=SaturatingBudget(limit=12, min_rows=1)), 40, uses=ORACLE),
+         heads=4, tags=GRAD),
+    Case("powerlaw_gqa", _grow(), 37, heads=4, kv_heads=1, tags=GRAD),
+    Case("saturating", _tiny(budget=SaturatingBudget(limit=12, min_rows=1)), 40, tags=ORACLE),
     Case("callable_budget_cap", _tiny(budget=lambda n: n // 2, max_state_rows=11), 41,
-         uses=ORACLE),
-    Case("T_below_C", _tiny(), 3, uses=ORACLE),
-    Case("T_below_L", _tiny(), 6, uses=GRAD),
-    Case("T_equals_L", _tiny(), 8, uses=ORACLE),
-    Case("T_L_plus_1", _grow(), 9, uses=ORACLE),
-    Case("first_update", _grow(), 13, uses=ORACLE),
+         tags=ORACLE),
+    Case("T_below_C", _tiny(), 3, tags=ORACLE),
+    Case("T_below_L", _tiny(), 6, tags=GRAD),
+    Case("T_equals_L", _tiny(), 8, tags=ORACLE),
+    Case("T_L_plus_1", _grow(), 9, tags=ORACLE),
+    Case("first_update", _grow(), 13, tags=ORACLE),
     Case("no_gates_no_temps", _grow(gate_keys=False, gate_values=False, head_temperatures=False),
-         27, uses=GRAD),
-    Case("keys_gated_only", _grow(gate_values=False), 27, uses=ORACLE),
+         27, tags=GRAD),
+    Case("keys_gated_only", _grow(gate_values=False), 27, tags=ORACLE),
     Case("gate_appends_and_initial", _grow(gate_appends=True, gate_initial_state=True), 33,
-         uses=GRAD),
-    Case("value_norm_none", _grow(value_norm="none"), 30, uses=GRAD),
-    Case("bf16_readout_cast", _grow(readout_value_dtype="bfloat16"), 30, uses=GRAD),
+         tags=GRAD),
+    Case("value_norm_none", _grow(value_norm="none"), 30, tags=GRAD),
+    Case("bf16_readout_cast", _grow(readout_value_dtype="bfloat16"), 30, tags=GRAD),
     Case("bf16_readout_cast_gqa", _grow(readout_value_dtype="bfloat16"), 30, heads=4,
-         kv_heads=1, uses=GRAD),
-    Case("one_window_chunk", _grow(window_chunks=1), 23, uses=ORACLE),
+         kv_heads=1, tags=GRAD),
+    Case("one_window_chunk", _grow(window_chunks=1), 23, tags=ORACLE),
     Case("three_window_chunks", _tiny(window_chunks=3, sink_rows=2,
-                                      budget=SaturatingBudget(limit=14)), 35, uses=ORACLE),
-    Case("no_rope_channels", _tiny(rope_dims=0, budget=FixedBudget(6)), 26, uses=ORACLE),
-    Case("all_rope_channels", _tiny(rope_dims=8, budget=FixedBudget(6)), 26, uses=ORACLE),
-    Case("state_keeps_slow_rope_pairs", _grow(rope_dims=8, state_rope_dims=4), 30, uses=ORACLE),
+                                      budget=SaturatingBudget(limit=14)), 35, tags=ORACLE),
+    Case("no_rope_channels", _tiny(rope_dims=0, budget=FixedBudget(6)), 26, tags=ORACLE),
+    Case("all_rope_channels", _tiny(rope_dims=8, budget=FixedBudget(6)), 26, tags=ORACLE),
+    Case("state_keeps_slow_rope_pairs", _grow(rope_dims=8, state_rope_dims=4), 30, tags=ORACLE),
     # Gemma 2's soft-capped scores (cap 2 against O(1) scores: most of them bent).
-    Case("softcapped_scores_gqa", _grow(logit_softcap=2.0), 30, heads=4, uses=GRAD),
+    Case("softcapped_scores_gqa", _grow(logit_softcap=2.0), 30, heads=4, tags=GRAD),
     # Scan vs oracle at longer sequences: more rows, more chances of near-ties.
     Case("C32_T700_growth", KVMConfig(chunk_size=32, window_chunks=2, sink_rows=1, rope_dims=16,
                                       budget=PowerLawBudget(8.0, 0.5, min_rows=32)), 700,
-         heads=4, head_dim=32, value_dim=32, uses=LARGE),
+         heads=4, head_dim=32, value_dim=32, tags=LARGE),
     Case("paper_geometry_sqrt16_T2500", _paper(rope_dims=32, budget=_SQRT_PAPER), 2500, batch=1,
-         heads=4, kv_heads=4, head_dim=64, value_dim=64, uses=LARGE),
+         heads=4, kv_heads=4, head_dim=64, value_dim=64, tags=LARGE),
     Case("paper_heads_sat1024_T8200", _paper(rope_dims=64, budget=SaturatingBudget(1024, 1)), 8200,
-         batch=1, heads=4, head_dim=128, value_dim=128, uses=LARGE, slow=True),
+         batch=1, heads=4, head_dim=128, value_dim=128, tags=LARGE, slow=True),
     # Prefill + decode vs the whole sequence.
-    Case("decode_powerlaw_gqa", _grow(), 31, heads=4, uses=frozenset({"decode"})),
-    Case("decode_fixed_C", _grow(budget=FixedBudget(4)), 31, uses=frozenset({"decode"})),
+    Case("decode_powerlaw_gqa", _grow(), 31, heads=4, tags=frozenset({"decode"})),
+    Case("decode_fixed_C", _grow(budget=FixedBudget(4)), 31, tags=frozenset({"decode"})),
     Case("decode_saturating_nb3_gated_init",
          _grow(window_chunks=3, budget=SaturatingBudget(16), gate_initial_state=True,
-               gate_appends=True), 31, kv_heads=1, uses=frozenset({"decode"})),
+               gate_appends=True), 31, kv_heads=1, tags=frozenset({"decode"})),
     Case("decode_softcapped_gqa", _grow(logit_softcap=2.0), 31, heads=4,
-         uses=frozenset({"decode"})),
+         tags=frozenset({"decode"})),
     # Pallas kernels (interpreted) vs the XLA scan.
     Case("fixed_sink1_gqa", _kernel(budget=_FIXED_SMALL, sink_rows=1), 61, heads=4,
-         head_dim=16, value_dim=16, uses=frozenset({"kernels"})),
+         head_dim=16, value_dim=16, tags=frozenset({"kernels"})),
     Case("sqrt_sink0", _kernel(budget=_SQRT_SMALL, sink_rows=0), 53, head_dim=16, value_dim=16,
-         uses=frozenset({"kernels"})),
+         tags=frozenset({"kernels"})),
     Case("saturating_ragged_mqa", _kernel(budget=SaturatingBudget(40, min_rows=8), sink_rows=1),
-         45, heads=4, kv_heads=1, head_dim=16, value_dim=16, uses=frozenset({"kernels"})),
+         45, heads=4, kv_heads=1, head_dim=16, value_dim=16, tags=frozenset({"kernels"})),
     Case("sqrt_bf16", _kernel(budget=_SQRT_SMALL, sink_rows=1), 40, heads=4, head_dim=16,
-         value_dim=16, dtype="bfloat16", uses=frozenset({"kernels"})),
+         value_dim=16, dtype="bfloat16", tags=frozenset({"kernels"})),
     Case("three_window_chunks_kernels", _kernel(budget=_SQRT_SMALL, sink_rows=1, window_chunks=3),
-         70, head_dim=16, value_dim=16, uses=frozenset({"kernels"})),
+         70, head_dim=16, value_dim=16, tags=frozenset({"kernels"})),
     # a group of 3 query heads per KV head (not a power of two)
     Case("gqa3_kernels", _kernel(budget=_SQRT_SMALL, sink_rows=1), 47, heads=6, kv_heads=2,
-         head_dim=16, value_dim=16, uses=frozenset({"kernels"})),
+         head_dim=16, value_dim=16, tags=frozenset({"kernels"})),
     # kvm-check, small (any machine, seconds) and at the paper's operator geometry (GPU/TPU).
     Case("fixed, sink 1", _kernel(budget=_FIXED_SMALL, sink_rows=1), 75, heads=4, kv_heads=4,
-         head_dim=16, value_dim=16, uses=frozenset({"check-small"})),
+         head_dim=16, value_dim=16, tags=frozenset({"check-small"})),
     Case("sqrt16, GQA 4:2", _kernel(budget=_SQRT_SMALL, sink_rows=1), 75, heads=4, kv_heads=2,
-         head_dim=16, value_dim=16, uses=frozenset({"check-small"})),
+         head_dim=16, value_dim=16, tags=frozenset({"check-small"})),
     Case("sqrt16, no sink, MQA", _kernel(budget=_SQRT_SMALL, sink_rows=0), 75, heads=4,
-         kv_heads=1, head_dim=16, value_dim=16, uses=frozenset({"check-small"})),
+         kv_heads=1, head_dim=16, value_dim=16, tags=frozenset({"check-small"})),
     Case("fixed, GQA, bf16", _kernel(budget=_FIXED_SMALL, sink_rows=1), 75, heads=4, kv_heads=2,
-         head_dim=16, value_dim=16, dtype="bfloat16", uses=frozenset({"check-small"})),
+         head_dim=16, value_dim=16, dtype="bfloat16", tags=frozenset({"check-small"})),
     Case("paper: fixed, sink 1", _paper(rope_dims=64, budget=_FIXED_PAPER), 2048, batch=1,
-         heads=4, kv_heads=4, head_dim=128, value_dim=128, uses=frozenset({"check-paper"})),
+         heads=4, kv_heads=4, head_dim=128, value_dim=128, tags=frozenset({"check-paper"})),
     Case("paper: sqrt16, GQA 4:2", _paper(rope_dims=64, budget=_SQRT_PAPER), 2048, batch=1,
-         heads=4, kv_heads=2, head_dim=128, value_dim=128, uses=frozenset({"check-paper"})),
+         heads=4, kv_heads=2, head_dim=128, value_dim=128, tags=frozenset({"check-paper"})),
     Case("paper: sqrt16, no sink, MQA", _paper(rope_dims=64, sink_rows=0, budget=_SQRT_PAPER),
          2048, batch=1, heads=4, kv_heads=1, head_dim=128, value_dim=128,
-         uses=frozenset({"check-paper"})),
+         tags=frozenset({"check-paper"})),
     Case("paper: fixed, GQA, bf16", _paper(rope_dims=64, budget=_FIXED_PAPER), 2048, batch=1,
          heads=4, kv_heads=2, head_dim=128, value_dim=128, dtype="bfloat16",
-         uses=frozenset({"check-paper"})),
+         tags=frozenset({"check-paper"})),
 )
 
 
-def select(use: str) -> list[Case]:
-  """The cases tagged ``use``, in matrix order."""
-  chosen = [c for c in CASES if use in c.uses]
+def select(tag: str) -> list[Case]:
+  """The cases tagged ``tag``, in matrix order."""
+  chosen = [c for c in CASES if tag in c.tags]
   if not chosen:
-    tags = sorted(set().union(*(c.uses for c in CASES)))
-    raise ValueError(f"no case is tagged {use!r}; tags: {tags}.")
+    tags = sorted(set().union(*(c.tags for c in CASES)))
+    raise ValueError(f"no case is tagged {tag!r}; tags: {tags}.")
   return chosen
 
 
