@@ -51,7 +51,7 @@ from kvm_jax.ops.ovq.decode import ovq_decode_step, ovq_init_cache, ovq_prefill
 from kvm_jax.ops.ovq.reference import ovq_attention_reference
 from kvm_jax.ops.ovq.scan import ovq_attention
 from kvm_jax.ops.rwkv7 import cases as rwkv7_cases
-from kvm_jax.ops.rwkv7.chunked import rwkv7_recurrence, rwkv7_step
+from kvm_jax.ops.rwkv7.scan import rwkv7_recurrence, rwkv7_step
 from kvm_jax.ops.rwkv7.reference import rwkv7_recurrence_reference
 
 SIZES = ("small", "paper")

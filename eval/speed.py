@@ -66,7 +66,7 @@ from kvm_jax.ops.kvm.cases import random_inputs
 from kvm_jax.ops.ovq.config import OVQConfig
 from kvm_jax.ops.ovq.scan import ovq_attention
 from kvm_jax.ops.rwkv7.cases import time_mix_inputs
-from kvm_jax.ops.rwkv7.chunked import rwkv7_recurrence
+from kvm_jax.ops.rwkv7.scan import rwkv7_recurrence
 
 BUDGETS = {
     "fixed256": lambda: kj.FixedBudget(256),

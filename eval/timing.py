@@ -19,7 +19,7 @@ from kvm_jax.ops.kvm.api import kvm_decode_step, kvm_prefill
 from kvm_jax.ops.kvm.decode import cached_readout, decode_attention, kvm_init_cache
 from kvm_jax.ops.kvm.state import temperatures
 from kvm_jax.ops.ovq.decode import ovq_decode_step, ovq_init_cache, ovq_prefill
-from kvm_jax.ops.rwkv7.chunked import rwkv7_recurrence, rwkv7_step
+from kvm_jax.ops.rwkv7.scan import rwkv7_recurrence, rwkv7_step
 
 
 def wall_ms(fn, *args) -> float:

@@ -566,7 +566,7 @@ RECURRENT_LAYOUT = ([1, 9, 17, -5, 32], [-5, 17, 9, 1, 32])
 def test_rwkv7_documents_are_each_document_alone():
   """The chunked RWKV-7 recurrence with ``segment_ids``: outputs and gradients of every document
   as if alone, boundaries anywhere in its chunks (L = 8), the final state the last document's."""
-  from kvm_jax.ops.rwkv7.chunked import rwkv7_recurrence
+  from kvm_jax.ops.rwkv7.scan import rwkv7_recurrence
   layout = RECURRENT_LAYOUT
   B, H, K, V = 2, 2, 4, 3
   keys = jax.random.split(jax.random.PRNGKey(0), 6)

@@ -33,7 +33,7 @@ from kvm_jax.nn.attention import cache_bytes_from_shapes
 from kvm_jax.nn.cache import RESUME
 from kvm_jax.nn.layers import GroupNorm, float32_init, linear, shift_delta, zeros_init
 from kvm_jax.ops.kvm.state import safe_l2_norm
-from kvm_jax.ops.rwkv7.chunked import MAX_CHUNK, rwkv7_recurrence, rwkv7_step
+from kvm_jax.ops.rwkv7.scan import MAX_CHUNK, rwkv7_recurrence, rwkv7_step
 
 Array = jax.Array
 
