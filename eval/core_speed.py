@@ -37,7 +37,7 @@ def bench_prefill(T, args, cfg, params, dtype):
                              args.head_dim, dtype)
   kvm = jax.jit(lambda q, k, v, g: kj.kvm_attention(q, k, v, g, params, cfg)[0])
   full = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, is_causal=True, implementation=full_attention_impl()))
+      q, k, v, is_causal=True, implementation=full_attention_impl(q)))
   t_kvm = median_ms(kvm, q, k, v, g, repeats=args.repeats)
   t_full = median_ms(full, q, k, v, repeats=args.repeats)
   return t_kvm, t_full

@@ -94,7 +94,7 @@ def time_prefill_backward(T, args, dtype, phases):
   q, k, v, g = random_inputs(T, args.batch, T, args.heads, args.heads, args.head_dim,
                              args.head_dim, dtype)
   w = jax.random.normal(jax.random.PRNGKey(1), q.shape, dtype)
-  impl = full_attention_impl()
+  impl = full_attention_impl(q)
   # Every array is an argument of the timed programs: closed over, it would be a constant of
   # the program (the loss weights alone are 2 GiB at --paper 32K), which XLA:GPU takes minutes
   # to compile.
@@ -517,11 +517,17 @@ def _operator_plan(args) -> tuple[list[str], set[str], list[int]]:
   return arms, phases, lengths
 
 
+def _baseline_impl(args) -> str:
+  """The full-attention baseline's implementation for this run's heads and dtype."""
+  heads = jax.ShapeDtypeStruct((args.batch, 512, args.heads, args.head_dim), jnp.dtype(args.dtype))
+  return full_attention_impl(heads)
+
+
 def _print_setup(args) -> None:
   """Prints the run's device, shapes and implementations (and the readout legend)."""
   print(f"{_device_line()}; B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}; C=256 "
         f"L=512; KVM implementation={args.implementation}; full "
-        f"attention: dot_product_attention({full_attention_impl()})", flush=True)
+        f"attention: dot_product_attention({_baseline_impl(args)})", flush=True)
   if args.readout_anchor:
     print("readout of one chunk (Tq=256, G=1, R = valid/allocated state rows, W=512); ratios are "
           "the tokamax anchor's ms / the arm's ms (> 1: faster than the anchor)", flush=True)

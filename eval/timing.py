@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from kvm_jax.ops.common import current_platform
+from kvm_jax.ops.attention_api import resolve_attention
 from kvm_jax.ops.kvm.api import kvm_decode_step, kvm_prefill
 from kvm_jax.ops.kvm.decode import cached_readout, decode_attention, kvm_init_cache
 from kvm_jax.ops.kvm.state import temperatures
@@ -56,9 +56,12 @@ def median_ms(fn, *args, repeats: int, warmup: int = 1) -> float:
   return statistics.median(sample_ms(fn, *args, repeats=repeats, warmup=warmup))
 
 
-def full_attention_impl() -> str:
-  """The strongest stock baseline per backend: cuDNN flash attention on GPU, XLA elsewhere."""
-  return "cudnn" if current_platform() == "gpu" else "xla"
+def full_attention_impl(q) -> str:
+  """``jax.nn.dot_product_attention``'s implementation for the full-attention baseline at
+  queries ``q`` (an array or ``jax.ShapeDtypeStruct``, ``[B, T, H, D]``): "cudnn" where the
+  library's one backend decision (:func:`kvm_jax.ops.attention_api.resolve_attention`) takes
+  cuDNN for them (GPU, bf16/fp16 heads it supports), else "xla", the function's other one."""
+  return "cudnn" if resolve_attention("auto", q) == "cudnn" else "xla"
 
 
 @functools.partial(jax.jit, donate_argnums=(3, 4), static_argnames=("implementation",))
@@ -151,7 +154,7 @@ def time_full_decode(q, k, v, T: int, n: int, return_bytes_accessed: bool = Fals
   :func:`bytes_accessed` of the compiled step (compiled once, timed and costed) when
   ``return_bytes_accessed``."""
   B, _, H, D = k.shape
-  impl = full_attention_impl()
+  impl = full_attention_impl(q)
   caches = (jnp.zeros((B, T + n, H, D), k.dtype).at[:, :T].set(k[:, :T]),
             jnp.zeros((B, T + n, H, v.shape[3]), v.dtype).at[:, :T].set(v[:, :T]))
 

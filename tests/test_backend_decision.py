@@ -160,3 +160,19 @@ def test_decode_runs_the_tokamax_readout():
   (_, own, _), _ = _prefill_then_decode(4, readout="own")
   (_, tokamax, _), _ = _prefill_then_decode(4, readout="tokamax")
   np.testing.assert_allclose(tokamax, own, rtol=1e-5, atol=1e-5)
+
+
+def test_the_benchmarks_baseline_follows_the_one_backend_decision(monkeypatch):
+  """kvm-bench's full-attention baseline (``jax.nn.dot_product_attention``) takes cuDNN exactly
+  where the library's decision would: bf16 heads on GPU, not float32 ones (cuDNN refuses them),
+  nowhere on TPU."""
+  import jax
+
+  from kvm_jax.eval import timing
+  from kvm_jax.ops import attention_api
+  heads = lambda dtype: jax.ShapeDtypeStruct((1, 1024, 4, 128), dtype)  # noqa: E731
+  monkeypatch.setattr(attention_api, "current_platform", lambda: "gpu")
+  assert timing.full_attention_impl(heads(jnp.bfloat16)) == "cudnn"
+  assert timing.full_attention_impl(heads(jnp.float32)) == "xla"
+  monkeypatch.setattr(attention_api, "current_platform", lambda: "tpu")
+  assert timing.full_attention_impl(heads(jnp.bfloat16)) == "xla"
