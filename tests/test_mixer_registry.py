@@ -149,6 +149,7 @@ def test_registry_refuses_a_class_missing_a_member(member):
   """A class with every member a mixer needs but one (copied from the KVM class, so nothing
   else is wrong) is refused, naming the member; ``__call__`` counts only when the class defines
   it (every class has its metaclass's)."""
+  assert set(registry.REQUIRED) == set(MEMBERS)  # the protocol says what the tests expect
   body = {name: getattr(KVMAttention, name) for name in MEMBERS if name != member}
   incomplete = type(f"No_{member.strip('_')}", (), body)
   before = _registered_state()

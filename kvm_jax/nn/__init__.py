@@ -1,6 +1,7 @@
 """Flax NNX modules: the attention front end (``attention.py``), one module per mixer kind
 (``full.py``, ``swa.py``, ``bswa.py``, ``kvm.py``, ``ovq.py``, ``rwkv7.py``) and the list of kinds
-(``registry.py``: :func:`register_mixer`), cross-layer KV sharing (``kv_sharing.py``), one module
+(``registry.py``: :func:`register_mixer`; the protocol a kind's class and its cache satisfy in
+``mixer.py`` and ``cache.py``), cross-layer KV sharing (``kv_sharing.py``), one module
 per backbone family (``gptalpha2.py``, ``llama.py``, ``gemma.py``; ``family.py``:
 :func:`register_family`), and the block and LM (``model.py``)."""
 
@@ -14,13 +15,16 @@ from kvm_jax.nn.family import register_family, registered_families
 from kvm_jax.nn.gemma import Gemma, GemmaOptions
 from kvm_jax.nn.gptalpha2 import GPTAlpha2, GPTAlpha2Options
 from kvm_jax.nn.llama import Llama, LlamaOptions
+from kvm_jax.nn.cache import MixerCache
+from kvm_jax.nn.mixer import MixerKind
 from kvm_jax.nn.registry import mixer_class, register_mixer, registered_mixers
 from kvm_jax.nn.swa import SlidingWindowAttention, SWAOptions
 from kvm_jax.nn.model import LM, Block, count_params
 
 __all__ = ["AttentionFrontEnd", "BlockSlidingWindowAttention", "Block", "BSWAOptions",
            "FullAttention", "FullOptions", "GPTAlpha2", "GPTAlpha2Options", "Gemma",
-           "GemmaOptions", "KVMAttention", "LM", "LayerCache", "Llama", "LlamaOptions",
+           "GemmaOptions", "KVMAttention", "LM", "LayerCache", "Llama", "LlamaOptions", "MixerCache",
+           "MixerKind",
            "OVQAttention", "RWKV7Cache", "RWKV7Options", "RWKV7TimeMix",
            "SlidingWindowAttention", "SoftmaxAttention", "SWAOptions", "count_params",
            "mixer_class", "register_family", "register_mixer", "registered_families",

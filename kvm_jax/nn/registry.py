@@ -1,8 +1,8 @@
 """The one list of mixer kinds: ``register_mixer(kind, cls)`` and what the library asks of a kind.
 
-A kind is a name (``ModelConfig.mixers``) bound to a module class that implements the protocol of
-:class:`kvm_jax.nn.attention.AttentionFrontEnd` (usually a subclass of it or of one of the built-in
-kinds). Registering a kind makes ``ModelConfig``, ``LM``, ``count_params``, ``generate``, the
+A kind is a name (``ModelConfig.mixers``) bound to a module class that satisfies the mixer
+protocol, :class:`kvm_jax.nn.mixer.MixerKind` (usually a subclass of
+:class:`kvm_jax.nn.attention.AttentionFrontEnd` or of one of the built-in kinds). Registering a kind makes ``ModelConfig``, ``LM``, ``count_params``, ``generate``, the
 trainer (parameter groups, sharding, MFU) and ``kvm-eval`` accept it::
 
     from kvm_jax.nn import register_mixer
@@ -41,14 +41,14 @@ from kvm_jax.nn.gemma import Gemma
 from kvm_jax.nn.llama import Llama
 from kvm_jax.nn.full import FullAttention
 from kvm_jax.nn.kvm import KVMAttention
+from kvm_jax.nn.mixer import MixerKind, protocol_members
 from kvm_jax.nn.ovq import OVQAttention
 from kvm_jax.nn.rwkv7 import RWKV7TimeMix
 from kvm_jax.nn.swa import SlidingWindowAttention
 
-# What every mixer class must have (the block calls these; the library asks the rest).
-REQUIRED = ("Options", "LOGICAL_AXES", "PARAM_GROUPS", "mup_d_in_ratios", "keys_per_query",
-            "exact_window", "beyond_window", "cache_bytes", "init_cache", "init_tails",
-            "anchor_value", "__call__")
+# What every mixer class must have: the members of the mixer protocol (the block calls some;
+# the library asks the rest).
+REQUIRED = protocol_members(MixerKind)
 # The vocabularies of the two tables: logical axes (kvm_jax.train.sharding maps each to a mesh
 # axis) and μP/CompleteP groups (kvm_jax.train.completep gives each its learning-rate and
 # weight-decay scales).
@@ -78,7 +78,8 @@ def register_mixer(kind: str, cls: type) -> type:
   name = getattr(cls, "__name__", repr(cls))
   missing = [member for member in REQUIRED if not _has_member(cls, member)]
   if missing:
-    raise TypeError(f"mixer class {name!r} for kind {kind!r} lacks {missing}; subclass "
+    raise TypeError(f"mixer class {name!r} for kind {kind!r} lacks {missing} of the mixer "
+                    "protocol (kvm_jax.nn.mixer.MixerKind); subclass "
                     "kvm_jax.nn.attention.AttentionFrontEnd or a built-in mixer.")
   known = _CLASSES.get(kind)
   if known is cls:

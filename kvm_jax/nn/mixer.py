@@ -1,0 +1,80 @@
+"""The mixer protocol: what a mixer kind's class must provide, as one ``typing.Protocol``.
+
+A kind is a name bound by :func:`kvm_jax.nn.register_mixer` to a class that satisfies
+:class:`MixerKind`; its decode cache satisfies :class:`kvm_jax.nn.cache.MixerCache`. The
+registry checks a class against both before it binds the name (its required members are read
+from :class:`MixerKind`, so the two cannot drift apart). The built-in kinds get most members from
+:class:`kvm_jax.nn.attention.AttentionFrontEnd`; a new kind usually subclasses it or a built-in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Optional, Protocol
+
+import jax
+
+from kvm_jax.model_config import ModelConfig
+
+Array = jax.Array
+
+
+class MixerKind(Protocol):
+  """A mixer kind's class. Class-level members describe the kind to the rest of the library;
+  instances are the layers (``cls(cfg, layer, rngs=...)``)."""
+
+  #: The kind's options: a frozen dataclass (``ModelConfig.options[kind]``).
+  Options: ClassVar[type]
+  #: A 2-D parameter's owner name -> its two logical axes (``kvm_jax.train.sharding``).
+  LOGICAL_AXES: ClassVar[dict]
+  #: A parameter's owner name -> its μP/CompleteP group where the default rule is not the
+  #: authors' (``kvm_jax.train.completep``).
+  PARAM_GROUPS: ClassVar[dict]
+
+  @classmethod
+  def mup_d_in_ratios(cls, cfg: ModelConfig) -> dict:
+    """Owner name -> μP width ratio, for parameters whose input is not the model width."""
+
+  @classmethod
+  def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
+    """Keys a query of layer ``layer`` attends, averaged over ``seq_len`` tokens (MFU)."""
+
+  @classmethod
+  def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
+    """The longest distance at which a key is still attended exactly (None: every key; 0:
+    none), where MQAR recall splits."""
+
+  @classmethod
+  def beyond_window(cls, cfg: ModelConfig, layer: int, seq_len: int) -> Optional[str]:
+    """What the layer keeps of tokens past its exact window after ``seq_len`` tokens, in words
+    (None: nothing)."""
+
+  @classmethod
+  def cache_bytes(cls, cfg: ModelConfig, layer: int, batch: int, max_len: int) -> int:
+    """Bytes of the layer's decode cache for ``batch`` rows of ``max_len`` tokens."""
+
+  def init_cache(self, batch: int, max_len: int) -> Any:
+    """An empty decode cache (a :class:`kvm_jax.nn.cache.MixerCache`, or None for a layer that
+    reads its sources' caches)."""
+
+  def init_tails(self, batch: int) -> Optional[tuple]:
+    """The token-shift history a decode cache starts with (None: the kind keeps its own)."""
+
+  def anchor_value(self, x_normed: Array, cache: Any = None, documents: Any = None) -> Array:
+    """``v_first`` of a value-residual anchor layer (the layer's cache in a decode step; packed
+    documents)."""
+
+  def __call__(self, x: Array, v_first: Optional[Array], positions: Array, cache: Any = None,
+               decode: Any = False, shared: Any = None, documents: Any = None) -> tuple:
+    """``(output [B, T, C], new mixer cache, token-shift tails, exports)`` for a whole sequence,
+    a decode step or (``decode=RESUME``) a parallel piece."""
+
+
+def protocol_members(protocol: type) -> tuple[str, ...]:
+  """The names a class must have to satisfy ``protocol``: its annotated attributes and its
+  methods (``__call__`` included), in the order the protocol declares them."""
+  names = list(getattr(protocol, "__annotations__", {}))
+  for name, value in vars(protocol).items():
+    if (callable(value) or isinstance(value, classmethod)) and \
+        (not name.startswith("_") or name == "__call__") and name not in names:
+      names.append(name)
+  return tuple(names)
