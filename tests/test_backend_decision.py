@@ -93,6 +93,8 @@ def test_entry_points_take_the_same_backend_arguments():
   assert defaults[0] == defaults[1] == defaults[2], defaults
   resolver = inspect.signature(resolve_kvm_backend).parameters
   assert backend_args | {"platform"} <= set(resolver)
+  for fn in (kj.kvm_attention, kj.kvm_prefill, kj.kvm_decode_step):  # or one decided backend
+    assert inspect.signature(fn).parameters["backend"].default is None, fn.__name__
 
 
 # The decode step at t = T = 32 folds a chunk (t >= L + C).
@@ -122,6 +124,30 @@ def test_prefill_and_decode_with_an_explicit_readout_equal_the_default():
                       (kj.kvm_decode_step, (q[:, :1], k[:, :1], v[:, :1], g[:, :1]))):
     with pytest.raises(ValueError, match="readout='flash'"):
       entry(*args, params, CFG, cache0, readout="flash")
+
+
+def test_one_backend_object_runs_what_its_arguments_run():
+  """A backend decided once (``resolve_kvm_backend``) and passed as ``backend=`` runs exactly what
+  the separate arguments it was decided from run (prefill, decode, the whole sequence, packed
+  documents); given with them, hand-made, or not a backend, it is refused by name."""
+  backend = resolve_kvm_backend(CFG, implementation="xla", readout="own")
+  separate, ((q, k, v, g), params, cache0) = _prefill_then_decode(4, readout="own")
+  decided, _ = _prefill_then_decode(4, backend=backend)
+  for a, b in zip(separate, decided):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  seg = jnp.asarray([[1] * 13 + [2] * (T + 1 - 13)])
+  for kw in ({}, {"segment_ids": seg}):
+    want, _ = kj.kvm_attention(q, k, v, g, params, CFG, readout="own", **kw)
+    got, _ = kj.kvm_attention(q, k, v, g, params, CFG, backend=backend, **kw)
+    np.testing.assert_array_equal(np.asarray(want), np.asarray(got))
+  with pytest.raises(ValueError, match="backend= was given with {'readout': 'own'}"):
+    kj.kvm_attention(q, k, v, g, params, CFG, backend=backend, readout="own")
+  import dataclasses
+  with pytest.raises(ValueError, match="is not what resolve_kvm_backend decides"):
+    kj.kvm_attention(q, k, v, g, params, CFG,
+                     backend=dataclasses.replace(backend, row_update="onehot"))
+  with pytest.raises(ValueError, match="backend='xla' is not a KVMBackend"):
+    kj.kvm_attention(q, k, v, g, params, CFG, backend="xla")
 
 
 # -- softmax attention ---------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from kvm_jax.nn import kv_sharing
 from kvm_jax.nn.attention import AttentionFrontEnd
 from kvm_jax.nn.cache import RESUME
 from kvm_jax.nn.layers import layer_norm, linear
-from kvm_jax.ops.kvm.api import kvm_attention, kvm_decode_step, kvm_prefill, kvm_resume
+from kvm_jax.ops.kvm.api import (KVMBackend, kvm_attention, kvm_decode_step, kvm_prefill,
+                                 kvm_resume, resolve_kvm_backend)
 from kvm_jax.ops.kvm.decode import KVMCache, kvm_init_cache
 from kvm_jax.ops.kvm.state import KVMParams
 
@@ -129,14 +130,18 @@ class KVMAttention(AttentionFrontEnd):
     cache = kvm_init_cache(self.options, **self._cache_sizes(batch, max_len))
     return cache if self.sources is None else kv_sharing.without_window_kv(cache)
 
+  def backend(self, readout: str = "auto") -> KVMBackend:
+    """The op's backend for this layer, decided where it runs (the kernels' mesh axes are those
+    of the enclosing ``kernel_sharding``): the model's ``kvm_implementation`` for its options."""
+    return resolve_kvm_backend(self.options, implementation=self.cfg.kvm_implementation,
+                               readout=readout)
+
   def kvm_core(self, q, k, v, g, params, mixer_cache, decode, routing=None,
                return_routing=False):
     """The KVM op over this layer's (or fused) keys and values with merge gates ``g`` and
     ``params``: whole sequence, prefill into ``mixer_cache``, or one decode step. Returns
     ``(y, cache, decisions or None)``."""
-    cfg = self.cfg
-    kw = dict(routing=routing, return_routing=return_routing,
-              implementation=cfg.kvm_implementation)
+    kw = dict(routing=routing, return_routing=return_routing, backend=self.backend())
     if decode == RESUME:
       y, cache = kvm_resume(q, k, v, g, params, self.options, mixer_cache)
       return y, cache, None
@@ -154,7 +159,7 @@ class KVMAttention(AttentionFrontEnd):
     # Each document's own id (its number in the row): the op rebuilds the same documents.
     segment_ids = documents.segment_ids()
     y, _ = kvm_attention(q, k, v, g, params, self.options, segment_ids=segment_ids,
-                         implementation=self.cfg.kvm_implementation, routing=routing,
+                         backend=self.backend(readout="own"), routing=routing,
                          return_routing=self.exports_routing)
     return y
 

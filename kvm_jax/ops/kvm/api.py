@@ -177,6 +177,34 @@ def resolve_kvm_backend(cfg: KVMConfig, *, implementation: str = "auto", readout
                     row_update=row_update_for(platform), kernel_config=kernel_config)
 
 
+def backend_for(cfg: KVMConfig, backend: Optional[KVMBackend], implementation: str,
+                readout: str, kernel_config: Optional[KernelConfig],
+                default_implementation: str = "xla") -> KVMBackend:
+  """The backend a public op runs: ``backend`` when given (then the separate choices must be left
+  at their defaults, and it must be what :func:`resolve_kvm_backend` decides for ``cfg`` on its
+  platform), else the decision for ``implementation``, ``readout`` and ``kernel_config``."""
+  if backend is None:
+    return resolve_kvm_backend(cfg, implementation=implementation, readout=readout,
+                               kernel_config=kernel_config)
+  if not isinstance(backend, KVMBackend):
+    raise ValueError(f"backend={backend!r} is not a KVMBackend; build one with "
+                     "resolve_kvm_backend(cfg, ...).")
+  given = {name: value for name, value, default in (
+      ("implementation", implementation, default_implementation), ("readout", readout, "auto"),
+      ("kernel_config", kernel_config, None)) if value != default}
+  if given:
+    raise ValueError(f"backend= was given with {given}: the backend already says all of these; "
+                     "pass one or the other.")
+  decided = resolve_kvm_backend(cfg, implementation=backend.implementation,
+                                readout=backend.readout, kernel_config=backend.kernel_config,
+                                platform=backend.platform)
+  if decided != backend:
+    raise ValueError(f"backend={backend} is not what resolve_kvm_backend decides for this "
+                     f"config on {backend.platform!r} ({decided}); build it with "
+                     "resolve_kvm_backend(cfg, ...).")
+  return backend
+
+
 def chunk_ops(implementation: str, *, target: Optional[str] = None,
               interpret: Optional[bool] = None, shard_axes: Optional[ShardAxes] = None,
               readout: str = "own", kernel_config: Optional[KernelConfig] = None) -> ChunkOps:
@@ -221,7 +249,8 @@ def resolve_implementation(implementation: str, cfg: KVMConfig, readout: str = "
 def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
                   cfg: KVMConfig, *, implementation: str = "xla", remat: bool = True,
                   routing=None, return_routing: bool = False, readout: str = "auto",
-                  kernel_config: Optional[KernelConfig] = None, segment_ids=None):
+                  kernel_config: Optional[KernelConfig] = None, segment_ids=None,
+                  backend: Optional[KVMBackend] = None):
   """KVM attention over a whole sequence (prefill / training forward), jit-compiled.
 
   Args:
@@ -242,6 +271,8 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
       softmax over [state ; window]; "auto" uses tokamax only where it was measured faster.
     kernel_config: the Pallas kernels' configuration (default: for this machine); see
       :func:`resolve_kvm_backend`, which decides all of these (call it to see what runs).
+    backend: instead of the three above, one :class:`KVMBackend` that
+      :func:`resolve_kvm_backend` returned (decide once, pass it to every op of a request).
     segment_ids: ``[B, T]`` int, 0 = padding, each maximal run of one nonzero id one document:
       every document's outputs are those of the document run alone (its own chunk grid, budget,
       state and window; docs/kvm-spec.md §12), on either implementation
@@ -253,29 +284,35 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
     document, ``num_rows`` per row ``[B]``.
   """
   validate_inputs(q, k, v, merge_gate, params, cfg)
+  if segment_ids is not None and backend is None:
+    readout = _document_readout(readout)
+  be = backend_for(cfg, backend, implementation, readout, kernel_config)
   if segment_ids is not None:
-    return _kvm_documents(q, k, v, merge_gate, params, cfg, segment_ids, implementation, remat,
-                          routing, return_routing, readout, kernel_config)
-  be = resolve_kvm_backend(cfg, implementation=implementation, readout=readout,
-                           kernel_config=kernel_config)
+    return _kvm_documents(q, k, v, merge_gate, params, cfg, segment_ids, be, remat, routing,
+                          return_routing)
   return kvm_attention_scan(q, k, v, merge_gate, params, cfg=cfg, ops=be.chunk_ops(),
                             remat=remat, row_update=be.row_update, routing=routing,
                             return_routing=return_routing, source_layout=be.source_layout)
 
 
-def _kvm_documents(q, k, v, merge_gate, params, cfg, segment_ids, implementation, remat,
-                   routing, return_routing, readout, kernel_config):
+def _document_readout(readout: str) -> str:
+  """The readout of the document path: its own for "auto" and "own"; tokamax is refused (any
+  other value is left for :func:`resolve_kvm_backend` to name)."""
+  if readout == "tokamax":
+    raise ValueError("kvm_attention: readout='tokamax' takes one state mask for the whole batch, "
+                     "and packed documents give every batch row its own state rows; use "
+                     "readout='own' (or 'auto') with segment_ids.")
+  return "own" if readout == "auto" else readout
+
+
+def _kvm_documents(q, k, v, merge_gate, params, cfg, segment_ids, be: KVMBackend, remat,
+                   routing, return_routing):
   """:func:`kvm_attention` with ``segment_ids``: checks what the document path supports."""
   check_segment_ids(segment_ids, q.shape[:2], "kvm_attention")
   if routing is not None or return_routing:
     raise ValueError("kvm_attention: shared routing (routing=, return_routing=) is not available "
                      "with segment_ids; run shared-routing models on unpacked rows.")
-  if readout == "tokamax":
-    raise ValueError("kvm_attention: readout='tokamax' takes one state mask for the whole batch, "
-                     "and packed documents give every batch row its own state rows; use "
-                     "readout='own' (or 'auto') with segment_ids.")
-  be = resolve_kvm_backend(cfg, implementation=implementation, readout="own",
-                           kernel_config=kernel_config)
+  _document_readout(be.readout)
   return kvm_attention_documents(q, k, v, merge_gate, params, segment_ids, cfg=cfg,
                                  ops=be.chunk_ops(), row_update=be.row_update, remat=remat)
 
@@ -283,20 +320,20 @@ def _kvm_documents(q, k, v, merge_gate, params, cfg, segment_ids, implementation
 def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
                 cfg: KVMConfig, cache: KVMCache, *, routing=None, return_routing: bool = False,
                 implementation: str = "xla", readout: str = "auto",
-                kernel_config: Optional[KernelConfig] = None):
+                kernel_config: Optional[KernelConfig] = None,
+                backend: Optional[KVMBackend] = None):
   """Runs a prompt of any length >= 1 and returns its outputs and the filled cache.
 
   The prompt starts a new sequence: ``cache`` provides sizes, ``max_len`` and dtype, and its
   previous contents are discarded. Shapes and the backend arguments (``implementation``,
-  ``readout``, ``kernel_config``) as in :func:`kvm_attention`.
+  ``readout``, ``kernel_config``, or one ``backend``) as in :func:`kvm_attention`.
   """
   validate_inputs(q, k, v, merge_gate, params, cfg)
   check_against_cache(k, v, cache, "kvm_prefill")
   if q.shape[1] > cache.max_len:
     raise ValueError(f"kvm_prefill: prompt of {q.shape[1]} tokens exceeds the cache's max_len="
                      f"{cache.max_len}; create the cache with a larger max_len.")
-  be = resolve_kvm_backend(cfg, implementation=implementation, readout=readout,
-                           kernel_config=kernel_config)
+  be = backend_for(cfg, backend, implementation, readout, kernel_config)
   return decode.prefill(q, k, v, merge_gate, params, cfg=cfg, cache=cache, ops=be.chunk_ops(),
                         routing=routing, return_routing=return_routing,
                         row_update=be.row_update, source_layout=be.source_layout)
@@ -305,12 +342,13 @@ def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPara
 def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParams,
                     cfg: KVMConfig, cache: KVMCache, *, routing=None, return_routing: bool = False,
                     implementation: str = "xla", readout: str = "auto",
-                    kernel_config: Optional[KernelConfig] = None):
+                    kernel_config: Optional[KernelConfig] = None,
+                    backend: Optional[KVMBackend] = None):
   """Processes one token: ``q_t [B,1,H,D]``, ``k_t [B,1,Hkv,D]``, ``v_t [B,1,Hkv,Dv]``,
   ``g_t [B,1,Hkv]``; returns ``y_t [B,1,H,Dv]`` and the advanced cache.
 
-  ``implementation`` / ``readout`` / ``kernel_config``: as in :func:`kvm_attention`, so that one
-  request decodes what it prefilled. The readout applies to the one-token attention with XLA
+  ``implementation`` / ``readout`` / ``kernel_config``, or one ``backend``: as in
+  :func:`kvm_attention`, so that one request decodes what it prefilled. The readout applies to the one-token attention with XLA
   (``"tokamax"`` runs the anchor on a one-query chunk); the Pallas step always runs its own
   decode kernel, which has no tokamax form.
 
@@ -329,8 +367,7 @@ def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMP
       raise ValueError(
           f"kvm_decode_step: a row of the cache already holds {longest} tokens = max_len="
           f"{cache.max_len}; create the cache with a larger max_len to decode further.")
-  be = resolve_kvm_backend(cfg, implementation=implementation, readout=readout,
-                           kernel_config=kernel_config)
+  be = backend_for(cfg, backend, implementation, readout, kernel_config)
   return decode.decode_step(q_t, k_t, v_t, g_t, params, cfg=cfg, cache=cache, ops=be.chunk_ops(),
                             routing=routing, return_routing=return_routing,
                             row_update=be.row_update)
