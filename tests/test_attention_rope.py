@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvm_jax.ops import attention as att
+from kvm_jax.ops.documents import WindowRule
 from kvm_jax.ops.rope import linspace01, apply_rope, rope_frequencies, rope_tables
 from kvm_jax.ops.kvm.cases import random_inputs, rel_rms
 
@@ -46,6 +47,27 @@ def _prefill(kind, q, k, v, kw):
   return att.block_sliding_window_attention(q, k, v, **kw)
 
 
+def _rule(kind, kw) -> WindowRule:
+  """The decode ring's rule for a case of :data:`KINDS`."""
+  kind = kind.split("_")[0]
+  if kind == "full":
+    return WindowRule("causal")
+  if kind == "swa":
+    return WindowRule("sliding", window=kw["window"])
+  return WindowRule("chunks", chunk=kw["chunk_size"], window_chunks=kw["window_chunks"])
+
+
+def test_a_ring_named_by_its_old_kind_string_warns_and_is_the_same():
+  """``init_ring_cache("swa", window=...)`` (the kind-name form) still builds the ring the rule
+  builds, with a DeprecationWarning that names the rule."""
+  sizes = dict(batch=1, kv_heads=1, head_dim=4, value_dim=4, max_len=16)
+  for kind, kw in KINDS[:3]:
+    with pytest.warns(DeprecationWarning, match="pass the layer's WindowRule"):
+      old = att.init_ring_cache(kind, **sizes, **kw)
+    assert old.rule == _rule(kind, kw) and old.keys.shape == att.init_ring_cache(
+        _rule(kind, kw), **sizes).keys.shape
+
+
 @pytest.mark.parametrize("kind, kw", KINDS, ids=[k for k, _ in KINDS])
 def test_prefill_matches_dense_mask_and_decode_matches_prefill(kind, kw):
   B, T, H, Hkv, D = 2, 19, 4, 2, 8
@@ -54,8 +76,8 @@ def test_prefill_matches_dense_mask_and_decode_matches_prefill(kind, kw):
                   kw.get("window_chunks", 0), kw.get("sink_rows", 0))
   y = _prefill(kind.split("_")[0], q, k, v, kw)
   assert rel_rms(y, dense_reference(q, k, v, visible)) < 1e-5
-  cache0 = att.init_ring_cache(kind.split("_")[0], batch=B, kv_heads=Hkv, head_dim=D,
-                               value_dim=D, max_len=T, **kw)
+  cache0 = att.init_ring_cache(_rule(kind, kw), batch=B, kv_heads=Hkv, head_dim=D, value_dim=D,
+                               max_len=T, sink_rows=kw.get("sink_rows", 0))
   for prefix in (1, 6, 11):
     cache = att.ring_prefill(k[:, :prefix], v[:, :prefix], cache0)
     outs = [y[:, :prefix]]

@@ -293,11 +293,9 @@ class AttentionFrontEnd(nnx.Module):
 
 class SoftmaxAttention(AttentionFrontEnd):
   """Softmax attention over a window of raw keys/values, a :class:`RingCache` (the baselines).
-  Subclasses give the whole-sequence ``attend(q, k, v, scale=None)``, the ring's visibility rule
-  ``RING`` ("full", "swa" or "bswa" of :func:`kvm_jax.ops.attention.init_ring_cache`) and its
-  geometry."""
+  Subclasses give the whole-sequence ``attend(q, k, v, scale=None)`` and the positions a query
+  sees (``window_rule``), which the decode ring and packed documents follow too."""
 
-  RING: str = "full"
   DOCUMENTS = True
   SOFTCAP = True
 
@@ -307,13 +305,14 @@ class SoftmaxAttention(AttentionFrontEnd):
     reads its sources' rings one token at a time only (None)."""
     return None if cfg.kv_sources(layer) is not None else 1
 
-  def ring_geometry(self) -> dict:
-    return {}
-
-  def document_rule(self) -> WindowRule:
-    """Which keys of its own document a query sees (:class:`WindowRule`), for packed
-    documents."""
+  def window_rule(self) -> WindowRule:
+    """Which earlier positions (of its own document, with packed documents) a query sees: every
+    one here; the decode ring keeps what this rule needs."""
     return WindowRule("causal")
+
+  def sink_rows(self) -> int:
+    """The first tokens a decode ring keeps apart while they lie before the window (none)."""
+    return 0
 
   def attend_documents(self, q, k, v, documents: Documents, scale=None):
     """:meth:`attend` on packed documents: each document as if alone (``scale``: the softmax
@@ -321,7 +320,7 @@ class SoftmaxAttention(AttentionFrontEnd):
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     parts = document_window_partials(q.reshape(B, T, Hkv, H // Hkv, D), k, v, documents,
-                                     self.document_rule(),
+                                     self.window_rule(),
                                      key_scale=D ** -0.5 if scale is None else scale,
                                      softcap=self.softcap)
     return combine_partials(parts).reshape(B, T, H, v.shape[-1]).astype(q.dtype)
@@ -329,7 +328,7 @@ class SoftmaxAttention(AttentionFrontEnd):
   def init_cache(self, batch: int, max_len: int) -> Optional[RingCache]:
     if self.sources is not None:
       return None  # the source layers' caches hold everything this layer reads
-    return attn_ops.init_ring_cache(self.RING, **self.ring_geometry(),
+    return attn_ops.init_ring_cache(self.window_rule(), sink_rows=self.sink_rows(),
                                     **self._cache_sizes(batch, max_len))
 
   def mix_own(self, x, q, k, v, mixer_cache, decode, shared, documents=None):

@@ -40,7 +40,6 @@ class BlockSlidingWindowAttention(SoftmaxAttention):
   """Block sliding window with sinks."""
 
   Options = BSWAOptions
-  RING = "bswa"
 
   @classmethod
   def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
@@ -63,11 +62,10 @@ class BlockSlidingWindowAttention(SoftmaxAttention):
                                                    o.sink_rows, scale=scale,
                                                    softcap=self.softcap)
 
-  def ring_geometry(self):
-    o = self.options
-    return dict(chunk_size=o.chunk_size, window_chunks=o.window_chunks, sink_rows=o.sink_rows)
+  def sink_rows(self):
+    return self.options.sink_rows
 
-  def document_rule(self):
+  def window_rule(self):
     o = self.options
     return WindowRule("chunks", chunk=o.chunk_size, window_chunks=o.window_chunks)
 
@@ -79,7 +77,7 @@ class BlockSlidingWindowAttention(SoftmaxAttention):
     key_scale = D ** -0.5 if scale is None else scale
     Hkv = k.shape[2]
     q5 = q.reshape(B, T, Hkv, H // Hkv, D)
-    parts = [document_window_partials(q5, k, v, documents, self.document_rule(),
+    parts = [document_window_partials(q5, k, v, documents, self.window_rule(),
                                       key_scale=key_scale, softcap=self.softcap)]
     if o.sink_rows:
       parts.append(document_sink_partials(q5, k, v, documents, o.sink_rows, o.chunk_size,

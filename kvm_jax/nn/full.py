@@ -21,7 +21,6 @@ class FullAttention(SoftmaxAttention):
   """Causal attention over every previous token."""
 
   Options = FullOptions
-  RING = "full"
 
   @classmethod
   def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:

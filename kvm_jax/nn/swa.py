@@ -11,6 +11,7 @@ import numpy as np
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.attention import SoftmaxAttention
 from kvm_jax.ops.attention_api import causal_attention
+from kvm_jax.ops.documents import WindowRule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +39,6 @@ class SlidingWindowAttention(SoftmaxAttention):
   """Causal attention over the last ``SWAOptions.window`` tokens."""
 
   Options = SWAOptions
-  RING = "swa"
 
   @classmethod
   def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
@@ -67,5 +67,5 @@ class SlidingWindowAttention(SoftmaxAttention):
                             implementation=self.cfg.attention_implementation,
                             segment_ids=documents.segment_ids())
 
-  def ring_geometry(self):
-    return dict(window=self.options.window)
+  def window_rule(self):
+    return WindowRule("sliding", window=self.options.window)

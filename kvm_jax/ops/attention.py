@@ -13,6 +13,7 @@ each step compiles once.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Optional
 
 import jax
@@ -22,6 +23,7 @@ import numpy as np
 from kvm_jax.ops.common import (MASKED, batch_rows, fill_ring, joint_attention, ring_positions,
                                 soft_capped, to_chunks, tree_nbytes, window_mask, window_stack,
                                 write_ring)
+from kvm_jax.ops.documents import WindowRule
 
 Array = jax.Array
 
@@ -133,10 +135,12 @@ class RingCache:
 
   Attributes:
     keys / values: ``[B, slots, Hkv, D]`` / ``[B, slots, Hkv, Dv]``.
-    sink_keys / sink_values: ``[B, S, Hkv, ·]`` the first S tokens (bswa only; S may be 0).
+    sink_keys / sink_values: ``[B, S, Hkv, ·]`` the first S tokens, kept while they lie before
+      the window (block-SWA's sinks; S may be 0).
     length: ``[B]`` int32, tokens each row has seen (rows are independent sequences).
-    kind: static, "full" | "swa" | "bswa".
-    window / chunk_size / window_chunks / max_len: static geometry.
+    rule: static, which earlier positions a query sees (:class:`WindowRule`, the same rule the
+      layer's whole-sequence and packed-document paths follow).
+    max_len: static, the longest sequence the cache was sized for.
   """
 
   keys: Array
@@ -144,10 +148,7 @@ class RingCache:
   sink_keys: Array
   sink_values: Array
   length: Array
-  kind: str
-  window: int
-  chunk_size: int
-  window_chunks: int
+  rule: WindowRule
   max_len: int
 
   def nbytes(self) -> int:
@@ -157,37 +158,37 @@ class RingCache:
 
 jax.tree_util.register_dataclass(
     RingCache, data_fields=["keys", "values", "sink_keys", "sink_values", "length"],
-    meta_fields=["kind", "window", "chunk_size", "window_chunks", "max_len"])
+    meta_fields=["rule", "max_len"])
 
 
-def init_ring_cache(kind: str, *, batch: int, kv_heads: int, head_dim: int, value_dim: int,
-                    max_len: int, window: int = 0, chunk_size: int = 0, window_chunks: int = 0,
-                    sink_rows: int = 0, dtype=jnp.float32) -> RingCache:
-  """An empty decode cache for a ``full``/``swa``/``bswa`` layer."""
-  if kind == "full":
-    slots = max_len
-  elif kind == "swa":
-    slots = min(window, max_len)
-  elif kind == "bswa":
-    slots = min(chunk_size * window_chunks, max_len)
-  else:
-    raise ValueError(f"unknown attention kind {kind!r}; expected 'full', 'swa' or 'bswa'.")
-  sinks = sink_rows if kind == "bswa" else 0
+def init_ring_cache(rule, *, batch: int, kv_heads: int, head_dim: int, value_dim: int,
+                    max_len: int, sink_rows: int = 0, dtype=jnp.float32, **legacy) -> RingCache:
+  """An empty decode cache for a softmax layer whose queries see the positions of ``rule`` (a
+  :class:`WindowRule`): ``rule.slots(max_len)`` ring slots, ``sink_rows`` sinks.
+
+  ``rule`` may still be a layer kind's name ("full", "swa" with ``window=``, "bswa" with
+  ``chunk_size=`` and ``window_chunks=``), which is deprecated: pass the layer's rule."""
+  if isinstance(rule, str):
+    rule = _rule_of_kind_name(rule, **legacy)
+  elif legacy:
+    raise TypeError(f"init_ring_cache: {sorted(legacy)} are given by the WindowRule.")
+  slots = rule.slots(max_len)
   zeros = lambda n, d: jnp.zeros((batch, n, kv_heads, d), dtype)
   return RingCache(keys=zeros(slots, head_dim), values=zeros(slots, value_dim),
-                   sink_keys=zeros(sinks, head_dim), sink_values=zeros(sinks, value_dim),
-                   length=jnp.zeros((batch,), jnp.int32), kind=kind, window=window,
-                   chunk_size=chunk_size, window_chunks=window_chunks, max_len=max_len)
+                   sink_keys=zeros(sink_rows, head_dim), sink_values=zeros(sink_rows, value_dim),
+                   length=jnp.zeros((batch,), jnp.int32), rule=rule, max_len=max_len)
 
 
-def _lowest_visible(cache: RingCache, t: Array) -> Array:
-  """First position visible to the query at position t (its own token always is)."""
-  if cache.kind == "full":
-    return jnp.zeros_like(t)
-  if cache.kind == "swa":
-    return jnp.maximum(0, t - cache.window + 1)
-  C = cache.chunk_size
-  return jnp.maximum(0, (t // C - cache.window_chunks + 1) * C)
+def _rule_of_kind_name(kind: str, window: int = 0, chunk_size: int = 0,
+                       window_chunks: int = 0) -> WindowRule:
+  """The rule a built-in softmax kind's name used to select (the deprecated form)."""
+  rules = {"full": lambda: WindowRule("causal"), "swa": lambda: WindowRule("sliding", window),
+           "bswa": lambda: WindowRule("chunks", chunk=chunk_size, window_chunks=window_chunks)}
+  if kind not in rules:
+    raise ValueError(f"unknown attention kind {kind!r}; pass a WindowRule.")
+  warnings.warn("init_ring_cache(kind, ...) is deprecated; pass the layer's WindowRule "
+                f"({rules[kind]()}).", DeprecationWarning, stacklevel=3)
+  return rules[kind]()
 
 
 @jax.jit
@@ -221,7 +222,7 @@ def ring_decode_step(q_t: Array, k_t: Array, v_t: Array, cache: RingCache,
     sink_keys = jnp.where(write, k_t.astype(sink_keys.dtype), sink_keys)
     sink_values = jnp.where(write, v_t.astype(sink_values.dtype), sink_values)
   position = ring_positions(t, keys.shape[1])                                 # [B, slots]
-  lowest = _lowest_visible(cache, t)[:, None]
+  lowest = cache.rule.first_visible(t)[:, None]
   window_valid = ((position >= lowest) & (position >= 0))[:, None, None, None, :]
   if S:
     state_k, state_v = jnp.swapaxes(sink_keys, 1, 2), jnp.swapaxes(sink_values, 1, 2)
@@ -257,7 +258,7 @@ def ring_resume(q: Array, k: Array, v: Array, cache: RingCache,
   key_pos = jnp.concatenate([ring_pos, query_pos], axis=1)                    # [B, slots + W]
   keys = jnp.concatenate([cache.keys, k.astype(cache.keys.dtype)], axis=1)
   values = jnp.concatenate([cache.values, v.astype(cache.values.dtype)], axis=1)
-  lowest = _lowest_visible(cache, query_pos)[..., None]                       # [B, W, 1]
+  lowest = cache.rule.first_visible(query_pos)[..., None]                    # [B, W, 1]
   window_valid = ((key_pos[:, None, :] >= lowest) & (key_pos[:, None, :] >= 0)
                   & (key_pos[:, None, :] <= query_pos[..., None]))[:, None, None]
   S = cache.sink_keys.shape[1]

@@ -136,15 +136,24 @@ class WindowRule:
       return self.window_chunks * self.chunk - 1
     return None
 
+  def first_visible(self, query_position: Array) -> Array:
+    """The earliest position the query at ``query_position`` (an int array) sees."""
+    if self.kind == "sliding":
+      return jnp.maximum(0, query_position - self.window + 1)
+    if self.kind == "chunks":
+      return jnp.maximum(0, (query_position // self.chunk - self.window_chunks + 1) * self.chunk)
+    return jnp.zeros_like(query_position)
+
   def sees(self, query_position: Array, key_position: Array) -> Array:
     """Whether a key at document position ``key_position`` lies in the window of a query at
     ``query_position`` of the same document (both broadcastable int arrays; causality too)."""
-    ok = key_position <= query_position
-    if self.kind == "sliding":
-      ok &= key_position > query_position - self.window
-    elif self.kind == "chunks":
-      ok &= key_position >= (query_position // self.chunk - self.window_chunks + 1) * self.chunk
-    return ok
+    return (key_position <= query_position) & (key_position >= self.first_visible(query_position))
+
+  def slots(self, max_len: int) -> int:
+    """Tokens a decode ring must keep for sequences of up to ``max_len`` tokens: the window's
+    span (the whole sequence for "causal")."""
+    reach = self.reach
+    return max_len if reach is None else min(reach + 1, max_len)
 
 
 class Partials(NamedTuple):
