@@ -33,6 +33,8 @@ from kvm_jax.config_io import parse_value
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.kvm import KVMAttention
+from kvm_jax.nn.mixer import KVMConversion
+from kvm_jax.nn.registry import mixer_class, registered_mixers
 from kvm_jax.nn.model import LM
 from kvm_jax.nn.roles import conversion_value, parameter_role
 
@@ -54,12 +56,23 @@ SHAPE_FIELDS = {
 # Parameters a kvm layer has that its full-attention source has not, and the values that leave
 # in-window logits unchanged (module docstring); the KVM layer's own table.
 KVM_ONLY_PARAMS = KVMAttention.CONVERSION_VALUES
-# Kinds that convert: full attention always; block sliding-window attention when its chunks are
-# the KVM window's (the KVM layer is then that same window plus a state); sliding-window attention
-# (Mistral's layers, Gemma's local ones), exact up to the shorter of its window and KVM's.
-CONVERTIBLE = ("full", "bswa", "swa")
 
 LayerSpec = Union[str, Sequence[int]]
+
+
+def convertible_kinds() -> tuple[str, ...]:
+  """The registered kinds whose layers convert to kvm: those whose class says what a conversion
+  asks of the KVM options (``kvm_conversion``, :class:`kvm_jax.nn.mixer.KVMConversion`): full
+  attention always, block sliding-window attention into the same window plus a state,
+  sliding-window attention exact up to the shorter window."""
+  return tuple(kind for kind, cls in registered_mixers().items()
+               if hasattr(cls, "kvm_conversion"))
+
+
+def _conversion(cfg: ModelConfig, layer: int) -> Optional[KVMConversion]:
+  """What converting ``layer`` asks of the KVM options, or None when its kind does not convert."""
+  method = getattr(mixer_class(cfg.layer_mixers[layer]), "kvm_conversion", None)
+  return None if method is None else method(cfg, layer)
 
 
 def has_kvm_layers(cfg: ModelConfig) -> bool:
@@ -188,9 +201,9 @@ def default_kvm_options(cfg: ModelConfig, layers: Sequence[int]) -> KVMConfig:
   fields: dict[str, Any] = {"rope_dims": cfg.rope_dims}
   if cfg.options_of("kvm").state_rope_dims is None:
     fields["state_rope_dims"] = default_state_rope_dims(cfg)
-  if any(cfg.layer_mixers[i] == "bswa" for i in layers):
-    bswa = cfg.options_of("bswa")
-    fields.update(chunk_size=bswa.chunk_size, window_chunks=bswa.window_chunks)
+  for i in layers:
+    terms = _conversion(cfg, i)
+    fields.update(terms.defaults if terms is not None else {})
   base = cfg.options_of("kvm")
   fields["sink_rows"] = min(base.sink_rows, fields.get("chunk_size", base.chunk_size) - 1)
   return dataclasses.replace(base, **fields)
@@ -198,33 +211,29 @@ def default_kvm_options(cfg: ModelConfig, layers: Sequence[int]) -> KVMConfig:
 
 def _check_convertible(cfg: ModelConfig, layers: Sequence[int], kvm: KVMConfig) -> None:
   for i in layers:
-    kind = cfg.layer_mixers[i]
-    if kind not in CONVERTIBLE:
-      candidates = [j for j, k in enumerate(cfg.layer_mixers) if k in CONVERTIBLE]
+    kind, terms = cfg.layer_mixers[i], _conversion(cfg, i)
+    if terms is None:
+      kinds = convertible_kinds()
+      candidates = [j for j, k in enumerate(cfg.layer_mixers) if k in kinds]
       hint = (f"Choose layers of those kinds: layers={candidates}." if candidates else
               f"This model has none (mixers {cfg.layer_mixers}).")
-      raise ValueError(f"layer {i} is a {kind!r} layer; only {CONVERTIBLE} layers convert to kvm "
+      raise ValueError(f"layer {i} is a {kind!r} layer; only {kinds} layers convert to kvm "
                        f"(a kvm layer is an attention layer plus a compressed state). {hint}")
-    if kind == "swa" and cfg.rope_dims_of(i) != kvm.rope_dims:
-      raise ValueError(f"layer {i} is a swa layer rotating {cfg.rope_dims_of(i)} channels, but "
-                       f"kvm layers rotate the model's {kvm.rope_dims}; only swa layers with the "
-                       "model's rotary width convert.")
-    if kind == "bswa":
-      b = cfg.options_of("bswa")
-      if (b.chunk_size, b.window_chunks) != (kvm.chunk_size, kvm.window_chunks):
-        raise ValueError(
-            f"layer {i} is a bswa layer of {b.window_chunks} chunks of {b.chunk_size} tokens, but "
-            f"the KVM window is {kvm.window_chunks} chunks of {kvm.chunk_size}: a bswa layer "
-            "converts only into the same window plus a state. Set kvm chunk_size="
-            f"{b.chunk_size}, window_chunks={b.window_chunks}.")
+    wrong = {f: getattr(kvm, f) for f, v in terms.required.items() if getattr(kvm, f) != v}
+    if wrong:
+      fix = ", ".join(f"{f}={v}" for f, v in terms.required.items())
+      raise ValueError(
+          f"layer {i} is a {kind} layer {terms.description}, but the kvm options have "
+          f"{', '.join(f'{f}={v}' for f, v in wrong.items())}: a {kind} layer converts only "
+          f"into kvm layers that compute it inside their window. Set kvm {fix}.")
 
 
 def exact_length(cfg: ModelConfig, layers: Sequence[int], kvm: KVMConfig) -> int:
   """The longest sequence on which a model converted from ``cfg`` (``layers`` made kvm layers
   under ``kvm``) computes the source's logits: the KVM window, or a converted ``swa`` layer's
   window when shorter (past it the source forgot what the KVM layer still sees)."""
-  windows = [cfg.options_of("swa").window for i in layers if cfg.layer_mixers[i] == "swa"]
-  return min([kvm.window_len, *windows])
+  windows = [mixer_class(cfg.layer_mixers[i]).exact_window(cfg, i) for i in layers]
+  return min([kvm.window_len, *(w for w in windows if w is not None)])
 
 
 def converted_config(cfg: ModelConfig, layers: Sequence[int],

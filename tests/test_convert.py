@@ -277,3 +277,11 @@ def test_authors_checkpoint_converts_and_matches_their_logits_inside_the_window(
   np.testing.assert_allclose(out[:, :16], want[:, :16], rtol=0,
                              atol=FLOAT32_TOL * np.abs(want).max())
   assert np.abs(out[:, 16:] - src[:, 16:]).max(axis=(0, 2)).min() > 1e-4
+
+
+def test_the_kinds_that_convert_are_those_that_say_how():
+  """A kind converts when its class says what conversion asks of the KVM options
+  (``kvm_conversion``): the three softmax kinds; not kvm itself nor the recurrent baselines."""
+  from kvm_jax.convert import convertible_kinds
+  kinds = set(convertible_kinds())
+  assert {"full", "swa", "bswa"} <= kinds and not kinds & {"kvm", "ovq", "rwkv7"}

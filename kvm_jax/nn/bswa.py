@@ -9,6 +9,7 @@ from typing import Optional
 from kvm_jax.budget import average_window_keys
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.attention import SoftmaxAttention
+from kvm_jax.nn.mixer import KVMConversion
 from kvm_jax.ops import attention as attn_ops
 from kvm_jax.ops.documents import (WindowRule, combine_partials, document_sink_partials,
                                    document_window_partials)
@@ -50,6 +51,14 @@ class BlockSlidingWindowAttention(SoftmaxAttention):
   @classmethod
   def beyond_window(cls, cfg: ModelConfig, layer: int, seq_len: int) -> Optional[str]:
     return None  # the sink rows aside, a token past the window is gone
+
+  @classmethod
+  def kvm_conversion(cls, cfg: ModelConfig, layer: int) -> KVMConversion:
+    """The same window plus a state: the KVM chunks must be this layer's."""
+    o = cfg.options_of(cfg.layer_mixers[layer])
+    window = {"chunk_size": o.chunk_size, "window_chunks": o.window_chunks}
+    return KVMConversion(required=window, defaults=window,
+                         description=f"of {o.window_chunks} chunks of {o.chunk_size} tokens")
 
   @classmethod
   def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:

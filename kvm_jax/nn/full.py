@@ -8,6 +8,7 @@ from typing import Optional
 
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.attention import SoftmaxAttention
+from kvm_jax.nn.mixer import KVMConversion
 from kvm_jax.ops.attention_api import causal_attention
 
 
@@ -30,6 +31,11 @@ class FullAttention(SoftmaxAttention):
   @classmethod
   def beyond_window(cls, cfg: ModelConfig, layer: int, seq_len: int) -> Optional[str]:
     return "all tokens"  # no window: it keeps every token exactly
+
+  @classmethod
+  def kvm_conversion(cls, cfg: ModelConfig, layer: int) -> KVMConversion:
+    """Any KVM window: inside it a kvm layer is this attention."""
+    return KVMConversion()
 
   @classmethod
   def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:

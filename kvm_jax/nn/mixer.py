@@ -9,6 +9,7 @@ from :class:`MixerKind`, so the two cannot drift apart). The built-in kinds get 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar, Optional, Protocol
 
 import jax
@@ -67,6 +68,24 @@ class MixerKind(Protocol):
                decode: Any = False, shared: Any = None, documents: Any = None) -> tuple:
     """``(output [B, T, C], new mixer cache, token-shift tails, exports)`` for a whole sequence,
     a decode step or (``decode=RESUME``) a parallel piece."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KVMConversion:
+  """What converting one layer of a kind into a ``kvm`` layer asks of the KVM options: a kind
+  that converts says it with a classmethod ``kvm_conversion(cfg, layer) -> KVMConversion``
+  (``kvm_jax.convert``; kinds without it do not convert).
+
+  Attributes:
+    required: KVMConfig fields the options must hold for the converted layer to compute the
+      source inside the window (e.g. a block window's chunk geometry).
+    defaults: fields the default conversion options take from this layer.
+    description: the layer in words for an error (e.g. "rotating 16 channels").
+  """
+
+  required: dict = dataclasses.field(default_factory=dict)
+  defaults: dict = dataclasses.field(default_factory=dict)
+  description: str = ""
 
 
 def protocol_members(protocol: type) -> tuple[str, ...]:

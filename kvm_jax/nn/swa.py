@@ -10,6 +10,7 @@ import numpy as np
 
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.attention import SoftmaxAttention
+from kvm_jax.nn.mixer import KVMConversion
 from kvm_jax.ops.attention_api import causal_attention
 from kvm_jax.ops.documents import WindowRule
 
@@ -48,6 +49,13 @@ class SlidingWindowAttention(SoftmaxAttention):
   @classmethod
   def beyond_window(cls, cfg: ModelConfig, layer: int, seq_len: int) -> Optional[str]:
     return None  # a token past the window is gone
+
+  @classmethod
+  def kvm_conversion(cls, cfg: ModelConfig, layer: int) -> KVMConversion:
+    """The kvm layer must rotate this layer's channels; it is exact up to the shorter of the two
+    windows (Mistral's layers, Gemma's local ones)."""
+    rotary = cfg.rope_dims_of(layer)
+    return KVMConversion(required={"rope_dims": rotary}, description=f"rotating {rotary} channels")
 
   @classmethod
   def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:
