@@ -330,3 +330,17 @@ def test_exact_window_is_the_longest_exact_reach_of_any_layer():
     assert registry.exact_window(kj.presets.tiny(mixers=",".join(mixers))) == window, mixers
   cfg = kj.presets.tiny(mixers="swa", options={"swa": SWAOptions(window=40)})
   assert registry.exact_window(cfg) == 40
+
+
+def test_the_authors_rows_are_the_kinds_own():
+  """The authors' names for a kind come from its own class (``AUTHORS``); a kind registered from
+  outside as a subclass of one of theirs does not inherit the row (their code has no such mixer),
+  so an export of it is refused by name."""
+  from kvm_jax.hf.config import authors_config_from_model, authors_kinds
+  from kvm_jax.hf import ExportError
+  rows = authors_kinds()
+  assert set(rows) == {"full", "swa", "bswa", "kvm", "ovq", "rwkv7"}
+  assert rows["kvm"].token_mixers[0] == "kvm" and not rows["ovq"].rotates
+  cfg = kj.presets.tiny(mixers="scaled_kvm", options={"scaled_kvm": SCALED_OPTIONS})
+  with pytest.raises(ExportError, match="mixer 'scaled_kvm': their code has no such mixer"):
+    authors_config_from_model(cfg)

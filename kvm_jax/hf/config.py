@@ -22,9 +22,11 @@ from typing import Any, Optional
 from kvm_jax.budget import CallableBudget, FixedBudget, PowerLawBudget, SaturatingBudget
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.authors_format import AuthorsMixer
 from kvm_jax.nn.bswa import BSWAOptions
 from kvm_jax.nn.gptalpha2 import GPTAlpha2Options
 from kvm_jax.nn.rwkv7 import RWKV7Options
+from kvm_jax.nn.registry import registered_mixers
 from kvm_jax.nn.swa import SWAOptions
 from kvm_jax.ops.ovq.config import OVQConfig
 
@@ -104,47 +106,29 @@ HF_KEYS = {
     "generation_config", "transformers.js_config", "quantization_config",
 }
 
-@dataclasses.dataclass(frozen=True)
-class AuthorsMixer:
-  """How the authors' code names one kvm_jax mixer kind.
-
-  Attributes:
-    token_mixers: their ``token_mixer`` / ``alt_token_mixer`` names for it; the first is what an
-      export writes ("kvm_triton" selects their Triton KVM class through their
-      "model.<name>_mixer" rule).
-    class_paths: their ``*_class_path`` values for it (the Triton kernels and the fp32-routing
-      variant hold the eager layer's parameters and compute the same function, their own numerics
-      aside).
-    mode_prefix: which ``<prefix>_value_residual_mode`` / ``_token_shift_mode`` fields it reads;
-      None for a mixer without the shared attention front end (RWKV-7's time mix: its token shift
-      follows ``use_tokenshift_att`` alone and its value residual is always on).
-  """
-
-  token_mixers: tuple[str, ...]
-  class_paths: tuple[str, ...]
-  mode_prefix: Optional[str]
+def authors_kinds() -> dict[str, AuthorsMixer]:
+  """``{kind: how the authors' code names it}`` for every registered kind their code also has:
+  the ``AUTHORS`` row its own class declares (a subclass registered under another name does not
+  inherit it: their code has no such mixer)."""
+  return {kind: vars(cls)["AUTHORS"] for kind, cls in registered_mixers().items()
+          if vars(cls).get("AUTHORS") is not None}
 
 
-# One entry per kvm_jax mixer kind their code also has.
-AUTHORS_KINDS = {
-    "kvm": AuthorsMixer(("kvm", "kvm_triton"),
-                        ("model.kvm_mixer.SequenceMixer", "model.kvm_triton_mixer.SequenceMixer",
-                         "model.kvm_fp32_routing_reference.SequenceMixer"), "kvm"),
-    "full": AuthorsMixer(("gptalpha",), ("model.gptalpha_mixer.SequenceMixer",), "gptalpha"),
-    "swa": AuthorsMixer(("swa",), ("model.swa_mixer.SequenceMixer",), "swa"),
-    "bswa": AuthorsMixer(("gptalpha_bswa",), ("model.gptalpha_bswa_mixer.SequenceMixer",),
-                         "gptalpha"),
-    "ovq": AuthorsMixer(("ovq",), ("model.ovq_mixer.SequenceMixer",), "ovq"),
-    "rwkv7": AuthorsMixer(("rwkv7",), ("model.rwkv7_mixer.SequenceMixer",), None),
-}
-# Kinds whose layers use no RoPE whatever rope_partial_dim says (their OVQ layer never applies
-# the rotary embedding; RWKV-7 has none).
-NO_ROPE_KINDS = ("ovq", "rwkv7")
-# The same table read the other way.
-AUTHORS_MIXERS = {name: kind for kind, m in AUTHORS_KINDS.items() for name in m.token_mixers}
-KVM_JAX_MIXERS = {kind: m.token_mixers[0] for kind, m in AUTHORS_KINDS.items()}
-CLASS_PATHS = {path: kind for kind, m in AUTHORS_KINDS.items() for path in m.class_paths}
-MODE_PREFIX = {kind: m.mode_prefix for kind, m in AUTHORS_KINDS.items()}
+def _kind_of_mixer_name() -> dict[str, str]:
+  """Their ``token_mixer`` names -> kvm_jax kinds."""
+  return {name: kind for kind, m in authors_kinds().items() for name in m.token_mixers}
+
+
+def _mixer_name_of_kind() -> dict[str, str]:
+  """kvm_jax kinds -> the ``token_mixer`` name an export writes."""
+  return {kind: m.token_mixers[0] for kind, m in authors_kinds().items()}
+
+
+def _kind_of_class_path() -> dict[str, str]:
+  """Their ``*_class_path`` values -> kvm_jax kinds."""
+  return {path: kind for kind, m in authors_kinds().items() for path in m.class_paths}
+
+
 # A state cap that cannot bind: their cap is chunk_len x n_max_d_chunks rows, and no budget exceeds
 # the tokens seen, which int32 positions keep below 2^31. (Their own configs say "no cap" with
 # n_max_d_chunks = 10000, which does bind past 10000 chunks' worth of rows.)
@@ -181,16 +165,18 @@ def _resolve_mixer(cfg: dict, role: str) -> str:
                             else ("alt_token_mixer", "alt_token_mixer_class_path"))
   path = cfg[path_field]
   if path is not None:
-    if not isinstance(path, str) or path not in CLASS_PATHS:
+    paths = _kind_of_class_path()
+    if not isinstance(path, str) or path not in paths:
       raise ConfigError(f"{path_field}={path!r}: kvm_jax implements only "
-                        f"{sorted(CLASS_PATHS)}.")
-    return CLASS_PATHS[path]
+                        f"{sorted(paths)}.")
+    return paths[path]
   name = cfg[name_field]
-  if not isinstance(name, str) or name not in AUTHORS_MIXERS:
+  names = _kind_of_mixer_name()
+  if not isinstance(name, str) or name not in names:
     raise ConfigError(f"{name_field}={name!r}: kvm_jax implements the mixers "
-                      f"{sorted(AUTHORS_MIXERS)} (KVM, full attention, SWA, block SWA, OVQ, "
+                      f"{sorted(names)} (KVM, full attention, SWA, block SWA, OVQ, "
                       f"RWKV-7), not {name!r}.")
-  return AUTHORS_MIXERS[name]
+  return names[name]
 
 
 def _flag(cfg: dict, name: str) -> bool:
@@ -350,8 +336,11 @@ def _authors_rope(cfg: dict, kinds: tuple, used: list, alternates: bool
   layers use (rope_partial_dim, rope_theta), the alt role's (alt_rope_partial_dim,
   alt_rope_theta); kvm_jax has one width for swa layers and one for the others, and one
   theta."""
+  rows = authors_kinds()
+  no_rope = tuple(kind for kind in used if not rows[kind].rotates)
+
   def role_rope(kind):
-    if kind in NO_ROPE_KINDS:
+    if kind in no_rope:
       return 0, _float(cfg, "rope_theta")
     if alternates and kind == kinds[0]:
       return _int(cfg, "alt_rope_partial_dim", 0), _float(cfg, "alt_rope_theta")
@@ -363,7 +352,7 @@ def _authors_rope(cfg: dict, kinds: tuple, used: list, alternates: bool
                       f"{cfg['alt_rope_theta']!r} differ; kvm_jax uses one RoPE base for every "
                       "layer.")
   theta = thetas.pop() if thetas else _float(cfg, "rope_theta")
-  non_swa = {ropes[k][0] for k in used if k not in ("swa",) + NO_ROPE_KINDS}
+  non_swa = {ropes[k][0] for k in used if k not in ("swa",) + no_rope}
   if len(non_swa) > 1:
     raise ConfigError(f"rope_partial_dim={cfg['rope_partial_dim']!r} and alt_rope_partial_dim="
                       f"{cfg['alt_rope_partial_dim']!r} differ between two non-SWA mixers; "
@@ -371,24 +360,26 @@ def _authors_rope(cfg: dict, kinds: tuple, used: list, alternates: bool
   if non_swa:
     rope_dims = non_swa.pop()
   else:  # no layer reads the model's RoPE width; 0 when none of them rotates at all
-    rope_dims = 0 if set(used) & set(NO_ROPE_KINDS) else _int(cfg, "rope_partial_dim", 0)
+    rope_dims = 0 if no_rope else _int(cfg, "rope_partial_dim", 0)
   return ropes, rope_dims, theta
 
 
 def _authors_front_end(cfg: dict, used: list) -> tuple[bool, bool]:
   """(token shift of attention, value residual): one setting for every layer, read from each
   mixer kind's own mode fields."""
+  prefix = {kind: m.mode_prefix for kind, m in authors_kinds().items()}
+
   def shifts(kind):
-    if MODE_PREFIX[kind] is None:
+    if prefix[kind] is None:
       return _flag(cfg, "use_tokenshift_att")
-    mode = cfg[f"{MODE_PREFIX[kind]}_token_shift_mode"]
+    mode = cfg[f"{prefix[kind]}_token_shift_mode"]
     return _flag(cfg, "use_tokenshift_att") and mode == "rwkv"
   shift = {kind: shifts(kind) for kind in used}
   if len(set(shift.values())) > 1:
     raise ConfigError("the token shift of attention is on for some mixers and off for others ("
-                      + ", ".join(f"{MODE_PREFIX[k]}_token_shift_mode="
-                                  f"{cfg[MODE_PREFIX[k] + '_token_shift_mode']!r}"
-                                  if MODE_PREFIX[k] is not None else
+                      + ", ".join(f"{prefix[k]}_token_shift_mode="
+                                  f"{cfg[prefix[k] + '_token_shift_mode']!r}"
+                                  if prefix[k] is not None else
                                   f"{k} follows use_tokenshift_att={cfg['use_tokenshift_att']!r}"
                                   for k in used)
                       + "); kvm_jax applies one setting to every layer.")
@@ -401,9 +392,9 @@ def _authors_front_end(cfg: dict, used: list) -> tuple[bool, bool]:
                       "setting to every layer; only use_value_residual=1 loads.")
   if value_residual:
     for kind in used:
-      if MODE_PREFIX[kind] is None:
+      if prefix[kind] is None:
         continue
-      field = f"{MODE_PREFIX[kind]}_value_residual_mode"
+      field = f"{prefix[kind]}_value_residual_mode"
       if cfg[field] != "rwkv":
         raise ConfigError(f"{field}={cfg[field]!r}: kvm_jax implements the 'rwkv' value residual "
                           "only.")
@@ -493,17 +484,18 @@ def authors_config_from_model(model: ModelConfig) -> dict:
                       "sharing.")
   used = sorted(set(kinds))
   main, alt, every = _authors_roles(kinds)
+  names = _mixer_name_of_kind()
   for kind in used:
-    if kind not in KVM_JAX_MIXERS:
+    if kind not in names:
       raise ExportError(f"mixer {kind!r}: their code has no such mixer (it has "
-                        f"{sorted(KVM_JAX_MIXERS)}).")
+                        f"{sorted(names)}).")
   out = dict(AUTHORS_DEFAULTS)
-  out["token_mixer"] = KVM_JAX_MIXERS[main]
+  out["token_mixer"] = names[main]
   rope_main = model.rope_dims_of(kinds.index(main))
   out.update(rope_partial_dim=rope_main, rope_theta=float(model.rope_theta),
              alt_rope_theta=float(model.rope_theta))
   if alt is not None:
-    out.update(alt_token_mixer=KVM_JAX_MIXERS[alt], alt_layer_every=every,
+    out.update(alt_token_mixer=names[alt], alt_layer_every=every,
                alt_rope_partial_dim=model.rope_dims_of(0),
                alt_share_v0=int(model.share_value_anchor))
   bswa = model.options_of("bswa")

@@ -35,6 +35,32 @@ _RWKV7_VECTORS = {"x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "w0", "a0", "v0", "k
 
 
 @dataclasses.dataclass(frozen=True)
+class AuthorsMixer:
+  """How the authors' code names one kvm_jax mixer kind.
+
+  Attributes:
+    token_mixers: their ``token_mixer`` / ``alt_token_mixer`` names for it; the first is what an
+      export writes ("kvm_triton" selects their Triton KVM class through their
+      "model.<name>_mixer" rule).
+    class_paths: their ``*_class_path`` values for it (the Triton kernels and the fp32-routing
+      variant hold the eager layer's parameters and compute the same function, their own numerics
+      aside).
+    mode_prefix: which ``<prefix>_value_residual_mode`` / ``_token_shift_mode`` fields it reads;
+      None for a mixer without the shared attention front end (RWKV-7's time mix: its token shift
+      follows ``use_tokenshift_att`` alone and its value residual is always on).
+    rotates: whether their layer applies RoPE (their OVQ layer never does, whatever
+      ``rope_partial_dim`` says; RWKV-7 has none).
+
+  A kind their code has declares its row as the class attribute ``AUTHORS``.
+  """
+
+  token_mixers: tuple[str, ...]
+  class_paths: tuple[str, ...]
+  mode_prefix: Optional[str]
+  rotates: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
   """How one kvm_jax parameter is stored in their state dict: ``name``, ``shape`` there, and the
   two maps between the layouts."""

@@ -8,6 +8,7 @@ from typing import Optional
 
 from kvm_jax.budget import average_window_keys
 from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.authors_format import AuthorsMixer
 from kvm_jax.nn.attention import SoftmaxAttention
 from kvm_jax.nn.mixer import KVMConversion
 from kvm_jax.ops import attention as attn_ops
@@ -41,6 +42,8 @@ class BlockSlidingWindowAttention(SoftmaxAttention):
   """Block sliding window with sinks."""
 
   Options = BSWAOptions
+  AUTHORS = AuthorsMixer(("gptalpha_bswa",), ("model.gptalpha_bswa_mixer.SequenceMixer",),
+                         "gptalpha")
 
   @classmethod
   def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Optional
 
 from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.authors_format import AuthorsMixer
 from kvm_jax.nn.attention import SoftmaxAttention
 from kvm_jax.nn.mixer import KVMConversion
 from kvm_jax.ops.attention_api import causal_attention
@@ -22,6 +23,7 @@ class FullAttention(SoftmaxAttention):
   """Causal attention over every previous token."""
 
   Options = FullOptions
+  AUTHORS = AuthorsMixer(("gptalpha",), ("model.gptalpha_mixer.SequenceMixer",), "gptalpha")
 
   @classmethod
   def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:

@@ -14,6 +14,7 @@ from flax import nnx
 from kvm_jax.budget import average_visible_keys, state_rows_after
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.authors_format import AuthorsMixer
 from kvm_jax.nn import kv_sharing
 from kvm_jax.nn.attention import AttentionFrontEnd
 from kvm_jax.nn.cache import RESUME
@@ -35,6 +36,9 @@ class KVMAttention(AttentionFrontEnd):
   """
 
   Options = KVMConfig
+  AUTHORS = AuthorsMixer(("kvm", "kvm_triton"),
+                         ("model.kvm_mixer.SequenceMixer", "model.kvm_triton_mixer.SequenceMixer",
+                          "model.kvm_fp32_routing_reference.SequenceMixer"), "kvm")
   LOGICAL_AXES = {**AttentionFrontEnd.LOGICAL_AXES, "key_weighting": ("embed", "kv_heads")}
   # What a KVM layer adds to the attention front end (the "KVM-only" parameters of conversion and
   # distillation), and the values that leave a converted layer's in-window logits unchanged:

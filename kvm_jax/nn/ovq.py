@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.authors_format import AuthorsMixer
 from kvm_jax.nn.attention import AttentionFrontEnd
 from kvm_jax.ops.ovq.config import OVQConfig
 from kvm_jax.nn.cache import RESUME
@@ -41,6 +42,7 @@ class OVQAttention(AttentionFrontEnd):
   """Online vector quantization over the attention front end (no QK-LN, no RoPE)."""
 
   Options = OVQConfig
+  AUTHORS = AuthorsMixer(("ovq",), ("model.ovq_mixer.SequenceMixer",), "ovq", rotates=False)
   QK_NORM = False
   DOCUMENTS = True
   # SOFTCAP stays False: its dictionary readout has no soft-capped form.

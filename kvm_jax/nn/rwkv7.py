@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from kvm_jax.model_config import ModelConfig, lora_width
+from kvm_jax.nn.authors_format import AuthorsMixer
 from kvm_jax.nn.attention import cache_bytes_from_shapes
 from kvm_jax.nn.cache import RESUME
 from kvm_jax.nn.layers import GroupNorm, float32_init, linear, shift_delta, zeros_init
@@ -119,10 +120,11 @@ def _ramp(n: int, power: float, dtype) -> Array:
 
 
 class RWKV7TimeMix(nnx.Module):
-  """RWKV-7's time mix; a mixer kind with the protocol of :class:`kvm_jax.nn.attention
-  .AttentionFrontEnd` (it shares none of that front end)."""
+  """RWKV-7's time mix; a mixer kind (:class:`kvm_jax.nn.mixer.MixerKind`) that shares none of
+  the attention front end."""
 
   Options = RWKV7Options
+  AUTHORS = AuthorsMixer(("rwkv7",), ("model.rwkv7_mixer.SequenceMixer",), None, rotates=False)
   LOGICAL_AXES = {"receptance": ("embed", "heads"), "key": ("embed", "heads"),
                   "value": ("embed", "heads"), "output": ("heads", "embed"),
                   "w1": ("embed", "lora"), "w2": ("lora", "heads"),

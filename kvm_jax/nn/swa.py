@@ -9,6 +9,7 @@ from typing import Optional
 import numpy as np
 
 from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn.authors_format import AuthorsMixer
 from kvm_jax.nn.attention import SoftmaxAttention
 from kvm_jax.nn.mixer import KVMConversion
 from kvm_jax.ops.attention_api import causal_attention
@@ -40,6 +41,7 @@ class SlidingWindowAttention(SoftmaxAttention):
   """Causal attention over the last ``SWAOptions.window`` tokens."""
 
   Options = SWAOptions
+  AUTHORS = AuthorsMixer(("swa",), ("model.swa_mixer.SequenceMixer",), "swa")
 
   @classmethod
   def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
