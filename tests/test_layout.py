@@ -467,3 +467,57 @@ def test_no_module_outside_nn_matches_parameter_names():
       if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in owners:
         problems.append(f"{module}:{node.lineno}: {node.value!r}")
   assert not problems, "parameter names matched outside kvm_jax.nn:\n  " + "\n  ".join(problems)
+
+
+# -- no branching on kind names outside the kinds ----------------------------------------------
+
+BUILT_IN_KINDS = frozenset({"full", "swa", "bswa", "kvm", "ovq", "rwkv7"})
+# What a kind is (its window, its memory, its conversion, its authors' names, its decode ring) is
+# answered by its own module through the registry, so a comparison with a kind's name elsewhere
+# states a fact about a kind in a second place. These are the ones still left, per module: a
+# count may go down (then lower it here), never up, and no other module may start one.
+KIND_BRANCH_ALLOWANCE = {
+    "kvm_jax.hf.config": 11,          # the authors' format: RWKV-7 heads, KVM/OVQ options
+    "kvm_jax.hf.families": 11,        # transformers' layer types <-> full/swa
+    "kvm_jax.eval.speed": 6,          # kvm-bench's OVQ and RWKV-7 arms
+    "kvm_jax.train.default_job": 3,   # the demo's KVM state-row column and model names
+    "kvm_jax.eval.check": 3,          # kvm-check's per-op case matrices
+    "kvm_jax.nn.authors_format": 2,   # RWKV-7's parameter layout in the authors' format
+    "kvm_jax.model_config": 1,        # config files written before per-kind options
+    "kvm_jax.presets": 1,             # Gemma's local layers in the published shapes
+    "kvm_jax.convert": 1,             # has_kvm_layers: conversion's target kind
+    "kvm_jax.hf.load": 1,             # the KVM readout's numerics note on import
+    "kvm_jax.train.distill": 1,       # the student's KVM window, for a note
+    "kvm_jax.train.configs.pretrained": 1,
+}
+
+
+def kind_branches(source: str) -> int:
+  """Comparisons (``==``, ``!=``, ``in``, ``not in``) in ``source`` with a built-in kind's name,
+  alone or in a literal tuple, list or set."""
+  count = 0
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Compare):
+      for part in (node.left, *node.comparators):
+        items = part.elts if isinstance(part, (ast.Tuple, ast.List, ast.Set)) else [part]
+        if any(isinstance(i, ast.Constant) and i.value in BUILT_IN_KINDS for i in items):
+          count += 1
+          break
+  return count
+
+
+def test_kind_names_are_not_branched_on_outside_their_modules():
+  """Outside ``kvm_jax.nn.<kind>``, no module compares with a kind's name beyond
+  :data:`KIND_BRANCH_ALLOWANCE` (what is left to move into the kinds)."""
+  own = {f"kvm_jax.nn.{kind}" for kind in BUILT_IN_KINDS}
+  found = {name: kind_branches(path.read_text()) for name, path in MODULES.items()
+           if name not in own}
+  over = {name: (n, KIND_BRANCH_ALLOWANCE.get(name, 0)) for name, n in found.items()
+          if n > KIND_BRANCH_ALLOWANCE.get(name, 0)}
+  assert not over, ("comparisons with a kind's name outside its module (found, allowed); ask "
+                    f"the kind through the registry instead: {over}")
+  stale = {name: (found.get(name, 0), n) for name, n in KIND_BRANCH_ALLOWANCE.items()
+           if found.get(name, 0) < n}
+  assert not stale, f"fewer kind branches than allowed (found, allowed); lower the allowance: {stale}"
+  assert kind_branches('if kind == "kvm" or x in ("swa", "full") or "ovq" in kinds: pass') == 3
+  assert kind_branches('if family == "llama": pass') == 0
