@@ -9,7 +9,9 @@
 * one module reads JAX's default backend (:data:`PLATFORM_READER`); every backend decision takes
   the platform from it;
 * the repository's text (docs, code, tests) stands on its own: no pointers to the internal design
-  notes or issues, and every ``docs/…`` file and section cited exists.
+  notes or issues, and every ``docs/…`` file and section cited exists;
+* every function is at most 80 lines, and no module outside a kind's own compares with a kind's
+  name beyond the allowance of what is left to move into the kinds.
 """
 
 from __future__ import annotations
