@@ -253,6 +253,17 @@ def check_rwkv7_case(case: "rwkv7_cases.Case", grads: bool = True) -> list[dict]
   return rows
 
 
+# Each op's check and how a case is named in the log.
+OP_CHECKS = {
+    "kvm": (check_case, lambda c: f"{c.name} (T={c.seq_len}, C={c.cfg.chunk_size}, "
+                                  f"D={c.head_dim}, {c.dtype})"),
+    "ovq": (check_ovq_case, lambda c: f"ovq {c.name} (T={c.seq_len}, C={c.cfg.chunk_size}, "
+                                      f"M={c.cfg.max_centroids}, D={c.head_dim})"),
+    "rwkv7": (check_rwkv7_case, lambda c: f"rwkv7 {c.name} (T={c.seq_len}, L={c.chunk_size}, "
+                                          f"Dk={c.key_dim}, Dv={c.value_dim})"),
+}
+
+
 def format_table(rows: Sequence[dict]) -> str:
   width = max([24] + [len(r["case"]) for r in rows])
   head = (f"{'case':<{width}} {'comparison':<26} {'output rel':>11} {'state rel':>10} "
@@ -299,21 +310,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       f"  checked: {what}; jitted run after compile: "
       + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in case_rows[0]["timings"].items()),
       flush=True)
-  for case in chosen if "kvm" in ops else ():
-    case_rows = check_case(case, grads=not args.no_grads)
-    rows.extend(case_rows)
-    report(case_rows, f"{case.name} (T={case.seq_len}, C={case.cfg.chunk_size}, "
-                      f"D={case.head_dim}, {case.dtype})")
-  for case in ovq_cases.select(f"check-{args.size}") if "ovq" in ops else ():
-    case_rows = check_ovq_case(case, grads=not args.no_grads)
-    rows.extend(case_rows)
-    report(case_rows, f"ovq {case.name} (T={case.seq_len}, C={case.cfg.chunk_size}, "
-                      f"M={case.cfg.max_centroids}, D={case.head_dim})")
-  for case in rwkv7_cases.select(f"check-{args.size}") if "rwkv7" in ops else ():
-    case_rows = check_rwkv7_case(case, grads=not args.no_grads)
-    rows.extend(case_rows)
-    report(case_rows, f"rwkv7 {case.name} (T={case.seq_len}, L={case.chunk_size}, "
-                      f"Dk={case.key_dim}, Dv={case.value_dim})")
+  # KVM's cases are --size's matrix (--cases picks among them); the baselines' are those their
+  # matrices tag check-<size>.
+  op_cases = {"kvm": chosen, "ovq": ovq_cases.select(f"check-{args.size}"),
+              "rwkv7": rwkv7_cases.select(f"check-{args.size}")}
+  for op in (op for op in OPS if op in ops):  # in the table's order, whatever --ops's order
+    check, describe = OP_CHECKS[op]
+    for case in op_cases[op]:
+      case_rows = check(case, grads=not args.no_grads)
+      rows.extend(case_rows)
+      report(case_rows, describe(case))
   print(format_table(rows))
   failed = [r for r in rows if not r["ok"]]
   print(f"\n{len(rows) - len(failed)}/{len(rows)} checks passed")

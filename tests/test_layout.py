@@ -483,7 +483,6 @@ KIND_BRANCH_ALLOWANCE = {
     "kvm_jax.hf.families": 11,        # transformers' layer types <-> full/swa
     "kvm_jax.eval.speed": 6,          # kvm-bench's OVQ and RWKV-7 arms
     "kvm_jax.train.default_job": 3,   # the demo's KVM state-row column and model names
-    "kvm_jax.eval.check": 3,          # kvm-check's per-op case matrices
     "kvm_jax.nn.authors_format": 2,   # RWKV-7's parameter layout in the authors' format
     "kvm_jax.model_config": 1,        # config files written before per-kind options
     "kvm_jax.presets": 1,             # Gemma's local layers in the published shapes
