@@ -47,6 +47,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -118,34 +119,81 @@ def time_prefill_backward(T, args, dtype, phases):
   return out
 
 
-def baseline_inputs(arm: str, T, args, dtype):
-  """Inputs of one baseline at the benchmark's shapes: OVQ's L2-normalized q, k, its v and
-  beta = 1; RWKV-7's r, w, k, v, a, b as its time mix makes them."""
-  if arm == "ovq":
-    q, k, v, _ = random_inputs(T, args.batch, T, args.heads, args.heads, args.head_dim,
-                               args.head_dim, dtype)
-    unit = lambda x: (x / jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
-                      ).astype(dtype)
-    return unit(q), unit(k), v, jnp.ones((args.heads,), jnp.float32)
+def _ovq_inputs(T, args, dtype):
+  """OVQ's L2-normalized q, k, its v and beta = 1 at the benchmark's shapes."""
+  q, k, v, _ = random_inputs(T, args.batch, T, args.heads, args.heads, args.head_dim,
+                             args.head_dim, dtype)
+  unit = lambda x: (x / jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
+                    ).astype(dtype)
+  return unit(q), unit(k), v, jnp.ones((args.heads,), jnp.float32)
+
+
+def _rwkv7_inputs(T, args, dtype):
+  """RWKV-7's r, w, k, v, a, b as its time mix makes them, at the benchmark's shapes."""
   return tuple(x.astype(dtype) for x in time_mix_inputs(
       args.batch, T, args.heads, args.head_dim, args.head_dim, seed=T))
 
 
+def _ovq_decode(inputs, T: int, n: int, item: int) -> dict:
+  """The decode row of OVQ after ``T`` tokens (``n`` steps timed)."""
+  times, cache, accessed = time_ovq_decode(OVQ, *inputs, T, n)
+  B, _, H, D = inputs[0].shape
+  return {"decode_ms": statistics.fmean(times), "cache_bytes": tree_nbytes(cache),
+          "state_rows": OVQ.dictionary_size(T), "decode_bytes_accessed": accessed,
+          "decode_min_bytes": ovq_decode_min_bytes(OVQ, T, n, B, H, D, D, item)}
+
+
+def _rwkv7_decode(inputs, T: int, n: int, item: int) -> dict:
+  """The decode row of RWKV-7 after ``T`` tokens (``n`` steps timed)."""
+  times, state, accessed = time_rwkv7_decode(inputs, T, n, RWKV7_CHUNK)
+  B, _, H, D = inputs[0].shape
+  return {"decode_ms": statistics.fmean(times), "cache_bytes": tree_nbytes(state),
+          "decode_bytes_accessed": accessed,
+          "decode_min_bytes": rwkv7_decode_min_bytes(B, H, D, D, item)}
+
+
+@dataclasses.dataclass(frozen=True)
+class BaselineArm:
+  """One ``--baselines`` arm: its inputs ``(T, args, dtype) -> tuple`` at the benchmark's shapes,
+  its whole-sequence op ``(*inputs) -> y``, how many leading inputs the backward differentiates,
+  its decode row ``(inputs, T, n, itemsize) -> dict`` and what its cache holds ``(row, arm) ->
+  str``."""
+
+  inputs: Callable
+  op: Callable
+  differentiated: int
+  decode: Callable
+  memory: Callable
+
+
+BASELINE_ARMS = {
+    "ovq": BaselineArm(_ovq_inputs, lambda q, k, v, b: ovq_attention(q, k, v, b, OVQ)[0], 3,
+                       _ovq_decode, lambda row, arm: f"{row[f'{arm}_state_rows']} centroids"),
+    "rwkv7": BaselineArm(_rwkv7_inputs,
+                         lambda *x: rwkv7_recurrence(*x, chunk_size=RWKV7_CHUNK)[0], 6,
+                         _rwkv7_decode, lambda row, arm: "fixed-size state"),
+}
+
+
+def baseline_inputs(arm: str, T, args, dtype):
+  """Inputs of one baseline at the benchmark's shapes (:data:`BASELINE_ARMS`)."""
+  return BASELINE_ARMS[arm].inputs(T, args, dtype)
+
+
 def time_baselines_prefill_backward(T, args, dtype, phases):
   """Prefill and backward ms of each ``--baselines`` arm."""
-  arms = {"ovq": lambda q, k, v, b: ovq_attention(q, k, v, b, OVQ)[0],
-          "rwkv7": lambda *x: rwkv7_recurrence(*x, chunk_size=RWKV7_CHUNK)[0]}
   out = {}
-  for arm in args.baselines:
-    fn, inputs = arms[arm], baseline_inputs(arm, T, args, dtype)
-    out[arm] = {}
+  for name in args.baselines:
+    arm = BASELINE_ARMS[name]
+    fn, inputs = arm.op, arm.inputs(T, args, dtype)
+    out[name] = {}
     if "prefill" in phases:
-      out[arm]["prefill_ms"] = median_ms(jax.jit(fn), *inputs, repeats=args.repeats)
+      out[name]["prefill_ms"] = median_ms(jax.jit(fn), *inputs, repeats=args.repeats)
     if "backward" in phases:
       w = jax.random.normal(jax.random.PRNGKey(2), inputs[2].shape, dtype)
       grad = jax.jit(jax.grad(lambda w, *x: jnp.sum(fn(*x).astype(jnp.float32) * w),
-                              argnums=tuple(range(1, 1 + (len(inputs) if arm == "rwkv7" else 3)))))
-      out[arm]["backward_ms"] = median_ms(grad, w, *inputs, repeats=args.repeats)
+                              argnums=tuple(range(1, 1 + arm.differentiated))))
+      out[name]["backward_ms"] = median_ms(grad, w, *inputs, repeats=args.repeats)
   return out
 
 
@@ -243,20 +291,10 @@ def time_decode(T, args, dtype):
   out["full"] = {"decode_ms": statistics.fmean(times), "cache_bytes": full_bytes,
                  "decode_bytes_accessed": accessed,
                  "decode_min_bytes": full_decode_min_bytes(T, n, **sizes)}
-  B, H, D, item = args.batch, args.heads, args.head_dim, jnp.dtype(dtype).itemsize
-  if "ovq" in args.baselines:
-    times, cache, accessed = time_ovq_decode(OVQ, *baseline_inputs("ovq", T + n, args, dtype),
-                                             T, n)
-    out["ovq"] = {"decode_ms": statistics.fmean(times),
-                  "cache_bytes": tree_nbytes(cache), "state_rows": OVQ.dictionary_size(T),
-                  "decode_bytes_accessed": accessed,
-                  "decode_min_bytes": ovq_decode_min_bytes(OVQ, T, n, B, H, D, D, item)}
-  if "rwkv7" in args.baselines:
-    times, state, accessed = time_rwkv7_decode(baseline_inputs("rwkv7", T + n, args, dtype), T,
-                                               n, RWKV7_CHUNK)
-    out["rwkv7"] = {"decode_ms": statistics.fmean(times), "cache_bytes": tree_nbytes(state),
-                    "decode_bytes_accessed": accessed,
-                    "decode_min_bytes": rwkv7_decode_min_bytes(B, H, D, D, item)}
+  for name in BASELINES:  # in this order, whatever order --baselines names them
+    if name in args.baselines:
+      arm = BASELINE_ARMS[name]
+      out[name] = arm.decode(arm.inputs(T + n, args, dtype), T, n, jnp.dtype(dtype).itemsize)
   return out
 
 
@@ -377,11 +415,11 @@ def time_model_decode(name: str, context: int, steps: int, batch: int, dtype: st
 
 
 def memory_cell(row: dict, arm: str) -> str:
-  """What an arm's decode cache holds at T: KVM state rows, OVQ centroids, RWKV-7's fixed
-  state."""
-  if arm == "rwkv7":
-    return "fixed-size state"
-  return f"{row[f'{arm}_state_rows']} {'centroids' if arm == 'ovq' else 'rows'}"
+  """What an arm's decode cache holds at T: KVM state rows, or the baseline's own words (OVQ's
+  centroids, RWKV-7's fixed state)."""
+  if arm in BASELINE_ARMS:
+    return BASELINE_ARMS[arm].memory(row, arm)
+  return f"{row[f'{arm}_state_rows']} rows"
 
 
 def decode_bytes_cell(row: dict, arm: str) -> str:

@@ -481,7 +481,6 @@ BUILT_IN_KINDS = frozenset({"full", "swa", "bswa", "kvm", "ovq", "rwkv7"})
 KIND_BRANCH_ALLOWANCE = {
     "kvm_jax.hf.config": 11,          # the authors' format: RWKV-7 heads, KVM/OVQ options
     "kvm_jax.hf.families": 11,        # transformers' layer types <-> full/swa
-    "kvm_jax.eval.speed": 6,          # kvm-bench's OVQ and RWKV-7 arms
     "kvm_jax.train.default_job": 3,   # the demo's KVM state-row column and model names
     "kvm_jax.nn.authors_format": 2,   # RWKV-7's parameter layout in the authors' format
     "kvm_jax.model_config": 1,        # config files written before per-kind options
