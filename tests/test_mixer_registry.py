@@ -21,6 +21,7 @@ from kvm_jax import config_io
 from kvm_jax.nn import KVMAttention, SWAOptions, register_mixer, registry
 from kvm_jax.nn.rwkv7 import RWKV7TimeMix
 from kvm_jax.nn.layers import path_names
+from kvm_jax.nn.registry import memory_in_words
 from kvm_jax.runs.config import TrainConfig
 from kvm_jax.runs.directory import load_config
 from kvm_jax.tasks.mqar import MQARSpec
@@ -103,6 +104,14 @@ def test_outside_kind_trains_saves_and_decodes(tmp_path):
   sequence, _ = kj.generate(model, tokens[:, :5], max_new_tokens=3, key=jax.random.PRNGKey(0),
                             sampling=kj.SamplingConfig(temperature=0.0))
   assert sequence.shape == (2, 8)
+  # the engine serves its rows as generate does, prompts of two lengths at once
+  ragged = [list(map(int, tokens[0, :5])), list(map(int, tokens[1, :9]))]
+  alone = [kj.generate(model, jnp.asarray([p]), max_new_tokens=3, key=jax.random.PRNGKey(i),
+                       sampling=kj.SamplingConfig(temperature=0.0))[0][0, len(p):].tolist()
+           for i, p in enumerate(ragged)]
+  assert kj.generate_many(model, ragged, max_new_tokens=3, slots=2) == alone
+  # what the kind keeps beyond its window comes from its class (inherited from kvm's)
+  assert memory_in_words(cfg.model, 64).endswith("state rows")
   # kvm-eval reads the run (the kind is registered in this process; --plugin does it for a shell)
   from kvm_jax.eval.cli import main as eval_main
   assert eval_main(["--checkpoint", str(tmp_path / "run"), "--suite", "mqar", "--mqar-pairs", "4",
