@@ -55,7 +55,6 @@ from kvm_jax.ops.rwkv7.scan import rwkv7_recurrence, rwkv7_step
 from kvm_jax.ops.rwkv7.reference import rwkv7_recurrence_reference
 
 SIZES = ("small", "paper")
-OPS = ("kvm", "ovq", "rwkv7")
 # The baselines' checks run in float32 with the KVM checks' relative-RMS tolerances.
 TOLERANCES_F32 = TOLERANCE["float32"]
 
@@ -262,6 +261,7 @@ OP_CHECKS = {
     "rwkv7": (check_rwkv7_case, lambda c: f"rwkv7 {c.name} (T={c.seq_len}, L={c.chunk_size}, "
                                           f"Dk={c.key_dim}, Dv={c.value_dim})"),
 }
+OPS = tuple(OP_CHECKS)
 
 
 def format_table(rows: Sequence[dict]) -> str:

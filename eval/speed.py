@@ -73,7 +73,6 @@ BUDGETS = {
     "fixed256": lambda: kj.FixedBudget(256),
     "sqrt16": lambda: kj.PowerLawBudget(16.0, 0.5, min_rows=256),
 }
-BASELINES = ("ovq", "rwkv7")
 OVQ = OVQConfig()  # the paper's layer: chunks of 256, at most 1024 centroids
 RWKV7_CHUNK = 64
 
@@ -173,6 +172,7 @@ BASELINE_ARMS = {
                          lambda *x: rwkv7_recurrence(*x, chunk_size=RWKV7_CHUNK)[0], 6,
                          _rwkv7_decode, lambda row, arm: "fixed-size state"),
 }
+BASELINES = tuple(BASELINE_ARMS)
 
 
 def baseline_inputs(arm: str, T, args, dtype):

@@ -23,6 +23,7 @@ Two things the paper leaves open (docs/conversion.md):
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax.numpy as jnp
@@ -65,14 +66,21 @@ def convertible_kinds() -> tuple[str, ...]:
   asks of the KVM options (``kvm_conversion``, :class:`kvm_jax.nn.mixer.KVMConversion`): full
   attention always, block sliding-window attention into the same window plus a state,
   sliding-window attention exact up to the shorter window."""
-  return tuple(kind for kind, cls in registered_mixers().items()
-               if hasattr(cls, "kvm_conversion"))
+  return tuple(kind for kind, cls in registered_mixers().items() if "kvm_conversion" in vars(cls))
 
 
 def _conversion(cfg: ModelConfig, layer: int) -> Optional[KVMConversion]:
   """What converting ``layer`` asks of the KVM options, or None when its kind does not convert."""
-  method = getattr(mixer_class(cfg.layer_mixers[layer]), "kvm_conversion", None)
-  return None if method is None else method(cfg, layer)
+  cls = mixer_class(cfg.layer_mixers[layer])
+  return cls.kvm_conversion(cfg, layer) if "kvm_conversion" in vars(cls) else None
+
+
+def __getattr__(name: str):
+  if name == "CONVERTIBLE":  # the fixed tuple this module had before kinds said it themselves
+    warnings.warn("kvm_jax.convert.CONVERTIBLE is deprecated; call convertible_kinds().",
+                  DeprecationWarning, stacklevel=2)
+    return convertible_kinds()
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def has_kvm_layers(cfg: ModelConfig) -> bool:
@@ -221,11 +229,11 @@ def _check_convertible(cfg: ModelConfig, layers: Sequence[int], kvm: KVMConfig) 
                        f"(a kvm layer is an attention layer plus a compressed state). {hint}")
     wrong = {f: getattr(kvm, f) for f, v in terms.required.items() if getattr(kvm, f) != v}
     if wrong:
-      fix = ", ".join(f"{f}={v}" for f, v in terms.required.items())
+      fix = terms.advice or "Set kvm " + ", ".join(f"{f}={v}" for f, v in terms.required.items())
       raise ValueError(
           f"layer {i} is a {kind} layer {terms.description}, but the kvm options have "
           f"{', '.join(f'{f}={v}' for f, v in wrong.items())}: a {kind} layer converts only "
-          f"into kvm layers that compute it inside their window. Set kvm {fix}.")
+          f"into kvm layers that compute it inside their window. {fix}")
 
 
 def exact_length(cfg: ModelConfig, layers: Sequence[int], kvm: KVMConfig) -> int:

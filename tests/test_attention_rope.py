@@ -66,6 +66,8 @@ def test_a_ring_named_by_its_old_kind_string_warns_and_is_the_same():
       old = att.init_ring_cache(kind, **sizes, **kw)
     assert old.rule == _rule(kind, kw) and old.keys.shape == att.init_ring_cache(
         _rule(kind, kw), **sizes).keys.shape
+  with pytest.warns(DeprecationWarning):  # that form kept sinks for bswa only
+    assert att.init_ring_cache("swa", window=4, sink_rows=3, **sizes).sink_keys.shape[1] == 0
 
 
 @pytest.mark.parametrize("kind, kw", KINDS, ids=[k for k, _ in KINDS])

@@ -353,3 +353,20 @@ def test_the_authors_rows_are_the_kinds_own():
   cfg = kj.presets.tiny(mixers="scaled_kvm", options={"scaled_kvm": SCALED_OPTIONS})
   with pytest.raises(ExportError, match="mixer 'scaled_kvm': their code has no such mixer"):
     authors_config_from_model(cfg)
+
+
+def test_a_subclass_converts_to_kvm_only_when_it_says_how():
+  """A kind registered as a subclass of full attention does not inherit its conversion (its
+  function may differ): it is not among the convertible kinds, and converting its layer is
+  refused by name."""
+  from kvm_jax.convert import convertible_kinds, converted_config
+  from kvm_jax.nn import FullAttention
+
+  class PlainFull(FullAttention):
+    pass
+
+  register_mixer("plain_full", PlainFull)
+  assert "plain_full" not in convertible_kinds() and "full" in convertible_kinds()
+  cfg = kj.presets.tiny(mixers=("plain_full", "full"))
+  with pytest.raises(ValueError, match=r"layer 0 is a 'plain_full' layer; only .* layers=\[1\]"):
+    converted_config(cfg, [0])

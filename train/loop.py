@@ -41,16 +41,18 @@ from kvm_jax.train.start import (check_workdir, fine_tuned_params, setup, with_i
                                  with_teacher_task)
 from kvm_jax.train.step import compile_ahead, kernel_context, make_train_step
 
-__all__ = ["train"]
-
-# Names this module once re-exported, and the modules that define them: still readable here,
-# with a DeprecationWarning, so that users' imports keep working while they move.
+# Names this module once re-exported without using them, and the modules that define them: still
+# readable here (and by ``import *``), with a DeprecationWarning, so that users' imports keep
+# working while they move. The parts ``train`` itself calls (``setup``, ``task_dataset``,
+# ``put_batch``, ``make_train_step``, ...) are attributes as any module's imports are; import them
+# from their modules too.
 _MOVED = {
     "EvalSpec": "evaluation", "eval_sums": "evaluation", "evaluate": "evaluation",
     "make_eval_step": "evaluation", "visible_keys": "accounting", "NonFiniteError": "hooks",
     "parse_profile_steps": "hooks", "loss_sums": "objectives", "masked_loss": "objectives",
     "FINE_TUNE_FIELDS": "start", "make_optimizer": "start", "clip_to_norm": "step",
     "global_norm": "step", "loss_and_grads": "step", "micro_batches": "step"}
+__all__ = ["train", *_MOVED]
 
 
 def __getattr__(name: str):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Optional
 
 from kvm_jax.budget import CallableBudget, FixedBudget, PowerLawBudget, SaturatingBudget
@@ -112,6 +113,21 @@ def authors_kinds() -> dict[str, AuthorsMixer]:
   inherit it: their code has no such mixer)."""
   return {kind: vars(cls)["AUTHORS"] for kind, cls in registered_mixers().items()
           if vars(cls).get("AUTHORS") is not None}
+
+
+def __getattr__(name: str):
+  # The tables this module kept before each kind declared its own row: still readable, with a
+  # DeprecationWarning.
+  tables = {"AUTHORS_KINDS": authors_kinds, "AUTHORS_MIXERS": _kind_of_mixer_name,
+            "KVM_JAX_MIXERS": _mixer_name_of_kind, "CLASS_PATHS": _kind_of_class_path,
+            "MODE_PREFIX": lambda: {k: m.mode_prefix for k, m in authors_kinds().items()},
+            "NO_ROPE_KINDS": lambda: tuple(k for k, m in authors_kinds().items()
+                                           if not m.rotates)}
+  if name not in tables:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  warnings.warn(f"kvm_jax.hf.config.{name} is deprecated; each kind's class declares its row "
+                "(AUTHORS), read through authors_kinds().", DeprecationWarning, stacklevel=2)
+  return tables[name]()
 
 
 def _kind_of_mixer_name() -> dict[str, str]:
@@ -264,7 +280,8 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
   shift, value_residual = _authors_front_end(cfg, used)
   chunk, window_chunks = _int(cfg, "chunk_len", 1), _int(cfg, "n_bswa_chunks", 1)
   sink = _int(cfg, "sink_len", 0)
-  kvm = _authors_kvm(cfg, ropes["kvm"][0], d_qk) if "kvm" in used else KVMConfig()
+  kvm = (_authors_kvm(cfg, ropes["kvm"][0], d_qk, chunk, window_chunks, sink) if "kvm" in used
+         else KVMConfig())
   ovq = _authors_ovq(cfg) if "ovq" in used else OVQConfig()
   swa_window = _int(cfg, "swa_window_size")
   swa_window = swa_window if swa_window > 0 else chunk  # their swa_mixer rule
@@ -401,10 +418,10 @@ def _authors_front_end(cfg: dict, used: list) -> tuple[bool, bool]:
   return shift[used[0]], value_residual
 
 
-def _authors_kvm(cfg: dict, dims: int, d_qk: int) -> KVMConfig:
-  """The KVM layers' options (rotating ``dims`` channels of heads ``d_qk`` wide)."""
-  chunk, window_chunks = _int(cfg, "chunk_len", 1), _int(cfg, "n_bswa_chunks", 1)
-  sink = _int(cfg, "sink_len", 0)
+def _authors_kvm(cfg: dict, dims: int, d_qk: int, chunk: int, window_chunks: int,
+                 sink: int) -> KVMConfig:
+  """The KVM layers' options (rotating ``dims`` channels of heads ``d_qk`` wide; the window
+  geometry, which their KVM and block-SWA layers share)."""
   zeroed = _int(cfg, "rope_partial_dim", 0) or d_qk
   if dims <= 0 or zeroed != dims:
     raise ConfigError(

@@ -19,9 +19,9 @@ from kvm_jax.nn.cache import MixerCache
 from kvm_jax.nn.mixer import MixerKind
 from kvm_jax.nn.registry import mixer_class, register_mixer, registered_mixers
 from kvm_jax.nn.swa import SlidingWindowAttention, SWAOptions
-from kvm_jax.nn.model import LM, Block, count_params
+from kvm_jax.nn.model import LM, Block, BlockOutput, count_params
 
-__all__ = ["AttentionFrontEnd", "BlockSlidingWindowAttention", "Block", "BSWAOptions",
+__all__ = ["AttentionFrontEnd", "BlockSlidingWindowAttention", "Block", "BlockOutput", "BSWAOptions",
            "FullAttention", "FullOptions", "GPTAlpha2", "GPTAlpha2Options", "Gemma",
            "GemmaOptions", "KVMAttention", "LM", "LayerCache", "Llama", "LlamaOptions", "MixerCache",
            "MixerKind",

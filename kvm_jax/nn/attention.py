@@ -1,16 +1,11 @@
-"""The attention front end shared by every mixer kind, and the protocol a mixer kind implements.
+"""The attention front end shared by every mixer kind but RWKV-7.
 
 :class:`AttentionFrontEnd` (docs/kvm-spec.md §4) owns the projections, the value residual, the token
 shift of the projected q/k/v, QK-LayerNorm, RoPE and the output projection. Each mixer kind is one
 subclass in its own module that adds what only it has (recurrentgemma's one-block-per-temporal-mixer
-layout) and owns everything the library asks of a kind:
-
-* ``Options``: its frozen options dataclass (``ModelConfig.options[kind]``);
-* its parameters, its decode cache type and ``init_cache``;
-* ``keys_per_query(cfg, layer, seq_len)``: the average number of keys a query sees (MFU);
-* ``cache_bytes(cfg, layer, batch, max_len)``: its decode cache's size;
-* ``LOGICAL_AXES`` / ``PARAM_GROUPS``: the sharding axes and μP/CompleteP groups of parameters
-  that the defaults do not cover.
+layout) and everything else the mixer protocol asks of a kind (:class:`kvm_jax.nn.mixer.MixerKind`:
+among others its window, ``exact_window``, and what it keeps beyond it, ``beyond_window``, which
+this class does not provide).
 
 The kinds: :mod:`kvm_jax.nn.full`, :mod:`kvm_jax.nn.swa`, :mod:`kvm_jax.nn.bswa` (softmax attention
 over a ring of raw keys/values, :class:`SoftmaxAttention`), :mod:`kvm_jax.nn.kvm` and
@@ -80,8 +75,9 @@ class AttentionFrontEnd(nnx.Module):
   ``mix_reconstructed(x, q, mixer_cache, decode, shared) -> (y, mixer cache)`` (a reconstruction
   layer), ``init_cache(batch, max_len)`` (its decode cache) and the classmethod
   ``keys_per_query(cfg, layer, seq_len)``: the keys one query of that layer attends to, averaged
-  over the positions of a training sequence (the attention FLOPs of a step scale with it; a class
-  without it cannot be registered). ``self.kind``
+  over the positions of a training sequence (the attention FLOPs of a step scale with it), and
+  the classmethods ``exact_window`` and ``beyond_window`` (a class without one of the mixer
+  protocol's members cannot be registered). ``self.kind``
   is the name the layer was registered under (``ModelConfig.layer_mixers[layer]``), so a subclass
   registered under a new name reads its own options.
 

@@ -145,10 +145,10 @@ class KVMAttention(AttentionFrontEnd):
     """The KVM op over this layer's (or fused) keys and values with merge gates ``g`` and
     ``params``: whole sequence, prefill into ``mixer_cache``, or one decode step. Returns
     ``(y, cache, decisions or None)``."""
-    kw = dict(routing=routing, return_routing=return_routing, backend=self.backend())
-    if decode == RESUME:
+    if decode == RESUME:  # the XLA chunk scan, whatever the model's implementation
       y, cache = kvm_resume(q, k, v, g, params, self.options, mixer_cache)
       return y, cache, None
+    kw = dict(routing=routing, return_routing=return_routing, backend=self.backend())
     if decode:
       out = kvm_decode_step(q, k, v, g, params, self.options, mixer_cache, **kw)
     elif mixer_cache is not None:

@@ -81,11 +81,17 @@ class KVMConversion:
       source inside the window (e.g. a block window's chunk geometry).
     defaults: fields the default conversion options take from this layer.
     description: the layer in words for an error (e.g. "rotating 16 channels").
+    advice: what to do when ``required`` does not hold, where setting those fields is not the
+      fix (None: set them).
+
+  A subclass registered as another kind does not inherit its parent's conversion: it converts
+  only when its own class says how (its function may differ from the parent's).
   """
 
   required: dict = dataclasses.field(default_factory=dict)
   defaults: dict = dataclasses.field(default_factory=dict)
   description: str = ""
+  advice: Optional[str] = None
 
 
 def protocol_members(protocol: type) -> tuple[str, ...]:

@@ -79,8 +79,8 @@ def register_mixer(kind: str, cls: type) -> type:
   missing = [member for member in REQUIRED if not _has_member(cls, member)]
   if missing:
     raise TypeError(f"mixer class {name!r} for kind {kind!r} lacks {missing} of the mixer "
-                    "protocol (kvm_jax.nn.mixer.MixerKind); subclass "
-                    "kvm_jax.nn.attention.AttentionFrontEnd or a built-in mixer.")
+                    "protocol (kvm_jax.nn.mixer.MixerKind); subclass a built-in mixer, or "
+                    "kvm_jax.nn.attention.AttentionFrontEnd and add what it lacks.")
   known = _CLASSES.get(kind)
   if known is cls:
     return cls

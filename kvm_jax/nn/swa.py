@@ -57,7 +57,9 @@ class SlidingWindowAttention(SoftmaxAttention):
     """The kvm layer must rotate this layer's channels; it is exact up to the shorter of the two
     windows (Mistral's layers, Gemma's local ones)."""
     rotary = cfg.rope_dims_of(layer)
-    return KVMConversion(required={"rope_dims": rotary}, description=f"rotating {rotary} channels")
+    return KVMConversion(required={"rope_dims": rotary}, description=f"rotating {rotary} channels",
+                         advice="kvm layers rotate the model's channels, so only swa layers "
+                                "with the model's rotary width convert.")
 
   @classmethod
   def keys_per_query(cls, cfg: ModelConfig, layer: int, seq_len: int) -> float:

@@ -169,7 +169,8 @@ def init_ring_cache(rule, *, batch: int, kv_heads: int, head_dim: int, value_dim
   ``rule`` may still be a layer kind's name ("full", "swa" with ``window=``, "bswa" with
   ``chunk_size=`` and ``window_chunks=``), which is deprecated: pass the layer's rule."""
   if isinstance(rule, str):
-    rule = _rule_of_kind_name(rule, **legacy)
+    rule, keeps_sinks = _rule_of_kind_name(rule, **legacy)
+    sink_rows = sink_rows if keeps_sinks else 0
   elif legacy:
     raise TypeError(f"init_ring_cache: {sorted(legacy)} are given by the WindowRule.")
   slots = rule.slots(max_len)
@@ -180,15 +181,19 @@ def init_ring_cache(rule, *, batch: int, kv_heads: int, head_dim: int, value_dim
 
 
 def _rule_of_kind_name(kind: str, window: int = 0, chunk_size: int = 0,
-                       window_chunks: int = 0) -> WindowRule:
-  """The rule a built-in softmax kind's name used to select (the deprecated form)."""
-  rules = {"full": lambda: WindowRule("causal"), "swa": lambda: WindowRule("sliding", window),
-           "bswa": lambda: WindowRule("chunks", chunk=chunk_size, window_chunks=window_chunks)}
+                       window_chunks: int = 0) -> tuple[WindowRule, bool]:
+  """(rule, whether it kept sinks) that a built-in softmax kind's name used to select (the
+  deprecated form: only the block window kept sinks)."""
+  rules = {"full": (lambda: WindowRule("causal"), False),
+           "swa": (lambda: WindowRule("sliding", window), False),
+           "bswa": (lambda: WindowRule("chunks", chunk=chunk_size, window_chunks=window_chunks),
+                    True)}
   if kind not in rules:
     raise ValueError(f"unknown attention kind {kind!r}; pass a WindowRule.")
+  make, keeps_sinks = rules[kind]
   warnings.warn("init_ring_cache(kind, ...) is deprecated; pass the layer's WindowRule "
-                f"({rules[kind]()}).", DeprecationWarning, stacklevel=3)
-  return rules[kind]()
+                f"({make()}).", DeprecationWarning, stacklevel=3)
+  return make(), keeps_sinks
 
 
 @jax.jit

@@ -178,8 +178,7 @@ def resolve_kvm_backend(cfg: KVMConfig, *, implementation: str = "auto", readout
 
 
 def backend_for(cfg: KVMConfig, backend: Optional[KVMBackend], implementation: str,
-                readout: str, kernel_config: Optional[KernelConfig],
-                default_implementation: str = "xla") -> KVMBackend:
+                readout: str, kernel_config: Optional[KernelConfig]) -> KVMBackend:
   """The backend a public op runs: ``backend`` when given (then the separate choices must be left
   at their defaults, and it must be what :func:`resolve_kvm_backend` decides for ``cfg`` on its
   platform), else the decision for ``implementation``, ``readout`` and ``kernel_config``."""
@@ -190,7 +189,7 @@ def backend_for(cfg: KVMConfig, backend: Optional[KVMBackend], implementation: s
     raise ValueError(f"backend={backend!r} is not a KVMBackend; build one with "
                      "resolve_kvm_backend(cfg, ...).")
   given = {name: value for name, value, default in (
-      ("implementation", implementation, default_implementation), ("readout", readout, "auto"),
+      ("implementation", implementation, "xla"), ("readout", readout, "auto"),
       ("kernel_config", kernel_config, None)) if value != default}
   if given:
     raise ValueError(f"backend= was given with {given}: the backend already says all of these; "
@@ -284,37 +283,29 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
     document, ``num_rows`` per row ``[B]``.
   """
   validate_inputs(q, k, v, merge_gate, params, cfg)
-  if segment_ids is not None and backend is None:
-    readout = _document_readout(readout)
+  if segment_ids is not None:
+    _check_documents(segment_ids, q, routing, return_routing,
+                     readout if backend is None else backend.readout)
+    readout = "own" if backend is None and readout == "auto" else readout
   be = backend_for(cfg, backend, implementation, readout, kernel_config)
   if segment_ids is not None:
-    return _kvm_documents(q, k, v, merge_gate, params, cfg, segment_ids, be, remat, routing,
-                          return_routing)
+    return kvm_attention_documents(q, k, v, merge_gate, params, segment_ids, cfg=cfg,
+                                   ops=be.chunk_ops(), row_update=be.row_update, remat=remat)
   return kvm_attention_scan(q, k, v, merge_gate, params, cfg=cfg, ops=be.chunk_ops(),
                             remat=remat, row_update=be.row_update, routing=routing,
                             return_routing=return_routing, source_layout=be.source_layout)
 
 
-def _document_readout(readout: str) -> str:
-  """The readout of the document path: its own for "auto" and "own"; tokamax is refused (any
-  other value is left for :func:`resolve_kvm_backend` to name)."""
-  if readout == "tokamax":
-    raise ValueError("kvm_attention: readout='tokamax' takes one state mask for the whole batch, "
-                     "and packed documents give every batch row its own state rows; use "
-                     "readout='own' (or 'auto') with segment_ids.")
-  return "own" if readout == "auto" else readout
-
-
-def _kvm_documents(q, k, v, merge_gate, params, cfg, segment_ids, be: KVMBackend, remat,
-                   routing, return_routing):
-  """:func:`kvm_attention` with ``segment_ids``: checks what the document path supports."""
+def _check_documents(segment_ids, q, routing, return_routing, readout: str) -> None:
+  """Refuses, by name, what :func:`kvm_attention` cannot do with ``segment_ids``."""
   check_segment_ids(segment_ids, q.shape[:2], "kvm_attention")
   if routing is not None or return_routing:
     raise ValueError("kvm_attention: shared routing (routing=, return_routing=) is not available "
                      "with segment_ids; run shared-routing models on unpacked rows.")
-  _document_readout(be.readout)
-  return kvm_attention_documents(q, k, v, merge_gate, params, segment_ids, cfg=cfg,
-                                 ops=be.chunk_ops(), row_update=be.row_update, remat=remat)
+  if readout == "tokamax":
+    raise ValueError("kvm_attention: readout='tokamax' takes one state mask for the whole batch, "
+                     "and packed documents give every batch row its own state rows; use "
+                     "readout='own' or 'auto' (or a backend decided with one) with segment_ids.")
 
 
 def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,

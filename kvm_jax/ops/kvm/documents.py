@@ -128,14 +128,15 @@ def _kvm_attention_steps(q: Array, k: Array, v: Array, merge_gate: Array, params
                                     key_scale=window_temp * scale, block=min(C, 256),
                                     queries=front, softcap=cfg.logit_softcap)
   window_only = lambda: combine_partials(window).reshape(B, T, H, Dv).astype(q.dtype)  # noqa: E731
-  R = kvm_schedule(cfg, T).final_rows
+  sched = kvm_schedule(cfg, T)
+  R = sched.final_rows
   num_steps = max_state_steps(T, cfg)
   state = _last_document_start_state(k, v, merge_gate, docs, params, cfg, R)
   if num_steps == 0:
     return window_only(), state
 
   step = _state_step(q5, k, v, merge_gate, params, docs, cfg, ops, row_update,
-                     (state_temp, window_temp), q.dtype)
+                     (state_temp, window_temp), q.dtype, sched)
   zero = empty_rows(B, Hkv, R, D, Dv)
   carry0 = ((zero.keys, zero.values, zero.radius), jnp.zeros((B,), jnp.int32))
   xs = jnp.moveaxis(state_steps(docs, cfg, num_steps), 1, 0)             # [num_steps, B]
@@ -158,15 +159,15 @@ def _kvm_attention_steps(q: Array, k: Array, v: Array, merge_gate: Array, params
 
 def _state_step(q5: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
                 docs: Documents, cfg: KVMConfig, ops: ChunkOps, row_update: str,
-                temps: tuple[Array, Array], out_dtype):
+                temps: tuple[Array, Array], out_dtype, sched):
   """The body of the state steps' scan: ``step((state arrays, num_rows [B]), first [B]) ->
   (carry, (out [B, C, H, Dv], where [B, C]))`` for the step whose first query token is
-  ``first`` (``T``: no step), ``where`` the row index of each output (``T``: dropped)."""
+  ``first`` (``T``: no step), ``where`` the row index of each output (``T``: dropped);
+  ``sched``: the budget's schedule at ``T`` (:func:`kvm_jax.budget.kvm_schedule`)."""
   B, T, Hkv, G, _ = q5.shape
   H, Dv = Hkv * G, v.shape[-1]
   C, nb = cfg.chunk_size, cfg.window_chunks
   state_temp, window_temp = temps
-  sched = kvm_schedule(cfg, T)
   R = sched.final_rows
   # Every gather below reads at most C rows past a position < T: pad C zeros once.
   pad = lambda x: jnp.pad(x, [(0, 0), (0, C)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
