@@ -66,13 +66,18 @@ def convertible_kinds() -> tuple[str, ...]:
   asks of the KVM options (``kvm_conversion``, :class:`kvm_jax.nn.mixer.KVMConversion`): full
   attention always, block sliding-window attention into the same window plus a state,
   sliding-window attention exact up to the shorter window."""
-  return tuple(kind for kind, cls in registered_mixers().items() if "kvm_conversion" in vars(cls))
+  return tuple(kind for kind, cls in registered_mixers().items() if _converts(cls))
+
+
+def _converts(cls: type) -> bool:
+  """Whether a kind's own class (not a parent's) says how its layers convert."""
+  return "kvm_conversion" in vars(cls)
 
 
 def _conversion(cfg: ModelConfig, layer: int) -> Optional[KVMConversion]:
   """What converting ``layer`` asks of the KVM options, or None when its kind does not convert."""
   cls = mixer_class(cfg.layer_mixers[layer])
-  return cls.kvm_conversion(cfg, layer) if "kvm_conversion" in vars(cls) else None
+  return cls.kvm_conversion(cfg, layer) if _converts(cls) else None
 
 
 def __getattr__(name: str):
@@ -206,13 +211,13 @@ def default_kvm_options(cfg: ModelConfig, layers: Sequence[int]) -> KVMConfig:
   and, when ``bswa`` layers are converted, their chunk geometry."""
   if has_kvm_layers(cfg):
     return cfg.kvm
+  base = cfg.options_of("kvm")
   fields: dict[str, Any] = {"rope_dims": cfg.rope_dims}
-  if cfg.options_of("kvm").state_rope_dims is None:
+  if base.state_rope_dims is None:
     fields["state_rope_dims"] = default_state_rope_dims(cfg)
   for i in layers:
     terms = _conversion(cfg, i)
     fields.update(terms.defaults if terms is not None else {})
-  base = cfg.options_of("kvm")
   fields["sink_rows"] = min(base.sink_rows, fields.get("chunk_size", base.chunk_size) - 1)
   return dataclasses.replace(base, **fields)
 
