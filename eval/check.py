@@ -41,7 +41,7 @@ import numpy as np
 
 from kvm_jax.kernels.backend import default_interpret
 from kvm_jax.ops.common import current_platform
-from kvm_jax.ops.kvm.api import chunk_ops, kvm_decode_step, kvm_prefill
+from kvm_jax.ops.kvm.api import chunk_ops, kvm_decode_step, kvm_prefill, resolve_kvm_backend
 from kvm_jax.ops.kvm.cases import TOLERANCE, Case, rel_rms, select, state_rel_error
 from kvm_jax.ops.kvm.decode import kvm_init_cache
 from kvm_jax.ops.kvm.reference import kvm_attention_reference
@@ -140,13 +140,14 @@ def check_case(case: Case, grads: bool = True) -> list[dict]:
   half = case.seq_len // 2
   cache = kvm_init_cache(cfg, batch=case.batch, kv_heads=case.kv_heads, head_dim=case.head_dim,
                          value_dim=case.value_dim, max_len=case.seq_len)
+  pallas_backend = resolve_kvm_backend(cfg, implementation="pallas")
   y0, cache = kvm_prefill(q[:, :half], k[:, :half], v[:, :half], g[:, :half], params, cfg,
-                          cache, implementation="pallas")
+                          cache, backend=pallas_backend)
   outs = [y0]
   for t in range(half, case.seq_len):
     s = slice(t, t + 1)
     y_t, cache = kvm_decode_step(q[:, s], k[:, s], v[:, s], g[:, s], params, cfg, cache,
-                                 implementation="pallas")
+                                 backend=pallas_backend)
     outs.append(y_t)
   decode_y = jnp.concatenate(outs, axis=1)
 

@@ -103,8 +103,9 @@ def time_prefill_backward(T, args, dtype, phases):
   for budget in args.budgets:
     cfg = kvm_config(budget, args.head_dim)
     params = kj.KVMParams.init(args.head_dim, args.heads)
-    arms[budget] = (lambda cfg, params: lambda q, k, v, g: kj.kvm_attention(
-        q, k, v, g, params, cfg, implementation=args.implementation)[0])(cfg, params)
+    backend = kj.resolve_kvm_backend(cfg, implementation=args.implementation)
+    arms[budget] = (lambda cfg, params, backend: lambda q, k, v, g: kj.kvm_attention(
+        q, k, v, g, params, cfg, backend=backend).y)(cfg, params, backend)
   out = {}
   for name, fn in arms.items():
     row = {}

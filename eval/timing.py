@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kvm_jax.ops.attention_api import resolve_attention
-from kvm_jax.ops.kvm.api import kvm_decode_step, kvm_prefill
+from kvm_jax.ops.kvm.api import kvm_decode_step, kvm_prefill, resolve_kvm_backend
 from kvm_jax.ops.kvm.decode import cached_readout, decode_attention, kvm_init_cache
 from kvm_jax.ops.kvm.state import temperatures
 from kvm_jax.ops.ovq.decode import ovq_decode_step, ovq_init_cache, ovq_prefill
@@ -118,10 +118,11 @@ def time_kvm_decode(cfg, params, q, k, v, g, T: int, n: int, implementation: str
   B, _, H, D = q.shape
   cache = kvm_init_cache(cfg, batch=B, kv_heads=k.shape[2], head_dim=D, value_dim=v.shape[3],
                          max_len=T + n, dtype=q.dtype)
+  backend = resolve_kvm_backend(cfg, implementation=implementation)
   _, cache = kvm_prefill(q[:, :T], k[:, :T], v[:, :T], g[:, :T], params, cfg, cache,
-                         implementation=implementation)
+                         backend=backend)
   step = jax.jit(lambda q, k, v, g, c: kvm_decode_step(q, k, v, g, params, cfg, c,
-                                                       implementation=implementation),
+                                                       backend=backend),
                  donate_argnums=(4,))
   token = lambda t: (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1])
   compiled = step.lower(*token(T), cache).compile()

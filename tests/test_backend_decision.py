@@ -5,6 +5,7 @@ same backend arguments, and bad requests name the bad value and the choices."""
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -117,29 +118,37 @@ def _prefill_then_decode(seed: int, **backend):
 
 def test_prefill_and_decode_with_an_explicit_readout_equal_the_default():
   default, ((q, k, v, g), params, cache0) = _prefill_then_decode(3)
-  own, _ = _prefill_then_decode(3, readout="own")
+  own, _ = _prefill_then_decode(3, backend=resolve_kvm_backend(CFG, implementation="xla",
+                                                               readout="own"))
   for a, b in zip(default, own):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  for entry, args in ((kj.kvm_prefill, (q[:, :T], k[:, :T], v[:, :T], g[:, :T])),
-                      (kj.kvm_decode_step, (q[:, :1], k[:, :1], v[:, :1], g[:, :1]))):
-    with pytest.raises(ValueError, match="readout='flash'"):
-      entry(*args, params, CFG, cache0, readout="flash")
+  with pytest.raises(ValueError, match="readout='flash'"):
+    resolve_kvm_backend(CFG, readout="flash")
 
 
 def test_one_backend_object_runs_what_its_arguments_run():
   """A backend decided once (``resolve_kvm_backend``) and passed as ``backend=`` runs exactly what
-  the separate arguments it was decided from run (prefill, decode, the whole sequence, packed
-  documents); given with them, hand-made, or not a backend, it is refused by name."""
+  the deprecated separate arguments it was decided from run (prefill, decode, the whole sequence,
+  packed documents), and those warn, naming the replacement; given with them, hand-made, or not
+  a backend, it is refused by name."""
   backend = resolve_kvm_backend(CFG, implementation="xla", readout="own")
-  separate, ((q, k, v, g), params, cache0) = _prefill_then_decode(4, readout="own")
+  with pytest.warns(DeprecationWarning, match=r"backend=resolve_kvm_backend\(cfg, readout='own'\)"):
+    separate, ((q, k, v, g), params, cache0) = _prefill_then_decode(4, readout="own")
   decided, _ = _prefill_then_decode(4, backend=backend)
   for a, b in zip(separate, decided):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   seg = jnp.asarray([[1] * 13 + [2] * (T + 1 - 13)])
   for kw in ({}, {"segment_ids": seg}):
-    want, _ = kj.kvm_attention(q, k, v, g, params, CFG, readout="own", **kw)
+    with pytest.warns(DeprecationWarning, match="kvm_attention"):
+      want, _ = kj.kvm_attention(q, k, v, g, params, CFG, readout="own", **kw)
     got, _ = kj.kvm_attention(q, k, v, g, params, CFG, backend=backend, **kw)
     np.testing.assert_array_equal(np.asarray(want), np.asarray(got))
+  with warnings.catch_warnings():  # neither: the XLA scan, no warning
+    warnings.simplefilter("error")
+    plain, _ = kj.kvm_attention(q, k, v, g, params, CFG)
+  xla = kj.kvm_attention(q, k, v, g, params, CFG,
+                         backend=resolve_kvm_backend(CFG, implementation="xla"))
+  np.testing.assert_array_equal(np.asarray(plain), np.asarray(xla.y))
   with pytest.raises(ValueError, match="backend= was given with {'readout': 'own'}"):
     kj.kvm_attention(q, k, v, g, params, CFG, backend=backend, readout="own")
   import dataclasses
@@ -183,8 +192,10 @@ def test_bad_attention_requests_name_the_value(implementation, q, match):
 def test_decode_runs_the_tokamax_readout():
   """With XLA, decode's one-token attention runs on the requested readout: tokamax's result
   equals the own readout's to float32 rounding (as the anchor's one-query case does)."""
-  (_, own, _), _ = _prefill_then_decode(4, readout="own")
-  (_, tokamax, _), _ = _prefill_then_decode(4, readout="tokamax")
+  def decided(readout):
+    return resolve_kvm_backend(CFG, implementation="xla", readout=readout)
+  (_, own, _), _ = _prefill_then_decode(4, backend=decided("own"))
+  (_, tokamax, _), _ = _prefill_then_decode(4, backend=decided("tokamax"))
   np.testing.assert_allclose(tokamax, own, rtol=1e-5, atol=1e-5)
 
 

@@ -278,7 +278,8 @@ def test_pallas_documents_are_each_document_alone_and_route_as_xla():
   layout = ([1, 3, 5, 9, -2, 22, 22], [-3, 30, 9, 4, 18])
   q, k, v, g, params = _kvm_inputs(2, H=4, Hkv=2, seed=1)
   seg = jnp.asarray(segment_ids_from_lengths(layout, T))
-  y, state = kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg, implementation="pallas")
+  pallas = kj.resolve_kvm_backend(cfg, implementation="pallas", readout="own")
+  y, state = kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg, backend=pallas)
   y_xla, state_xla = kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg)
   assert rel_rms(y, y_xla) < OUT_TOL
   np.testing.assert_array_equal(np.asarray(state.num_rows), np.asarray(state_xla.num_rows))
@@ -295,9 +296,9 @@ def test_pallas_documents_are_each_document_alone_and_route_as_xla():
 
   w = jax.random.normal(jax.random.PRNGKey(5), y.shape)
   loss = lambda impl: lambda *a: jnp.sum(  # noqa: E731
-      kj.kvm_attention(*a, cfg, segment_ids=seg, implementation=impl)[0] * w)
+      kj.kvm_attention(*a, cfg, segment_ids=seg, backend=impl).y * w)
   grads = [jax.jit(jax.grad(loss(impl), argnums=(0, 1, 2, 3)))(q, k, v, g, params)
-           for impl in ("pallas", "xla")]
+           for impl in (pallas, kj.resolve_kvm_backend(cfg, readout="own"))]
   for name, a, e in zip("qkvg", *grads):
     assert rel_rms(a, e) < GRAD_TOL, name
 

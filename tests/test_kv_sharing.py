@@ -220,6 +220,27 @@ OP_CFG = kj.KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1, rope_dims=8,
                       budget=kj.PowerLawBudget(4.0, 0.5, min_rows=8))
 
 
+def test_the_public_ops_return_named_results_of_one_shape_per_request():
+  """``kvm_attention``, ``kvm_prefill`` and ``kvm_decode_step`` return a ``KVMOutput`` (y,
+  state), or with ``return_routing`` a ``RoutedKVMOutput`` whose ``routing`` fed back reproduces
+  the run (the decisions are the applied ones, not a copy of another field)."""
+  q, k, v, g, params = _op_inputs(0)
+  plain = kj.kvm_attention(q, k, v, g, params, OP_CFG)
+  routed = kj.kvm_attention(q, k, v, g, params, OP_CFG, return_routing=True)
+  assert type(plain) is kj.KVMOutput and type(routed) is kj.RoutedKVMOutput
+  assert plain._fields == ("y", "state") and routed._fields == ("y", "state", "routing")
+  np.testing.assert_array_equal(routed.y, plain.y)
+  replayed = kj.kvm_attention(q, k, v, g, params, OP_CFG, routing=routed.routing)
+  np.testing.assert_array_equal(replayed.state.keys, plain.state.keys)
+  cache = kj.kvm_init_cache(OP_CFG, batch=2, kv_heads=2, head_dim=16, value_dim=16, max_len=40)
+  pre = kj.kvm_prefill(q[:, :31], k[:, :31], v[:, :31], g[:, :31], params, OP_CFG, cache,
+                       return_routing=True)
+  step = kj.kvm_decode_step(q[:, 31:32], k[:, 31:32], v[:, 31:32], g[:, 31:32], params, OP_CFG,
+                            pre.state)
+  assert type(pre) is kj.RoutedKVMOutput and type(step) is kj.KVMOutput
+  assert isinstance(step.state, kj.KVMCache) and step.y.shape == (2, 1, 4, 16)
+
+
 def test_given_routing_is_applied_exactly():
   q, k, v, g, params = _op_inputs(0)
   y, state, routing = kvm_attention_scan(q, k, v, g, params, cfg=OP_CFG, return_routing=True)

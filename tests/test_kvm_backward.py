@@ -191,7 +191,7 @@ def test_backward_memory_at_64k(budget):
   g = jax.ShapeDtypeStruct((B, T, H), jnp.bfloat16)
 
   def loss(q, k, v, g, w):
-    y, _ = kj.kvm_attention(q, k, v, g, params, cfg, implementation="xla")
+    y, _ = kj.kvm_attention(q, k, v, g, params, cfg)
     return jnp.sum(y.astype(jnp.float32) * w)
 
   grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))

@@ -18,7 +18,7 @@ from flax import nnx
 
 import kvm_jax as kj
 from kvm_jax import config_io
-from kvm_jax.nn import KVMAttention, SWAOptions, register_mixer, registry
+from kvm_jax.nn import KVMAttention, Mixed, SWAOptions, register_mixer, registry
 from kvm_jax.nn.rwkv7 import RWKV7TimeMix
 from kvm_jax.nn.layers import path_names
 from kvm_jax.nn.registry import memory_in_words
@@ -45,7 +45,7 @@ class ScaledKVMAttention(KVMAttention):
 
   def mix_own(self, x, q, k, v, mixer_cache, decode, shared):
     y, mixer_cache, exports = super().mix_own(x, q, k, v, mixer_cache, decode, shared)
-    return y * self.out_gain[...][:, None].astype(y.dtype), mixer_cache, exports
+    return Mixed(y * self.out_gain[...][:, None].astype(y.dtype), mixer_cache, exports)
 
 
 register_mixer("scaled_kvm", ScaledKVMAttention)

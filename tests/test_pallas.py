@@ -124,13 +124,14 @@ def test_decode_and_prefill_with_kernels():
   cfg, (q, k, v, g, params), _ = _case("fixed_sink1_gqa", seed=5)
   want, _ = kj.kvm_attention(q, k, v, g, params, cfg)
   cache = kj.kvm_init_cache(cfg, batch=2, kv_heads=2, head_dim=16, value_dim=16, max_len=61)
+  pallas = kj.resolve_kvm_backend(cfg, implementation="pallas")
   y, cache = kj.kvm_prefill(q[:, :20], k[:, :20], v[:, :20], g[:, :20], params, cfg, cache,
-                            implementation="pallas")
+                            backend=pallas)
   outs = [y]
   for t in range(20, 61):
     s = slice(t, t + 1)
     y, cache = kj.kvm_decode_step(q[:, s], k[:, s], v[:, s], g[:, s], params, cfg, cache,
-                                  implementation="pallas")
+                                  backend=pallas)
     outs.append(y)
   assert rel_rms(jnp.concatenate(outs, axis=1), want) < 2e-5
 
@@ -144,15 +145,16 @@ def test_model_with_pallas_implementation():
 
 def test_implementation_choices():
   cfg, (q, k, v, g, params), _ = _case("sqrt_sink0")
-  auto, _ = kj.kvm_attention(q, k, v, g, params, cfg, implementation="auto")
-  xla, _ = kj.kvm_attention(q, k, v, g, params, cfg, implementation="xla")
+  decided = lambda **kw: kj.resolve_kvm_backend(cfg, **kw)  # noqa: E731
+  auto, _ = kj.kvm_attention(q, k, v, g, params, cfg, backend=decided(implementation="auto"))
+  xla, _ = kj.kvm_attention(q, k, v, g, params, cfg, backend=decided(implementation="xla"))
   np.testing.assert_array_equal(np.asarray(auto), np.asarray(xla))  # nothing measured faster yet
   with pytest.raises(ValueError, match="implementation='cuda'"):
-    kj.kvm_attention(q, k, v, g, params, cfg, implementation="cuda")
+    decided(implementation="cuda")
   bf16_readout = kj.KVMConfig(chunk_size=8, window_chunks=2, rope_dims=8,
                               budget=kj.FixedBudget(12), readout_value_dtype="bfloat16")
   with pytest.raises(ValueError, match="readout_value_dtype"):
-    kj.kvm_attention(q, k, v, g, params, bf16_readout, implementation="pallas")
+    kj.resolve_kvm_backend(bf16_readout, implementation="pallas")
   with pytest.raises(ValueError, match="kvm_implementation"):
     kj.presets.tiny(kvm_implementation="triton")
 

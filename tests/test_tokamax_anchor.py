@@ -133,8 +133,9 @@ def test_readout_choice_through_the_op(tokamax):
                         jnp.linspace(1.2, 0.8, 4))
 
   def loss(readout):
+    backend = kj.resolve_kvm_backend(cfg, implementation="xla", readout=readout)
     return lambda q, k: jnp.sum(jnp.sin(kj.kvm_attention(q, k, v, g, params, cfg,
-                                                         readout=readout)[0]))
+                                                         backend=backend).y))
 
   own, tok = (jax.jit(jax.value_and_grad(loss(r), argnums=(0, 1)))(q, k)
               for r in ("own", "tokamax"))

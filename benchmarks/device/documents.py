@@ -44,8 +44,10 @@ def exact_layout(T: int, C: int) -> tuple[list[int], list[int]]:
 @functools.lru_cache(maxsize=None)
 def _packed_op(cfg: kj.KVMConfig, implementation: str):
   """The jitted op with segment ids (cached: the exactness entries share one XLA program)."""
-  return jax.jit(lambda q, k, v, g, p, s: kj.kvm_attention(
-      q, k, v, g, p, cfg, segment_ids=s, implementation=implementation))
+  # Packed documents read with the op's own readout (tokamax takes one state mask per batch).
+  backend = kj.resolve_kvm_backend(cfg, implementation=implementation, readout="own")
+  return jax.jit(lambda q, k, v, g, p, s: kj.kvm_attention(q, k, v, g, p, cfg, segment_ids=s,
+                                                           backend=backend))
 
 
 def _exact_inputs(ctx: Context):

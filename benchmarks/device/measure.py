@@ -142,8 +142,8 @@ def prefill_fn(impl: str, cfg: kj.KVMConfig):
     name = "cudnn" if impl == "cudnn" else "xla"
     return lambda q, k, v, g, p: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                               implementation=name)
-  kvm_impl = impl.removeprefix("kvm-")
-  return lambda q, k, v, g, p: kj.kvm_attention(q, k, v, g, p, cfg, implementation=kvm_impl)[0]
+  backend = kj.resolve_kvm_backend(cfg, implementation=impl.removeprefix("kvm-"))
+  return lambda q, k, v, g, p: kj.kvm_attention(q, k, v, g, p, cfg, backend=backend).y
 
 
 def inputs(geo: Geometry, B: int, T: int):

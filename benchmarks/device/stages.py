@@ -139,11 +139,12 @@ def stage_numerics(rec: Recorder, ctx: Context) -> None:
       scope = (jax.default_matmul_precision("float32") if precision == "float32"
                else contextlib.nullcontext())
       with scope:
-        yx, sx, rx = kj.kvm_attention(q, k, v, g, params, cfg, implementation="xla",
-                                      return_routing=True)
+        yx, sx, rx = kj.kvm_attention(q, k, v, g, params, cfg, return_routing=True,
+                                      backend=kj.resolve_kvm_backend(cfg, implementation="xla"))
         jax.block_until_ready((yx, sx, rx))
-        yp, sp, rp = kj.kvm_attention(q, k, v, g, params, cfg, implementation="pallas",
-                                      return_routing=True)
+        yp, sp, rp = kj.kvm_attention(q, k, v, g, params, cfg, return_routing=True,
+                                      backend=kj.resolve_kvm_backend(cfg,
+                                                                     implementation="pallas"))
         jax.block_until_ready((yp, sp, rp))
       a, e = np.asarray(yp, np.float64), np.asarray(yx, np.float64)
       max_rel = float(np.max(np.abs(a - e)) / max(float(np.max(np.abs(e))), 1e-30))
@@ -246,18 +247,17 @@ def stage_compile(rec: Recorder, ctx: Context) -> None:
       cfg = kvm_config(geo, kj.FixedBudget(R))
       T = length_for_rows(cfg, R)
       params = jax.eval_shape(lambda: kj.KVMParams.init(D, H))
+      backend = kj.resolve_kvm_backend(cfg, implementation=impl)
       if op == "decode":
         cache = jax.eval_shape(lambda: kj.kvm_init_cache(cfg, batch=B, kv_heads=Hkv, head_dim=D,
                                                          value_dim=D, max_len=T, dtype=dt))
         args = (S((B, 1, H, D), dt), S((B, 1, Hkv, D), dt), S((B, 1, Hkv, D), dt),
                 S((B, 1, Hkv), jnp.float32), params, cache)
-        f = lambda q, k, v, g, p, c: kj.kvm_decode_step(q, k, v, g, p, cfg, c,
-                                                        implementation=impl)
+        f = lambda q, k, v, g, p, c: kj.kvm_decode_step(q, k, v, g, p, cfg, c, backend=backend)
       else:
         args = (S((B, T, H, D), dt), S((B, T, Hkv, D), dt), S((B, T, Hkv, D), dt),
                 S((B, T, Hkv), jnp.float32), params)
-        forward = lambda q, k, v, g, p: kj.kvm_attention(q, k, v, g, p, cfg,
-                                                         implementation=impl)
+        forward = lambda q, k, v, g, p: kj.kvm_attention(q, k, v, g, p, cfg, backend=backend)
         f = forward if op == "forward" else jax.grad(
             lambda *a: jnp.sum(forward(*a)[0].astype(jnp.float32) * w), argnums=(0, 1, 2, 3))
       t0 = time.perf_counter()

@@ -118,7 +118,7 @@ def _kvm_decode(ctx: Context, impl: str) -> dict:
     def body(i, carry):
       cache, acc = carry
       y, cache = kj.kvm_decode_step(qs[i], ks[i], vs[i], gs[i], params, cfg, cache,
-                                    implementation=impl)
+                                    backend=kj.resolve_kvm_backend(cfg, implementation=impl))
       return cache, acc + jnp.sum(y.astype(jnp.float32))
 
     return jax.lax.fori_loop(0, n, body, (cache, jnp.float32(0)))

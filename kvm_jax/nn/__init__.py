@@ -16,7 +16,7 @@ from kvm_jax.nn.gemma import Gemma, GemmaOptions
 from kvm_jax.nn.gptalpha2 import GPTAlpha2, GPTAlpha2Options
 from kvm_jax.nn.llama import Llama, LlamaOptions
 from kvm_jax.nn.cache import MixerCache
-from kvm_jax.nn.mixer import MixerKind
+from kvm_jax.nn.mixer import Mixed, MixerKind, MixerOutput
 from kvm_jax.nn.registry import mixer_class, register_mixer, registered_mixers
 from kvm_jax.nn.swa import SlidingWindowAttention, SWAOptions
 from kvm_jax.nn.model import LM, Block, BlockOutput, count_params
@@ -24,7 +24,7 @@ from kvm_jax.nn.model import LM, Block, BlockOutput, count_params
 __all__ = ["AttentionFrontEnd", "BlockSlidingWindowAttention", "Block", "BlockOutput", "BSWAOptions",
            "FullAttention", "FullOptions", "GPTAlpha2", "GPTAlpha2Options", "Gemma",
            "GemmaOptions", "KVMAttention", "LM", "LayerCache", "Llama", "LlamaOptions", "MixerCache",
-           "MixerKind",
+           "Mixed", "MixerKind", "MixerOutput",
            "OVQAttention", "RWKV7Cache", "RWKV7Options", "RWKV7TimeMix",
            "SlidingWindowAttention", "SoftmaxAttention", "SWAOptions", "count_params",
            "mixer_class", "register_family", "register_mixer", "registered_families",

@@ -31,6 +31,7 @@ from kvm_jax.model_config import ModelConfig, value_lora_width
 from kvm_jax.nn import kv_sharing
 from kvm_jax.nn.cache import RESUME
 from kvm_jax.nn.family import family_of
+from kvm_jax.nn.mixer import Mixed, MixerOutput
 from kvm_jax.nn.layers import depth_ratio, float32_init, linear, token_shift, zeros_init
 from kvm_jax.ops import attention as attn_ops
 from kvm_jax.ops.attention import RingCache
@@ -71,9 +72,9 @@ class AttentionFrontEnd(nnx.Module):
   output projection.
 
   A subclass (one mixer kind) sets ``Options`` and provides ``mix_own(x, q, k, v, mixer_cache,
-  decode, shared) -> (y, mixer cache, exports)`` (a layer with its own K/V),
-  ``mix_reconstructed(x, q, mixer_cache, decode, shared) -> (y, mixer cache)`` (a reconstruction
-  layer), ``init_cache(batch, max_len)`` (its decode cache) and the classmethod
+  decode, shared, documents=None)`` (a layer with its own K/V) and ``mix_reconstructed(x, q,
+  mixer_cache, decode, shared, documents=None)`` (a reconstruction layer), each returning a
+  :class:`kvm_jax.nn.mixer.Mixed`, ``init_cache(batch, max_len)`` (its decode cache) and the classmethod
   ``keys_per_query(cfg, layer, seq_len)``: the keys one query of that layer attends to, averaged
   over the positions of a training sequence (the attention FLOPs of a step scale with it), and
   the classmethods ``exact_window`` and ``beyond_window`` (a class without one of the mixer
@@ -242,8 +243,8 @@ class AttentionFrontEnd(nnx.Module):
                shared: Optional[kv_sharing.SharedKV] = None, documents=None):
     """Whole sequence (``decode=False``; fills ``cache.mixer`` if a cache is given) or one token.
 
-    Returns ``(output, new mixer cache, token-shift tails, exports)``; ``exports`` is what layers
-    above may read (see :class:`kv_sharing.SharedKV`). ``documents``: packed documents
+    Returns a :class:`MixerOutput`; its ``exports`` are what layers above may read (see
+    :class:`kv_sharing.SharedKV`). ``documents``: packed documents
     (:class:`kvm_jax.ops.documents.Documents`; ``positions`` are then their own positions), for
     a whole sequence without a cache, in a layer with its own keys and values.
     """
@@ -254,29 +255,23 @@ class AttentionFrontEnd(nnx.Module):
         raise ValueError("segment_ids: packed documents run as whole sequences without a cache; "
                          "prefill and decode take one sequence per row.")
       starts = documents.position == 0
-      if self.sources is None:
-        q, k, v, tails = self.qkv(x, v_first, positions, prev, starts)
-        y, mixer_cache, exports = self.mix_own(x, q, k, v, mixer_cache, decode, shared,
-                                               documents=documents)
-      else:
-        q, tails = self.queries(x, positions, prev, starts)
-        y, mixer_cache = self.mix_reconstructed(x, q, mixer_cache, decode, shared,
-                                                documents=documents)
-        exports = {}
+      extra = {"documents": documents}
     else:
       # A row decoding its first token (an empty cache row: the engine fills a new request this
       # way) shifts from the token itself, as a prefill's first token does, not from the zeros
       # the cache starts with.
       starts = (positions == 0) if decode else None
-      if self.sources is None:
-        q, k, v, tails = self.qkv(x, v_first, positions, prev, starts)
-        y, mixer_cache, exports = self.mix_own(x, q, k, v, mixer_cache, decode, shared)
-      else:
-        q, tails = self.queries(x, positions, prev, starts)
-        y, mixer_cache = self.mix_reconstructed(x, q, mixer_cache, decode, shared)
-        exports = {}
+      extra = {}
+    if self.sources is None:
+      q, k, v, tails = self.qkv(x, v_first, positions, prev, starts)
+      mixed = self.mix_own(x, q, k, v, mixer_cache, decode, shared, **extra)
+    else:
+      q, tails = self.queries(x, positions, prev, starts)
+      mixed = self.mix_reconstructed(x, q, mixer_cache, decode, shared, **extra)
+    y, mixer_cache, exports = mixed
     B, T = x.shape[:2]
-    return self.c_proj(y.reshape(B, T, -1).astype(x.dtype)), mixer_cache, tails, exports
+    return MixerOutput(self.c_proj(y.reshape(B, T, -1).astype(x.dtype)), mixer_cache, tails,
+                       exports)
 
   # -- shared by the kinds ------------------------------------------------------------------
   def _cache_sizes(self, batch: int, max_len: int) -> dict:
@@ -338,7 +333,7 @@ class SoftmaxAttention(AttentionFrontEnd):
       y = self.attend(q, k, v)
       if mixer_cache is not None:
         mixer_cache = attn_ops.ring_prefill(k, v, mixer_cache)
-    return y, mixer_cache, {"k": k, "v": v}
+    return Mixed(y, mixer_cache, {"k": k, "v": v})
 
   def mix_reconstructed(self, x, q, mixer_cache, decode, shared, documents=None):
-    return kv_sharing.mix_folded(self, q, shared, decode, documents), None
+    return Mixed(kv_sharing.mix_folded(self, q, shared, decode, documents), None, {})

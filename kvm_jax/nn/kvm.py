@@ -19,6 +19,7 @@ from kvm_jax.nn import kv_sharing
 from kvm_jax.nn.attention import AttentionFrontEnd
 from kvm_jax.nn.cache import RESUME
 from kvm_jax.nn.layers import layer_norm, linear
+from kvm_jax.nn.mixer import Mixed
 from kvm_jax.ops.kvm.api import (KVMBackend, kvm_attention, kvm_decode_step, kvm_prefill,
                                  kvm_resume, resolve_kvm_backend)
 from kvm_jax.ops.kvm.decode import KVMCache, kvm_init_cache
@@ -153,19 +154,17 @@ class KVMAttention(AttentionFrontEnd):
       out = kvm_decode_step(q, k, v, g, params, self.options, mixer_cache, **kw)
     elif mixer_cache is not None:
       out = kvm_prefill(q, k, v, g, params, self.options, mixer_cache, **kw)
-    else:
-      y, _, *decisions = kvm_attention(q, k, v, g, params, self.options, **kw)
-      out = (y, None, *decisions)
-    return out[0], out[1], (out[2] if return_routing else None)
+    else:  # a whole sequence keeps no cache
+      out = kvm_attention(q, k, v, g, params, self.options, **kw)._replace(state=None)
+    return out.y, out.state, getattr(out, "routing", None)
 
   def kvm_documents(self, q, k, v, g, params, documents, routing=None):
     """The KVM op over packed documents (each as if alone): ``y [B, T, H, Dv]``."""
     # Each document's own id (its number in the row): the op rebuilds the same documents.
     segment_ids = documents.segment_ids()
-    y, _ = kvm_attention(q, k, v, g, params, self.options, segment_ids=segment_ids,
+    return kvm_attention(q, k, v, g, params, self.options, segment_ids=segment_ids,
                          backend=self.backend(readout="own"), routing=routing,
-                         return_routing=self.exports_routing)
-    return y
+                         return_routing=self.exports_routing).y
 
   def mix_own(self, x, q, k, v, mixer_cache, decode, shared, documents=None):
     """A storage layer: its own K/V and state, possibly following a leader's routing."""
@@ -177,14 +176,14 @@ class KVMAttention(AttentionFrontEnd):
       order = jnp.asarray(self.channel_order, jnp.int32)
       q, k = jnp.take(q, order, axis=-1), jnp.take(k, order, axis=-1)
     if documents is not None:
-      return self.kvm_documents(q, k, v, g, params, documents, routing), None, {
-          "k": k, "v": v, "g": g, "params": params, "cache": None}
+      return Mixed(self.kvm_documents(q, k, v, g, params, documents, routing), None, {
+          "k": k, "v": v, "g": g, "params": params, "cache": None})
     y, mixer_cache, decisions = self.kvm_core(q, k, v, g, params, mixer_cache, decode, routing,
                                               self.exports_routing)
     exports = {"k": k, "v": v, "g": g, "params": params, "cache": mixer_cache}
     if self.exports_routing:
       exports["routing"] = decisions
-    return y, mixer_cache, exports
+    return Mixed(y, mixer_cache, exports)
 
   def mix_reconstructed(self, x, q, mixer_cache, decode, shared, documents=None):
     if self.shares_state:
@@ -192,5 +191,7 @@ class KVMAttention(AttentionFrontEnd):
         raise ValueError("segment_ids: kvm_kv_sharing='shared_routing' replays one routing over "
                          "whole rows and cannot keep packed documents apart; use "
                          "kvm_kv_sharing='window' (or packing 'pad'/'cram').")
-      return kv_sharing.mix_kvm_shared_state(self, q, shared, decode), None
-    return kv_sharing.mix_kvm_window_fusion(self, x, q, shared, mixer_cache, decode, documents)
+      return Mixed(kv_sharing.mix_kvm_shared_state(self, q, shared, decode), None, {})
+    y, mixer_cache = kv_sharing.mix_kvm_window_fusion(self, x, q, shared, mixer_cache, decode,
+                                                      documents)
+    return Mixed(y, mixer_cache, {})

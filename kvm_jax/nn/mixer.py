@@ -10,13 +10,40 @@ from :class:`MixerKind`, so the two cannot drift apart). The built-in kinds get 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Optional, Protocol
+from typing import Any, ClassVar, NamedTuple, Optional, Protocol
 
 import jax
 
 from kvm_jax.model_config import ModelConfig
 
 Array = jax.Array
+
+
+class MixerOutput(NamedTuple):
+  """What a mixer layer's call returns, whatever the kind and the mode (whole sequence, prefill,
+  decode step or parallel piece)."""
+
+  #: ``[B, T, C]``: the mixer branch after its output projection, before the residual scale.
+  output: Array
+  #: The new mixer cache (a :class:`kvm_jax.nn.cache.MixerCache`), or None without a cache.
+  cache: Any
+  #: The token-shift history ``(last_q, last_k, last_v)`` a decode cache keeps (each None for a
+  #: kind that keeps its own history in ``cache``).
+  tails: tuple
+  #: What layers above may read (cross-layer KV sharing: keys, values, state, routing); ``{}``
+  #: for none.
+  exports: dict
+
+
+class Mixed(NamedTuple):
+  """What an attention kind computes from its queries (``mix_own`` and ``mix_reconstructed`` of
+  :class:`kvm_jax.nn.attention.AttentionFrontEnd`): the heads before the output projection, the
+  new mixer cache and the exports (``{}`` for a layer that reads other layers' keys)."""
+
+  #: ``[B, T, H, Dv]``.
+  heads: Array
+  cache: Any
+  exports: dict
 
 
 class MixerKind(Protocol):
@@ -65,9 +92,10 @@ class MixerKind(Protocol):
     documents)."""
 
   def __call__(self, x: Array, v_first: Optional[Array], positions: Array, cache: Any = None,
-               decode: Any = False, shared: Any = None, documents: Any = None) -> tuple:
-    """``(output [B, T, C], new mixer cache, token-shift tails, exports)`` for a whole sequence,
-    a decode step or (``decode=RESUME``) a parallel piece."""
+               decode: Any = False, shared: Any = None, documents: Any = None
+               ) -> MixerOutput:
+    """A :class:`MixerOutput` for a whole sequence, a decode step or (``decode=RESUME``) a
+    parallel piece."""
 
 
 @dataclasses.dataclass(frozen=True)

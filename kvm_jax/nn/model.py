@@ -25,6 +25,7 @@ from kvm_jax.nn.cache import RESUME, cache_lengths, select_rows
 from kvm_jax.nn.family import family_of
 from kvm_jax.nn.gptalpha2 import MLP  # noqa: F401  (its home before families; still importable)
 from kvm_jax.nn.kv_sharing import SharedKV
+from kvm_jax.nn.mixer import MixerOutput
 from kvm_jax.nn.registry import mixer_class, registered_mixers
 from kvm_jax.ops.common import is_concrete, tree_nbytes
 from kvm_jax.ops.documents import Documents, check_segment_ids, documents
@@ -71,18 +72,19 @@ class Block(nnx.Module):
 
   def mix(self, x, v_first, positions, cache: Optional[LayerCache] = None, decode=False,
           shared: Optional[SharedKV] = None, documents: Optional[Documents] = None):
-    """The mixer branch on the block input ``x [B, T, C]``: ``(h, mixer cache, token-shift
-    tails, exports)`` with ``h = mixer(LN(x))`` before the residual scale (what attention
+    """The mixer branch on the block input ``x [B, T, C]``: a :class:`MixerOutput` whose
+    ``output`` is ``h = mixer(LN(x))`` before the residual scale (what attention
     transfer matches layer by layer). ``documents``: packed documents (:meth:`LM.__call__`'s
     ``segment_ids``), passed only to kinds that take them (``DOCUMENTS``)."""
     x_in = self.ln_attn(x).astype(x.dtype)
     if documents is None:
-      return self.attn(x_in, v_first, positions, cache, decode, shared)
+      return MixerOutput(*self.attn(x_in, v_first, positions, cache, decode, shared))
     if not getattr(type(self.attn), "DOCUMENTS", False):
       raise ValueError(f"segment_ids: '{self.attn.kind}' layers do not take packed documents "
                        f"yet (the kinds that do: {', '.join(documents_kinds())}); run such "
                        "models on one document per row (packing 'pad').")
-    return self.attn(x_in, v_first, positions, cache, decode, shared, documents=documents)
+    return MixerOutput(*self.attn(x_in, v_first, positions, cache, decode, shared,
+                                  documents=documents))
 
   def __call__(self, x, v_first, positions, cache: Optional[LayerCache] = None, decode=False,
                shared: Optional[SharedKV] = None, documents: Optional[Documents] = None

@@ -23,6 +23,7 @@ from kvm_jax.nn.authors_format import AuthorsMixer
 from kvm_jax.nn.attention import AttentionFrontEnd
 from kvm_jax.ops.ovq.config import OVQConfig
 from kvm_jax.nn.cache import RESUME
+from kvm_jax.nn.mixer import Mixed
 from kvm_jax.ops.ovq.decode import (OVQCache, ovq_decode_step, ovq_init_cache, ovq_prefill,
                                      ovq_resume)
 from kvm_jax.ops.ovq.documents import ovq_attention_documents
@@ -88,7 +89,7 @@ class OVQAttention(AttentionFrontEnd):
     if documents is not None:  # each document alone (the front end refuses caches with them)
       segment_ids = documents.segment_ids()
       y = ovq_attention_documents(q, k, v, beta, segment_ids, self.options)
-      return y, None, {"k": k, "v": v}
+      return Mixed(y, None, {"k": k, "v": v})
     if decode == RESUME:
       y, mixer_cache = ovq_resume(q, k, v, beta, self.options, mixer_cache)
     elif decode:
@@ -97,4 +98,4 @@ class OVQAttention(AttentionFrontEnd):
       y, mixer_cache = ovq_prefill(q, k, v, beta, self.options, mixer_cache)
     else:
       y, _ = ovq_attention(q, k, v, beta, self.options)
-    return y, mixer_cache, {"k": k, "v": v}
+    return Mixed(y, mixer_cache, {"k": k, "v": v})

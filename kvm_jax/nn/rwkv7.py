@@ -32,6 +32,7 @@ from kvm_jax.model_config import ModelConfig, lora_width
 from kvm_jax.nn.authors_format import AuthorsMixer
 from kvm_jax.nn.attention import cache_bytes_from_shapes
 from kvm_jax.nn.cache import RESUME
+from kvm_jax.nn.mixer import MixerOutput
 from kvm_jax.nn.layers import GroupNorm, float32_init, linear, shift_delta, zeros_init
 from kvm_jax.ops.kvm.state import safe_l2_norm
 from kvm_jax.ops.rwkv7.scan import MAX_CHUNK, rwkv7_recurrence, rwkv7_step
@@ -229,7 +230,8 @@ class RWKV7TimeMix(nnx.Module):
   def __call__(self, x: Array, v_first: Array, positions: Array, cache=None, decode=False,
                shared=None, documents=None):
     """Whole sequence (``decode=False``; fills the cache when one is given) or one token.
-    Returns ``(output, new mixer cache, token-shift tails (none), exports (none))``.
+    Returns a :class:`MixerOutput` (no token-shift tails: the history is in the cache; no
+    exports).
     ``documents``: packed documents (whole sequences without a cache), each computed alone."""
     del positions, shared
     cfg = self.cfg
@@ -278,4 +280,4 @@ class RWKV7TimeMix(nnx.Module):
     y = self.ln_x(y.reshape(B, T, C))
     bonus = jnp.sum(rh * kh * f32(self.r_k[...]), -1, keepdims=True) * vh
     y = (y + bonus.reshape(B, T, C)).astype(x.dtype)
-    return self.output(y * g.astype(x.dtype)), mixer_cache, (None, None, None), {}
+    return MixerOutput(self.output(y * g.astype(x.dtype)), mixer_cache, (None, None, None), {})

@@ -28,6 +28,7 @@ which mesh axes split the batch and the KV heads with :func:`kernel_sharding`.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Optional
 
 import jax
@@ -47,7 +48,8 @@ from kvm_jax.ops.kvm import decode
 from kvm_jax.ops.kvm.decode import KVMCache, check_against_cache
 from kvm_jax.ops.kvm.documents import kvm_attention_documents
 from kvm_jax.ops.kvm.scan import XLA_OPS, ChunkOps, kvm_attention_scan, source_layout_for
-from kvm_jax.ops.kvm.state import KVMParams, row_update_for, validate_inputs
+from kvm_jax.ops.kvm.state import (KVMOutput, KVMParams, RoutedKVMOutput, row_update_for,
+                                   validate_inputs)
 
 Array = jax.Array
 
@@ -177,20 +179,31 @@ def resolve_kvm_backend(cfg: KVMConfig, *, implementation: str = "auto", readout
                     row_update=row_update_for(platform), kernel_config=kernel_config)
 
 
-def backend_for(cfg: KVMConfig, backend: Optional[KVMBackend], implementation: str,
-                readout: str, kernel_config: Optional[KernelConfig]) -> KVMBackend:
-  """The backend a public op runs: ``backend`` when given (then the separate choices must be left
-  at their defaults, and it must be what :func:`resolve_kvm_backend` decides for ``cfg`` on its
-  platform), else the decision for ``implementation``, ``readout`` and ``kernel_config``."""
+#: What a public op runs when given neither a backend nor the deprecated separate choices: the
+#: XLA scan (``implementation="auto"`` must be asked for, since it may pick kernels).
+DEFAULT_CHOICES = {"implementation": "xla", "readout": "auto", "kernel_config": None}
+
+
+def backend_for(cfg: KVMConfig, backend: Optional[KVMBackend], implementation: Optional[str],
+                readout: Optional[str], kernel_config: Optional[KernelConfig],
+                op: str = "kvm_attention", default_readout: str = "auto") -> KVMBackend:
+  """The backend a public op runs: ``backend`` when given (it must be what
+  :func:`resolve_kvm_backend` decides for ``cfg`` on its platform), else the decision for
+  :data:`DEFAULT_CHOICES` (with ``default_readout``). The separate ``implementation``, ``readout`` and ``kernel_config``
+  still work with a DeprecationWarning (None: not given); with ``backend`` they are refused."""
+  given = {name: value for name, value in (("implementation", implementation),
+                                          ("readout", readout),
+                                          ("kernel_config", kernel_config)) if value is not None}
   if backend is None:
-    return resolve_kvm_backend(cfg, implementation=implementation, readout=readout,
-                               kernel_config=kernel_config)
+    if given:
+      warnings.warn(f"{op}({', '.join(f'{k}=' for k in given)}...) is deprecated: decide the "
+                    "backend once and pass it, backend=resolve_kvm_backend(cfg, "
+                    f"{', '.join(f'{k}={v!r}' for k, v in given.items())}).",
+                    DeprecationWarning, stacklevel=3)
+    return resolve_kvm_backend(cfg, **{**DEFAULT_CHOICES, "readout": default_readout, **given})
   if not isinstance(backend, KVMBackend):
     raise ValueError(f"backend={backend!r} is not a KVMBackend; build one with "
                      "resolve_kvm_backend(cfg, ...).")
-  given = {name: value for name, value, default in (
-      ("implementation", implementation, "xla"), ("readout", readout, "auto"),
-      ("kernel_config", kernel_config, None)) if value != default}
   if given:
     raise ValueError(f"backend= was given with {given}: the backend already says all of these; "
                      "pass one or the other.")
@@ -246,10 +259,10 @@ def resolve_implementation(implementation: str, cfg: KVMConfig, readout: str = "
 
 
 def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
-                  cfg: KVMConfig, *, implementation: str = "xla", remat: bool = True,
-                  routing=None, return_routing: bool = False, readout: str = "auto",
-                  kernel_config: Optional[KernelConfig] = None, segment_ids=None,
-                  backend: Optional[KVMBackend] = None):
+                  cfg: KVMConfig, *, backend: Optional[KVMBackend] = None, remat: bool = True,
+                  routing=None, return_routing: bool = False, segment_ids=None,
+                  implementation: Optional[str] = None, readout: Optional[str] = None,
+                  kernel_config: Optional[KernelConfig] = None):
   """KVM attention over a whole sequence (prefill / training forward), jit-compiled.
 
   Args:
@@ -259,38 +272,40 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
     merge_gate: ``[B, T, Hkv]`` g = 1 + ELU(x W_g) > 0 (ones to disable).
     params: :class:`KVMParams` (LN_s and temperatures).
     cfg: :class:`KVMConfig` (static).
-    implementation: "xla", "pallas" or "auto" (see this module's docstring).
+    backend: the :class:`KVMBackend` that :func:`resolve_kvm_backend` decided (implementation,
+      readout, kernels; call it to see what runs, decide once and pass it to every op of a
+      request); default: the XLA scan, ``resolve_kvm_backend(cfg, implementation="xla")``.
     remat: the memory-lean backward pass: states kept every ~sqrt(T/C) chunks plus each chunk's
       routing decisions, blocks replayed in reverse with those decisions (memory
       O(sqrt(T/C) · R) for one more forward pass); False: plain autodiff through the scan.
       With ``segment_ids`` on XLA (the aligned layout) the lean pass is always taken.
     routing / return_routing: apply given per-chunk routing decisions / also return the applied
       ones (shared routing across layers; see :func:`kvm_jax.ops.kvm.scan.kvm_attention_scan`).
-    readout: "auto", "own" or "tokamax" (:data:`KVM_READOUTS`): who computes each chunk's
-      softmax over [state ; window]; "auto" uses tokamax only where it was measured faster.
-    kernel_config: the Pallas kernels' configuration (default: for this machine); see
-      :func:`resolve_kvm_backend`, which decides all of these (call it to see what runs).
-    backend: instead of the three above, one :class:`KVMBackend` that
-      :func:`resolve_kvm_backend` returned (decide once, pass it to every op of a request).
     segment_ids: ``[B, T]`` int, 0 = padding, each maximal run of one nonzero id one document:
       every document's outputs are those of the document run alone (its own chunk grid, budget,
       state and window; docs/kvm-spec.md §12), on either implementation
       (:mod:`kvm_jax.ops.kvm.documents`); shared routing and the tokamax readout are not
       available with it.
+    implementation / readout / kernel_config: deprecated (a DeprecationWarning): the choices
+      :func:`resolve_kvm_backend` takes, passed here separately; refused beside ``backend``.
   Returns:
-    ``y [B, T, H, Dv]`` in q's dtype, and the final :class:`KVMState` (float32, capacity = the
-    number of rows the schedule reaches at T). With ``segment_ids``: the state of each row's last
-    document, ``num_rows`` per row ``[B]``.
+    a :class:`KVMOutput`: ``y [B, T, H, Dv]`` in q's dtype, and ``state``, the final
+    :class:`KVMState` (float32, capacity = the number of rows the schedule reaches at T); with
+    ``return_routing``, a :class:`RoutedKVMOutput` (the same and ``routing``). With
+    ``segment_ids``: the state of each row's last document, ``num_rows`` per row ``[B]``.
   """
   validate_inputs(q, k, v, merge_gate, params, cfg)
   if segment_ids is not None:
     _check_documents(segment_ids, q, routing, return_routing,
                      readout if backend is None else backend.readout)
-    readout = "own" if backend is None and readout == "auto" else readout
-  be = backend_for(cfg, backend, implementation, readout, kernel_config)
+    # Documents give every row its own state mask, which tokamax's readout cannot take.
+    readout = "own" if readout == "auto" else readout
+  be = backend_for(cfg, backend, implementation, readout, kernel_config, "kvm_attention",
+                   default_readout="own" if segment_ids is not None else "auto")
   if segment_ids is not None:
-    return kvm_attention_documents(q, k, v, merge_gate, params, segment_ids, cfg=cfg,
-                                   ops=be.chunk_ops(), row_update=be.row_update, remat=remat)
+    return KVMOutput(*kvm_attention_documents(q, k, v, merge_gate, params, segment_ids, cfg=cfg,
+                                              ops=be.chunk_ops(), row_update=be.row_update,
+                                              remat=remat))
   return kvm_attention_scan(q, k, v, merge_gate, params, cfg=cfg, ops=be.chunk_ops(),
                             remat=remat, row_update=be.row_update, routing=routing,
                             return_routing=return_routing, source_layout=be.source_layout)
@@ -310,21 +325,21 @@ def _check_documents(segment_ids, q, routing, return_routing, readout: str) -> N
 
 def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
                 cfg: KVMConfig, cache: KVMCache, *, routing=None, return_routing: bool = False,
-                implementation: str = "xla", readout: str = "auto",
-                kernel_config: Optional[KernelConfig] = None,
-                backend: Optional[KVMBackend] = None):
-  """Runs a prompt of any length >= 1 and returns its outputs and the filled cache.
+                backend: Optional[KVMBackend] = None, implementation: Optional[str] = None,
+                readout: Optional[str] = None, kernel_config: Optional[KernelConfig] = None):
+  """Runs a prompt of any length >= 1: a :class:`KVMOutput` of its outputs and the filled cache
+  (:class:`RoutedKVMOutput` with ``return_routing``).
 
   The prompt starts a new sequence: ``cache`` provides sizes, ``max_len`` and dtype, and its
-  previous contents are discarded. Shapes and the backend arguments (``implementation``,
-  ``readout``, ``kernel_config``, or one ``backend``) as in :func:`kvm_attention`.
+  previous contents are discarded. Shapes, ``backend`` and the deprecated separate choices as in
+  :func:`kvm_attention`.
   """
   validate_inputs(q, k, v, merge_gate, params, cfg)
   check_against_cache(k, v, cache, "kvm_prefill")
   if q.shape[1] > cache.max_len:
     raise ValueError(f"kvm_prefill: prompt of {q.shape[1]} tokens exceeds the cache's max_len="
                      f"{cache.max_len}; create the cache with a larger max_len.")
-  be = backend_for(cfg, backend, implementation, readout, kernel_config)
+  be = backend_for(cfg, backend, implementation, readout, kernel_config, "kvm_prefill")
   return decode.prefill(q, k, v, merge_gate, params, cfg=cfg, cache=cache, ops=be.chunk_ops(),
                         routing=routing, return_routing=return_routing,
                         row_update=be.row_update, source_layout=be.source_layout)
@@ -332,16 +347,17 @@ def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPara
 
 def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParams,
                     cfg: KVMConfig, cache: KVMCache, *, routing=None, return_routing: bool = False,
-                    implementation: str = "xla", readout: str = "auto",
-                    kernel_config: Optional[KernelConfig] = None,
-                    backend: Optional[KVMBackend] = None):
+                    backend: Optional[KVMBackend] = None, implementation: Optional[str] = None,
+                    readout: Optional[str] = None,
+                    kernel_config: Optional[KernelConfig] = None):
   """Processes one token: ``q_t [B,1,H,D]``, ``k_t [B,1,Hkv,D]``, ``v_t [B,1,Hkv,Dv]``,
-  ``g_t [B,1,Hkv]``; returns ``y_t [B,1,H,Dv]`` and the advanced cache.
+  ``g_t [B,1,Hkv]``; returns a :class:`KVMOutput` of ``y_t [B,1,H,Dv]`` and the advanced cache
+  (:class:`RoutedKVMOutput` with ``return_routing``).
 
-  ``implementation`` / ``readout`` / ``kernel_config``, or one ``backend``: as in
-  :func:`kvm_attention`, so that one request decodes what it prefilled. The readout applies to the one-token attention with XLA
-  (``"tokamax"`` runs the anchor on a one-query chunk); the Pallas step always runs its own
-  decode kernel, which has no tokamax form.
+  ``backend`` (and the deprecated separate choices): as in :func:`kvm_attention`; pass the one
+  a request prefilled with, so that it decodes what it prefilled. The readout applies to the
+  one-token attention with XLA (``"tokamax"`` runs the anchor on a one-query chunk); the Pallas
+  step always runs its own decode kernel, which has no tokamax form.
 
   ``routing`` / ``return_routing``: as in :func:`kvm_attention`, for this step's fold
   (``(dest, target)`` ``[B, Hkv, C]``; all ``capacity`` when no fold happens).
@@ -358,7 +374,7 @@ def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMP
       raise ValueError(
           f"kvm_decode_step: a row of the cache already holds {longest} tokens = max_len="
           f"{cache.max_len}; create the cache with a larger max_len to decode further.")
-  be = backend_for(cfg, backend, implementation, readout, kernel_config)
+  be = backend_for(cfg, backend, implementation, readout, kernel_config, "kvm_decode_step")
   return decode.decode_step(q_t, k_t, v_t, g_t, params, cfg=cfg, cache=cache, ops=be.chunk_ops(),
                             routing=routing, return_routing=return_routing,
                             row_update=be.row_update)

@@ -37,7 +37,8 @@ from kvm_jax.ops.common import current_platform
 from kvm_jax.ops.documents import Documents
 from kvm_jax.ops.kvm.scan import (XLA_OPS, ChunkOps, Run, ScanPlan, complete_block_rows,
                                   no_state_readout, scan_chunks, slice_time, window_slice)
-from kvm_jax.ops.kvm.state import KVMParams, KVMState, state_readout, temperatures, token_rows
+from kvm_jax.ops.kvm.state import (KVMParams, KVMState, RoutedUpdate, state_readout, temperatures,
+                                   token_rows)
 
 Array = jax.Array
 
@@ -314,7 +315,7 @@ def _document_chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState
   # Most chunks of short documents fold nothing in any row: skipping the routing there took a
   # log-normal mix (median 600 tokens, T = 16384, CPU) from 1.39x / 1.48x the plain scan's time
   # to 1.13x / 1.28x (forward / forward + backward).
-  new, decisions = jax.lax.cond(jnp.any(folds), fold, lambda: (state, (none, none)))
+  new, decisions = jax.lax.cond(jnp.any(folds), fold, lambda: RoutedUpdate(state, (none, none)))
   fresh = token_rows(leaving_k, leaving_v, leaving_g, params, cfg)
   fresh = tuple(jnp.pad(x, [(0, 0), (0, 0), (0, R - C)] + [(0, 0)] * (x.ndim - 3))
                 for x in fresh)

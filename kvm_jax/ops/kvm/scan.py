@@ -27,8 +27,8 @@ from kvm_jax.budget import kvm_schedule
 from kvm_jax.config import KVMConfig
 from kvm_jax.ops.common import (current_platform, joint_attention, joint_attention_heads,
                                 to_chunks, window_mask, window_stack)
-from kvm_jax.ops.kvm.state import (KVMParams, KVMState, initial_state, state_readout,
-                                   temperatures, update_state)
+from kvm_jax.ops.kvm.state import (KVMOutput, KVMParams, KVMState, RoutedKVMOutput,
+                                   initial_state, state_readout, temperatures, update_state)
 
 Array = jax.Array
 
@@ -701,7 +701,8 @@ def kvm_attention_scan(q: Array, k: Array, v: Array, merge_gate: Array, params: 
       :data:`SOURCE_LAYOUTS`. The results are the same. The KVM op passes both choices as its
       backend resolver decided them (:func:`kvm_jax.ops.kvm.api.resolve_kvm_backend`).
   Returns:
-    ``(y [B, T, H, Dv], final state)``, plus the decisions when ``return_routing``.
+    a :class:`KVMOutput` ``(y [B, T, H, Dv], final state)``; with ``return_routing``, a
+    :class:`RoutedKVMOutput` (the same and ``routing``, the decisions).
   """
   B, T, H, D = q.shape
   C = cfg.chunk_size
@@ -734,4 +735,4 @@ def kvm_attention_scan(q: Array, k: Array, v: Array, merge_gate: Array, params: 
     y = y[:, :T]
   state = KVMState(keys=keys, values=values, radius=radius,
                    num_rows=jnp.asarray(sched.final_rows, jnp.int32))
-  return (y, state, decisions) if return_routing else (y, state)
+  return RoutedKVMOutput(y, state, decisions) if return_routing else KVMOutput(y, state)

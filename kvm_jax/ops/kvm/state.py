@@ -62,6 +62,33 @@ jax.tree_util.register_dataclass(
     meta_fields=[])
 
 
+class KVMOutput(NamedTuple):
+  """What a KVM op returns: ``y [B, T, H, Dv]`` and the state it leaves (the final
+  :class:`KVMState` of a whole sequence, or the advanced :class:`KVMCache` of a prefill or a
+  decode step)."""
+
+  y: Any
+  state: Any
+
+
+class RoutedKVMOutput(NamedTuple):
+  """:class:`KVMOutput` plus the routing decisions the op applied, ``routing`` (what
+  ``return_routing=True`` asks for: ``(dest, target)`` per chunk; shared routing across layers
+  and the kernels' checks read them)."""
+
+  y: Any
+  state: Any
+  routing: Any
+
+
+class RoutedUpdate(NamedTuple):
+  """:func:`update_state` with ``return_routing=True``: the new state and ``routing``, the
+  ``(dest, target)`` ``[B, Hkv, C]`` it applied."""
+
+  state: Any
+  routing: Any
+
+
 @dataclasses.dataclass(frozen=True)
 class KVMState:
   """The compressed state *as stored* (docs/kvm-spec.md §1), float32.
@@ -459,7 +486,7 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
   keys = add_rows(keys, target, rows.k_gated)
   values = add_rows(values, target, rows.v_gated)
   new = KVMState(keys=keys, values=values, radius=radius, num_rows=m_new.astype(jnp.int32))
-  return (new, (dest, target)) if return_routing else new
+  return RoutedUpdate(new, (dest, target)) if return_routing else new
 
 
 class OverflowRows(NamedTuple):
