@@ -4,6 +4,8 @@ and the OVQ and RWKV-7 baselines' fast paths against their oracles.
     kvm-check                 # small shapes, a few seconds on CPU (kernels interpreted)
     kvm-check --size paper    # C=256, D=128, T=2048: run this on a GPU/TPU to verify the kernels
     kvm-check --ops ovq,rwkv7 # only the baselines
+    kvm-check --ops "" --kinds all             # every registered mixer kind's model checks
+    kvm-check --plugin my_kind.py --kinds mine # a kind registered from outside the package
 
 For each configuration (budgets, sinks, GQA, float32 and bfloat16) it runs, jitted, on the same
 inputs:
@@ -25,6 +27,10 @@ dictionary, counts exactly), the scan with prefill + one-token decode, and the g
 scan with the oracle's; for RWKV-7's recurrence (``kvm_jax.ops.rwkv7``) the per-token oracle with
 the chunk-parallel form, the chunk-parallel prefill plus one-token steps with the whole sequence,
 and the gradients (of every input and the initial state).
+
+``--kinds`` checks whole models of each named mixer kind (any registered one, ``--plugin`` ones
+included): forward against prefill + decode, against prefill + parallel pieces, and packed
+documents against each alone, as far as the kind's class says it can (``kvm_jax.eval.kind_check``).
 """
 
 from __future__ import annotations
@@ -39,7 +45,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvm_jax.eval import kind_check
 from kvm_jax.kernels.backend import default_interpret
+from kvm_jax.nn.registry import registered_mixers
+from kvm_jax.runs import launch
 from kvm_jax.ops.common import current_platform
 from kvm_jax.ops.kvm.api import chunk_ops, kvm_decode_step, kvm_prefill, resolve_kvm_backend
 from kvm_jax.ops.kvm.cases import TOLERANCE, Case, rel_rms, select, state_rel_error
@@ -277,6 +286,18 @@ def format_table(rows: Sequence[dict]) -> str:
   return "\n".join(lines)
 
 
+def _chosen_kinds(spec: str) -> list[str]:
+  """The kinds ``--kinds`` names (``all``: every registered one), or SystemExit naming the
+  unknown ones and the choices."""
+  known = list(registered_mixers())
+  kinds = known if spec == "all" else [k for k in spec.split(",") if k]
+  unknown = [k for k in kinds if k not in known]
+  if unknown:
+    raise SystemExit(f"--kinds: unknown {unknown}; registered kinds: {known} (or 'all'; "
+                     "--plugin FILE registers more)")
+  return kinds
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   p = argparse.ArgumentParser(prog="kvm-check", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -290,12 +311,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--ops", default=",".join(OPS),
                  help="comma-separated ops to check: kvm (the KVM op: oracle, XLA scan, Pallas, "
                       "decode), ovq and rwkv7 (the paper's baselines: oracle, fast path, decode); "
-                      "default: all three")
+                      "default: all three; \"\" for none (with --kinds)")
+  p.add_argument("--kinds", default="",
+                 help="comma-separated mixer kinds (registered ones, or 'all') whose tiny models "
+                      "to check: forward vs prefill+decode, vs prefill+resume, packed documents "
+                      "vs alone, as far as each kind supports them (default: none)")
+  launch.add_plugin_flag(p)
   args = p.parse_args(argv)
+  launch.load_plugins(args)
   ops = [op for op in args.ops.split(",") if op]
+  kinds = _chosen_kinds(args.kinds)
   unknown = sorted(set(ops) - set(OPS))
-  if unknown or not ops:
-    raise SystemExit(f"--ops: expected some of {list(OPS)}, got {args.ops!r}")
+  if unknown or not (ops or kinds):
+    raise SystemExit(f"--ops: expected some of {list(OPS)}, got {args.ops!r} (or name --kinds)")
   all_cases = cases(args.size)
   chosen = all_cases
   if args.cases:
@@ -321,6 +349,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       case_rows = check(case, grads=not args.no_grads)
       rows.extend(case_rows)
       report(case_rows, describe(case))
+  for kind in kinds:
+    kind_rows = kind_check.check_kind(kind)
+    rows.extend(kind_rows)
+    print(f"  checked: kind {kind} ({len(kind_rows)} comparisons)", flush=True)
   print(format_table(rows))
   failed = [r for r in rows if not r["ok"]]
   print(f"\n{len(rows) - len(failed)}/{len(rows)} checks passed")

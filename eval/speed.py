@@ -65,6 +65,7 @@ from kvm_jax.kernels.readout import joint_attention_pallas
 from kvm_jax.ops.common import joint_attention, tree_nbytes, window_mask
 from kvm_jax.ops.kvm.cases import random_inputs
 from kvm_jax.ops.ovq.config import OVQConfig
+from kvm_jax.runs import launch
 from kvm_jax.ops.ovq.scan import ovq_attention
 from kvm_jax.ops.rwkv7.cases import time_mix_inputs
 from kvm_jax.ops.rwkv7.scan import rwkv7_recurrence
@@ -383,8 +384,12 @@ def readout_line(T: int, budget: str, r: dict, kc: KernelConfig) -> str:
 
 def time_model_decode(name: str, context: int, steps: int, batch: int, dtype: str) -> dict:
   """Whole-model greedy decoding of preset ``name`` after a ``context``-token prompt."""
-  if name.startswith("tiny-"):  # test-sized models: tiny-kvm, tiny-full, tiny-bswa, tiny-swa
-    cfg = kj.presets.tiny(mixers=name[len("tiny-"):])
+  if name.startswith("tiny-"):  # test-sized models of any registered kind: tiny-kvm, tiny-swa ...
+    kind = name[len("tiny-"):]
+    if kind not in kj.nn.registered_mixers():
+      raise SystemExit(f"--models {name}: no mixer kind {kind!r}; registered: "
+                       f"{list(kj.nn.registered_mixers())} (--plugin FILE registers more).")
+    cfg = kj.presets.tiny(mixers=kind)
   elif name in kj.presets.PRESETS:
     cfg = kj.presets.PRESETS[name]()
   else:
@@ -473,7 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="decode steps averaged after each context (default: %(default)s)")
   p.add_argument("--models", default="",
                  help="comma-separated presets for whole-model decode tokens/s, e.g. "
-                      "kvm256_120m,kvm_sqrt16_120m,gpta2_120m (default: none)")
+                      "kvm256_120m,kvm_sqrt16_120m,gpta2_120m, or tiny-<kind> for a test-sized "
+                      "model of any registered mixer kind (default: none)")
+  launch.add_plugin_flag(p)
   p.add_argument("--model-context", type=int, default=2048,
                  help="prompt tokens before the whole-model decode timing (default: %(default)s)")
   p.add_argument("--readout-anchor", action="store_true",
@@ -678,6 +685,7 @@ def _plot(path: str, rows: list[dict], arms: list[str], phases: set[str]) -> Non
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
+  launch.load_plugins(args)
   if args.paper:
     args.batch, args.heads, args.head_dim, args.dtype = 8, 32, 128, "bfloat16"
   if args.documents:

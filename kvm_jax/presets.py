@@ -20,6 +20,7 @@ from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.bswa import BSWAOptions
 from kvm_jax.nn.gemma import GemmaOptions
 from kvm_jax.nn.llama import LlamaOptions
+from kvm_jax.nn.registry import mixer_class, registered_mixers
 from kvm_jax.nn.rwkv7 import RWKV7Options
 from kvm_jax.nn.swa import SWAOptions
 from kvm_jax.ops.ovq.config import OVQConfig
@@ -218,11 +219,12 @@ def llama3_2_1b() -> ModelConfig:
 def gemma3_1b() -> ModelConfig:
   """Gemma-3-1B (text): 26 layers of width 1152, 4 query heads on 1 KV head of 256, five local
   layers (window 512, RoPE base 10^4) to each global one (base 10^6), vocabulary 262144."""
-  kinds = tuple("full" if (i + 1) % 6 == 0 else "swa" for i in range(26))
+  local = tuple(i for i in range(26) if (i + 1) % 6)  # every sixth layer is global
+  kinds = tuple("swa" if i in local else "full" for i in range(26))
   return ModelConfig(
       family="gemma", family_options=GemmaOptions(
           intermediate_size=6912, norm_eps=1e-6, query_pre_attn_scalar=256,
-          local_layers=tuple(i for i, k in enumerate(kinds) if k == "swa")),
+          local_layers=local),
       vocab_size=262144, num_layers=26, hidden_size=1152, num_heads=4, num_kv_heads=1,
       head_dim=256, mixers=kinds, options={"swa": SWAOptions(window=512)}, rope_dims=256,
       rope_theta=1e6)
@@ -256,14 +258,25 @@ TINY_OPTIONS = {
 }
 
 
+def _tiny_options_by_type(mixers) -> dict:
+  """{kind: the tiny options of the built-in kind whose options type it shares} for the kinds
+  of ``mixers`` (a name or a pattern) that have no entry in :data:`TINY_OPTIONS`."""
+  by_type = {type(o): o for o in TINY_OPTIONS.values()}
+  kinds = (mixers,) if isinstance(mixers, str) else tuple(mixers)
+  return {kind: by_type[mixer_class(kind).Options] for kind in kinds
+          if kind not in TINY_OPTIONS and kind in registered_mixers()
+          and mixer_class(kind).Options in by_type}
+
+
 def tiny(mixers="kvm", options=None, **overrides) -> ModelConfig:
   """A CPU-test-sized model (2 layers, width 64, 4 heads of 16, vocab 256, C=8, L=16).
 
   ``options`` replaces entries of :data:`TINY_OPTIONS` (``{"kvm": KVMConfig(...)}``); the other
   keywords are ``ModelConfig`` fields, or the per-kind names of config files written before the
   options table (``kvm=``, ``swa_window=``, ``bswa_chunk_size=``, ...: ``ModelConfig.upgrade_fields``),
-  which replace single options fields."""
-  table = {**TINY_OPTIONS, **(options or {})}
+  which replace single options fields. A kind without tiny options whose options are of a
+  built-in kind's type (a subclass registered from outside) takes that kind's tiny ones."""
+  table = {**_tiny_options_by_type(mixers), **TINY_OPTIONS, **(options or {})}
   overrides = ModelConfig.upgrade_fields(overrides, defaults=table)
   table.update(overrides.pop("options", {}))
   base = dict(vocab_size=256, num_layers=2, hidden_size=64, num_heads=4, mixers=mixers,

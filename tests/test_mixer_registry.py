@@ -6,6 +6,7 @@ independent count."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import zlib
 from pathlib import Path
@@ -43,8 +44,9 @@ class ScaledKVMAttention(KVMAttention):
     super().__init__(cfg, layer, rngs=rngs)
     self.out_gain = nnx.Param(jnp.full((cfg.num_heads,), 2.0, cfg.jnp_param_dtype))
 
-  def mix_own(self, x, q, k, v, mixer_cache, decode, shared):
-    y, mixer_cache, exports = super().mix_own(x, q, k, v, mixer_cache, decode, shared)
+  def mix_own(self, x, q, k, v, mixer_cache, decode, shared, documents=None):
+    y, mixer_cache, exports = super().mix_own(x, q, k, v, mixer_cache, decode, shared,
+                                              documents=documents)
     return Mixed(y * self.out_gain[...][:, None].astype(y.dtype), mixer_cache, exports)
 
 
@@ -119,6 +121,35 @@ def test_outside_kind_trains_saves_and_decodes(tmp_path):
                     str(tmp_path / "eval")]) == 0
   results = json.loads((tmp_path / "eval" / "results.json").read_text())["results"]
   assert results[0]["mqar"], results
+
+
+def test_outside_kind_is_checked_and_benchmarked_by_the_command_lines(tmp_path, capsys):
+  """kvm-check --kinds and kvm-bench --models tiny-<kind> take an outside kind with no edit
+  elsewhere: its checks follow from its class (decode, parallel pieces, packed documents), each
+  against the model's own forward, and a planted mismatch fails them."""
+  from kvm_jax.eval import check, kind_check, speed
+  assert check.main(["--ops", "", "--kinds", "scaled_kvm"]) == 0
+  text = capsys.readouterr().out
+  for pair in ("forward vs prefill+decode", "forward vs prefill+resume", "packed vs alone"):
+    assert re.search(rf"kind scaled_kvm +{re.escape(pair)} .* PASS", text), (pair, text)
+  with pytest.raises(SystemExit, match=r"--kinds: unknown \['mamba'\]"):
+    check.main(["--kinds", "mamba"])
+  out = tmp_path / "models.json"
+  assert speed.main(["--phases", "", "--models", "tiny-scaled_kvm", "--model-context", "24",
+                     "--decode-steps", "2", "--repeats", "1", "--json", str(out)]) == 0
+  (row,) = json.loads(out.read_text())["models"]
+  assert row["model"] == "tiny-scaled_kvm" and row["tokens_per_s"] > 0
+  with pytest.raises(SystemExit, match="no mixer kind 'mamba'"):
+    speed.main(["--phases", "", "--models", "tiny-mamba"])
+  # The check can fail: a decode step that forgets its cache (a wrong step) is caught.
+  original = kj.LM.decode_step
+  try:
+    kj.LM.decode_step = lambda self, token, caches: original(
+        self, token, self.init_cache(token.shape[0], 64))
+    rows = kind_check.check_kind("scaled_kvm")
+  finally:
+    kj.LM.decode_step = original
+  assert not rows[0]["ok"] and rows[0]["output"] > 1e-2, rows[0]
 
 
 def test_plugin_flag_registers_a_kind_for_the_command_line(tmp_path, subprocess_environ):

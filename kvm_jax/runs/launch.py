@@ -27,13 +27,19 @@ import sys
 import jax
 
 
-def add_flags(parser: argparse.ArgumentParser) -> None:
-  """``--plugin``, ``--distributed``, ``--coordinator``, ``--num-processes``, ``--process-id``
-  and ``--cpu-collectives``."""
+def add_plugin_flag(parser: argparse.ArgumentParser) -> None:
+  """``--plugin`` alone (commands that start no multi-process JAX: kvm-check, kvm-bench)."""
   parser.add_argument("--plugin", action="append", default=[], metavar="MODULE_OR_FILE",
                       help="import this Python module (dotted name) or .py file first, e.g. one "
                       "that registers a mixer kind with kvm_jax.nn.register_mixer, so that run "
-                      "directories and configs using that kind load (repeatable).")
+                      "directories, configs and command-line names using that kind load "
+                      "(repeatable).")
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+  """``--plugin``, ``--distributed``, ``--coordinator``, ``--num-processes``, ``--process-id``
+  and ``--cpu-collectives``."""
+  add_plugin_flag(parser)
   parser.add_argument("--distributed", action="store_true",
                       help="start multi-process JAX (jax.distributed.initialize) first.")
   parser.add_argument("--coordinator", metavar="HOST:PORT",
