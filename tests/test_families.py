@@ -121,6 +121,16 @@ def test_configs_it_cannot_express_are_refused_by_name(tmp_path, fields, message
     kj.load_pretrained(_edited(tmp_path, "llama3_gqa", **fields), progress=False)
 
 
+def test_layer_types_are_the_kinds_own():
+  """transformers' layer types and sliding window come from each kind's own class
+  (``TRANSFORMERS``); a kind without one has no transformers format."""
+  from kvm_jax.nn import registry
+  assert registry.kinds_of_layer_types() == {"full_attention": "full",
+                                             "sliding_attention": "swa"}
+  assert registry.sliding_kinds() == ("swa",)
+  assert set(registry.transformers_layers()) == {"full", "swa"}
+
+
 def test_qwen_sliding_window_is_refused(tmp_path):
   with pytest.raises(ConfigError, match="use_sliding_window=true"):
     kj.load_pretrained(_edited(tmp_path, "qwen2", use_sliding_window=True), progress=False)

@@ -16,20 +16,20 @@ layers). Each mixer kind takes its value-residual anchor from its first layer, a
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from typing import Any, Optional
 
-from kvm_jax.budget import CallableBudget, FixedBudget, PowerLawBudget, SaturatingBudget
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
-from kvm_jax.nn.authors_format import AuthorsMixer
-from kvm_jax.nn.bswa import BSWAOptions
+from kvm_jax.nn.authors_format import (AuthorsMixer, AuthorsReading, AuthorsWriting, ConfigError,
+                                       ExportError)
+from kvm_jax.nn.authors_format import read_flag as _flag
+from kvm_jax.nn.authors_format import read_float as _float
+from kvm_jax.nn.authors_format import read_int as _int
+from kvm_jax.nn.authors_format import read_opt_int as _opt_int
 from kvm_jax.nn.gptalpha2 import GPTAlpha2Options
-from kvm_jax.nn.rwkv7 import RWKV7Options
+from kvm_jax.nn.kvm import NO_CAP_ROWS  # noqa: F401  (its former home; the KVM layer's cap)
 from kvm_jax.nn.registry import registered_mixers
-from kvm_jax.nn.swa import SWAOptions
-from kvm_jax.ops.ovq.config import OVQConfig
 
 MODEL_CLASS_PATH = "model.rwkv7_backbone.RWKV7BackboneForCausalLM"
 MODEL_TYPE = "rwkv7backbone"
@@ -145,16 +145,6 @@ def _kind_of_class_path() -> dict[str, str]:
   return {path: kind for kind, m in authors_kinds().items() for path in m.class_paths}
 
 
-# A state cap that cannot bind: their cap is chunk_len x n_max_d_chunks rows, and no budget exceeds
-# the tokens seen, which int32 positions keep below 2^31. (Their own configs say "no cap" with
-# n_max_d_chunks = 10000, which does bind past 10000 chunks' worth of rows.)
-NO_CAP_ROWS = 2**31
-
-
-class ConfigError(ValueError):
-  """A configuration that cannot be translated; the message names the field and the value."""
-
-
 def with_numerics(cfg: ModelConfig, dtype: str, numerics: Optional[str]) -> ModelConfig:
   """``cfg`` with parameters and activations in ``dtype`` and, unless ``numerics`` is None, the
   authors' two bfloat16 casts switched on ("authors": RoPE tables and KVM state-value readout,
@@ -193,37 +183,6 @@ def _resolve_mixer(cfg: dict, role: str) -> str:
                       f"{sorted(names)} (KVM, full attention, SWA, block SWA, OVQ, "
                       f"RWKV-7), not {name!r}.")
   return names[name]
-
-
-def _flag(cfg: dict, name: str) -> bool:
-  value = cfg[name]
-  if value in (0, 1, True, False):
-    return bool(value)
-  raise ConfigError(f"{name}={value!r} must be 0 or 1.")
-
-
-def _int(cfg: dict, name: str, minimum: Optional[int] = None) -> int:
-  value = cfg[name]
-  if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-      or int(value) != value):
-    raise ConfigError(f"{name}={value!r} must be an integer.")
-  if minimum is not None and value < minimum:
-    raise ConfigError(f"{name}={value!r} must be >= {minimum}.")
-  return int(value)
-
-
-def _opt_int(cfg: dict, name: str, minimum: int = 1) -> Optional[int]:
-  """An integer field whose ``None`` (and, like their ``x or default``, 0) means "derive it"."""
-  return None if cfg[name] in (None, 0) else _int(cfg, name, minimum)
-
-
-def _float(cfg: dict, name: str, *, allow_none: bool = False) -> Optional[float]:
-  value = cfg[name]
-  if value is None and allow_none:
-    return None
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-    raise ConfigError(f"{name}={value!r} must be a finite number.")
-  return float(value)
 
 
 def authors_fields(config: dict) -> tuple[dict, list[str]]:
@@ -278,13 +237,7 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
   d_qk, d_v, kv_heads = _authors_head_widths(cfg, used, hidden, heads)
   ropes, rope_dims, theta = _authors_rope(cfg, kinds, used, alternates)
   shift, value_residual = _authors_front_end(cfg, used)
-  chunk, window_chunks = _int(cfg, "chunk_len", 1), _int(cfg, "n_bswa_chunks", 1)
-  sink = _int(cfg, "sink_len", 0)
-  kvm = (_authors_kvm(cfg, ropes["kvm"][0], d_qk, chunk, window_chunks, sink) if "kvm" in used
-         else KVMConfig())
-  ovq = _authors_ovq(cfg) if "ovq" in used else OVQConfig()
-  swa_window = _int(cfg, "swa_window_size")
-  swa_window = swa_window if swa_window > 0 else chunk  # their swa_mixer rule
+  options = _authors_options(cfg, used, ropes, d_qk)
   try:
     model = ModelConfig(
         vocab_size=_int(cfg, "vocab_size", 1), num_layers=len(kinds), hidden_size=hidden,
@@ -292,12 +245,7 @@ def model_config_from_authors(config: dict, *, numerics: str = "authors",
         head_dim=None if d_qk * heads == hidden else d_qk,
         value_head_dim=None if d_v == d_qk else d_v,  # kvm_jax's value width defaults to D
         mixers=kinds[0] if len(used) == 1 else kinds, rope_dims=rope_dims, rope_theta=theta,
-        options={"kvm": kvm,
-                 "swa": SWAOptions(window=swa_window,
-                                   rope_dims=ropes["swa"][0] if "swa" in used else None),
-                 "bswa": BSWAOptions(chunk_size=chunk, window_chunks=window_chunks,
-                                     sink_rows=sink),
-                 "ovq": ovq, "rwkv7": RWKV7Options()},
+        options=options,
         family="gptalpha2", family_options=GPTAlpha2Options(
             ffn_expansion=_float(cfg, "ffn_expansion"), tokenshift_attention=shift,
             tokenshift_mlp=_flag(cfg, "use_tokenshift_ffn"), value_residual=value_residual,
@@ -326,24 +274,33 @@ def _check_authors_switches(cfg: dict) -> None:
                       "soft-capping; only 0 loads.")
 
 
+def _titles(kinds) -> str:
+  """The kinds' names in messages ("SWA", "RWKV-7"), joined by "/"."""
+  rows = authors_kinds()
+  return "/".join(rows[kind].title or kind for kind in kinds)
+
+
 def _authors_head_widths(cfg: dict, used: list, hidden: int, heads: int
                          ) -> tuple[int, int, Optional[int]]:
   """(q/k head width, value head width, KV heads or None) exactly as their ValueResidualMixin
-  resolves them (their RWKV-7 layer reads d_head only)."""
+  resolves them; a kind whose layer sizes its heads itself (``own_head_width``: RWKV-7's reads
+  d_head only) fixes both widths, and the KV heads when the model has no other layers."""
   d_head = _opt_int(cfg, "d_head")
   d_qk = _opt_int(cfg, "d_qk_head") or d_head or hidden // heads
   d_v = _opt_int(cfg, "d_v_head") or d_head or hidden // heads
-  if "rwkv7" in used:
-    rwkv_head = d_head or hidden // heads
-    if len(used) > 1 and (d_qk, d_v) != (rwkv_head, rwkv_head):
+  own = [kind for kind in used if authors_kinds()[kind].own_head_width]
+  if own:
+    head = d_head or hidden // heads
+    if len(used) > 1 and (d_qk, d_v) != (head, head):
       raise ConfigError(f"d_qk_head={cfg['d_qk_head']!r}, d_v_head={cfg['d_v_head']!r}: their "
-                        f"RWKV-7 layers use heads of d_head or hidden/heads = {rwkv_head} whatever "
-                        "these say, and kvm_jax has one head width for every layer; a hybrid with "
-                        "RWKV-7 loads only when the other layers' heads are that wide.")
-    d_qk = d_v = rwkv_head
+                        f"{_titles(own)} layers use heads of d_head or hidden/heads = {head} "
+                        "whatever these say, and kvm_jax has one head width for every layer; a "
+                        f"hybrid with {_titles(own)} loads only when the other layers' heads are "
+                        "that wide.")
+    d_qk = d_v = head
   kv_heads = None if cfg["num_key_value_heads"] is None else _int(cfg, "num_key_value_heads", 1)
-  if used == ["rwkv7"]:
-    kv_heads = None  # their time mix never reads num_key_value_heads
+  if len(own) == len(used):
+    kv_heads = None  # no layer reads num_key_value_heads
   return d_qk, d_v, kv_heads
 
 
@@ -351,8 +308,8 @@ def _authors_rope(cfg: dict, kinds: tuple, used: list, alternates: bool
                   ) -> tuple[dict, int, float]:
   """({kind: (rotary width, theta)}, the model's rotary width, its theta). The main role's
   layers use (rope_partial_dim, rope_theta), the alt role's (alt_rope_partial_dim,
-  alt_rope_theta); kvm_jax has one width for swa layers and one for the others, and one
-  theta."""
+  alt_rope_theta); kvm_jax has one width for the layers of a kind with its own (``own_rope``:
+  swa) and one for the others, and one theta."""
   rows = authors_kinds()
   no_rope = tuple(kind for kind in used if not rows[kind].rotates)
 
@@ -369,13 +326,15 @@ def _authors_rope(cfg: dict, kinds: tuple, used: list, alternates: bool
                       f"{cfg['alt_rope_theta']!r} differ; kvm_jax uses one RoPE base for every "
                       "layer.")
   theta = thetas.pop() if thetas else _float(cfg, "rope_theta")
-  non_swa = {ropes[k][0] for k in used if k not in ("swa",) + no_rope}
-  if len(non_swa) > 1:
+  # the rotating layers without a width of their own share the model's one width
+  shared = {ropes[k][0] for k in used if rows[k].rotates and not rows[k].own_rope}
+  if len(shared) > 1:
+    own = _titles(kind for kind, row in rows.items() if row.own_rope)
     raise ConfigError(f"rope_partial_dim={cfg['rope_partial_dim']!r} and alt_rope_partial_dim="
-                      f"{cfg['alt_rope_partial_dim']!r} differ between two non-SWA mixers; "
-                      "kvm_jax gives all non-SWA layers one RoPE width.")
-  if non_swa:
-    rope_dims = non_swa.pop()
+                      f"{cfg['alt_rope_partial_dim']!r} differ between two non-{own} mixers; "
+                      f"kvm_jax gives all non-{own} layers one RoPE width.")
+  if shared:
+    rope_dims = shared.pop()
   else:  # no layer reads the model's RoPE width; 0 when none of them rotates at all
     rope_dims = 0 if no_rope else _int(cfg, "rope_partial_dim", 0)
   return ropes, rope_dims, theta
@@ -401,12 +360,14 @@ def _authors_front_end(cfg: dict, used: list) -> tuple[bool, bool]:
                                   for k in used)
                       + "); kvm_jax applies one setting to every layer.")
   value_residual = _flag(cfg, "use_value_residual")
-  if used == ["rwkv7"]:
-    value_residual = True  # their RWKV-7 time mix always mixes v_first in; it ignores the field
-  elif "rwkv7" in used and not value_residual:
-    raise ConfigError("use_value_residual=0 in a hybrid with RWKV-7: their RWKV-7 layers mix the "
-                      "first layer's value in regardless, and kvm_jax applies one value-residual "
-                      "setting to every layer; only use_value_residual=1 loads.")
+  always = [kind for kind in used if authors_kinds()[kind].always_value_residual]
+  if len(always) == len(used):
+    value_residual = True  # their layers (RWKV-7's time mix) mix v_first in; they ignore the field
+  elif always and not value_residual:
+    raise ConfigError(f"use_value_residual=0 in a hybrid with {_titles(always)}: their "
+                      f"{_titles(always)} layers mix the first layer's value in regardless, and "
+                      "kvm_jax applies one value-residual setting to every layer; only "
+                      "use_value_residual=1 loads.")
   if value_residual:
     for kind in used:
       if prefix[kind] is None:
@@ -418,74 +379,21 @@ def _authors_front_end(cfg: dict, used: list) -> tuple[bool, bool]:
   return shift[used[0]], value_residual
 
 
-def _authors_kvm(cfg: dict, dims: int, d_qk: int, chunk: int, window_chunks: int,
-                 sink: int) -> KVMConfig:
-  """The KVM layers' options (rotating ``dims`` channels of heads ``d_qk`` wide; the window
-  geometry, which their KVM and block-SWA layers share)."""
-  zeroed = _int(cfg, "rope_partial_dim", 0) or d_qk
-  if dims <= 0 or zeroed != dims:
-    raise ConfigError(
-        f"the KVM layers rotate {dims} channels (rope_partial_dim / alt_rope_partial_dim) but "
-        f"their state keys zero {zeroed} (rope_partial_dim={cfg['rope_partial_dim']}, where 0 "
-        "means every channel); kvm_jax zeroes exactly the rotary channels, so the two must be "
-        "equal and positive.")
-  if not _flag(cfg, "kvm_use_vlens"):
-    raise ConfigError("kvm_use_vlens=0: their state-value readout without radii divides by a "
-                      "count that is never kept (docs/kvm-spec.md §6.9); kvm_jax does not "
-                      "reproduce it (its value_norm='none' reads raw sums instead).")
-  fields = dict(
-      chunk_size=chunk, window_chunks=window_chunks, sink_rows=sink, rope_dims=dims,
-      budget=_budget(cfg), max_state_rows=chunk * _int(cfg, "n_max_d_chunks", 1),
-      gate_keys=_flag(cfg, "kvm_use_merge_gate_keys"),
-      gate_values=_flag(cfg, "kvm_use_merge_gate_values"),
-      gate_appends=_flag(cfg, "kvm_apply_merge_gate_to_appends"),
-      gate_initial_state=_flag(cfg, "kvm_apply_merge_gate_to_initial_state"),
-      head_temperatures=_flag(cfg, "kvm_use_head_temps"), value_norm="radius")
-  try:
-    return KVMConfig(**fields)
-  except ValueError as e:  # KVMConfig's own validation
-    raise ConfigError(f"the KVM fields (chunk_len, n_bswa_chunks, sink_len, state_*) give no "
-                      f"valid KVM layer: {e}") from None
-
-
-def _authors_ovq(cfg: dict) -> OVQConfig:
-  """The OVQ layers' options."""
-  try:
-    return OVQConfig(chunk_size=_int(cfg, "ovq_chunk_size", 1),
-                     max_centroids=_int(cfg, "ovq_max_centroids", 1),
-                     min_state_size=_flag(cfg, "ovq_use_min_state_size"),
-                     count_bias=not _flag(cfg, "ovq_use_counts_for_lr_only"),
-                     normalize_centroids=_flag(cfg, "ovq_normalize_centroids"),
-                     delta_rule=_flag(cfg, "ovq_use_delta_rule"))
-  except ValueError as e:  # OVQConfig's own validation
-    raise ConfigError(f"ovq_chunk_size={cfg['ovq_chunk_size']!r}, ovq_max_centroids="
-                      f"{cfg['ovq_max_centroids']!r}: {e}") from None
-
-
-def _budget(cfg: dict):
-  """The KVM budget of an authors' config (docs/kvm-spec.md §6.3)."""
-  mode = cfg["state_budget_mode"]
-  min_len = max(_int(cfg, "state_min_len"), 0)  # their default -1 never binds: targets are >= 0
-  if mode == "fixed":
-    # The state starts as the first chunk's rows and never shrinks, so any fixed target up to
-    # chunk_len (their default -1 included) keeps exactly that chunk: FixedBudget(chunk_len).
-    return FixedBudget(rows=max(min_len, _int(cfg, "chunk_len", 1)))
-  round_down = _int(cfg, "state_round_down", 1)
-  if mode == "power_law":
-    return PowerLawBudget(_float(cfg, "state_growth_factor"), _float(cfg, "state_growth_exponent"),
-                          min_rows=min_len, round_down=round_down)
-  if mode == "kvm_saturation":
-    if cfg["state_saturation_n"] is None:
-      raise ConfigError("state_budget_mode='kvm_saturation' needs state_saturation_n (the limit "
-                        "the state saturates toward), got None.")
-    return SaturatingBudget(_int(cfg, "state_saturation_n", 1), min_rows=min_len,
-                            round_down=round_down)
-  raise ConfigError(f"state_budget_mode={mode!r}: choose 'fixed', 'power_law' or "
-                    "'kvm_saturation'.")
-
-
-class ExportError(ValueError):
-  """A kvm_jax model the authors' code cannot express; the message says which setting and why."""
+def _authors_options(cfg: dict, used: list, ropes: dict, d_qk: int) -> dict:
+  """``{kind: options}`` of every kind whose ``AUTHORS`` row reads options (in kind-name order):
+  its ``read_options`` for a kind the model uses, or whose fields their config always carries;
+  the options' defaults for the others."""
+  classes = registered_mixers()
+  options = {}
+  for kind, row in sorted(authors_kinds().items()):
+    if row.read_options is None:
+      continue
+    if kind in used or row.carried:
+      rope = ropes[kind][0] if kind in used else None
+      options[kind] = row.read_options(AuthorsReading(cfg, rope, d_qk))
+    else:
+      options[kind] = classes[kind].Options()
+  return options
 
 
 def authors_config_from_model(model: ModelConfig) -> dict:
@@ -515,21 +423,7 @@ def authors_config_from_model(model: ModelConfig) -> dict:
     out.update(alt_token_mixer=names[alt], alt_layer_every=every,
                alt_rope_partial_dim=model.rope_dims_of(0),
                alt_share_v0=int(model.share_value_anchor))
-  bswa = model.options_of("bswa")
-  chunk, window_chunks, sink = bswa.chunk_size, bswa.window_chunks, bswa.sink_rows
-  if "kvm" in used:
-    k = model.options_of("kvm")
-    if "bswa" in used and (k.chunk_size, k.window_chunks, k.sink_rows) != (chunk, window_chunks,
-                                                                           sink):
-      raise ExportError("their KVM and block-SWA layers share chunk_len, n_bswa_chunks and "
-                        f"sink_len, but kvm has ({k.chunk_size}, {k.window_chunks}, "
-                        f"{k.sink_rows}) and bswa ({chunk}, {window_chunks}, {sink}).")
-    chunk, window_chunks, sink = k.chunk_size, k.window_chunks, k.sink_rows
-    out.update(_authors_kvm_fields(model, k, rope_main))
-  if "ovq" in used:
-    out.update(_authors_ovq_fields(model.options_of("ovq")))
-  out.update(chunk_len=chunk, n_bswa_chunks=window_chunks, sink_len=sink,
-             swa_window_size=model.options_of("swa").window)
+  out.update(_authors_option_fields(model, used, rope_main))
   _check_authors_heads(model, used)
   D, Dv = model.qk_head_dim, model.v_head_dim
   default_head = model.hidden_size // model.num_heads
@@ -565,80 +459,34 @@ def _authors_roles(kinds: tuple) -> tuple[str, Optional[str], int]:
   return kinds[1], kinds[0], every
 
 
-def _authors_kvm_fields(model: ModelConfig, k: KVMConfig, rope_main: int) -> dict:
-  """Their KVM fields for options ``k`` (the main mixer rotating ``rope_main`` channels), or
-  :class:`ExportError` naming what their KVM layer computes otherwise."""
-  zeroed = rope_main or model.qk_head_dim  # their KVM layer zeroes rope_partial_dim, 0 = all
-  if model.rope_dims == 0 or model.rope_dims != zeroed:
-    raise ExportError(
-        f"the KVM layers rotate rope_dims={model.rope_dims} channels, but their KVM layer "
-        f"zeroes rope_partial_dim={rope_main} ({zeroed}) channels of the state keys "
-        "(rope_partial_dim belongs to the main mixer; 0 means every channel).")
-  if k.value_norm != "radius":
-    raise ExportError(f"kvm.value_norm={k.value_norm!r}: their code reads the state values "
-                      "normalized times the radius (kvm_use_vlens=1); its kvm_use_vlens=0 path "
-                      "computes something else (docs/kvm-spec.md §6.9).")
-  if k.ln_eps != 1e-5:
-    raise ExportError(f"kvm.ln_eps={k.ln_eps}: their LN_s uses 1e-5.")
-  if k.state_zeroed_dims != k.rope_dims:
-    raise ExportError(f"kvm.state_rope_dims={k.state_rope_dims}: their state zeroes every "
-                      f"rotary channel ({k.rope_dims}).")
-  if k.logit_softcap is not None:
-    raise ExportError(f"kvm.logit_softcap={k.logit_softcap}: their readout does not soft-cap "
-                      "scores.")
-  return dict(**_authors_budget(k), kvm_use_merge_gate_keys=int(k.gate_keys),
-              kvm_use_merge_gate_values=int(k.gate_values),
-              kvm_apply_merge_gate_to_appends=int(k.gate_appends),
-              kvm_apply_merge_gate_to_initial_state=int(k.gate_initial_state),
-              kvm_use_head_temps=int(k.head_temperatures), kvm_use_vlens=1)
-
-
-def _authors_ovq_fields(o: OVQConfig) -> dict:
-  """Their OVQ fields for options ``o``."""
-  # ovq_window_size is never read by their layer; the paper's configs set it to the chunk.
-  return dict(ovq_chunk_size=o.chunk_size, ovq_window_size=o.chunk_size,
-              ovq_max_centroids=o.max_centroids, ovq_use_min_state_size=int(o.min_state_size),
-              ovq_use_counts_for_lr_only=int(not o.count_bias),
-              ovq_normalize_centroids=int(o.normalize_centroids),
-              ovq_use_delta_rule=int(o.delta_rule))
+def _authors_option_fields(model: ModelConfig, used: list, rope_main: int) -> dict:
+  """The fields the kinds' ``write_options`` write (in kind-name order) for the kinds ``model``
+  uses, and for those whose fields their config always carries (:class:`AuthorsWriting` refuses
+  two used kinds that write one field differently)."""
+  rows = authors_kinds()
+  writing = AuthorsWriting(model, rope_main, rows)
+  for kind, row in sorted(rows.items()):
+    if row.write_options is not None and (kind in used or row.carried):
+      row.write_options(writing, kind)
+  return writing.fields
 
 
 def _check_authors_heads(model: ModelConfig, used: list) -> None:
-  """Refuses head layouts their softmax layers cannot run."""
+  """Refuses head layouts their layers cannot run: grouped K/V heads where their layer takes
+  none (``grouped_kv``), and value heads not adding up to the width where their layer reshapes
+  its output (``reshapes_output``)."""
+  rows = authors_kinds()
   Dv = model.v_head_dim
-  softmax_kinds = sorted(set(used) - {"kvm"})
-  if model.kv_heads != model.num_heads and softmax_kinds:
-    raise ExportError(f"num_kv_heads={model.num_kv_heads} with {softmax_kinds} layers: their "
-                      "full/SWA/block-SWA layers call scaled_dot_product_attention without "
-                      "enable_gqa, so only KVM layers may use grouped K/V heads.")
-  if "swa" in used and model.num_heads * Dv != model.hidden_size:
-    raise ExportError(f"SWA layers with num_heads x value head dim = {model.num_heads * Dv} != "
-                      f"hidden_size={model.hidden_size}: their SWA layer reshapes its output to "
-                      "the input's shape.")
+  ungrouped = sorted(kind for kind in used if not rows[kind].grouped_kv)
+  if model.kv_heads != model.num_heads and ungrouped:
+    grouped = _titles(kind for kind, row in rows.items() if row.grouped_kv)
+    raise ExportError(f"num_kv_heads={model.num_kv_heads} with {ungrouped} layers: their "
+                      f"{_titles(ungrouped)} layers call scaled_dot_product_attention without "
+                      f"enable_gqa, so only {grouped} layers may use grouped K/V heads.")
+  for kind in used:
+    if rows[kind].reshapes_output and model.num_heads * Dv != model.hidden_size:
+      raise ExportError(f"{_titles([kind])} layers with num_heads x value head dim = "
+                        f"{model.num_heads * Dv} != hidden_size={model.hidden_size}: their "
+                        f"{_titles([kind])} layer reshapes its output to the input's shape.")
   if model.residual_scale == 0:
     raise ExportError("residual_scale=0: their Block reads `residual_scale or 1.0`, i.e. 1.")
-
-
-def _authors_budget(k: KVMConfig) -> dict:
-  budget, chunk = k.budget, k.chunk_size
-  cap = k.max_state_rows
-  if isinstance(budget, CallableBudget):
-    raise ExportError("a callable KVM budget: their code knows the fixed, power_law and "
-                      "kvm_saturation budgets only.")
-  if isinstance(budget, FixedBudget):
-    rows = budget.rows if cap is None else min(budget.rows, cap)
-    return dict(state_budget_mode="fixed", state_min_len=rows,
-                n_max_d_chunks=math.ceil(rows / chunk))
-  if cap is not None and cap % chunk:
-    raise ExportError(f"kvm.max_state_rows={cap}: their cap is chunk_len x n_max_d_chunks, so it "
-                      f"must be a multiple of chunk_size={chunk}.")
-  n_max = -(-NO_CAP_ROWS // chunk) if cap is None else cap // chunk
-  if isinstance(budget, PowerLawBudget):
-    return dict(state_budget_mode="power_law", state_growth_factor=float(budget.factor),
-                state_growth_exponent=float(budget.exponent), state_min_len=budget.min_rows,
-                state_round_down=budget.round_down, n_max_d_chunks=n_max)
-  if isinstance(budget, SaturatingBudget):
-    return dict(state_budget_mode="kvm_saturation", state_saturation_n=budget.limit,
-                state_min_len=budget.min_rows, state_round_down=budget.round_down,
-                n_max_d_chunks=n_max)
-  raise ExportError(f"kvm.budget={budget!r} has no equivalent in their code.")

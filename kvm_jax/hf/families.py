@@ -11,6 +11,7 @@ docs/pretrained.md has the field table.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Mapping, Optional
 
 import jax
@@ -20,12 +21,12 @@ import numpy as np
 from kvm_jax.hf.config import ConfigError, ExportError
 from kvm_jax.hf.safetensors import CheckpointError
 from kvm_jax.model_config import ModelConfig
+from kvm_jax.nn import registry
 from kvm_jax.nn.family import family_of
 from kvm_jax.nn.layers import path_names
 from kvm_jax.nn.roles import parameter_role
 from kvm_jax.nn.gemma import GemmaOptions
 from kvm_jax.nn.llama import LlamaOptions
-from kvm_jax.nn.swa import SWAOptions
 from kvm_jax.progress import ProgressReport
 
 # model_type -> the kvm_jax family that computes it. Their differences are options: Qwen2's q/k/v
@@ -41,7 +42,32 @@ NOT_SUPPORTED = {
     "mixtral": "Mixtral (mixture of experts)", "llama4": "Llama 4", "phi3": "Phi-3",
     "gpt2": "GPT-2"}
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
-LAYER_TYPES = {"full_attention": "full", "sliding_attention": "swa"}
+
+
+def __getattr__(name: str):
+  # The table this module kept before each kind declared its own layer type (TRANSFORMERS):
+  # still readable, with a DeprecationWarning.
+  if name != "LAYER_TYPES":
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  warnings.warn("kvm_jax.hf.families.LAYER_TYPES is deprecated; each kind's class declares its "
+                "layer type (TRANSFORMERS), read through "
+                "kvm_jax.nn.registry.kinds_of_layer_types().", DeprecationWarning, stacklevel=2)
+  return registry.kinds_of_layer_types()
+
+
+def _kinds_of_types(types, layers: int) -> tuple[str, ...]:
+  """The mixer kind of each of ``layers`` layers named in ``layer_types`` (each kind's own
+  ``TRANSFORMERS.layer_type``), or :class:`ConfigError`."""
+  kinds = registry.kinds_of_layer_types()
+  if len(types) != layers or any(t not in kinds for t in types):
+    raise ConfigError(f"config.json: layer_types={types!r} must name one of "
+                      f"{sorted(kinds)} for each of the {layers} layers.")
+  return tuple(kinds[t] for t in types)
+
+
+def _sliding(kinds) -> set:
+  """The kinds among ``kinds`` whose layers slide a window (``sliding_window``)."""
+  return set(kinds) & set(registry.sliding_kinds())
 
 
 def _field(config: Mapping, name: str, kind=int, default: Any = ..., minimum=None):
@@ -97,21 +123,17 @@ def _mixers(config: Mapping, model_type: str, layers: int) -> tuple[tuple[str, .
     raise ConfigError("config.json: use_sliding_window=true (Qwen's sliding window on the layers "
                       "past max_window_layers) is not supported; published Qwen2/Qwen3 "
                       "checkpoints leave it off.")
-  if types is not None:
-    if len(types) != layers or any(t not in LAYER_TYPES for t in types):
-      raise ConfigError(f"config.json: layer_types={types!r} must name one of "
-                        f"{sorted(LAYER_TYPES)} for each of the {layers} layers.")
-    kinds = tuple(LAYER_TYPES[t] for t in types)
-  elif model_type == "mistral" and window is not None:
-    kinds = ("swa",) * layers
-  else:
-    kinds = ("full",) * layers
-  if model_type in ("qwen2", "qwen3") and "swa" in kinds:
+  if types is None:  # Mistral with a window slides it on every layer
+    types = ["sliding_attention" if model_type == "mistral" and window is not None
+             else "full_attention"] * layers
+  kinds = _kinds_of_types(types, layers)
+  sliding = _sliding(kinds)
+  if model_type in ("qwen2", "qwen3") and sliding:
     raise ConfigError("config.json: sliding_attention layers in a Qwen model (use_sliding_window)"
                       " are not supported.")
-  if "swa" in kinds:
+  if sliding:
     window = _field(config, "sliding_window", minimum=1)
-  return kinds, (window if "swa" in kinds else None)
+  return kinds, (window if sliding else None)
 
 
 def model_config_from_transformers(config: Mapping, *, dtype: str = "float32") -> ModelConfig:
@@ -167,10 +189,18 @@ def _model_config(config: Mapping, family: str, options, kinds: tuple[str, ...],
         num_kv_heads=None if kv_heads == heads else kv_heads,
         head_dim=None if head_dim * heads == hidden else head_dim,
         mixers=kinds[0] if len(set(kinds)) == 1 else kinds,
-        options={"swa": SWAOptions(window=window)} if window else {},
+        options=_window_options(kinds, window) if window else {},
         rope_dims=head_dim, rope_theta=theta, param_dtype=dtype, compute_dtype=dtype)
   except ValueError as e:
     raise ConfigError(f"config.json gives no valid kvm_jax model: {e}") from None
+
+
+def _window_options(kinds: tuple[str, ...], window: int) -> dict:
+  """``{kind: its options with window}`` of the sliding kinds among ``kinds`` (the field their
+  ``TRANSFORMERS.window_option`` names)."""
+  rows, sliding = registry.transformers_layers(), _sliding(kinds)
+  return {kind: registry.mixer_class(kind).Options(**{rows[kind].window_option: window})
+          for kind in dict.fromkeys(kinds) if kind in sliding}
 
 
 def _gemma_rope(config: Mapping) -> tuple[float, float, dict]:
@@ -220,10 +250,7 @@ def _gemma_layer_types(config: Mapping, model_type: str, layers: int) -> tuple[s
     pattern = _field(config, "sliding_window_pattern", default=6, minimum=1)
     types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
              for i in range(layers)]
-  if len(types) != layers or any(t not in LAYER_TYPES for t in types):
-    raise ConfigError(f"config.json: layer_types={types!r} must name one of "
-                      f"{sorted(LAYER_TYPES)} for each of the {layers} layers.")
-  return tuple(LAYER_TYPES[t] for t in types)
+  return _kinds_of_types(types, layers)
 
 
 def _softcap(config: Mapping, name: str) -> Optional[float]:
@@ -248,7 +275,8 @@ def _gemma_config(config: Mapping, model_type: str, dtype: str) -> ModelConfig:
   layers = _field(config, "num_hidden_layers", minimum=1)
   head_dim = _field(config, "head_dim", default=256, minimum=1)  # both models' default
   kinds = _gemma_layer_types(config, model_type, layers)
-  window = _field(config, "sliding_window", minimum=1) if "swa" in kinds else None
+  sliding = _sliding(kinds)
+  window = _field(config, "sliding_window", minimum=1) if sliding else None
   gemma2 = model_type == "gemma2"
   theta, local_theta, rope_fields = (_gemma2_rope if gemma2 else _gemma_rope)(config)
   options = GemmaOptions(
@@ -256,7 +284,7 @@ def _gemma_config(config: Mapping, model_type: str, dtype: str) -> ModelConfig:
       norm_eps=_field(config, "rms_norm_eps", float, minimum=0.0),
       query_pre_attn_scalar=_field(config, "query_pre_attn_scalar", float, default=head_dim,
                                    minimum=0.0),
-      local_layers=tuple(i for i, k in enumerate(kinds) if k == "swa"),
+      local_layers=tuple(i for i, k in enumerate(kinds) if k in sliding),
       local_rope_theta=local_theta, attention_bias=bool(config.get("attention_bias", False)),
       qk_norm=not gemma2, attention_softcap=_softcap(config, "attn_logit_softcapping"),
       final_logit_softcap=_softcap(config, "final_logit_softcapping"),
@@ -335,8 +363,8 @@ def _model_type(cfg: ModelConfig) -> str:
   """The transformers model type that computes ``cfg`` (Llama-family options and layers), or an
   :class:`ExportError` saying why none does."""
   o, kinds = cfg.family_options, set(cfg.layer_mixers)
-  if not kinds <= {"full", "swa"}:
-    raise ExportError(f"layers {sorted(kinds - {'full', 'swa'})} have no transformers format "
+  if _without_format(kinds):
+    raise ExportError(f"layers {_without_format(kinds)} have no transformers format "
                       "(only full and sliding-window attention do); a converted model exports "
                       "once distilled back into attention, or stays a kvm_jax run.")
   if cfg.kv_sharing != "none" or cfg.value_head_dim not in (None, cfg.qk_head_dim):
@@ -345,8 +373,8 @@ def _model_type(cfg: ModelConfig) -> str:
   if cfg.residual_scale not in (None, 1.0) or cfg.rope_dims != cfg.qk_head_dim:
     raise ExportError("a residual scale, or RoPE on part of a head, has no transformers format "
                       "in this family.")
-  if "swa" in kinds:
-    if kinds != {"swa"} or o.qkv_bias or o.output_bias or o.mlp_bias or o.qk_norm \
+  if _sliding(kinds):
+    if len(kinds) > 1 or o.qkv_bias or o.output_bias or o.mlp_bias or o.qk_norm \
         or o.rope_scaling != "none":
       raise ExportError("sliding-window layers export as Mistral, whose layers all slide one "
                         "window, with no biases, q/k norms or RoPE scaling.")
@@ -366,6 +394,25 @@ def _model_type(cfg: ModelConfig) -> str:
   if o.output_bias != o.qkv_bias:
     raise ExportError("an output bias without q/k/v biases has no transformers format.")
   return "llama"
+
+
+def _without_format(kinds) -> list[str]:
+  """The kinds among ``kinds`` that transformers' format has no layers for (no ``TRANSFORMERS``
+  row), sorted."""
+  return sorted(set(kinds) - set(registry.transformers_layers()))
+
+
+def _sliding_window(cfg: ModelConfig) -> Optional[int]:
+  """``sliding_window``: the window of ``cfg``'s sliding layers (the options field their kind's
+  ``TRANSFORMERS.window_option`` names), None when no layer slides; :class:`ExportError` for two
+  windows (transformers' config holds one)."""
+  rows = registry.transformers_layers()
+  windows = {getattr(cfg.options_of(kind), rows[kind].window_option)
+             for kind in _sliding(cfg.layer_mixers)}
+  if len(windows) > 1:
+    raise ExportError(f"sliding-window layers of windows {sorted(windows)}: transformers' "
+                      "config.json holds one sliding_window.")
+  return windows.pop() if windows else None
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -396,11 +443,12 @@ def _gemma_model_type(cfg: ModelConfig) -> str:
 def _gemma_export_config(cfg: ModelConfig) -> dict:
   """The Gemma 2 / Gemma 3 text fields of a Gemma-family ``cfg`` (4.x layout), or
   :class:`ExportError`."""
-  o, kinds = cfg.family_options, cfg.layer_mixers
-  if not set(kinds) <= {"full", "swa"}:
-    raise ExportError(f"layers {sorted(set(kinds) - {'full', 'swa'})} have no transformers "
+  o, kinds, rows = cfg.family_options, cfg.layer_mixers, registry.transformers_layers()
+  if _without_format(kinds):
+    raise ExportError(f"layers {_without_format(kinds)} have no transformers "
                       "format (only full and sliding-window attention do).")
-  local = tuple(i for i, k in enumerate(kinds) if k == "swa")
+  sliding = _sliding(kinds)
+  local = tuple(i for i, k in enumerate(kinds) if k in sliding)
   if local != o.local_layers:
     raise ExportError(f"Gemma's sliding-window layers are its local ones: layers {local} slide "
                       f"but local_layers={o.local_layers}.")
@@ -409,8 +457,8 @@ def _gemma_export_config(cfg: ModelConfig) -> dict:
     raise ExportError("cross-layer KV sharing, wider value heads, a residual scale or partial "
                       "RoPE have no transformers format in this family.")
   fields = {
-      "layer_types": ["sliding_attention" if k == "swa" else "full_attention" for k in kinds],
-      "sliding_window": cfg.options_of("swa").window if local else None,
+      "layer_types": [rows[k].layer_type for k in kinds],
+      "sliding_window": _sliding_window(cfg),
       "query_pre_attn_scalar": _int_if_whole(o.query_pre_attn_scalar or cfg.qk_head_dim),
       "hidden_activation": "gelu_pytorch_tanh", "attention_bias": o.attention_bias,
       "tie_word_embeddings": True, "final_logit_softcapping": o.final_logit_softcap,
@@ -455,7 +503,7 @@ def transformers_config_from_model(cfg: ModelConfig, dtype: str,
   if model_type == "llama":
     config["mlp_bias"] = o.mlp_bias
   if model_type == "mistral":
-    config["sliding_window"] = cfg.options_of("swa").window
+    config["sliding_window"] = _sliding_window(cfg)
   if model_type in ("qwen2", "qwen3"):
     config.update(use_sliding_window=False, sliding_window=None,
                   max_window_layers=cfg.num_layers)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvm_jax.hf.config import authors_kinds
 from kvm_jax.hf.safetensors import CheckpointError
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.authors_format import Layout, layout_of, unused_zeros
@@ -30,12 +31,12 @@ def layouts(cfg: ModelConfig, state=None) -> dict[str, Layout]:
   (``state``: its abstract parameters, when already at hand)."""
   if state is None:
     _, state = abstract_model(cfg)
-  out = {}
+  out, rows = {}, authors_kinds()
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
     names = path_names(path)
     layer = parameter_role(path).layer
-    kind = None if layer is None else cfg.layer_mixers[layer]
-    layout = layout_of(names, tuple(leaf.shape), kind)
+    row = None if layer is None else rows.get(cfg.layer_mixers[layer])
+    layout = layout_of(names, tuple(leaf.shape), row)
     if layout is None:
       raise CheckpointError(f"parameter {'/'.join(names)} has no counterpart in the authors' "
                             "model (cross-layer KV sharing weights, for example).")
@@ -47,7 +48,7 @@ def authors_shapes(cfg: ModelConfig, table: Optional[dict[str, Layout]] = None
                    ) -> dict[str, tuple[int, ...]]:
   """``{their tensor name: shape}`` of the state dict their model holds for ``cfg``."""
   shapes = {lay.name: lay.shape for lay in (table or layouts(cfg)).values()}
-  shapes.update(unused_zeros(cfg))
+  shapes.update(unused_zeros(cfg, authors_kinds()))
   return shapes
 
 
@@ -67,7 +68,7 @@ def to_authors(params: Any, cfg: ModelConfig, dtype=None) -> dict[str, np.ndarra
   if missing:
     raise CheckpointError(f"the parameters lack {missing[:8]} for this config.")
   some = next(iter(out.values()))
-  for name, shape in unused_zeros(cfg).items():
+  for name, shape in unused_zeros(cfg, authors_kinds()).items():
     out[name] = np.zeros(shape, some.dtype)
   return out
 

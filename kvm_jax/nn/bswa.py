@@ -8,7 +8,8 @@ from typing import Optional
 
 from kvm_jax.budget import average_window_keys
 from kvm_jax.model_config import ModelConfig
-from kvm_jax.nn.authors_format import AuthorsMixer
+from kvm_jax.nn.authors_format import (AuthorsMixer, AuthorsReading, AuthorsWriting,
+                                     shared_window)
 from kvm_jax.nn.attention import SoftmaxAttention
 from kvm_jax.nn.mixer import KVMConversion
 from kvm_jax.ops import attention as attn_ops
@@ -38,12 +39,26 @@ class BSWAOptions:
         raise ValueError(f"BSWAOptions.{name} must be an int >= {low}, got {value!r}.")
 
 
+def _read_authors_options(reading: AuthorsReading) -> BSWAOptions:
+  """The options of their config: the window geometry it shares with their KVM layers."""
+  chunk, window_chunks, sink = shared_window(reading.fields)
+  return BSWAOptions(chunk_size=chunk, window_chunks=window_chunks, sink_rows=sink)
+
+
+def _write_authors_options(writing: AuthorsWriting, kind: str) -> None:
+  """Their chunk_len, n_bswa_chunks and sink_len."""
+  o = writing.model.options_of(kind)
+  writing.put(kind, chunk_len=o.chunk_size, n_bswa_chunks=o.window_chunks, sink_len=o.sink_rows)
+
+
 class BlockSlidingWindowAttention(SoftmaxAttention):
   """Block sliding window with sinks."""
 
   Options = BSWAOptions
   AUTHORS = AuthorsMixer(("gptalpha_bswa",), ("model.gptalpha_bswa_mixer.SequenceMixer",),
-                         "gptalpha")
+                         "gptalpha", title="block-SWA", carried=True,
+                         read_options=_read_authors_options,
+                         write_options=_write_authors_options)
 
   @classmethod
   def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:

@@ -9,7 +9,7 @@ from typing import Optional
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.authors_format import AuthorsMixer
 from kvm_jax.nn.attention import SoftmaxAttention
-from kvm_jax.nn.mixer import KVMConversion
+from kvm_jax.nn.mixer import KVMConversion, TransformersLayer
 from kvm_jax.ops.attention_api import causal_attention
 
 
@@ -23,7 +23,9 @@ class FullAttention(SoftmaxAttention):
   """Causal attention over every previous token."""
 
   Options = FullOptions
-  AUTHORS = AuthorsMixer(("gptalpha",), ("model.gptalpha_mixer.SequenceMixer",), "gptalpha")
+  AUTHORS = AuthorsMixer(("gptalpha",), ("model.gptalpha_mixer.SequenceMixer",), "gptalpha",
+                         title="full-attention")
+  TRANSFORMERS = TransformersLayer("full_attention")
 
   @classmethod
   def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:

@@ -5,16 +5,20 @@ W_g and the two key temperatures, over the KVM op of :mod:`kvm_jax.ops.kvm`; its
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvm_jax.budget import average_visible_keys, state_rows_after
+from kvm_jax.budget import (CallableBudget, FixedBudget, PowerLawBudget, SaturatingBudget,
+                            average_visible_keys, state_rows_after)
 from kvm_jax.config import KVMConfig
 from kvm_jax.model_config import ModelConfig
-from kvm_jax.nn.authors_format import AuthorsMixer
+from kvm_jax.nn.authors_format import (AuthorsMixer, AuthorsReading, AuthorsWriting,
+                                     ConfigError, ExportError, read_flag, read_float,
+                                     read_int, shared_window)
 from kvm_jax.nn import kv_sharing
 from kvm_jax.nn.attention import AttentionFrontEnd
 from kvm_jax.nn.cache import RESUME
@@ -28,6 +32,125 @@ from kvm_jax.ops.kvm.state import KVMParams
 Array = jax.Array
 
 
+# The authors' format (docs/checkpoints.md): their KVM fields <-> KVMConfig.
+
+# A state cap that cannot bind: their cap is chunk_len x n_max_d_chunks rows, and no budget exceeds
+# the tokens seen, which int32 positions keep below 2^31. (Their own configs say "no cap" with
+# n_max_d_chunks = 10000, which does bind past 10000 chunks' worth of rows.)
+NO_CAP_ROWS = 2**31
+
+
+def _read_authors_options(reading: AuthorsReading) -> KVMConfig:
+  """The options of their KVM fields (rotating the role's ``rope_partial_dim`` channels of heads
+  ``qk_head_dim`` wide; the window geometry, which their KVM and block-SWA layers share)."""
+  cfg, dims, d_qk = reading.fields, reading.rope_dims, reading.qk_head_dim
+  chunk, window_chunks, sink = shared_window(cfg)
+  zeroed = read_int(cfg, "rope_partial_dim", 0) or d_qk
+  if dims <= 0 or zeroed != dims:
+    raise ConfigError(
+        f"the KVM layers rotate {dims} channels (rope_partial_dim / alt_rope_partial_dim) but "
+        f"their state keys zero {zeroed} (rope_partial_dim={cfg['rope_partial_dim']}, where 0 "
+        "means every channel); kvm_jax zeroes exactly the rotary channels, so the two must be "
+        "equal and positive.")
+  if not read_flag(cfg, "kvm_use_vlens"):
+    raise ConfigError("kvm_use_vlens=0: their state-value readout without radii divides by a "
+                      "count that is never kept (docs/kvm-spec.md §6.9); kvm_jax does not "
+                      "reproduce it (its value_norm='none' reads raw sums instead).")
+  fields = dict(
+      chunk_size=chunk, window_chunks=window_chunks, sink_rows=sink, rope_dims=dims,
+      budget=_read_authors_budget(cfg), max_state_rows=chunk * read_int(cfg, "n_max_d_chunks", 1),
+      gate_keys=read_flag(cfg, "kvm_use_merge_gate_keys"),
+      gate_values=read_flag(cfg, "kvm_use_merge_gate_values"),
+      gate_appends=read_flag(cfg, "kvm_apply_merge_gate_to_appends"),
+      gate_initial_state=read_flag(cfg, "kvm_apply_merge_gate_to_initial_state"),
+      head_temperatures=read_flag(cfg, "kvm_use_head_temps"), value_norm="radius")
+  try:
+    return KVMConfig(**fields)
+  except ValueError as e:  # KVMConfig's own validation
+    raise ConfigError(f"the KVM fields (chunk_len, n_bswa_chunks, sink_len, state_*) give no "
+                      f"valid KVM layer: {e}") from None
+
+
+def _read_authors_budget(cfg):
+  """The KVM budget of their config (docs/kvm-spec.md §6.3)."""
+  mode = cfg["state_budget_mode"]
+  min_len = max(read_int(cfg, "state_min_len"), 0)  # their default -1 never binds: targets >= 0
+  if mode == "fixed":
+    # The state starts as the first chunk's rows and never shrinks, so any fixed target up to
+    # chunk_len (their default -1 included) keeps exactly that chunk: FixedBudget(chunk_len).
+    return FixedBudget(rows=max(min_len, read_int(cfg, "chunk_len", 1)))
+  round_down = read_int(cfg, "state_round_down", 1)
+  if mode == "power_law":
+    return PowerLawBudget(read_float(cfg, "state_growth_factor"),
+                          read_float(cfg, "state_growth_exponent"), min_rows=min_len,
+                          round_down=round_down)
+  if mode == "kvm_saturation":
+    if cfg["state_saturation_n"] is None:
+      raise ConfigError("state_budget_mode='kvm_saturation' needs state_saturation_n (the limit "
+                        "the state saturates toward), got None.")
+    return SaturatingBudget(read_int(cfg, "state_saturation_n", 1), min_rows=min_len,
+                            round_down=round_down)
+  raise ConfigError(f"state_budget_mode={mode!r}: choose 'fixed', 'power_law' or "
+                    "'kvm_saturation'.")
+
+
+def _write_authors_options(writing: AuthorsWriting, kind: str) -> None:
+  """Their KVM fields for the options of ``kind`` (the window geometry first: their block-SWA
+  layers share it), or :class:`ExportError` naming what their KVM layer computes otherwise."""
+  model, k = writing.model, writing.model.options_of(kind)
+  writing.put(kind, chunk_len=k.chunk_size, n_bswa_chunks=k.window_chunks, sink_len=k.sink_rows)
+  rope_main = writing.rope_partial_dim
+  zeroed = rope_main or model.qk_head_dim  # their KVM layer zeroes rope_partial_dim, 0 = all
+  if model.rope_dims == 0 or model.rope_dims != zeroed:
+    raise ExportError(
+        f"the KVM layers rotate rope_dims={model.rope_dims} channels, but their KVM layer "
+        f"zeroes rope_partial_dim={rope_main} ({zeroed}) channels of the state keys "
+        "(rope_partial_dim belongs to the main mixer; 0 means every channel).")
+  if k.value_norm != "radius":
+    raise ExportError(f"kvm.value_norm={k.value_norm!r}: their code reads the state values "
+                      "normalized times the radius (kvm_use_vlens=1); its kvm_use_vlens=0 path "
+                      "computes something else (docs/kvm-spec.md §6.9).")
+  if k.ln_eps != 1e-5:
+    raise ExportError(f"kvm.ln_eps={k.ln_eps}: their LN_s uses 1e-5.")
+  if k.state_zeroed_dims != k.rope_dims:
+    raise ExportError(f"kvm.state_rope_dims={k.state_rope_dims}: their state zeroes every "
+                      f"rotary channel ({k.rope_dims}).")
+  if k.logit_softcap is not None:
+    raise ExportError(f"kvm.logit_softcap={k.logit_softcap}: their readout does not soft-cap "
+                      "scores.")
+  writing.put(kind, **_write_authors_budget(k), kvm_use_merge_gate_keys=int(k.gate_keys),
+              kvm_use_merge_gate_values=int(k.gate_values),
+              kvm_apply_merge_gate_to_appends=int(k.gate_appends),
+              kvm_apply_merge_gate_to_initial_state=int(k.gate_initial_state),
+              kvm_use_head_temps=int(k.head_temperatures), kvm_use_vlens=1)
+
+
+def _write_authors_budget(k: KVMConfig) -> dict:
+  """Their state_* and n_max_d_chunks fields for the budget and cap of ``k``."""
+  budget, chunk = k.budget, k.chunk_size
+  cap = k.max_state_rows
+  if isinstance(budget, CallableBudget):
+    raise ExportError("a callable KVM budget: their code knows the fixed, power_law and "
+                      "kvm_saturation budgets only.")
+  if isinstance(budget, FixedBudget):
+    rows = budget.rows if cap is None else min(budget.rows, cap)
+    return dict(state_budget_mode="fixed", state_min_len=rows,
+                n_max_d_chunks=math.ceil(rows / chunk))
+  if cap is not None and cap % chunk:
+    raise ExportError(f"kvm.max_state_rows={cap}: their cap is chunk_len x n_max_d_chunks, so it "
+                      f"must be a multiple of chunk_size={chunk}.")
+  n_max = -(-NO_CAP_ROWS // chunk) if cap is None else cap // chunk
+  if isinstance(budget, PowerLawBudget):
+    return dict(state_budget_mode="power_law", state_growth_factor=float(budget.factor),
+                state_growth_exponent=float(budget.exponent), state_min_len=budget.min_rows,
+                state_round_down=budget.round_down, n_max_d_chunks=n_max)
+  if isinstance(budget, SaturatingBudget):
+    return dict(state_budget_mode="kvm_saturation", state_saturation_n=budget.limit,
+                state_min_len=budget.min_rows, state_round_down=budget.round_down,
+                n_max_d_chunks=n_max)
+  raise ExportError(f"kvm.budget={budget!r} has no equivalent in their code.")
+
+
 class KVMAttention(AttentionFrontEnd):
   """Exact window + compressed state, one softmax over both.
 
@@ -39,7 +162,9 @@ class KVMAttention(AttentionFrontEnd):
   Options = KVMConfig
   AUTHORS = AuthorsMixer(("kvm", "kvm_triton"),
                          ("model.kvm_mixer.SequenceMixer", "model.kvm_triton_mixer.SequenceMixer",
-                          "model.kvm_fp32_routing_reference.SequenceMixer"), "kvm")
+                          "model.kvm_fp32_routing_reference.SequenceMixer"), "kvm",
+                         title="KVM", grouped_kv=True, read_options=_read_authors_options,
+                         write_options=_write_authors_options)
   LOGICAL_AXES = {**AttentionFrontEnd.LOGICAL_AXES, "key_weighting": ("embed", "kv_heads")}
   # What a KVM layer adds to the attention front end (the "KVM-only" parameters of conversion and
   # distillation), and the values that leave a converted layer's in-window logits unchanged:

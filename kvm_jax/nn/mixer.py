@@ -48,7 +48,15 @@ class Mixed(NamedTuple):
 
 class MixerKind(Protocol):
   """A mixer kind's class. Class-level members describe the kind to the rest of the library;
-  instances are the layers (``cls(cfg, layer, rngs=...)``)."""
+  instances are the layers (``cls(cfg, layer, rngs=...)``).
+
+  Not required, and read from the kind's own class only (a subclass registered under another
+  name does not inherit them): ``AUTHORS``, a :class:`kvm_jax.nn.authors_format.AuthorsMixer`
+  (the authors' names for the kind and what its layers read and write in their config.json;
+  without it the authors' format has no such layer), ``TRANSFORMERS``, a
+  :class:`TransformersLayer` (its layer type in transformers' config.json; without it the
+  transformers format has no such layer), and the classmethod ``kvm_conversion``
+  (:class:`KVMConversion`)."""
 
   #: The kind's options: a frozen dataclass (``ModelConfig.options[kind]``).
   Options: ClassVar[type]
@@ -120,6 +128,23 @@ class KVMConversion:
   defaults: dict = dataclasses.field(default_factory=dict)
   description: str = ""
   advice: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformersLayer:
+  """How transformers' Llama and Gemma families write one kind's layers in ``config.json``: a
+  kind they have declares it as the class attribute ``TRANSFORMERS`` (kinds without it have no
+  transformers format; a subclass registered as another kind does not inherit it).
+
+  Attributes:
+    layer_type: its name in ``layer_types`` ("full_attention", "sliding_attention"); where two
+      kinds declare one, the first registered reads it.
+    window_option: the field of the kind's options that holds ``sliding_window`` (Mistral's and
+      Gemma's local layers slide one window); None: its layers see every earlier token.
+  """
+
+  layer_type: str
+  window_option: Optional[str] = None
 
 
 def protocol_members(protocol: type) -> tuple[str, ...]:

@@ -19,7 +19,8 @@ import numpy as np
 from flax import nnx
 
 from kvm_jax.model_config import ModelConfig
-from kvm_jax.nn.authors_format import AuthorsMixer
+from kvm_jax.nn.authors_format import (AuthorsMixer, AuthorsReading, AuthorsWriting,
+                                     ConfigError, read_flag, read_int)
 from kvm_jax.nn.attention import AttentionFrontEnd
 from kvm_jax.ops.ovq.config import OVQConfig
 from kvm_jax.nn.cache import RESUME
@@ -39,11 +40,39 @@ def l2_normalize(x: Array, eps: float = 1e-5) -> Array:
   return (x32 / (jnp.sqrt(jnp.sum(x32 * x32, -1, keepdims=True)) + eps)).astype(x.dtype)
 
 
+def _read_authors_options(reading: AuthorsReading) -> OVQConfig:
+  """The options of their config's ``ovq_*`` fields."""
+  cfg = reading.fields
+  try:
+    return OVQConfig(chunk_size=read_int(cfg, "ovq_chunk_size", 1),
+                     max_centroids=read_int(cfg, "ovq_max_centroids", 1),
+                     min_state_size=read_flag(cfg, "ovq_use_min_state_size"),
+                     count_bias=not read_flag(cfg, "ovq_use_counts_for_lr_only"),
+                     normalize_centroids=read_flag(cfg, "ovq_normalize_centroids"),
+                     delta_rule=read_flag(cfg, "ovq_use_delta_rule"))
+  except ValueError as e:  # OVQConfig's own validation
+    raise ConfigError(f"ovq_chunk_size={cfg['ovq_chunk_size']!r}, ovq_max_centroids="
+                      f"{cfg['ovq_max_centroids']!r}: {e}") from None
+
+
+def _write_authors_options(writing: AuthorsWriting, kind: str) -> None:
+  """Their ``ovq_*`` fields (``ovq_window_size`` is never read by their layer; the paper's
+  configs set it to the chunk)."""
+  o = writing.model.options_of(kind)
+  writing.put(kind, ovq_chunk_size=o.chunk_size, ovq_window_size=o.chunk_size,
+              ovq_max_centroids=o.max_centroids, ovq_use_min_state_size=int(o.min_state_size),
+              ovq_use_counts_for_lr_only=int(not o.count_bias),
+              ovq_normalize_centroids=int(o.normalize_centroids),
+              ovq_use_delta_rule=int(o.delta_rule))
+
+
 class OVQAttention(AttentionFrontEnd):
   """Online vector quantization over the attention front end (no QK-LN, no RoPE)."""
 
   Options = OVQConfig
-  AUTHORS = AuthorsMixer(("ovq",), ("model.ovq_mixer.SequenceMixer",), "ovq", rotates=False)
+  AUTHORS = AuthorsMixer(("ovq",), ("model.ovq_mixer.SequenceMixer",), "ovq", rotates=False,
+                         title="OVQ", read_options=_read_authors_options,
+                         write_options=_write_authors_options)
   QK_NORM = False
   DOCUMENTS = True
   # SOFTCAP stays False: its dictionary readout has no soft-capped form.

@@ -41,7 +41,7 @@ from kvm_jax.nn.gemma import Gemma
 from kvm_jax.nn.llama import Llama
 from kvm_jax.nn.full import FullAttention
 from kvm_jax.nn.kvm import KVMAttention
-from kvm_jax.nn.mixer import MixerKind, protocol_members
+from kvm_jax.nn.mixer import MixerKind, TransformersLayer, protocol_members
 from kvm_jax.nn.ovq import OVQAttention
 from kvm_jax.nn.rwkv7 import RWKV7TimeMix
 from kvm_jax.nn.swa import SlidingWindowAttention
@@ -189,6 +189,30 @@ def mixer_class(kind: str) -> type:
 def registered_mixers() -> dict[str, type]:
   """``{kind: class}`` of every registered kind (a copy)."""
   return dict(_CLASSES)
+
+
+def transformers_layers() -> dict[str, TransformersLayer]:
+  """``{kind: TRANSFORMERS row}`` of every registered kind that transformers' Llama and Gemma
+  formats have: the row its own class declares (a subclass registered under another name does not
+  inherit it)."""
+  return {kind: vars(cls)["TRANSFORMERS"] for kind, cls in _CLASSES.items()
+          if vars(cls).get("TRANSFORMERS") is not None}
+
+
+def kinds_of_layer_types() -> dict[str, str]:
+  """transformers' ``layer_types`` names -> the kind whose layers they are (the first registered
+  where two kinds declare one)."""
+  out: dict[str, str] = {}
+  for kind, row in transformers_layers().items():
+    out.setdefault(row.layer_type, kind)
+  return out
+
+
+def sliding_kinds() -> tuple[str, ...]:
+  """The kinds whose layers slide a window in transformers' format (their options' window is
+  ``config.json``'s ``sliding_window``)."""
+  return tuple(kind for kind, row in transformers_layers().items()
+               if row.window_option is not None)
 
 
 def logical_axes() -> dict[str, tuple]:

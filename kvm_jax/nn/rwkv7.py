@@ -29,7 +29,8 @@ import numpy as np
 from flax import nnx
 
 from kvm_jax.model_config import ModelConfig, lora_width
-from kvm_jax.nn.authors_format import AuthorsMixer
+from kvm_jax.nn.authors_format import (LN_LEAVES, AuthorsMixer, AuthorsReading, Layout,
+                                     copied, transposed, with_leading_ones)
 from kvm_jax.nn.attention import cache_bytes_from_shapes
 from kvm_jax.nn.cache import RESUME
 from kvm_jax.nn.mixer import MixerOutput
@@ -116,6 +117,33 @@ jax.tree_util.register_dataclass(RWKV7Cache, data_fields=["state", "last_input",
                                  meta_fields=["max_len"])
 
 
+# Their time mix (model/rwkv7_mixer.py) names its tensors its own way: projections, the
+# per-channel vectors (stored with two leading singleton axes), r_k [H, N] and the GroupNorm ln_x.
+_AUTHORS_PROJECTIONS = {"receptance", "key", "value", "output", "w1", "w2", "a1", "a2", "v1", "v2",
+                        "g1", "g2"}
+_AUTHORS_VECTORS = {"x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "w0", "a0", "v0", "k_k", "k_a"}
+
+
+def authors_layout(prefix: str, owners: list[str], leaf: str, shape) -> Optional[Layout]:
+  """The authors' layout of an ``rwkv7`` layer's own parameter (None for the block's shared
+  ones, which :func:`kvm_jax.nn.authors_format.layout_of` maps)."""
+  if owners == ["attn"] and leaf in _AUTHORS_VECTORS:
+    return with_leading_ones(f"{prefix}attn.{leaf}", shape)
+  if owners == ["attn"] and leaf == "r_k":
+    return copied(f"{prefix}attn.r_k", shape)
+  if owners == ["attn", "ln_x"] and leaf in LN_LEAVES:
+    return copied(f"{prefix}attn.ln_x.{LN_LEAVES[leaf]}", shape)
+  if len(owners) == 2 and owners[1] in _AUTHORS_PROJECTIONS and leaf == "kernel":
+    return transposed(f"{prefix}attn.{owners[1]}.weight", shape)
+  return None
+
+
+def authors_options(reading: AuthorsReading) -> RWKV7Options:
+  """Their config has no RWKV-7 options (``chunk_size`` is kvm_jax's compute setting): the
+  defaults."""
+  return RWKV7Options()
+
+
 def _ramp(n: int, power: float, dtype) -> Array:
   return jnp.asarray(1.0 - np.power(np.arange(n) / n, power), dtype)
 
@@ -125,7 +153,9 @@ class RWKV7TimeMix(nnx.Module):
   the attention front end."""
 
   Options = RWKV7Options
-  AUTHORS = AuthorsMixer(("rwkv7",), ("model.rwkv7_mixer.SequenceMixer",), None, rotates=False)
+  AUTHORS = AuthorsMixer(("rwkv7",), ("model.rwkv7_mixer.SequenceMixer",), None, rotates=False,
+                         title="RWKV-7", own_head_width=True, always_value_residual=True,
+                         read_options=authors_options, layout=authors_layout)
   LOGICAL_AXES = {"receptance": ("embed", "heads"), "key": ("embed", "heads"),
                   "value": ("embed", "heads"), "output": ("heads", "embed"),
                   "w1": ("embed", "lora"), "w2": ("lora", "heads"),

@@ -9,9 +9,9 @@ from typing import Optional
 import numpy as np
 
 from kvm_jax.model_config import ModelConfig
-from kvm_jax.nn.authors_format import AuthorsMixer
+from kvm_jax.nn.authors_format import AuthorsMixer, AuthorsReading, AuthorsWriting, read_int
 from kvm_jax.nn.attention import SoftmaxAttention
-from kvm_jax.nn.mixer import KVMConversion
+from kvm_jax.nn.mixer import KVMConversion, TransformersLayer
 from kvm_jax.ops.attention_api import causal_attention
 from kvm_jax.ops.documents import WindowRule
 
@@ -37,11 +37,28 @@ class SWAOptions:
     return model.rope_dims if self.rope_dims is None else self.rope_dims
 
 
+def _read_authors_options(reading: AuthorsReading) -> SWAOptions:
+  """The options of their config: the window ``swa_window_size``, where their swa_mixer takes
+  ``chunk_len`` for a value <= 0, and the rotary width of the layers' role."""
+  window = read_int(reading.fields, "swa_window_size")
+  window = window if window > 0 else read_int(reading.fields, "chunk_len", 1)
+  return SWAOptions(window=window, rope_dims=reading.rope_dims)
+
+
+def _write_authors_options(writing: AuthorsWriting, kind: str) -> None:
+  """Their ``swa_window_size`` (the rotary width is the role's ``*rope_partial_dim``)."""
+  writing.put(kind, swa_window_size=writing.model.options_of(kind).window)
+
+
 class SlidingWindowAttention(SoftmaxAttention):
   """Causal attention over the last ``SWAOptions.window`` tokens."""
 
   Options = SWAOptions
-  AUTHORS = AuthorsMixer(("swa",), ("model.swa_mixer.SequenceMixer",), "swa")
+  AUTHORS = AuthorsMixer(("swa",), ("model.swa_mixer.SequenceMixer",), "swa", title="SWA",
+                         own_rope=True, reshapes_output=True, carried=True,
+                         read_options=_read_authors_options,
+                         write_options=_write_authors_options)
+  TRANSFORMERS = TransformersLayer("sliding_attention", window_option="window")
 
   @classmethod
   def exact_window(cls, cfg: ModelConfig, layer: int) -> Optional[int]:
