@@ -39,6 +39,8 @@ from kvm_jax.nn.registry import mixer_class, registered_mixers
 from kvm_jax.nn.model import LM
 from kvm_jax.nn.roles import conversion_value, parameter_role
 
+#: The kind every conversion produces (the one place this module names it).
+TARGET_KIND = "kvm"
 # KVMConfig fields a trained model's parameters do not depend on: what a test-time schedule may
 # change. The others add, remove or reinterpret parameters.
 SCHEDULE_FIELDS = ("budget", "max_state_rows", "chunk_size", "window_chunks", "sink_rows",
@@ -90,7 +92,7 @@ def __getattr__(name: str):
 
 def has_kvm_layers(cfg: ModelConfig) -> bool:
   """Whether any layer of ``cfg`` is a ``kvm`` layer (what ``with_kvm`` changes)."""
-  return "kvm" in cfg.layer_mixers
+  return TARGET_KIND in cfg.layer_mixers
 
 
 def _same_parameters(cfg: ModelConfig, new_cfg: ModelConfig, model: LM) -> nnx.GraphDef:
@@ -144,7 +146,7 @@ def with_kvm(model: LM, **fields) -> LM:
   if options.uses_gate != cfg.kvm.uses_gate:
     raise ValueError("gate_keys/gate_values: turning both off (or one back on) removes (adds) "
                      "the merge-gate projection W_g; keep at least one as trained.")
-  new_cfg = dataclasses.replace(cfg, options=cfg.options.set("kvm", options))
+  new_cfg = dataclasses.replace(cfg, options=cfg.options.set(TARGET_KIND, options))
   graphdef = _same_parameters(cfg, new_cfg, model)
   return nnx.merge(graphdef, nnx.state(model))
 
@@ -211,7 +213,7 @@ def default_kvm_options(cfg: ModelConfig, layers: Sequence[int]) -> KVMConfig:
   and, when ``bswa`` layers are converted, their chunk geometry."""
   if has_kvm_layers(cfg):
     return cfg.kvm
-  base = cfg.options_of("kvm")
+  base = cfg.options_of(TARGET_KIND)
   fields: dict[str, Any] = {"rope_dims": cfg.rope_dims}
   if base.state_rope_dims is None:
     fields["state_rope_dims"] = default_state_rope_dims(cfg)
@@ -258,9 +260,9 @@ def converted_config(cfg: ModelConfig, layers: Sequence[int],
   anchors is refused."""
   kvm = kvm if kvm is not None else default_kvm_options(cfg, layers)
   _check_convertible(cfg, layers, kvm)
-  mixers = tuple("kvm" if i in layers else kind for i, kind in enumerate(cfg.layer_mixers))
+  mixers = tuple(TARGET_KIND if i in layers else kind for i, kind in enumerate(cfg.layer_mixers))
   try:
-    new = dataclasses.replace(cfg, mixers=mixers, options=cfg.options.set("kvm", kvm))
+    new = dataclasses.replace(cfg, mixers=mixers, options=cfg.options.set(TARGET_KIND, kvm))
     anchors = [cfg.value_anchor(i) for i in range(cfg.num_layers)]
     if cfg.value_residual and [new.value_anchor(i) for i in range(cfg.num_layers)] != anchors:
       new = new.with_family_options(share_value_anchor=True)

@@ -356,6 +356,7 @@ class ModelConfig:
 
   # Config files written before the mixers' options moved into ``options``: their flat fields,
   # and the model-level ``kvm``, become entries of the table.
+  # (A field whose kind and options field are None held a whole kind's options, named by it.)
   LEGACY_FIELDS = {"kvm": None, "swa_window": ("swa", "window"),
                    "swa_rope_dims": ("swa", "rope_dims"), "bswa_chunk_size": ("bswa", "chunk_size"),
                    "bswa_window_chunks": ("bswa", "window_chunks"),
@@ -383,10 +384,11 @@ class ModelConfig:
     if not legacy:
       return fields
     options = dict(fields.get("options") or {})
-    if "kvm" in legacy:
-      options.setdefault("kvm", legacy.pop("kvm"))
     per_kind: dict[str, dict] = {}
     for name, value in legacy.items():
+      if cls.LEGACY_FIELDS[name] is None:  # a whole kind's options, under its name
+        options.setdefault(name, value)
+        continue
       kind, field = cls.LEGACY_FIELDS[name]
       per_kind.setdefault(kind, {})[field] = value
     for kind, values in per_kind.items():

@@ -474,22 +474,9 @@ def test_no_module_outside_nn_matches_parameter_names():
 # -- no branching on kind names outside the kinds ----------------------------------------------
 
 BUILT_IN_KINDS = frozenset({"full", "swa", "bswa", "kvm", "ovq", "rwkv7"})
-# What a kind is (its window, its memory, its conversion, its authors' names, its decode ring) is
+# What a kind is (its window, its memory, its conversion, its checkpoint rows, its decode ring) is
 # answered by its own module through the registry, so a comparison with a kind's name elsewhere
-# states a fact about a kind in a second place. These are the ones still left, per module: a
-# count may go down (then lower it here), never up, and no other module may start one.
-KIND_BRANCH_ALLOWANCE = {
-    "kvm_jax.hf.config": 11,          # the authors' format: RWKV-7 heads, KVM/OVQ options
-    "kvm_jax.hf.families": 11,        # transformers' layer types <-> full/swa
-    "kvm_jax.train.default_job": 3,   # the demo's KVM state-row column and model names
-    "kvm_jax.nn.authors_format": 2,   # RWKV-7's parameter layout in the authors' format
-    "kvm_jax.model_config": 1,        # config files written before per-kind options
-    "kvm_jax.presets": 1,             # Gemma's local layers in the published shapes
-    "kvm_jax.convert": 1,             # has_kvm_layers: conversion's target kind
-    "kvm_jax.hf.load": 1,             # the KVM readout's numerics note on import
-    "kvm_jax.train.distill": 1,       # the student's KVM window, for a note
-    "kvm_jax.train.configs.pretrained": 1,
-}
+# would state a fact about a kind in a second place: none is allowed.
 
 
 def kind_branches(source: str) -> int:
@@ -507,17 +494,13 @@ def kind_branches(source: str) -> int:
 
 
 def test_kind_names_are_not_branched_on_outside_their_modules():
-  """Outside ``kvm_jax.nn.<kind>``, no module compares with a kind's name beyond
-  :data:`KIND_BRANCH_ALLOWANCE` (what is left to move into the kinds)."""
+  """Outside ``kvm_jax.nn.<kind>``, no installed module (and no benchmark) compares with a
+  kind's name."""
   own = {f"kvm_jax.nn.{kind}" for kind in BUILT_IN_KINDS}
-  found = {name: kind_branches(path.read_text()) for name, path in MODULES.items()
-           if name not in own}
-  over = {name: (n, KIND_BRANCH_ALLOWANCE.get(name, 0)) for name, n in found.items()
-          if n > KIND_BRANCH_ALLOWANCE.get(name, 0)}
-  assert not over, ("comparisons with a kind's name outside its module (found, allowed); ask "
-                    f"the kind through the registry instead: {over}")
-  stale = {name: (found.get(name, 0), n) for name, n in KIND_BRANCH_ALLOWANCE.items()
-           if found.get(name, 0) < n}
-  assert not stale, f"fewer kind branches than allowed (found, allowed); lower the allowance: {stale}"
+  files = {**MODULES, **{str(f.relative_to(ROOT)): f for f in (ROOT / "benchmarks").rglob("*.py")}}
+  found = {name: n for name, path in files.items() if name not in own
+           and (n := kind_branches(path.read_text()))}
+  assert not found, ("comparisons with a kind's name outside its module (module: count); ask "
+                     f"the kind through the registry instead: {found}")
   assert kind_branches('if kind == "kvm" or x in ("swa", "full") or "ovq" in kinds: pass') == 3
   assert kind_branches('if family == "llama": pass') == 0

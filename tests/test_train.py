@@ -406,6 +406,14 @@ def test_demo_models_and_what_they_remember():
   assert {cfg.hidden_size for cfg in configs.values()} == {64}
 
 
+def test_demo_sanity_rules_match_their_claims():
+  """The demo's closing check: full attention recalls beyond the window (>= 0.9); BSWA sits at
+  chance (1/32) there, within 0.1."""
+  full, bswa = (default_job.SANITY[name][0] for name in ("full", "bswa"))
+  assert full(0.9) and not full(0.89)
+  assert bswa(1 / 32) and bswa(1 / 32 + 0.1) and not bswa(0.2) and not bswa(0.9)
+
+
 def test_default_job_end_to_end_small(tmp_path):
   """The README's main job at a few steps: trains, evaluates (recall recomputed here from the
   trained model's own logits), writes table and plot, and a rerun after an interruption resumes

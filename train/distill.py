@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kvm_jax.config import KVMConfig
 from kvm_jax.nn.model import LM, REMAT_POLICIES
 from kvm_jax.ops.loss import IGNORE, sliced_distill_sums
 from kvm_jax.runs.config import DistillSpec, TrainConfig
@@ -97,7 +98,7 @@ def load_teacher(cfg: TrainConfig, mesh, model_cfg=None, verbose: bool = False) 
     print(f"teacher: {cfg.teacher} (step {step}, mixers {'/'.join(model_cfg.layer_mixers)}); "
           f"distillation stage {cfg.distill.stage!r}, training {cfg.distill.trainable!r}")
     window = max((cfg.model.options_of(kind).window_len for kind in set(cfg.model.layer_mixers)
-                  if kind == "kvm"), default=None)
+                  if isinstance(cfg.model.options_of(kind), KVMConfig)), default=None)
     if window is not None and cfg.sequence_length <= window:
       print(f"note: sequences of {cfg.sequence_length} tokens fit the student's exact window "
             f"({window} tokens): its KVM state is never read, and a student converted from the "

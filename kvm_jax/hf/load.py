@@ -302,7 +302,8 @@ def numerics_note(cfg: ModelConfig) -> Optional[str]:
   parts = []
   if cfg.rope_table_dtype != "bfloat16":
     parts.append("RoPE tables")
-  if "kvm" in cfg.layer_mixers and cfg.options_of("kvm").readout_value_dtype != "bfloat16":
+  if any(getattr(cfg.options_of(kind), "readout_value_dtype", "bfloat16") != "bfloat16"
+         for kind in set(cfg.layer_mixers)):  # a KVM layer's state-value readout
     parts.append("the KVM state-value readout")
   if not parts:
     return None

@@ -30,6 +30,8 @@ from kvm_jax.train import TrainConfig
 # stage -> (tokens, sequence length, sequences per step, trainable parameters)
 STAGES = {"attention": (100e6, 2048, 64, "kvm_only"), "logits": (250e6, 2048, 64, "all"),
           "finetune": (100e6, 8192, 32, "all")}
+# The stage that trains the converted model as it is, with no teacher.
+CONVERTED = "kvm"
 
 
 def get_config(spec: str = "qwen3_0_6b") -> TrainConfig:
@@ -38,8 +40,8 @@ def get_config(spec: str = "qwen3_0_6b") -> TrainConfig:
     raise ValueError(f"unknown model {model_name!r}; choose from "
                      f"{sorted(presets.PRETRAINED_SHAPES)} (then ,attention / ,logits / "
                      ",finetune for a distillation stage).")
-  if stage and stage not in (*STAGES, "kvm"):
-    raise ValueError(f"unknown stage {stage!r}; choose from {sorted(STAGES) + ['kvm']}.")
+  if stage and stage not in (*STAGES, CONVERTED):
+    raise ValueError(f"unknown stage {stage!r}; choose from {sorted(STAGES) + [CONVERTED]}.")
   model = presets.PRETRAINED_SHAPES[model_name]()
   tokens, seq_len, batch, trainable = STAGES.get(stage if stage in STAGES else "finetune")
   if stage:
