@@ -48,7 +48,7 @@ import numpy as np
 from kvm_jax.eval import kind_check
 from kvm_jax.kernels.backend import default_interpret
 from kvm_jax.nn.registry import registered_mixers
-from kvm_jax.runs import launch
+from kvm_jax import plugins
 from kvm_jax.ops.common import current_platform
 from kvm_jax.ops.kvm.api import chunk_ops, kvm_decode_step, kvm_prefill, resolve_kvm_backend
 from kvm_jax.ops.kvm.cases import TOLERANCE, Case, rel_rms, select, state_rel_error
@@ -316,9 +316,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  help="comma-separated mixer kinds (registered ones, or 'all') whose tiny models "
                       "to check: forward vs prefill+decode, vs prefill+resume, packed documents "
                       "vs alone, as far as each kind supports them (default: none)")
-  launch.add_plugin_flag(p)
+  plugins.add_plugin_flag(p)
   args = p.parse_args(argv)
-  launch.load_plugins(args)
+  plugins.load_plugins(args)
   ops = [op for op in args.ops.split(",") if op]
   kinds = _chosen_kinds(args.kinds)
   unknown = sorted(set(ops) - set(OPS))

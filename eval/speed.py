@@ -65,7 +65,7 @@ from kvm_jax.kernels.readout import joint_attention_pallas
 from kvm_jax.ops.common import joint_attention, tree_nbytes, window_mask
 from kvm_jax.ops.kvm.cases import random_inputs
 from kvm_jax.ops.ovq.config import OVQConfig
-from kvm_jax.runs import launch
+from kvm_jax import plugins
 from kvm_jax.ops.ovq.scan import ovq_attention
 from kvm_jax.ops.rwkv7.cases import time_mix_inputs
 from kvm_jax.ops.rwkv7.scan import rwkv7_recurrence
@@ -480,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="comma-separated presets for whole-model decode tokens/s, e.g. "
                       "kvm256_120m,kvm_sqrt16_120m,gpta2_120m, or tiny-<kind> for a test-sized "
                       "model of any registered mixer kind (default: none)")
-  launch.add_plugin_flag(p)
+  plugins.add_plugin_flag(p)
   p.add_argument("--model-context", type=int, default=2048,
                  help="prompt tokens before the whole-model decode timing (default: %(default)s)")
   p.add_argument("--readout-anchor", action="store_true",
@@ -685,7 +685,7 @@ def _plot(path: str, rows: list[dict], arms: list[str], phases: set[str]) -> Non
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
-  launch.load_plugins(args)
+  plugins.load_plugins(args)
   if args.paper:
     args.batch, args.heads, args.head_dim, args.dtype = 8, 32, 128, "bfloat16"
   if args.documents:

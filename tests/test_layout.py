@@ -11,7 +11,9 @@
 * the repository's text (docs, code, tests) stands on its own: no pointers to the internal design
   notes or issues, and every ``docs/…`` file and section cited exists;
 * every function is at most 80 lines, and no module outside a kind's own compares with a kind's
-  name beyond the allowance of what is left to move into the kinds.
+  name beyond the allowance of what is left to move into the kinds;
+* every test docs/design.md names (``tests/<file>.py::<name>``) exists, and each of its "How to
+  add" recipes names one.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (
     ("config", ("kvm_jax.budget", "kvm_jax.config", "kvm_jax.mixer_options",
                 "kvm_jax.family_options", "kvm_jax.model_config", "kvm_jax.config_io", "kvm_jax.progress",
+                "kvm_jax.plugins",
                 "kvm_jax.row_plan")),
     ("ops", ("kvm_jax.ops.common", "kvm_jax.ops.rope", "kvm_jax.ops.attention",
              "kvm_jax.ops.kv_fusion", "kvm_jax.ops.kvm.*", "kvm_jax.ops.chunked_attention",
@@ -504,3 +507,52 @@ def test_kind_names_are_not_branched_on_outside_their_modules():
                      f"the kind through the registry instead: {found}")
   assert kind_branches('if kind == "kvm" or x in ("swa", "full") or "ovq" in kinds: pass') == 3
   assert kind_branches('if family == "llama": pass') == 0
+
+
+# -- the design document's recipes name tests that exist ----------------------------------------
+
+DESIGN = ROOT / "docs" / "design.md"
+TEST_REFERENCE = re.compile(r"tests/([\w/]+\.py)::(\w+)")
+
+
+def functions_defined(path: Path) -> set[str]:
+  """The names of every function ``path`` defines (module level, in classes, nested), read
+  without importing it."""
+  return {node.name for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+          if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def missing_test_references(text: str) -> list[str]:
+  """Every ``tests/<file>.py::<name>`` in ``text`` whose file does not exist or defines no
+  function ``<name>``."""
+  problems, defined = [], {}
+  for m in TEST_REFERENCE.finditer(text):
+    path = ROOT / "tests" / m.group(1)
+    if not path.is_file():
+      problems.append(f"{m.group(0)}: no file tests/{m.group(1)}")
+      continue
+    if path not in defined:
+      defined[path] = functions_defined(path)
+    if m.group(2) not in defined[path]:
+      problems.append(f"{m.group(0)}: tests/{m.group(1)} defines no {m.group(2)}()")
+  return problems
+
+
+def test_design_recipes_name_tests_that_exist():
+  """Every test docs/design.md names (``tests/<file>.py::<name>``, the "Checked by" lines of its
+  "How to add" recipes among them) is a function that exists, and every recipe names one: a
+  renamed or deleted test cannot leave a recipe claiming a check that no longer runs."""
+  text = DESIGN.read_text(encoding="utf-8")
+  problems = missing_test_references(text)
+  assert not problems, "docs/design.md names tests that do not exist:\n" + "\n".join(problems)
+  recipes = text.split("\n## How to add", 1)[1].split("\n## ", 1)[0].split("\n### ")[1:]
+  assert len(recipes) >= 4, "docs/design.md: the 'How to add' section lost its recipes"
+  unchecked = [r.splitlines()[0] for r in recipes
+               if "Checked by:" not in r or not TEST_REFERENCE.search(r.split("Checked by:", 1)[1])]
+  assert not unchecked, f"recipes without a 'Checked by:' test: {unchecked}"
+  # the checker sees a missing file and a missing function
+  planted = ("`tests/test_layout.py::test_design_recipes_name_tests_that_exist` "
+             "`tests/test_layout.py::no_such_test` `tests/test_nothing.py::test_x`")
+  assert missing_test_references(planted) == [
+      "tests/test_layout.py::no_such_test: tests/test_layout.py defines no no_such_test()",
+      "tests/test_nothing.py::test_x: no file tests/test_nothing.py"]

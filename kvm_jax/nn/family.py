@@ -36,7 +36,7 @@ relatives, and never test a family's name:
   ``kvm-export`` writes);
 * ``hf_name(names)``: transformers' tensor name of the parameter at path ``names`` (a
   ``kernel`` stored transposed, as ``nn.Linear`` weights are), or None where their format has
-  none; only families that read transformers checkpoints (:mod:`kvm_jax.hf.transformers`).
+  none; only families that read transformers checkpoints (:mod:`kvm_jax.hf.families`).
 """
 
 from __future__ import annotations

@@ -17,8 +17,6 @@ bitwise the same numbers; ``in-process`` is about 3x faster per step and otherwi
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import os
 import re
 import socket
@@ -26,14 +24,7 @@ import sys
 
 import jax
 
-
-def add_plugin_flag(parser: argparse.ArgumentParser) -> None:
-  """``--plugin`` alone (commands that start no multi-process JAX: kvm-check, kvm-bench)."""
-  parser.add_argument("--plugin", action="append", default=[], metavar="MODULE_OR_FILE",
-                      help="import this Python module (dotted name) or .py file first, e.g. one "
-                      "that registers a mixer kind with kvm_jax.nn.register_mixer, so that run "
-                      "directories, configs and command-line names using that kind load "
-                      "(repeatable).")
+from kvm_jax.plugins import add_plugin_flag, load_plugins  # noqa: F401  (kvm-train's, kvm-eval's)
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -62,24 +53,6 @@ def check_flags(args: argparse.Namespace) -> None:
   if not args.distributed and any(v is not None for v in given.values()):
     flags = ", ".join(k for k, v in given.items() if v is not None)
     raise SystemExit(f"{flags} only apply with --distributed; add --distributed.")
-
-
-def load_plugins(args: argparse.Namespace) -> None:
-  """Imports every ``--plugin`` (a dotted module name or a ``.py`` file), in order."""
-  for spec in args.plugin:
-    if spec.endswith(".py"):
-      if not os.path.isfile(spec):
-        raise SystemExit(f"--plugin {spec}: no such file.")
-      name = "kvm_plugin_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(spec))[0])
-      module_spec = importlib.util.spec_from_file_location(name, spec)
-      module = importlib.util.module_from_spec(module_spec)
-      sys.modules[name] = module
-      module_spec.loader.exec_module(module)
-    else:
-      try:
-        importlib.import_module(spec)
-      except ImportError as e:
-        raise SystemExit(f"--plugin {spec}: {e}") from None
 
 
 def start(args: argparse.Namespace) -> None:
