@@ -30,12 +30,13 @@ at a time and padded static batches, and counts the slots that fit at long conte
 ``--paper`` uses the paper's B=8, H=32, D=128, bf16 (an accelerator is needed for that); CPU
 defaults finish in minutes.
 
-``--readout-anchor`` also times, per T and budget, one chunk's readout as ``kvm_attention`` runs it
+``--readout-tokamax`` also times, per T and budget, one chunk's readout as ``kvm_attention`` runs it
 (Tq = C = 256 queries, G = 1, the budget's state rows at T, the 2·256-slot window): the XLA readout
 (``kvm_jax.ops.common.joint_attention``), the project's Pallas kernel
 (``kvm_jax.kernels.readout``; not timed where it would be interpreted, i.e. on CPU) and the same
-computation run by tokamax's attention (``kvm_jax.kernels.anchor``, when tokamax is installed:
-``pip install 'kvm_jax[tokamax]'``), with each one's speed relative to that anchor.
+computation run by tokamax's attention (``kvm_jax.kernels.tokamax_readout``, when tokamax is
+installed: ``pip install 'kvm_jax[tokamax]'``), the yardstick: each one's speed relative to it
+(tokamax ms / its ms; JSON ``readout_<arm>_vs_anchor``, the key earlier results carry).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from kvm_jax.eval import documents_speed, engine_speed
 from kvm_jax.eval.timing import (full_attention_impl, median_ms, time_full_decode,
                                  time_kvm_decode, time_ovq_decode, time_rwkv7_decode)
 from kvm_jax.generate import prefill_logits, sample_step
-from kvm_jax.kernels import anchor
+from kvm_jax.kernels import tokamax_readout
 from kvm_jax.kernels.backend import KernelConfig
 from kvm_jax.kernels.readout import joint_attention_pallas
 from kvm_jax.ops.common import joint_attention, tree_nbytes, window_mask
@@ -300,8 +301,8 @@ def time_decode(T, args, dtype):
   return out
 
 
-def anchor_candidates(platform: str) -> tuple[str, ...]:
-  """tokamax implementations tried for the anchor, best first; the first that compiles is timed
+def tokamax_candidates(platform: str) -> tuple[str, ...]:
+  """tokamax implementations tried for the yardstick readout, best first; the first that compiles is timed
   (and named in the output), so a kernel that refuses the shape or the dense mask is seen, not
   silently replaced."""
   return {"gpu": ("mosaic", "triton", "xla"), "tpu": ("mosaic", "xla")}.get(platform, ("xla",))
@@ -333,8 +334,8 @@ def readout_inputs(cfg: kj.KVMConfig, T: int, B: int, H: int, D: int, dtype):
 
 def time_readout(T, args, dtype):
   """Per budget: ms of one chunk's readout by the XLA path, the Pallas kernel (None where it
-  would be interpreted) and the tokamax anchor (None without tokamax), the anchor's
-  implementation, and each arm's speed relative to the anchor (anchor ms / ms)."""
+  would be interpreted) and tokamax's attention (None without tokamax), its implementation, and
+  each arm's speed relative to tokamax's (tokamax ms / ms)."""
   kc = KernelConfig.for_target()
   out = {}
   for budget in args.budgets:
@@ -345,9 +346,9 @@ def time_readout(T, args, dtype):
     r["readout_pallas_ms"] = None if kc.interpret else median_ms(
         jax.jit(functools.partial(joint_attention_pallas, kc=kc)), *inputs, repeats=args.repeats)
     r["readout_tokamax_ms"] = None
-    if anchor.tokamax_available():
-      for impl in anchor_candidates(kc.platform):
-        fn = jax.jit(functools.partial(anchor.joint_attention_tokamax, implementation=impl))
+    if tokamax_readout.tokamax_available():
+      for impl in tokamax_candidates(kc.platform):
+        fn = jax.jit(functools.partial(tokamax_readout.joint_attention_tokamax, implementation=impl))
         try:
           compiled = fn.lower(*inputs).compile()
         except Exception as e:  # a kernel refusing this shape or mask: try the next one
@@ -358,20 +359,20 @@ def time_readout(T, args, dtype):
         r["readout_tokamax_ms"] = median_ms(compiled, *inputs, repeats=args.repeats)
         break
     for arm in ("xla", "pallas"):
-      ms, anchor_ms = r[f"readout_{arm}_ms"], r["readout_tokamax_ms"]
-      r[f"readout_{arm}_vs_anchor"] = anchor_ms / ms if ms and anchor_ms else None
+      ms, tokamax_ms = r[f"readout_{arm}_ms"], r["readout_tokamax_ms"]
+      r[f"readout_{arm}_vs_anchor"] = tokamax_ms / ms if ms and tokamax_ms else None
     out[budget] = r
   return out
 
 
 def readout_line(T: int, budget: str, r: dict, kc: KernelConfig) -> str:
-  """One printed line of ``--readout-anchor``."""
+  """One printed line of ``--readout-tokamax``."""
   cells = []
   if r["readout_tokamax_ms"] is not None:
     cells.append(f"tokamax[{r['readout_tokamax_impl']}] {r['readout_tokamax_ms']:.3f} ms")
   else:
-    cells.append("tokamax not timed" + ("" if anchor.tokamax_available() else
-                                        f" (not installed: {anchor.INSTALL_HINT})"))
+    cells.append("tokamax not timed" + ("" if tokamax_readout.tokamax_available() else
+                                        f" (not installed: {tokamax_readout.INSTALL_HINT})"))
   for arm in ("xla", "pallas"):
     ms, ratio = r[f"readout_{arm}_ms"], r[f"readout_{arm}_vs_anchor"]
     if ms is None:
@@ -449,6 +450,19 @@ def _lengths(text: str) -> list[int]:
   return values
 
 
+class _DeprecatedSwitch(argparse.Action):
+  """A switch kept under an old name: sets its ``dest`` and says on stderr which flag replaces
+  it."""
+
+  def __init__(self, option_strings, dest, **kwargs):
+    super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+  def __call__(self, parser, namespace, values, option_string=None):
+    new = "--" + self.dest.replace("_", "-")
+    print(f"{parser.prog}: {option_string} is deprecated; use {new}.", file=sys.stderr)
+    setattr(namespace, self.dest, True)
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="kvm-bench", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -483,9 +497,12 @@ def build_parser() -> argparse.ArgumentParser:
   plugins.add_plugin_flag(p)
   p.add_argument("--model-context", type=int, default=2048,
                  help="prompt tokens before the whole-model decode timing (default: %(default)s)")
-  p.add_argument("--readout-anchor", action="store_true",
+  p.add_argument("--readout-tokamax", action="store_true",
                  help="also time one chunk's readout (XLA, Pallas, and tokamax's attention as the "
-                      "anchor when installed: pip install 'kvm_jax[tokamax]') per T and budget")
+                      "yardstick when installed: pip install 'kvm_jax[tokamax]') per T and "
+                      "budget")
+  p.add_argument("--readout-anchor", action=_DeprecatedSwitch, dest="readout_tokamax",
+                 help=argparse.SUPPRESS)
   g = p.add_argument_group("packed documents (segment_ids); --documents runs only these tables")
   g.add_argument("--documents", action="store_true",
                  help="time the KVM op with segment ids against without, a documents train step "
@@ -553,8 +570,8 @@ def _operator_plan(args) -> tuple[list[str], set[str], list[int]]:
   phases = set(p for p in args.phases.split(",") if p)
   if not phases <= {"prefill", "decode", "backward"}:
     raise SystemExit(f"--phases: unknown {sorted(phases - {'prefill', 'decode', 'backward'})}.")
-  if not phases and not args.models and not args.readout_anchor:
-    raise SystemExit("nothing to time: give --phases, --models and/or --readout-anchor.")
+  if not phases and not args.models and not args.readout_tokamax:
+    raise SystemExit("nothing to time: give --phases, --models and/or --readout-tokamax.")
   if args.lengths is None:
     top = 16384 if kj.current_platform() == "cpu" else 32768
     lengths = [512 * 2 ** i for i in range(12) if 512 * 2 ** i <= top]
@@ -574,9 +591,9 @@ def _print_setup(args) -> None:
   print(f"{_device_line()}; B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}; C=256 "
         f"L=512; KVM implementation={args.implementation}; full "
         f"attention: dot_product_attention({_baseline_impl(args)})", flush=True)
-  if args.readout_anchor:
+  if args.readout_tokamax:
     print("readout of one chunk (Tq=256, G=1, R = valid/allocated state rows, W=512); ratios are "
-          "the tokamax anchor's ms / the arm's ms (> 1: faster than the anchor)", flush=True)
+          "tokamax's ms / the arm's ms (> 1: faster than tokamax)", flush=True)
 
 
 def _add_arms(row: dict, measured: dict) -> None:
@@ -587,7 +604,7 @@ def _add_arms(row: dict, measured: dict) -> None:
 
 def _measure_length(T: int, args, dtype, phases: set[str]) -> tuple[dict, dict]:
   """(row, readout) at context T: the row holds every phase's figures as ``arm_key``; readout is
-  :func:`time_readout`'s per-budget dict ({} without ``--readout-anchor``), kept apart for its
+  :func:`time_readout`'s per-budget dict ({} without ``--readout-tokamax``), kept apart for its
   printed lines."""
   row = {"T": T}
   if phases & {"prefill", "backward"}:
@@ -595,7 +612,7 @@ def _measure_length(T: int, args, dtype, phases: set[str]) -> tuple[dict, dict]:
     _add_arms(row, time_baselines_prefill_backward(T, args, dtype, phases))
   if "decode" in phases:
     _add_arms(row, time_decode(T, args, dtype))
-  readout = time_readout(T, args, dtype) if args.readout_anchor else {}
+  readout = time_readout(T, args, dtype) if args.readout_tokamax else {}
   _add_arms(row, readout)
   return row, readout
 
@@ -697,7 +714,7 @@ def main(argv=None) -> int:
   _print_setup(args)
   kc = KernelConfig.for_target()
   rows = []
-  for T in (lengths if phases or args.readout_anchor else []):
+  for T in (lengths if phases or args.readout_tokamax else []):
     row, readout = _measure_length(T, args, dtype, phases)
     rows.append(row)
     cells = _speedup_cells(row, arms)

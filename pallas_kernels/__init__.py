@@ -11,8 +11,8 @@ per-chunk operations of :mod:`kvm_jax.ops.kvm`, selected with ``implementation="
   TPU v5e limits;
 * :mod:`kvm_jax.kernels.backend` — TPU (Mosaic) / GPU (Triton) / CPU-interpret choices, precision;
 * :mod:`kvm_jax.kernels.sharding` — per-shard execution under a mesh, over caller-named axes;
-* :mod:`kvm_jax.kernels.anchor` — the same readout run by tokamax's attention (optional package),
-  the speed anchor of ``kvm-bench --readout-anchor``, chosen with ``readout="tokamax"`` (or by
+* :mod:`kvm_jax.kernels.tokamax_readout` — the same readout run by tokamax's attention (optional package),
+  the speed yardstick of ``kvm-bench --readout-tokamax``, chosen with ``readout="tokamax"`` (or by
   ``"auto"`` where it was measured faster).
 
 Kernels import only lower-level op helpers (``kvm_jax.ops.common``, ``kvm_jax.ops.kvm.state``),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvm_jax as kj
-from kvm_jax.kernels.anchor import tokamax_available
+from kvm_jax.kernels.tokamax_readout import tokamax_available
 from kvm_jax.kernels.backend import KernelConfig
 from kvm_jax.kernels.sharding import ShardAxes
 from kvm_jax.ops.attention_api import AttentionBackend, resolve_attention_backend
@@ -191,7 +191,7 @@ def test_bad_attention_requests_name_the_value(implementation, q, match):
 @pytest.mark.skipif(not tokamax_available(), reason="needs the optional tokamax package")
 def test_decode_runs_the_tokamax_readout():
   """With XLA, decode's one-token attention runs on the requested readout: tokamax's result
-  equals the own readout's to float32 rounding (as the anchor's one-query case does)."""
+  equals the own readout's to float32 rounding (as tokamax's one-query case does)."""
   def decided(readout):
     return resolve_kvm_backend(CFG, implementation="xla", readout=readout)
   (_, own, _), _ = _prefill_then_decode(4, backend=decided("own"))

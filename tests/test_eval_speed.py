@@ -121,11 +121,11 @@ def test_kvm_decode_min_bytes_by_hand():
   assert speed.kvm_decode_min_bytes(cfg, 300, 1, 256, **sizes) == 2 * 300 * 32 * 4 + token
 
 
-def test_readout_anchor(tmp_path, capsys):
-  from kvm_jax.kernels import anchor
+def test_readout_tokamax(tmp_path, capsys):
+  from kvm_jax.kernels import tokamax_readout
   from kvm_jax.kernels.backend import KernelConfig
   out = tmp_path / "readout.json"
-  assert speed.main(["--phases", "", "--readout-anchor", "--lengths", "768", "--repeats", "1",
+  assert speed.main(["--phases", "", "--readout-tokamax", "--lengths", "768", "--repeats", "1",
                      "--budgets", "fixed256", "--heads", "2", "--head-dim", "16",
                      "--json", str(out)]) == 0
   text = capsys.readouterr().out
@@ -134,12 +134,23 @@ def test_readout_anchor(tmp_path, capsys):
   assert r["fixed256_readout_rows"] == 256 and r["fixed256_readout_xla_ms"] > 0
   if KernelConfig.for_target().interpret:
     assert r["fixed256_readout_pallas_ms"] is None and "pallas not timed" in text
-  if anchor.tokamax_available():
+  if tokamax_readout.tokamax_available():
     assert r["fixed256_readout_tokamax_ms"] > 0
     assert r["fixed256_readout_xla_vs_anchor"] == pytest.approx(
         r["fixed256_readout_tokamax_ms"] / r["fixed256_readout_xla_ms"])
   else:
     assert r["fixed256_readout_tokamax_ms"] is None and "kvm_jax[tokamax]" in text
+
+
+def test_old_tokamax_readout_names_still_work_and_say_their_new_ones(capsys):
+  """--readout-anchor and kvm_jax.kernels.anchor are the tokamax readout's old names: each still
+  works and names its replacement ("anchor" is the value residual's word)."""
+  from kvm_jax.kernels import tokamax_readout
+  assert speed.build_parser().parse_args(["--readout-anchor"]).readout_tokamax is True
+  assert "--readout-anchor is deprecated; use --readout-tokamax" in capsys.readouterr().err
+  with pytest.warns(DeprecationWarning, match="kvm_jax.kernels.tokamax_readout"):
+    from kvm_jax.kernels.anchor import joint_attention_tokamax
+  assert joint_attention_tokamax is tokamax_readout.joint_attention_tokamax
 
 
 def test_documents_bench_helpers_by_hand():

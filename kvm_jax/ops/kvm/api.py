@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from kvm_jax.config import KVM_IMPLEMENTATIONS, KVMConfig
-from kvm_jax.kernels.anchor import INSTALL_HINT, joint_attention_tokamax, tokamax_available
+from kvm_jax.kernels.tokamax_readout import INSTALL_HINT, joint_attention_tokamax, tokamax_available
 from kvm_jax.kernels.backend import KernelConfig
 from kvm_jax.kernels.decode import decode_attention_pallas
 from kvm_jax.kernels.readout import joint_attention_heads_pallas, joint_attention_pallas
@@ -61,8 +61,8 @@ AUTO_PALLAS_BACKENDS: frozenset = frozenset()
 
 # The readout (one softmax over [state ; window] per chunk) can run on the implementation's own
 # code ("own": the XLA einsums or the Pallas kernel) or on tokamax's flash attention ("tokamax",
-# kvm_jax.kernels.anchor; pip install 'kvm_jax[tokamax]'). "auto" takes tokamax only on the
-# backends listed here, where `kvm-bench --readout-anchor` measured it faster than the
+# kvm_jax.kernels.tokamax_readout; pip install 'kvm_jax[tokamax]'). "auto" takes tokamax only on the
+# backends listed here, where `kvm-bench --readout-tokamax` measured it faster than the
 # implementation's own readout in the same run, and only when tokamax imports. No accelerator
 # has measured it yet (on CPU the own XLA readout is faster at sqrt16 and the XLA path is the
 # reference), so the list is empty.
@@ -82,8 +82,8 @@ class KVMBackend:
   Attributes:
     platform: "cpu", "gpu" or "tpu" (:data:`KVM_PLATFORMS`), the platform it was decided for.
     implementation: "xla" (the XLA scan) or "pallas" (the fused kernels in the scan's body).
-    readout: "own" (the implementation's readout) or "tokamax" (the anchor,
-      :func:`kvm_jax.kernels.anchor.joint_attention_tokamax`, in the scan and prefill; decode
+    readout: "own" (the implementation's readout) or "tokamax" (tokamax's attention,
+      :func:`kvm_jax.kernels.tokamax_readout.joint_attention_tokamax`, in the scan and prefill; decode
       runs it too with XLA, while the Pallas decode step keeps its own one-token kernel).
     source_layout: "time" or "heads": how the scan reads its inputs
       (:data:`kvm_jax.ops.kvm.scan.SOURCE_LAYOUTS`; the rule:
@@ -226,8 +226,8 @@ def chunk_ops(implementation: str, *, target: Optional[str] = None,
   "cpu"; default: this machine's platform), interpreted where there is no compiler unless
   ``interpret`` says otherwise, split over ``shard_axes`` (default: the enclosing
   :func:`kernel_sharding`, else none).
-  ``readout``: "own" (the implementation's readout) or "tokamax" (the anchor,
-  :func:`kvm_jax.kernels.anchor.joint_attention_tokamax`; the Pallas decode step keeps its own).
+  ``readout``: "own" (the implementation's readout) or "tokamax" (tokamax's attention,
+  :func:`kvm_jax.kernels.tokamax_readout.joint_attention_tokamax`; the Pallas decode step keeps its own).
   The public op builds them from its :class:`KVMBackend` (:meth:`KVMBackend.chunk_ops`).
   """
   if readout not in ("own", "tokamax"):
@@ -356,7 +356,7 @@ def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMP
 
   ``backend`` (and the deprecated separate choices): as in :func:`kvm_attention`; pass the one
   a request prefilled with, so that it decodes what it prefilled. The readout applies to the
-  one-token attention with XLA (``"tokamax"`` runs the anchor on a one-query chunk); the Pallas
+  one-token attention with XLA (``"tokamax"`` runs tokamax's attention on a one-query chunk); the Pallas
   step always runs its own decode kernel, which has no tokamax form.
 
   ``routing`` / ``return_routing``: as in :func:`kvm_attention`, for this step's fold

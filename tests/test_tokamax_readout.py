@@ -1,7 +1,7 @@
-"""kvm_jax.kernels.anchor: the KVM readout run by tokamax equals kvm_jax.ops.common.joint_attention.
+"""kvm_jax.kernels.tokamax_readout: the KVM readout run by tokamax equals kvm_jax.ops.common.joint_attention.
 
 Tolerance: both sides compute the same float32 softmax with float32 (HIGHEST) matmuls; they differ
-only in rounding order — the anchor multiplies the keys by the temperature before the dot product
+only in rounding order — the tokamax readout multiplies the keys by the temperature before the dot product
 (the XLA readout scales the score after it), concatenates state and window before one reduction
 (the XLA readout reduces them separately) and normalizes inside tokamax. With scores of order 1-10,
 at most 40 keys and outputs of order 1, that is a few tens of float32 ulps (eps = 1.2e-7): 1e-5
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvm_jax.kernels import anchor
+from kvm_jax.kernels import tokamax_readout
 from kvm_jax.ops.common import joint_attention
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -64,7 +64,7 @@ CASES = {
 def test_matches_joint_attention(tokamax, case):
   args = make_inputs(0, **CASES[case])
   want = joint_attention(*args)
-  got = anchor.joint_attention_tokamax(*args, implementation="xla")
+  got = tokamax_readout.joint_attention_tokamax(*args, implementation="xla")
   assert got.shape == want.shape and got.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
 
@@ -87,12 +87,12 @@ def test_under_jit_and_gradients(tokamax):
   args = make_inputs(1, G=2)
   loss = lambda fn: lambda q, sk, st, wt: jnp.sum(
       jnp.sin(fn(q, sk, args[2], args[3], args[4], args[5], args[6], st, wt)))
-  ours = jax.jit(lambda *a: anchor.joint_attention_tokamax(*a, implementation="xla"))
+  ours = jax.jit(lambda *a: tokamax_readout.joint_attention_tokamax(*a, implementation="xla"))
   np.testing.assert_allclose(np.asarray(ours(*args)), np.asarray(joint_attention(*args)), **TOL)
   argnums = (0, 1, 2, 3)
   picked = (args[0], args[1], args[7], args[8])
   g_ref = jax.grad(loss(joint_attention), argnums)(*picked)
-  g_ours = jax.grad(loss(lambda *a: anchor.joint_attention_tokamax(*a, implementation="xla")),
+  g_ours = jax.grad(loss(lambda *a: tokamax_readout.joint_attention_tokamax(*a, implementation="xla")),
                     argnums)(*picked)
   for a, b in zip(g_ours, g_ref):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
@@ -101,26 +101,26 @@ def test_under_jit_and_gradients(tokamax):
 def test_default_implementation_follows_the_kernel_config(tokamax):
   from kvm_jax.kernels.backend import KernelConfig
   cpu = KernelConfig.for_target("cpu")
-  assert anchor.default_implementation(cpu) == "xla"
-  assert anchor.default_implementation(KernelConfig.for_target("tpu")) is None
+  assert tokamax_readout.default_implementation(cpu) == "xla"
+  assert tokamax_readout.default_implementation(KernelConfig.for_target("tpu")) is None
   args = make_inputs(2, G=1)
-  np.testing.assert_allclose(np.asarray(anchor.joint_attention_tokamax(*args, kc=cpu)),
+  np.testing.assert_allclose(np.asarray(tokamax_readout.joint_attention_tokamax(*args, kc=cpu)),
                              np.asarray(joint_attention(*args)), **TOL)
 
 
 def test_missing_tokamax_names_the_fix(monkeypatch):
   monkeypatch.setitem(sys.modules, "tokamax", None)  # makes `import tokamax` raise ImportError
-  anchor.tokamax_available.cache_clear()
+  tokamax_readout.tokamax_available.cache_clear()
   try:
-    assert not anchor.tokamax_available()
+    assert not tokamax_readout.tokamax_available()
     with pytest.raises(ImportError, match=r"pip install 'kvm_jax\[tokamax\]'"):
-      anchor.joint_attention_tokamax(*make_inputs(0))
+      tokamax_readout.joint_attention_tokamax(*make_inputs(0))
   finally:
-    anchor.tokamax_available.cache_clear()
+    tokamax_readout.tokamax_available.cache_clear()
 
 
 def test_readout_choice_through_the_op(tokamax):
-  """readout="tokamax" runs the whole KVM op with the anchor's readout: the same outputs and
+  """readout="tokamax" runs the whole KVM op with tokamax's readout: the same outputs and
   gradients as the op's own readout; "auto" keeps the own readout where no benchmark listed
   tokamax as faster (every backend today); an unknown choice names the valid ones."""
   import kvm_jax as kj
