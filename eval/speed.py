@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import kvm_jax as kj
-from kvm_jax.config import KVM_IMPLEMENTATIONS
+from kvm_jax.kvm_config import KVM_IMPLEMENTATIONS
 from kvm_jax.eval import documents_speed, engine_speed
 from kvm_jax.eval.timing import (full_attention_impl, median_ms, time_full_decode,
                                  time_kvm_decode, time_ovq_decode, time_rwkv7_decode)

@@ -20,7 +20,7 @@ any lengths over the slots of one cache and ``kj.generate_many`` runs a list of 
 
 from kvm_jax.budget import (CallableBudget, FixedBudget, KVMSchedule, PowerLawBudget,
                             SaturatingBudget, kvm_schedule, state_rows_after)
-from kvm_jax.config import KVMConfig
+from kvm_jax.kvm_config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.ops.common import current_platform
 from kvm_jax.ops.kvm import (KVMBackend, KVMCache, KVMOutput, KVMParams, KVMState,
@@ -59,3 +59,11 @@ __all__ = [
     "Engine", "generate_many",
     "sample_logits", "load_pretrained", "tokenizer_of", "OVQConfig", "RWKV7Options", "with_kvm", "convert_to_kvm",
 ]
+
+
+def __getattr__(name: str):
+  """``kvm_jax.config``, the old name of a renamed module, still resolves (its names warn)."""
+  if name == "config":
+    import importlib
+    return importlib.import_module("kvm_jax.config")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -240,7 +240,7 @@ class KVMSchedule:
 def kvm_schedule(cfg, seq_len: int) -> KVMSchedule:
   """Replays the authors' prefill loop (docs/kvm-spec.md §6.5) on positions only.
 
-  ``cfg`` is a :class:`kvm_jax.config.KVMConfig` (hashable, so the result is cached per shape).
+  ``cfg`` is a :class:`kvm_jax.kvm_config.KVMConfig` (hashable, so the result is cached per shape).
   """
   if seq_len < 1:
     raise ValueError(f"seq_len must be >= 1, got {seq_len}.")

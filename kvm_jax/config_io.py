@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping
 
 from kvm_jax import budget as budget_lib
 from kvm_jax import family_options, mixer_options
-from kvm_jax.config import KVMConfig
+from kvm_jax.kvm_config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 
 CLASS_KEY = "__class__"

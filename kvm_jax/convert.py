@@ -31,7 +31,7 @@ from flax import nnx
 
 from kvm_jax.budget import BUDGET_SPEC_HELP, budget_label
 from kvm_jax.config_io import parse_value
-from kvm_jax.config import KVMConfig
+from kvm_jax.kvm_config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.kvm import KVMAttention
 from kvm_jax.nn.mixer import KVMConversion

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from kvm_jax.budget import kvm_schedule
-from kvm_jax.config import KVMConfig
+from kvm_jax.kvm_config import KVMConfig
 from kvm_jax.ops.common import MASKED, layer_norm
 from kvm_jax.ops.kvm.scan import kvm_attention_scan
 from kvm_jax.ops.kvm.state import (KVMParams, KVMState, overflow_rows, pad_rows, state_readout,

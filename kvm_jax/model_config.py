@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax.numpy as jnp
 
-from kvm_jax.config import KVM_IMPLEMENTATIONS, KVMConfig
+from kvm_jax.kvm_config import KVM_IMPLEMENTATIONS, KVMConfig
 from kvm_jax.family_options import family_options_class
 from kvm_jax.mixer_options import KindOptions, check_options, options_class, rotary_dims
 

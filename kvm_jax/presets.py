@@ -15,7 +15,7 @@ import dataclasses
 from typing import Callable
 
 from kvm_jax.budget import FixedBudget, PowerLawBudget, SaturatingBudget
-from kvm_jax.config import KVMConfig
+from kvm_jax.kvm_config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.bswa import BSWAOptions
 from kvm_jax.nn.gemma import GemmaOptions

@@ -13,7 +13,7 @@ from flax import nnx
 import kvm_jax as kj
 from kvm_jax.nn import registry
 from kvm_jax.nn.swa import SWAOptions
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.train.accounting import flops_per_token, visible_keys
 
 # OVQ with chunks of 4 and at most 6 centroids: after t tokens the plateau schedule holds

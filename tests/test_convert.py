@@ -201,7 +201,7 @@ def test_with_kvm_refuses_by_name():
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
   """A run directory of the default job's full-attention model (random parameters, MQAR)."""
-  from kvm_jax.runs.config import TrainConfig
+  from kvm_jax.runs.train_config import TrainConfig
   from kvm_jax.tasks.mqar import MQARSpec
   from kvm_jax.train.default_job import model_configs
   cfg = TrainConfig(model=model_configs()["full"], task="mqar",
@@ -288,6 +288,6 @@ def test_the_kinds_that_convert_are_those_that_say_how():
   import kvm_jax.convert as convert  # the fixed tuple it replaced still reads, with a warning
   with pytest.warns(DeprecationWarning, match="convertible_kinds"):
     assert set(convert.CONVERTIBLE) == kinds
-  from kvm_jax.hf import config as authors  # so do the authors' tables the kinds replaced
+  from kvm_jax.hf import authors_config as authors  # so do the authors' tables the kinds replaced
   with pytest.warns(DeprecationWarning, match="AUTHORS"):
     assert authors.NO_ROPE_KINDS == ("ovq", "rwkv7")

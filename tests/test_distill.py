@@ -20,7 +20,7 @@ from flax import nnx
 import kvm_jax as kj
 from kvm_jax.runs.conversion import write_converted
 from kvm_jax.ops.loss import IGNORE, kl_sums, sliced_distill_sums
-from kvm_jax.runs.config import DistillSpec, TrainConfig
+from kvm_jax.runs.train_config import DistillSpec, TrainConfig
 from kvm_jax.runs.directory import load_trained
 from kvm_jax.tasks.mqar import MQARSpec
 from kvm_jax.nn.layers import path_names

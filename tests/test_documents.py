@@ -27,7 +27,7 @@ from flax import nnx
 import kvm_jax as kj
 from tests.conftest import FAST_COMPILE, TEST_XLA_FLAGS, forward, in_ci, make_model
 from kvm_jax.budget import FixedBudget, PowerLawBudget, SaturatingBudget
-from kvm_jax.config import KVMConfig
+from kvm_jax.kvm_config import KVMConfig
 from kvm_jax.ops.documents import (WindowRule, document_attention, document_spans,
                                    documents, documents_alone, segment_ids_from_lengths)
 from kvm_jax.ops.kvm.cases import TOLERANCE, random_inputs, random_params, rel_rms

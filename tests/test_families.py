@@ -393,7 +393,7 @@ def test_distillation_against_a_family_teacher(stage, loaded):
   temperature included: Gemma rotates every channel, and the state keys keep the slower half of
   the rotary pairs (with every rotary channel zeroed, state keys would be LN_s's bias alone and
   those two would get no gradient)."""
-  from kvm_jax.runs.config import DistillSpec
+  from kvm_jax.runs.train_config import DistillSpec
   from kvm_jax.train import distill
   teacher = loaded["gemma3"]
   kvm = _convert_kvm(teacher)

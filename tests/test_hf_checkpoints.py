@@ -379,13 +379,13 @@ def test_kinds_writing_one_field_must_agree():
   does not use writes only where no used kind did, and a kind may rewrite its own fields."""
   from kvm_jax.nn.authors_format import AuthorsWriting
   cfg = kj.presets.tiny(mixers="kvm,bswa")
-  writing = AuthorsWriting(cfg, 8, hf.config.authors_kinds())
+  writing = AuthorsWriting(cfg, 8, hf.authors_config.authors_kinds())
   writing.put("bswa", chunk_len=8, sink_len=1)
   writing.put("swa", chunk_len=99, swa_window_size=12)  # no swa layers: bswa's value stays
   writing.put("kvm", chunk_len=8, sink_len=1)
   writing.put("kvm", sink_len=2)
   assert writing.fields == dict(chunk_len=8, sink_len=2, swa_window_size=12)
-  writing = AuthorsWriting(cfg, 8, hf.config.authors_kinds())
+  writing = AuthorsWriting(cfg, 8, hf.authors_config.authors_kinds())
   writing.put("bswa", chunk_len=8, sink_len=1, n_bswa_chunks=3)
   with pytest.raises(hf.ExportError, match=r"their KVM and block-SWA layers share chunk_len and "
                      r"sink_len, but kvm has \(4, 1\) and bswa \(8, 1\)"):

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Layers, lowest first. A pattern "x" names one module; "x.*" names x and everything below it.
 # The most specific pattern wins. Modules of one layer may import each other (without cycles).
 LAYERS = (
-    ("config", ("kvm_jax.budget", "kvm_jax.config", "kvm_jax.mixer_options",
+    ("config", ("kvm_jax.budget", "kvm_jax.kvm_config", "kvm_jax.config", "kvm_jax.mixer_options",
                 "kvm_jax.family_options", "kvm_jax.model_config", "kvm_jax.config_io", "kvm_jax.progress",
                 "kvm_jax.plugins",
                 "kvm_jax.row_plan")),
@@ -556,3 +556,4 @@ def test_design_recipes_name_tests_that_exist():
   assert missing_test_references(planted) == [
       "tests/test_layout.py::no_such_test: tests/test_layout.py defines no no_such_test()",
       "tests/test_nothing.py::test_x: no file tests/test_nothing.py"]
+

@@ -23,7 +23,7 @@ from kvm_jax.nn import KVMAttention, Mixed, SWAOptions, register_mixer, registry
 from kvm_jax.nn.rwkv7 import RWKV7TimeMix
 from kvm_jax.nn.layers import path_names
 from kvm_jax.nn.registry import memory_in_words
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.runs.directory import load_config
 from kvm_jax.tasks.mqar import MQARSpec
 from kvm_jax.train import completep, sharding
@@ -376,7 +376,7 @@ def test_the_authors_rows_are_the_kinds_own():
   """The authors' names for a kind come from its own class (``AUTHORS``); a kind registered from
   outside as a subclass of one of theirs does not inherit the row (their code has no such mixer),
   so an export of it is refused by name."""
-  from kvm_jax.hf.config import authors_config_from_model, authors_kinds
+  from kvm_jax.hf.authors_config import authors_config_from_model, authors_kinds
   from kvm_jax.hf import ExportError
   rows = authors_kinds()
   assert set(rows) == {"full", "swa", "bswa", "kvm", "ovq", "rwkv7"}

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from kvm_jax.ops.loss import IGNORE
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.tasks import packing, shards, text
 from kvm_jax.tasks.tokenizers import tokenizer
 from kvm_jax.train.data import check_packing_model, task_dataset

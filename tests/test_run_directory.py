@@ -31,7 +31,7 @@ import pytest
 import kvm_jax as kj
 from kvm_jax import config_io
 from kvm_jax.convert import parse_kvm_flags
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.runs.directory import config_history, load_config, load_trained
 from kvm_jax.tasks.mqar import MQARSpec
 from kvm_jax.tasks.niah import NIAHSpec

@@ -218,7 +218,7 @@ def test_a_client_that_disconnects_frees_its_slot(served):
 
 def test_kvm_serve_serves_a_run_directory(tmp_path, subprocess_environ):
   """``kvm-serve RUN_DIR`` (a subprocess, as a user starts it) answers with the run's model."""
-  from kvm_jax.runs.config import TrainConfig
+  from kvm_jax.runs.train_config import TrainConfig
   cfg = TrainConfig(model=kj.presets.tiny(mixers=("swa", "kvm"), vocab_size=TOK.vocab_size),
                     task="text", seq_len=48)
   model = make_model(("swa", "kvm"), 5, vocab_size=TOK.vocab_size)

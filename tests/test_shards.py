@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.tasks import shards, text
 from kvm_jax.tasks.tokenizers import ByteTokenizer
 from kvm_jax.train import prepare_data

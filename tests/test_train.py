@@ -499,7 +499,7 @@ def test_run_files_of_a_bucket_workdir_go_to_the_bucket(tmp_path, monkeypatch):
   object store cannot append, so the metrics file is rewritten whole, and a resume still drops
   the steps it will redo."""
   from etils.epath import testing as epath_testing
-  from kvm_jax.runs.config import TrainConfig
+  from kvm_jax.runs.train_config import TrainConfig
   from kvm_jax.runs.directory import load_config as load_run_config, save_config
   from kvm_jax.train.metrics import MetricsWriter
 

@@ -5,7 +5,7 @@ checkpointed data, exact resume, JSONL metrics, and the ``kvm-train`` / ``kvm-de
     result = train(TrainConfig(model=kj.presets.tiny()), "runs/tiny")
 """
 
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.train.data import task_dataset
 from kvm_jax.train.evaluation import evaluate
 from kvm_jax.train.loop import train

@@ -11,7 +11,7 @@ import numpy as np
 
 from kvm_jax.nn import registry
 from kvm_jax.nn.family import family_of
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.train_config import TrainConfig
 
 # Dense bf16 peak per device, for the MFU estimate (matched against device_kind).
 _PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "TPU v5p": 459.0, "TPU v5 lite": 197.0,

@@ -19,7 +19,7 @@ from typing import Optional
 
 from flax import nnx
 
-from kvm_jax.runs.config import DistillSpec, TrainConfig
+from kvm_jax.runs.train_config import DistillSpec, TrainConfig
 from kvm_jax.runs.conversion import write_converted
 from kvm_jax.runs.directory import is_run_directory, load_trained
 from kvm_jax.train.default_job import model_configs, train_config

@@ -7,7 +7,7 @@ from typing import Optional
 import numpy as np
 
 from kvm_jax.nn.model import documents_kinds
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.tasks import mqar, niah, packing, text
 from kvm_jax.tasks.shards import TokenShards, shard_dataset
 from kvm_jax.tasks.tokenizers import tokenizer

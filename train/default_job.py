@@ -33,7 +33,7 @@ from kvm_jax.nn.registry import memory_in_words
 from kvm_jax.nn.rwkv7 import RWKV7Options
 from kvm_jax.nn.swa import SWAOptions
 from kvm_jax.ops.ovq.config import OVQConfig
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.tasks.mqar import MQARSpec
 from kvm_jax.tasks.tokenizers import ByteTokenizer
 from kvm_jax.train.evaluation import evaluate

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from kvm_jax.ops.loss import IGNORE
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.tasks import mqar
 from kvm_jax.tasks.pipeline import BatchReader
 from kvm_jax.train import sharding

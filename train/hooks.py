@@ -30,7 +30,7 @@ from jax.experimental import multihost_utils
 
 from kvm_jax.progress import ProgressBar
 from kvm_jax.runs.checkpoint import Checkpointer, abstract_like
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.train.accounting import StepClock, throughput
 from kvm_jax.train.evaluation import evaluate, make_eval_step
 from kvm_jax.train.metrics import MetricsWriter

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from kvm_jax.nn.model import count_params
 from kvm_jax.runs.checkpoint import Checkpointer
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.runs.directory import CHECKPOINT_DIR, config_history, save_config
 from kvm_jax.runs.resume import change_record, check_resume
 from kvm_jax.tasks.pipeline import BatchReader

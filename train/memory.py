@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from kvm_jax.nn.model import LM
 from kvm_jax.ops.common import current_platform
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.train import sharding
 from kvm_jax.train.start import make_optimizer
 from kvm_jax.train.step import make_train_step

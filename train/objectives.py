@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvm_jax.ops.loss import cross_entropy_sums, sliced_loss_sums
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.train_config import TrainConfig
 
 
 class Objective(Protocol):

@@ -17,7 +17,7 @@ from flax import nnx
 from kvm_jax.hf.load import checkpoint_kind
 from kvm_jax.nn.model import LM
 from kvm_jax.runs.checkpoint import Checkpointer, abstract_like
-from kvm_jax.runs.config import TEACHER_TASK, TrainConfig
+from kvm_jax.runs.train_config import TEACHER_TASK, TrainConfig
 from kvm_jax.runs.directory import (CHECKPOINT_DIR, CONVERSION_RECORD, IMPORT_RECORD,
                                     is_run_directory, load_config)
 from kvm_jax.train import adamc as adamc_lib

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from kvm_jax.ops.attention_api import runs_pallas
 from kvm_jax.ops.kvm.api import kernel_sharding
 from kvm_jax.ops.loss import IGNORE
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.train import adamc as adamc_lib
 from kvm_jax.train import sharding
 from kvm_jax.train.objectives import LMObjective, Objective

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from kvm_jax.convert import add_kvm_flag, kvm_flags
-from kvm_jax.hf.config import DTYPES, NUMERICS
+from kvm_jax.hf.authors_config import DTYPES, NUMERICS
 from kvm_jax.hf.load import export_run, import_checkpoint, numerics_note
 from kvm_jax.nn.family import family_of
 

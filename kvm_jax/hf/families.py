@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvm_jax.hf.config import ConfigError, ExportError
+from kvm_jax.hf.authors_config import ConfigError, ExportError
 from kvm_jax.hf.safetensors import CheckpointError
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn import registry

@@ -20,13 +20,13 @@ from flax import nnx
 from kvm_jax import config_io
 from kvm_jax.hf import families
 from kvm_jax.hf import safetensors as st
-from kvm_jax.hf.config import (DTYPES, ConfigError, authors_config_from_model, authors_fields,
+from kvm_jax.hf.authors_config import (DTYPES, ConfigError, authors_config_from_model, authors_fields,
                                model_config_from_authors, with_numerics)
 from kvm_jax.hf.params import from_authors, to_authors
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.family import family_of
 from kvm_jax.runs import checkpoint
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.runs.directory import (CONFIG_FILE, IMPORT_RECORD, load_config, load_trained,
                                     save_starting_point)
 from kvm_jax.tasks.tokenizers import tokenizer

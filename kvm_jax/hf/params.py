@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvm_jax.hf.config import authors_kinds
+from kvm_jax.hf.authors_config import authors_kinds
 from kvm_jax.hf.safetensors import CheckpointError
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.authors_format import Layout, layout_of, unused_zeros

@@ -13,7 +13,7 @@ Each kind their code has says what its layers are in their format with an ``AUTH
 (:class:`AuthorsMixer`) in its own module: names, flags for what their layer reads of the
 model-wide fields, and hooks reading and writing its options (with :func:`read_int` and the other
 field readers, :class:`AuthorsReading` and :class:`AuthorsWriting`) and naming its own parameters.
-:mod:`kvm_jax.hf.config` translates ``config.json`` with them, never by a kind's name.
+:mod:`kvm_jax.hf.authors_config` translates ``config.json`` with them, never by a kind's name.
 """
 
 from __future__ import annotations

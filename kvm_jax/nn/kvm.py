@@ -14,7 +14,7 @@ from flax import nnx
 
 from kvm_jax.budget import (CallableBudget, FixedBudget, PowerLawBudget, SaturatingBudget,
                             average_visible_keys, state_rows_after)
-from kvm_jax.config import KVMConfig
+from kvm_jax.kvm_config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.authors_format import (AuthorsMixer, AuthorsReading, AuthorsWriting,
                                      ConfigError, ExportError, read_flag, read_float,

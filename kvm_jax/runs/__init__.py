@@ -2,7 +2,7 @@
 training and evaluation."""
 
 from kvm_jax.runs.checkpoint import Checkpointer, abstract_like
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.runs.directory import (CHECKPOINT_DIR, CONFIG_FILE, IMPORT_RECORD, TRAIN_CLASSES,
                                     default_placement, forward_logits, is_run_directory,
                                     load_config, load_trained, logits_fn, save_config)
@@ -11,3 +11,11 @@ from kvm_jax.runs.launch import start_distributed
 __all__ = ["CHECKPOINT_DIR", "CONFIG_FILE", "IMPORT_RECORD", "Checkpointer", "TRAIN_CLASSES",
            "TrainConfig", "abstract_like", "default_placement", "forward_logits", "is_run_directory",
            "load_config", "load_trained", "logits_fn", "save_config", "start_distributed"]
+
+
+def __getattr__(name: str):
+  """``kvm_jax.runs.config``, the old name of a renamed module, still resolves (its names warn)."""
+  if name == "config":
+    import importlib
+    return importlib.import_module("kvm_jax.runs.config")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

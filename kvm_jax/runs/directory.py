@@ -21,7 +21,7 @@ from kvm_jax import config_io
 from kvm_jax.generate import pod_mesh, replicate_on
 from kvm_jax.nn.model import LM
 from kvm_jax.runs.checkpoint import Checkpointer
-from kvm_jax.runs.config import DistillSpec, TrainConfig
+from kvm_jax.runs.train_config import DistillSpec, TrainConfig
 from kvm_jax.tasks.mqar import MQARSpec
 from kvm_jax.tasks.niah import NIAHSpec
 

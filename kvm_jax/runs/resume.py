@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any, Optional
 
 from kvm_jax import config_io
-from kvm_jax.runs.config import TrainConfig
+from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.runs.directory import checkpoint_steps, is_run_directory, load_config
 
 # Fields (dotted paths of the TrainConfig) that a resumed run may change: length and schedule,

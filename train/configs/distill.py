@@ -26,7 +26,7 @@ on other data. Override anything with
 import dataclasses
 
 from kvm_jax import presets
-from kvm_jax.runs.config import DISTILL_STAGES, DistillSpec
+from kvm_jax.runs.train_config import DISTILL_STAGES, DistillSpec
 from kvm_jax.train import TrainConfig
 
 TRAINABLE_BY_STAGE = {"attention": "kvm_only", "logits": "all", "finetune": "all"}

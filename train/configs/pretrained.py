@@ -24,7 +24,7 @@ model the same way, without a teacher (the two shapes ``--memory-report`` compar
 import dataclasses
 
 from kvm_jax import presets
-from kvm_jax.runs.config import DistillSpec
+from kvm_jax.runs.train_config import DistillSpec
 from kvm_jax.train import TrainConfig
 
 # stage -> (tokens, sequence length, sequences per step, trainable parameters)

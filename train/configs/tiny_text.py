@@ -2,7 +2,7 @@
 
 from kvm_jax import presets
 from kvm_jax.budget import PowerLawBudget
-from kvm_jax.config import KVMConfig
+from kvm_jax.kvm_config import KVMConfig
 from kvm_jax.train import TrainConfig
 
 

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from kvm_jax.budget import kvm_schedule
-from kvm_jax.config import KVMConfig
+from kvm_jax.kvm_config import KVMConfig
 from kvm_jax.ops.common import window_mask
 from kvm_jax.ops.documents import (Documents, WindowRule, combine_partials,
                                    document_window_partials, documents, rows_of,
