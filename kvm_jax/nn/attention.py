@@ -130,9 +130,11 @@ class AttentionFrontEnd(nnx.Module):
     # Scores squashed to (-cap, cap) before the softmax (Gemma 2), or None.
     self.softcap = family.attention_softcap(cfg)
     if self.softcap is not None and not self.SOFTCAP:
+      from kvm_jax.nn.registry import mixer_class, registered_mixers  # (it imports the kinds)
+      capping = [k for k in registered_mixers() if getattr(mixer_class(k), "SOFTCAP", False)]
       raise ValueError(f"layer {layer}: {self.kind!r} layers do not soft-cap attention scores, "
                        f"which the {cfg.family!r} family's options ask for (cap "
-                       f"{self.softcap}); use full, swa, bswa or kvm layers there.")
+                       f"{self.softcap}); use {', '.join(capping)} layers there.")
     head_norm = lambda: family.head_norm(cfg, D, rngs) if self.QK_NORM else None
     # Creation order fixes which random key each parameter gets: keep it.
     self.c_q = family.projection(cfg, C, dq, rngs, "q")
