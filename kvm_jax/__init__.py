@@ -24,7 +24,8 @@ from kvm_jax.kvm_config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.ops.common import current_platform
 from kvm_jax.ops.kvm import (KVMBackend, KVMCache, KVMOutput, KVMParams, KVMState,
-                             RoutedKVMOutput, kvm_attention, kvm_attention_reference, kvm_decode_step, kvm_init_cache, kvm_prefill,
+                             KVMStepOutput, RoutedKVMOutput, RoutedKVMStepOutput, kvm_attention,
+                             kvm_attention_reference, kvm_decode_step, kvm_init_cache, kvm_prefill,
                              resolve_kvm_backend)
 from kvm_jax.ops.ovq import OVQConfig
 
@@ -53,7 +54,7 @@ def tokenizer_of(path):
 __all__ = [
     "KVMConfig", "FixedBudget", "PowerLawBudget", "SaturatingBudget", "CallableBudget",
     "KVMSchedule", "kvm_schedule", "state_rows_after", "KVMParams", "KVMState", "KVMCache",
-    "KVMOutput", "RoutedKVMOutput", "kvm_attention", "kvm_attention_reference", "kvm_init_cache", "kvm_prefill", "kvm_decode_step",
+    "KVMOutput", "RoutedKVMOutput", "KVMStepOutput", "RoutedKVMStepOutput", "kvm_attention", "kvm_attention_reference", "kvm_init_cache", "kvm_prefill", "kvm_decode_step",
     "KVMBackend", "resolve_kvm_backend", "current_platform",
     "ModelConfig", "LM", "count_params", "presets", "generate", "generate_text", "SamplingConfig",
     "Engine", "generate_many",

@@ -1,10 +1,6 @@
-"""Deprecated name of :mod:`kvm_jax.kvm_config` (the KVM op's ``KVMConfig``). Importing a name from here still
-works, with a DeprecationWarning."""
+"""Deprecated path of :mod:`kvm_jax.kvm_config` (the KVM op's ``KVMConfig``): its names still import
+from here, each with a DeprecationWarning."""
 
-import importlib
-import warnings
+from kvm_jax.renamed import forwarding
 
-
-def __getattr__(name: str):
-  warnings.warn("kvm_jax.config is deprecated; import kvm_jax.kvm_config.", DeprecationWarning, stacklevel=2)
-  return getattr(importlib.import_module("kvm_jax.kvm_config"), name)
+__getattr__, __dir__ = forwarding("kvm_jax.config", "kvm_jax.kvm_config")

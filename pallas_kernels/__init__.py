@@ -19,3 +19,11 @@ Kernels import only lower-level op helpers (``kvm_jax.ops.common``, ``kvm_jax.op
 never the dispatcher that calls them. The XLA scan (``implementation="xla"``) stays the default
 and the reference; ``kvm-check`` compares the two on any machine.
 """
+
+
+def __getattr__(name: str):
+  """``kvm_jax.kernels.anchor``, the tokamax readout's old module name, still resolves."""
+  if name == "anchor":
+    import importlib
+    return importlib.import_module("kvm_jax.kernels.anchor")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,7 +6,7 @@ separate key temperatures for the two parts — but hands the work to
 ``tokamax.dot_product_attention`` over the concatenated keys and values with one boolean mask.
 It exists so that the project's own readout (:mod:`kvm_jax.kernels.readout`) can be timed against
 a flash-attention kernel somebody else keeps fast (``kvm-bench --readout-tokamax``), and used
-instead of it with ``kvm_attention(..., readout="tokamax")`` (or by ``"auto"`` on the backends where
+instead of it by a backend decided with ``readout="tokamax"`` (or by ``"auto"`` on the backends where
 that benchmark measured it faster: ``kvm_jax.ops.kvm.api.TOKAMAX_READOUT_BACKENDS``).
 
 How the two temperatures fit into one plain attention: the score of query head ``h = kv·G + g``

@@ -647,3 +647,24 @@ def test_ovq_documents_are_each_document_alone(cfg):
       error = np.sqrt(np.mean((np.asarray(got[b, t:t + n]) - np.asarray(want[i, :n])) ** 2))
       assert error < GRAD_TOL * np.sqrt(np.mean(np.asarray(got) ** 2)), (b, t, n)
   assert rel_rms(grads[3], g_alone[3]) < GRAD_TOL
+
+
+def test_an_update_kernel_returning_a_plain_tuple_still_runs_the_aligned_documents():
+  """A ``ChunkOps.update_fn`` written to the earlier contract (``(state, (dest, target))`` as a
+  plain tuple, not ``RoutedUpdate``) runs the aligned documents path, bitwise as the built-in."""
+  import dataclasses
+  from kvm_jax.ops.kvm.scan import XLA_OPS
+  from kvm_jax.ops.kvm.state import update_state
+
+  def plain(*args, **kwargs):
+    out = update_state(*args, **kwargs)
+    return (out[0], tuple(out[1])) if kwargs.get("return_routing") else out
+  cfg = KVMConfig(chunk_size=4, window_chunks=2, sink_rows=1, rope_dims=4,
+                  budget=FixedBudget(6))
+  q, k, v, g, params = _kvm_inputs(1, H=2, Hkv=2, seed=3, seq_len=40)
+  seg = jnp.asarray(segment_ids_from_lengths(([9, 20, -3, 8],), 40))
+  run = lambda ops: kvm_attention_documents(q, k, v, g, params, seg, cfg=cfg, ops=ops,  # noqa: E731
+                                            path="aligned")
+  (y, state), (y_old, state_old) = run(XLA_OPS), run(dataclasses.replace(XLA_OPS, update_fn=plain))
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_old))
+  np.testing.assert_array_equal(np.asarray(state.keys), np.asarray(state_old.keys))

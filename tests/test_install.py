@@ -109,3 +109,11 @@ def test_renamed_modules_still_resolve_under_their_old_names_with_a_warning():
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     assert kj.config.KVMConfig is kj.KVMConfig and hf.config.ConfigError is hf.ConfigError
+    star = {}
+    exec("from kvm_jax.runs.config import *", star)  # the new module's public names
+    assert star["TrainConfig"] is runs.TrainConfig
+    import kvm_jax.kernels as kernels
+    assert kernels.anchor.tokamax_available is kernels.tokamax_readout.tokamax_available
+  with warnings.catch_warnings():  # Python's own probes of a module do not warn
+    warnings.simplefilter("error")
+    assert not hasattr(importlib.import_module("kvm_jax.config"), "__path__")

@@ -221,9 +221,10 @@ OP_CFG = kj.KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1, rope_dims=8,
 
 
 def test_the_public_ops_return_named_results_of_one_shape_per_request():
-  """``kvm_attention``, ``kvm_prefill`` and ``kvm_decode_step`` return a ``KVMOutput`` (y,
-  state), or with ``return_routing`` a ``RoutedKVMOutput`` whose ``routing`` fed back reproduces
-  the run (the decisions are the applied ones, not a copy of another field)."""
+  """``kvm_attention`` returns a ``KVMOutput`` (y, state), ``kvm_prefill`` and
+  ``kvm_decode_step`` a ``KVMStepOutput`` (y, cache); with ``return_routing`` their ``Routed``
+  forms, whose ``routing`` fed back reproduces the run (the applied decisions, not a copy of
+  another field)."""
   q, k, v, g, params = _op_inputs(0)
   plain = kj.kvm_attention(q, k, v, g, params, OP_CFG)
   routed = kj.kvm_attention(q, k, v, g, params, OP_CFG, return_routing=True)
@@ -236,9 +237,10 @@ def test_the_public_ops_return_named_results_of_one_shape_per_request():
   pre = kj.kvm_prefill(q[:, :31], k[:, :31], v[:, :31], g[:, :31], params, OP_CFG, cache,
                        return_routing=True)
   step = kj.kvm_decode_step(q[:, 31:32], k[:, 31:32], v[:, 31:32], g[:, 31:32], params, OP_CFG,
-                            pre.state)
-  assert type(pre) is kj.RoutedKVMOutput and type(step) is kj.KVMOutput
-  assert isinstance(step.state, kj.KVMCache) and step.y.shape == (2, 1, 4, 16)
+                            pre.cache)
+  assert type(pre) is kj.RoutedKVMStepOutput and type(step) is kj.KVMStepOutput
+  assert pre._fields == ("y", "cache", "routing") and step._fields == ("y", "cache")
+  assert isinstance(step.cache, kj.KVMCache) and step.y.shape == (2, 1, 4, 16)
 
 
 def test_given_routing_is_applied_exactly():

@@ -11,7 +11,7 @@
 * the repository's text (docs, code, tests) stands on its own: no pointers to the internal design
   notes or issues, and every ``docs/…`` file and section cited exists;
 * every function is at most 80 lines, and no module outside a kind's own compares with a kind's
-  name beyond the allowance of what is left to move into the kinds;
+  name;
 * every test docs/design.md names (``tests/<file>.py::<name>``) exists, and each of its "How to
   add" recipes names one.
 """
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (
     ("config", ("kvm_jax.budget", "kvm_jax.kvm_config", "kvm_jax.config", "kvm_jax.mixer_options",
                 "kvm_jax.family_options", "kvm_jax.model_config", "kvm_jax.config_io", "kvm_jax.progress",
-                "kvm_jax.plugins",
+                "kvm_jax.plugins", "kvm_jax.renamed",
                 "kvm_jax.row_plan")),
     ("ops", ("kvm_jax.ops.common", "kvm_jax.ops.rope", "kvm_jax.ops.attention",
              "kvm_jax.ops.kv_fusion", "kvm_jax.ops.kvm.*", "kvm_jax.ops.chunked_attention",

@@ -126,6 +126,10 @@ def test_readout_choice_through_the_op(tokamax):
   import kvm_jax as kj
   from kvm_jax.ops.kvm.api import TOKAMAX_READOUT_BACKENDS, resolve_implementation
   from kvm_jax.ops.kvm.cases import random_inputs
+
+  def ops(readout):
+    return kj.resolve_kvm_backend(cfg, implementation="xla", readout=readout).chunk_ops()
+
   cfg = kj.KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1, rope_dims=4,
                      budget=kj.PowerLawBudget(4.0, 0.5, min_rows=8))
   q, k, v, g = random_inputs(0, 2, 45, 4, 2, 16, 16)
@@ -143,7 +147,9 @@ def test_readout_choice_through_the_op(tokamax):
   for a, b in zip(tok[1], own[1]):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(b))))
   assert jax.default_backend() not in TOKAMAX_READOUT_BACKENDS["xla"]
-  assert "tokamax" not in resolve_implementation("xla", cfg, "auto").name
-  assert "tokamax" in resolve_implementation("xla", cfg, "tokamax").name
+  assert "tokamax" not in ops("auto").name
+  assert "tokamax" in ops("tokamax").name
   with pytest.raises(ValueError, match="readout='flash'"):
-    resolve_implementation("xla", cfg, "flash")
+    ops("flash")
+  with pytest.warns(DeprecationWarning, match="resolve_kvm_backend"):  # the old second path
+    assert resolve_implementation("xla", cfg, "tokamax") == ops("tokamax")

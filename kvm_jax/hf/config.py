@@ -1,10 +1,6 @@
-"""Deprecated name of :mod:`kvm_jax.hf.authors_config` (the authors' config.json format). Importing a name from here still
-works, with a DeprecationWarning."""
+"""Deprecated path of :mod:`kvm_jax.hf.authors_config` (the authors' config.json format): its names still import
+from here, each with a DeprecationWarning."""
 
-import importlib
-import warnings
+from kvm_jax.renamed import forwarding
 
-
-def __getattr__(name: str):
-  warnings.warn("kvm_jax.hf.config is deprecated; import kvm_jax.hf.authors_config.", DeprecationWarning, stacklevel=2)
-  return getattr(importlib.import_module("kvm_jax.hf.authors_config"), name)
+__getattr__, __dir__ = forwarding("kvm_jax.hf.config", "kvm_jax.hf.authors_config")

@@ -20,6 +20,7 @@ how it mixes lives in :mod:`kvm_jax.nn.kv_sharing`.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Optional
 
 import jax
@@ -129,12 +130,10 @@ class AttentionFrontEnd(nnx.Module):
     family = self.family = family_of(cfg)
     # Scores squashed to (-cap, cap) before the softmax (Gemma 2), or None.
     self.softcap = family.attention_softcap(cfg)
-    if self.softcap is not None and not self.SOFTCAP:
-      from kvm_jax.nn.registry import mixer_class, registered_mixers  # (it imports the kinds)
-      capping = [k for k in registered_mixers() if getattr(mixer_class(k), "SOFTCAP", False)]
+    if self.softcap is not None and not self.SOFTCAP:  # (Block names the kinds that cap)
       raise ValueError(f"layer {layer}: {self.kind!r} layers do not soft-cap attention scores, "
                        f"which the {cfg.family!r} family's options ask for (cap "
-                       f"{self.softcap}); use {', '.join(capping)} layers there.")
+                       f"{self.softcap}); use a kind whose class sets SOFTCAP = True.")
     head_norm = lambda: family.head_norm(cfg, D, rngs) if self.QK_NORM else None
     # Creation order fixes which random key each parameter gets: keep it.
     self.c_q = family.projection(cfg, C, dq, rngs, "q")
@@ -270,6 +269,10 @@ class AttentionFrontEnd(nnx.Module):
     else:
       q, tails = self.queries(x, positions, prev, starts)
       mixed = self.mix_reconstructed(x, q, mixer_cache, decode, shared, **extra)
+    if len(mixed) == 2:  # the earlier (y, mixer cache) of a reconstruction layer
+      warnings.warn(f"{type(self).__name__}.mix_reconstructed returned (y, cache); return "
+                    "kvm_jax.nn.Mixed(y, cache, {}) instead.", DeprecationWarning, stacklevel=2)
+      mixed = Mixed(*mixed, {})
     y, mixer_cache, exports = mixed
     B, T = x.shape[:2]
     return MixerOutput(self.c_proj(y.reshape(B, T, -1).astype(x.dtype)), mixer_cache, tails,

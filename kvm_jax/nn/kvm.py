@@ -281,7 +281,7 @@ class KVMAttention(AttentionFrontEnd):
       out = kvm_prefill(q, k, v, g, params, self.options, mixer_cache, **kw)
     else:  # a whole sequence keeps no cache
       out = kvm_attention(q, k, v, g, params, self.options, **kw)._replace(state=None)
-    return out.y, out.state, getattr(out, "routing", None)
+    return out[0], out[1], getattr(out, "routing", None)  # (y, state or cache, routing)
 
   def kvm_documents(self, q, k, v, g, params, documents, routing=None):
     """The KVM op over packed documents (each as if alone): ``y [B, T, H, Dv]``."""

@@ -54,6 +54,18 @@ class BlockOutput(NamedTuple):
   mixer_output: Array
 
 
+def _check_softcap(cfg: ModelConfig, layer: int, family) -> None:
+  """Refuses a layer whose kind cannot soft-cap scores in a family that asks for it, naming the
+  kinds that can (each class says so with ``SOFTCAP``)."""
+  kind = cfg.layer_mixers[layer]
+  cap = family.attention_softcap(cfg)
+  if cap is not None and not getattr(mixer_class(kind), "SOFTCAP", False):
+    capping = [k for k in registered_mixers() if getattr(mixer_class(k), "SOFTCAP", False)]
+    raise ValueError(f"layer {layer}: {kind!r} layers do not soft-cap attention scores, which "
+                     f"the {cfg.family!r} family's options ask for (cap {cap}); use "
+                     f"{', '.join(capping)} layers there.")
+
+
 class Block(nnx.Module):
   """Pre-norm residual block: ``x + s·mixer(N(x))``, then ``x + s·MLP(N(x))`` (s the residual
   scale; N and the MLP the family's)."""
@@ -62,6 +74,7 @@ class Block(nnx.Module):
     self.cfg = cfg
     family = family_of(cfg)
     self.ln_attn = family.norm(cfg, cfg.hidden_size, rngs)
+    _check_softcap(cfg, layer, family)
     self.attn = mixer_class(cfg.layer_mixers[layer])(cfg, layer, rngs=rngs)
     if (norm := family.post_norm(cfg, cfg.hidden_size, rngs)) is not None:
       self.post_attn_norm = norm

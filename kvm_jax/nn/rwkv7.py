@@ -124,7 +124,7 @@ _AUTHORS_PROJECTIONS = {"receptance", "key", "value", "output", "w1", "w2", "a1"
 _AUTHORS_VECTORS = {"x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "w0", "a0", "v0", "k_k", "k_a"}
 
 
-def authors_layout(prefix: str, owners: list[str], leaf: str, shape) -> Optional[Layout]:
+def _authors_layout(prefix: str, owners: list[str], leaf: str, shape) -> Optional[Layout]:
   """The authors' layout of an ``rwkv7`` layer's own parameter (None for the block's shared
   ones, which :func:`kvm_jax.nn.authors_format.layout_of` maps)."""
   if owners == ["attn"] and leaf in _AUTHORS_VECTORS:
@@ -138,7 +138,7 @@ def authors_layout(prefix: str, owners: list[str], leaf: str, shape) -> Optional
   return None
 
 
-def authors_options(reading: AuthorsReading) -> RWKV7Options:
+def _read_authors_options(reading: AuthorsReading) -> RWKV7Options:
   """Their config has no RWKV-7 options (``chunk_size`` is kvm_jax's compute setting): the
   defaults."""
   return RWKV7Options()
@@ -155,7 +155,7 @@ class RWKV7TimeMix(nnx.Module):
   Options = RWKV7Options
   AUTHORS = AuthorsMixer(("rwkv7",), ("model.rwkv7_mixer.SequenceMixer",), None, rotates=False,
                          title="RWKV-7", own_head_width=True, always_value_residual=True,
-                         read_options=authors_options, layout=authors_layout)
+                         read_options=_read_authors_options, layout=_authors_layout)
   LOGICAL_AXES = {"receptance": ("embed", "heads"), "key": ("embed", "heads"),
                   "value": ("embed", "heads"), "output": ("heads", "embed"),
                   "w1": ("embed", "lora"), "w2": ("lora", "heads"),

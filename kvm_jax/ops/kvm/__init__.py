@@ -20,10 +20,12 @@ from kvm_jax.ops.kvm.api import (AUTO_PALLAS_BACKENDS, KVM_PLATFORMS, KVM_READOU
 from kvm_jax.ops.kvm.decode import KVMCache, kvm_init_cache
 from kvm_jax.ops.kvm.reference import kvm_attention_reference
 from kvm_jax.ops.kvm.scan import XLA_OPS, ChunkOps, kvm_attention_scan
-from kvm_jax.ops.kvm.state import KVMOutput, KVMParams, KVMState, RoutedKVMOutput
+from kvm_jax.ops.kvm.state import (KVMOutput, KVMParams, KVMState, KVMStepOutput, RoutedKVMOutput,
+                                   RoutedKVMStepOutput)
 
 __all__ = ["AUTO_PALLAS_BACKENDS", "KVM_PLATFORMS", "KVM_READOUTS", "ChunkOps", "KVMBackend",
-           "KVMCache", "KVMOutput", "KVMParams", "KVMState", "RoutedKVMOutput", "XLA_OPS", "chunk_ops", "kernel_sharding",
+           "KVMCache", "KVMOutput", "KVMParams", "KVMState", "KVMStepOutput",
+           "RoutedKVMOutput", "RoutedKVMStepOutput", "XLA_OPS", "chunk_ops", "kernel_sharding",
            "kvm_attention", "kvm_attention_reference", "kvm_attention_scan", "kvm_decode_step",
            "kvm_init_cache", "kvm_prefill", "kvm_resume", "resolve_implementation",
            "resolve_kvm_backend"]

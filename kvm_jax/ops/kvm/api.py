@@ -48,8 +48,8 @@ from kvm_jax.ops.kvm import decode
 from kvm_jax.ops.kvm.decode import KVMCache, check_against_cache
 from kvm_jax.ops.kvm.documents import kvm_attention_documents
 from kvm_jax.ops.kvm.scan import XLA_OPS, ChunkOps, kvm_attention_scan, source_layout_for
-from kvm_jax.ops.kvm.state import (KVMOutput, KVMParams, RoutedKVMOutput, row_update_for,
-                                   validate_inputs)
+from kvm_jax.ops.kvm.state import (KVMOutput, KVMParams, KVMStepOutput, RoutedKVMOutput,
+                                   RoutedKVMStepOutput, row_update_for, validate_inputs)
 
 Array = jax.Array
 
@@ -180,7 +180,8 @@ def resolve_kvm_backend(cfg: KVMConfig, *, implementation: str = "auto", readout
 
 
 #: What a public op runs when given neither a backend nor the deprecated separate choices: the
-#: XLA scan (``implementation="auto"`` must be asked for, since it may pick kernels).
+#: XLA scan (``implementation="auto"`` must be asked for, since it may pick kernels); these were
+#: also the separate arguments' defaults, which a call may still spell out beside ``backend``.
 DEFAULT_CHOICES = {"implementation": "xla", "readout": "auto", "kernel_config": None}
 
 
@@ -189,8 +190,9 @@ def backend_for(cfg: KVMConfig, backend: Optional[KVMBackend], implementation: O
                 op: str = "kvm_attention", default_readout: str = "auto") -> KVMBackend:
   """The backend a public op runs: ``backend`` when given (it must be what
   :func:`resolve_kvm_backend` decides for ``cfg`` on its platform), else the decision for
-  :data:`DEFAULT_CHOICES` (with ``default_readout``). The separate ``implementation``, ``readout`` and ``kernel_config``
-  still work with a DeprecationWarning (None: not given); with ``backend`` they are refused."""
+  :data:`DEFAULT_CHOICES` with ``default_readout``. The separate ``implementation``,
+  ``readout`` and ``kernel_config`` (None: not given) still work with a DeprecationWarning;
+  beside ``backend`` only their old defaults are accepted (they say nothing)."""
   given = {name: value for name, value in (("implementation", implementation),
                                           ("readout", readout),
                                           ("kernel_config", kernel_config)) if value is not None}
@@ -204,6 +206,7 @@ def backend_for(cfg: KVMConfig, backend: Optional[KVMBackend], implementation: O
   if not isinstance(backend, KVMBackend):
     raise ValueError(f"backend={backend!r} is not a KVMBackend; build one with "
                      "resolve_kvm_backend(cfg, ...).")
+  given = {k: v for k, v in given.items() if v != DEFAULT_CHOICES[k]}
   if given:
     raise ValueError(f"backend= was given with {given}: the backend already says all of these; "
                      "pass one or the other.")
@@ -253,8 +256,10 @@ def chunk_ops(implementation: str, *, target: Optional[str] = None,
 
 def resolve_implementation(implementation: str, cfg: KVMConfig, readout: str = "auto"
                            ) -> ChunkOps:
-  """The per-chunk operations ``implementation`` and ``readout`` mean on this machine for ``cfg``:
-  :meth:`KVMBackend.chunk_ops` of :func:`resolve_kvm_backend` (errors as there)."""
+  """Deprecated: ``resolve_kvm_backend(cfg, implementation=..., readout=...).chunk_ops()``, the
+  one decision, says the same (a DeprecationWarning)."""
+  warnings.warn("resolve_implementation is deprecated; use resolve_kvm_backend(cfg, "
+                "implementation=..., readout=...).chunk_ops().", DeprecationWarning, stacklevel=2)
   return resolve_kvm_backend(cfg, implementation=implementation, readout=readout).chunk_ops()
 
 
@@ -298,8 +303,8 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
   if segment_ids is not None:
     _check_documents(segment_ids, q, routing, return_routing,
                      readout if backend is None else backend.readout)
-    # Documents give every row its own state mask, which tokamax's readout cannot take.
-    readout = "own" if readout == "auto" else readout
+    if backend is None and readout == "auto":  # (the deprecated form) documents give every
+      readout = "own"  # row its own state mask, which tokamax's readout cannot take
   be = backend_for(cfg, backend, implementation, readout, kernel_config, "kvm_attention",
                    default_readout="own" if segment_ids is not None else "auto")
   if segment_ids is not None:
@@ -327,8 +332,8 @@ def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPara
                 cfg: KVMConfig, cache: KVMCache, *, routing=None, return_routing: bool = False,
                 backend: Optional[KVMBackend] = None, implementation: Optional[str] = None,
                 readout: Optional[str] = None, kernel_config: Optional[KernelConfig] = None):
-  """Runs a prompt of any length >= 1: a :class:`KVMOutput` of its outputs and the filled cache
-  (:class:`RoutedKVMOutput` with ``return_routing``).
+  """Runs a prompt of any length >= 1: a :class:`KVMStepOutput` of its outputs and the filled
+  cache (:class:`RoutedKVMStepOutput` with ``return_routing``).
 
   The prompt starts a new sequence: ``cache`` provides sizes, ``max_len`` and dtype, and its
   previous contents are discarded. Shapes, ``backend`` and the deprecated separate choices as in
@@ -351,8 +356,8 @@ def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMP
                     readout: Optional[str] = None,
                     kernel_config: Optional[KernelConfig] = None):
   """Processes one token: ``q_t [B,1,H,D]``, ``k_t [B,1,Hkv,D]``, ``v_t [B,1,Hkv,Dv]``,
-  ``g_t [B,1,Hkv]``; returns a :class:`KVMOutput` of ``y_t [B,1,H,Dv]`` and the advanced cache
-  (:class:`RoutedKVMOutput` with ``return_routing``).
+  ``g_t [B,1,Hkv]``; returns a :class:`KVMStepOutput` of ``y_t [B,1,H,Dv]`` and the advanced
+  cache (:class:`RoutedKVMStepOutput` with ``return_routing``).
 
   ``backend`` (and the deprecated separate choices): as in :func:`kvm_attention`; pass the one
   a request prefilled with, so that it decodes what it prefilled. The readout applies to the

@@ -25,8 +25,8 @@ from kvm_jax.kvm_config import KVMConfig
 from kvm_jax.ops.common import (batch_rows, fill_ring, joint_attention, read_ring_chunk,
                                 ring_positions, tree_nbytes, write_ring)
 from kvm_jax.ops.kvm.scan import XLA_OPS, ChunkOps, kvm_attention_scan
-from kvm_jax.ops.kvm.state import (KVMOutput, KVMParams, KVMState, RoutedKVMOutput, empty_state,
-                                   initial_state, pad_rows, state_readout, temperatures,
+from kvm_jax.ops.kvm.state import (KVMParams, KVMState, KVMStepOutput, RoutedKVMStepOutput,
+                                   empty_state, initial_state, pad_rows, state_readout, temperatures,
                                    token_rows)
 
 Array = jax.Array
@@ -126,7 +126,7 @@ def prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, 
             cache: KVMCache, ops: ChunkOps = XLA_OPS, routing=None, return_routing: bool = False,
             row_update: str = "auto", source_layout: str = "auto"):
   """A prompt through the scan and the cache filled for decoding from position T:
-  a :class:`KVMOutput` ``(y, cache)``, or a :class:`RoutedKVMOutput` with the routing decisions
+  a :class:`KVMStepOutput` ``(y, cache)``, or a :class:`RoutedKVMStepOutput` with the routing decisions
   when ``return_routing``. ``ops``, ``row_update``
   and ``source_layout``: as in :func:`kvm_attention_scan` (the public ``kvm_prefill`` passes its
   backend resolver's decisions)."""
@@ -142,7 +142,7 @@ def prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, 
       window_keys=fill_ring(cache.window_keys, k), window_values=fill_ring(cache.window_values, v),
       window_gates=fill_ring(cache.window_gates, merge_gate),
       length=jnp.full((B,), T, jnp.int32), max_len=cache.max_len)
-  return RoutedKVMOutput(y, new, *decisions) if return_routing else KVMOutput(y, new)
+  return RoutedKVMStepOutput(y, new, *decisions) if return_routing else KVMStepOutput(y, new)
 
 
 @functools.lru_cache(maxsize=64)
@@ -202,8 +202,9 @@ def _kernel_decode_attention(ops: ChunkOps, q_t, state_keys, state_values, num_r
 def decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParams,
                 cfg: KVMConfig, cache: KVMCache, ops: ChunkOps = XLA_OPS, routing=None,
                 return_routing: bool = False, row_update: str = "auto"):
-  """One token per row, each at its own position ``cache.length[b]``: a :class:`KVMOutput`
-  ``(y_t [B, 1, H, Dv], cache)``, or a :class:`RoutedKVMOutput` with this step's routing decisions (``(dest, target)`` ``[B, Hkv, C]``; all
+  """One token per row, each at its own position ``cache.length[b]``: a
+  :class:`KVMStepOutput` ``(y_t [B, 1, H, Dv], cache)``, or a :class:`RoutedKVMStepOutput` with this
+  step's routing decisions (``(dest, target)`` ``[B, Hkv, C]``; all
   ``capacity`` in rows where no fold happens) when ``return_routing``. ``row_update``: how the
   fold accumulates rows (:func:`kvm_jax.ops.kvm.state.update_state`; the public
   ``kvm_decode_step`` passes its backend resolver's decision)."""
@@ -276,7 +277,7 @@ def decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParam
   # lying.
   y = jnp.where((t < cache.max_len)[:, None, None, None], y.reshape(B, 1, H, -1), jnp.nan)
   y = y.astype(q_t.dtype)
-  return RoutedKVMOutput(y, new, decisions) if return_routing else KVMOutput(y, new)
+  return RoutedKVMStepOutput(y, new, decisions) if return_routing else KVMStepOutput(y, new)
 
 
 def _begin_rows(state: KVMState, readout_keys: Array, readout_values: Array, begins: Array,
@@ -389,4 +390,4 @@ def resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, c
   new = KVMCache(state=state, readout_keys=readout_keys, readout_values=readout_values,
                  window_keys=tail(ext_k), window_values=tail(ext_v), window_gates=tail(ext_g),
                  length=end, max_len=cache.max_len)
-  return KVMOutput(y.astype(q.dtype), new)
+  return KVMStepOutput(y.astype(q.dtype), new)

@@ -63,9 +63,8 @@ jax.tree_util.register_dataclass(
 
 
 class KVMOutput(NamedTuple):
-  """What a KVM op returns: ``y [B, T, H, Dv]`` and the state it leaves (the final
-  :class:`KVMState` of a whole sequence, or the advanced :class:`KVMCache` of a prefill or a
-  decode step)."""
+  """What the KVM op over a whole sequence returns: ``y [B, T, H, Dv]`` and the final
+  :class:`KVMState`."""
 
   y: Any
   state: Any
@@ -78,6 +77,22 @@ class RoutedKVMOutput(NamedTuple):
 
   y: Any
   state: Any
+  routing: Any
+
+
+class KVMStepOutput(NamedTuple):
+  """What a prefill, a decode step or a parallel piece returns: ``y`` and the advanced decode
+  cache (:class:`kvm_jax.ops.kvm.decode.KVMCache`)."""
+
+  y: Any
+  cache: Any
+
+
+class RoutedKVMStepOutput(NamedTuple):
+  """:class:`KVMStepOutput` plus the routing decisions the step applied (``return_routing``)."""
+
+  y: Any
+  cache: Any
   routing: Any
 
 
