@@ -88,7 +88,8 @@ def test_train_config_round_trip_and_bad_configs(tmp_path):
                     niah=niah.NIAHSpec(seq_len=640), text_files=("a.txt",))
   config_io.save(tmp_path / "c.json", cfg)
   assert config_io.load(tmp_path / "c.json", TRAIN_CLASSES) == cfg
-  custom = kj.presets.tiny(kvm=kj.KVMConfig(chunk_size=8, rope_dims=8, budget=lambda n: 16))
+  custom = kj.presets.tiny(options={"kvm": kj.KVMConfig(chunk_size=8, rope_dims=8,
+                                                            budget=lambda n: 16)})
   with pytest.raises(ValueError, match="callable budget"):
     config_io.to_jsonable(custom)
   with pytest.raises(ValueError, match="unknown class 'Evil'"):
@@ -126,7 +127,7 @@ def run_dir(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("runs") / "kvm-tiny"
   kvm = kj.KVMConfig(chunk_size=16, window_chunks=2, sink_rows=1, rope_dims=8,
                      budget=kj.PowerLawBudget(4.0, 0.5, min_rows=16))
-  cfg = TrainConfig(model=kj.presets.tiny("kvm", kvm=kvm, vocab_size=320), task="mqar",
+  cfg = TrainConfig(model=kj.presets.tiny("kvm", options={"kvm": kvm}, vocab_size=320), task="mqar",
                     mqar=mqar.MQARSpec(seq_len=64, vocab_size=64, num_pairs=4), batch_size=4,
                     steps=3, warmup_steps=1, log_every=1, checkpoint_every=3)
   out = train(cfg, workdir, verbose=False)
@@ -153,7 +154,7 @@ def baseline_runs(run_dir):
   workdir, cfg, _ = run_dir
   names = {"ovq-swa-tiny": ("swa", "ovq"), "rwkv7-tiny": "rwkv7"}
   for i, (name, mixers) in enumerate(names.items()):
-    model_cfg = kj.presets.tiny(mixers, kvm=cfg.model.kvm, vocab_size=320)
+    model_cfg = kj.presets.tiny(mixers, options={"kvm": cfg.model.kvm}, vocab_size=320)
     model = random_model(model_cfg, seed=i)
     save_config(dataclasses.replace(cfg, model=model_cfg), workdir.parent / name)
     ckpt = Checkpointer(workdir.parent / name / "checkpoints")

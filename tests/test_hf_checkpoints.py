@@ -149,36 +149,54 @@ def _kvm(**kw):
   return kj.KVMConfig(**{**base, **kw})
 
 
+def _bswa(**kw):  # the tiny preset's block window with fields replaced
+  return dataclasses.replace(kj.presets.TINY_OPTIONS["bswa"], **kw)
+
+
+def _swa(**kw):
+  return dataclasses.replace(kj.presets.TINY_OPTIONS["swa"], **kw)
+
+
+def _gptalpha2(**kw):  # GPTAlpha-2's switches, the others at their defaults
+  return kj.nn.GPTAlpha2Options(**kw)
+
+
 FAMILIES = {
     "kvm_power": dict(mixers="kvm"),
-    "kvm_fixed": dict(mixers="kvm", kvm=_kvm(budget=kj.FixedBudget(16), max_state_rows=16)),
+    "kvm_fixed": dict(mixers="kvm",
+                      options={"kvm": _kvm(budget=kj.FixedBudget(16), max_state_rows=16)}),
     "kvm_gqa": dict(mixers="kvm", num_kv_heads=2),
     "swa_kvm_saturating": dict(mixers=("swa", "kvm"),
-                               kvm=_kvm(budget=kj.SaturatingBudget(24, min_rows=1))),
+                               options={"kvm": _kvm(budget=kj.SaturatingBudget(24, min_rows=1))}),
     "full": dict(mixers="full"),
-    "bswa": dict(mixers="bswa", bswa_window_chunks=3, bswa_sink_rows=0),
+    "bswa": dict(mixers="bswa", options={"bswa": _bswa(window_chunks=3, sink_rows=0)}),
     "swa_full_halfrope": dict(mixers=("swa", "full")),
     "swa_full_nope": dict(mixers=("swa", "full"), rope_dims=0,
-                          kvm=_kvm(rope_dims=0)),
-    "kvm_no_token_shift": dict(mixers="kvm", tokenshift_attention=False, tokenshift_mlp=False),
-    "kvm_no_value_residual": dict(mixers="kvm", value_residual=False),
-    "kvm_ablations": dict(mixers="kvm", kvm=_kvm(head_temperatures=False, gate_values=False,
-                                                 sink_rows=0, gate_appends=True,
-                                                 gate_initial_state=True)),
+                          options={"kvm": _kvm(rope_dims=0)}),
+    "kvm_no_token_shift": dict(mixers="kvm", family_options=_gptalpha2(tokenshift_attention=False,
+                                                                       tokenshift_mlp=False)),
+    "kvm_no_value_residual": dict(mixers="kvm", family_options=_gptalpha2(value_residual=False)),
+    "kvm_ablations": dict(mixers="kvm", options={"kvm": _kvm(
+        head_temperatures=False, gate_values=False, sink_rows=0, gate_appends=True,
+        gate_initial_state=True)}),
     "hybrid_4_layers_shared_anchor": dict(mixers=("swa", "kvm", "swa", "kvm"), num_layers=4,
-                                          share_value_anchor=True, residual_scale=0.5),
-    "swa_ovq": dict(mixers=("swa", "ovq"), rope_dims=0, kvm=_kvm(rope_dims=0)),
+                                          family_options=_gptalpha2(share_value_anchor=True),
+                                          residual_scale=0.5),
+    "swa_ovq": dict(mixers=("swa", "ovq"), rope_dims=0, options={"kvm": _kvm(rope_dims=0)}),
     "ovq_switches_no_token_shift": dict(
-        mixers="ovq", tokenshift_attention=False, rope_dims=0, kvm=_kvm(rope_dims=0),
-        options={"ovq": kj.OVQConfig(chunk_size=8, max_centroids=12, min_state_size=True,
+        mixers="ovq", family_options=_gptalpha2(tokenshift_attention=False), rope_dims=0,
+        options={"kvm": _kvm(rope_dims=0),
+                 "ovq": kj.OVQConfig(chunk_size=8, max_centroids=12, min_state_size=True,
                                      count_bias=False, normalize_centroids=True,
                                      delta_rule=True)}),
     # the chunk size of RWKV-7's recurrence is a compute setting their format does not record: the
     # default, so that export then import computes bitwise the same
-    "rwkv7": dict(mixers="rwkv7", rope_dims=0, kvm=_kvm(rope_dims=0),
-                  options={"rwkv7": kj.nn.RWKV7Options()}),
-    "rwkv7_no_token_shift": dict(mixers="rwkv7", tokenshift_attention=False, rope_dims=0,
-                                 kvm=_kvm(rope_dims=0), options={"rwkv7": kj.nn.RWKV7Options()}),
+    "rwkv7": dict(mixers="rwkv7", rope_dims=0,
+                  options={"kvm": _kvm(rope_dims=0), "rwkv7": kj.nn.RWKV7Options()}),
+    "rwkv7_no_token_shift": dict(mixers="rwkv7", rope_dims=0,
+                                 family_options=_gptalpha2(tokenshift_attention=False),
+                                 options={"kvm": _kvm(rope_dims=0),
+                                          "rwkv7": kj.nn.RWKV7Options()}),
 }
 CI_FAMILIES = ("kvm_gqa", "hybrid_4_layers_shared_anchor", "kvm_no_token_shift", "swa_ovq",
                "ovq_switches_no_token_shift", "rwkv7_no_token_shift")
@@ -357,16 +375,17 @@ def test_kv_sharing_is_refused_by_export(tmp_path):
 
 @pytest.mark.parametrize("overrides, match", [
     (dict(mixers=("swa", "swa", "kvm", "swa"), num_layers=4), "neither"),
-    (dict(kvm=_kvm(value_norm="none")), "kvm.value_norm='none'"),
-    (dict(kvm=_kvm(budget=kj.CallableBudget(lambda n: 8))), "callable"),
-    (dict(kvm=_kvm(max_state_rows=20)), "max_state_rows=20"),
-    (dict(mixers=("kvm", "bswa"), bswa_window_chunks=3), "share chunk_len"),
+    (dict(options={"kvm": _kvm(value_norm="none")}), "kvm.value_norm='none'"),
+    (dict(options={"kvm": _kvm(budget=kj.CallableBudget(lambda n: 8))}), "callable"),
+    (dict(options={"kvm": _kvm(max_state_rows=20)}), "max_state_rows=20"),
+    (dict(mixers=("kvm", "bswa"), options={"bswa": _bswa(window_chunks=3)}), "share chunk_len"),
     (dict(mixers=("swa", "kvm"), num_kv_heads=2), r"num_kv_heads=2 with \['swa'\] layers"),
-    (dict(mixers="swa", head_dim=8, swa_rope_dims=8), "their SWA layer reshapes"),
+    (dict(mixers="swa", head_dim=8, options={"swa": _swa(rope_dims=8)}),
+     "their SWA layer reshapes"),
     (dict(residual_scale=0.0), "residual_scale=0"),
-    (dict(mixers=("kvm", "swa"), swa_rope_dims=4), "zeroes rope_partial_dim=4"),
-    (dict(kvm=_kvm(state_rope_dims=4)), "kvm.state_rope_dims=4"),
-    (dict(kvm=_kvm(logit_softcap=30.0)), "kvm.logit_softcap=30.0"),
+    (dict(mixers=("kvm", "swa"), options={"swa": _swa(rope_dims=4)}), "zeroes rope_partial_dim=4"),
+    (dict(options={"kvm": _kvm(state_rope_dims=4)}), "kvm.state_rope_dims=4"),
+    (dict(options={"kvm": _kvm(logit_softcap=30.0)}), "kvm.logit_softcap=30.0"),
 ])
 def test_export_refuses_what_their_code_cannot_express(overrides, match):
   with pytest.raises(hf.ExportError, match=match):

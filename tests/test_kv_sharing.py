@@ -201,7 +201,7 @@ def test_bad_sharing_configs():
                               readout_value_dtype="bfloat16")
   with pytest.raises(ValueError, match="does not support kvm.readout_value_dtype"):
     kj.presets.tiny(num_layers=4, kv_sharing="fusedkv", kvm_kv_sharing="shared_routing",
-                    kvm=bf16_readout)
+                    options={"kvm": bf16_readout})
   # GQA composes: the sources and the reconstruction layers share one KV-head layout.
   cfg = kj.presets.tiny(mixers="full", num_layers=4, num_kv_heads=2, kv_sharing="fusedkv")
   assert cfg.kv_layout(0) == cfg.kv_layout(3)

@@ -449,7 +449,8 @@ def _parameter_owner_names() -> set[str]:
       continue
     kw = {} if family == "gptalpha2" else dict(family=family, rope_dims=16, options={"kvm": kvm16})
     for mixers in ("swa,kvm", "full,bswa", "rwkv7,ovq"):
-      extra = dict(share_value_anchor=True) if family == "gptalpha2" and "rwkv7" in mixers else {}
+      extra = (dict(family_options=kj.nn.GPTAlpha2Options(share_value_anchor=True))
+               if family == "gptalpha2" and "rwkv7" in mixers else {})
       cfg = kj.presets.tiny(mixers, **kw, **extra)
       state = nnx.state(nnx.eval_shape(lambda: kj.LM(cfg, rngs=nnx.Rngs(0))))
       names |= {p for path, _ in nnx.to_flat_state(state) for p in path[:-1] if isinstance(p, str)}

@@ -5,6 +5,7 @@ independent count."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -299,6 +300,25 @@ def test_config_of_the_earlier_layout_loads_to_the_same_model(tmp_path):
                              atol=1e-6)
   # and the new layout writes and reads back the same config
   assert config_io.from_jsonable(json.loads(json.dumps(config_io.to_jsonable(cfg)))) == cfg
+
+
+def test_tiny_takes_the_earlier_field_names_only_with_a_warning():
+  """``presets.tiny`` still reads the pre-options field names (as config files of that layout
+  are read), with a DeprecationWarning naming ``options=`` / ``family_options=``; each gives the
+  config the new form gives."""
+  kvm = dataclasses.replace(kj.presets.TINY_OPTIONS["kvm"], budget=kj.FixedBudget(12))
+  with pytest.warns(DeprecationWarning, match=r"tiny\(bswa_sink_rows=, kvm=, swa_window=, "
+                                              r"tokenshift_mlp=\) is deprecated"):
+    old = kj.presets.tiny("swa,kvm,bswa", num_layers=3, kvm=kvm, swa_window=5, bswa_sink_rows=0,
+                          tokenshift_mlp=False)
+  new = kj.presets.tiny("swa,kvm,bswa", num_layers=3,
+                        family_options=kj.nn.GPTAlpha2Options(tokenshift_mlp=False),
+                        options={"kvm": kvm,
+                                 "swa": dataclasses.replace(kj.presets.TINY_OPTIONS["swa"],
+                                                            window=5),
+                                 "bswa": dataclasses.replace(kj.presets.TINY_OPTIONS["bswa"],
+                                                             sink_rows=0)})
+  assert old == new
 
 
 @pytest.mark.parametrize("mixers", [("full", "swa"), ("bswa", "kvm")])

@@ -41,21 +41,24 @@ CASES = {
     # both are the identity), with the 350M models' residual scale
     "swa_kvm_hybrid": (("swa", "kvm"), dict(residual_scale=0.5)),
     # every layer anchored on layer 0, so the bswa layer's value residual reads the full layer's
-    "full_bswa_shared_anchor": (("full", "bswa"), dict(share_value_anchor=True)),
+    "full_bswa_shared_anchor": (("full", "bswa"), dict(
+        family_options=kj.nn.GPTAlpha2Options(share_value_anchor=True))),
     # value heads wider than query/key heads (the authors' d_v_head), through every kind
     "value_head_dim_16_of_8": (("kvm", "swa", "full", "bswa"),
                                dict(num_layers=4, head_dim=8, value_head_dim=16, rope_dims=4,
-                                    swa_rope_dims=8,
-                                    kvm=kj.KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1,
-                                                     rope_dims=4,
-                                                     budget=kj.PowerLawBudget(4.0, 0.5, 8)))),
+                                    options={"swa": kj.nn.SWAOptions(window=12, rope_dims=8),
+                                             "kvm": kj.KVMConfig(
+                                                 chunk_size=8, window_chunks=2, sink_rows=1,
+                                                 rope_dims=4,
+                                                 budget=kj.PowerLawBudget(4.0, 0.5, 8))})),
     # the paper's OVQ/SWA hybrid (the dictionary grows 0, 4, 6, 8, 8, 9 over 45 tokens)
     "swa_ovq_hybrid": (("swa", "ovq"), {}),
     "ovq_switches": ("ovq", dict(num_layers=1, options={"ovq": kj.OVQConfig(
         chunk_size=8, max_centroids=12, min_state_size=True, count_bias=False,
         normalize_centroids=True, delta_rule=True)})),
     "rwkv7": ("rwkv7", {}),
-    "rwkv7_no_token_shift": ("rwkv7", dict(num_layers=1, tokenshift_attention=False)),
+    "rwkv7_no_token_shift": ("rwkv7", dict(
+        num_layers=1, family_options=kj.nn.GPTAlpha2Options(tokenshift_attention=False))),
 }
 
 

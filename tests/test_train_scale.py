@@ -193,7 +193,8 @@ def test_splash_lowers_for_tpu_with_gradients():
 @pytest.mark.slow  # the registry test above covers chunked vs dense; this adds a whole model
 def test_model_attention_implementations_agree():
   """A hybrid (SWA and full layers, GQA) gives the same logits with dense and chunked attention."""
-  cfg = presets.tiny(mixers=("swa", "full"), num_kv_heads=2, swa_window=6)
+  cfg = presets.tiny(mixers=("swa", "full"), num_kv_heads=2,
+                     options={"swa": dataclasses.replace(presets.TINY_OPTIONS["swa"], window=6)})
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 40), 0, cfg.vocab_size)
   logits = {}
   for impl in ("xla", "chunked"):
