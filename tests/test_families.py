@@ -343,6 +343,10 @@ def test_a_soft_capping_family_refuses_kinds_that_cannot_cap(loaded):
   with pytest.raises(ValueError, match="layer 1: 'ovq' layers do not soft-cap"):
     kj.LM(cfg, rngs=nnx.Rngs(0))
   assert not AttentionFrontEnd.SOFTCAP and SoftmaxAttention.SOFTCAP and KVMAttention.SOFTCAP
+  # RWKV-7 computes no attention scores: it sits in a capping family as in any other.
+  rwkv = dataclasses.replace(cfg, mixers=("rwkv7", "swa", "rwkv7", "full"), head_dim=None,
+                             rope_dims=cfg.hidden_size // cfg.num_heads)
+  assert isinstance(kj.LM(rwkv, rngs=nnx.Rngs(0)).blocks[0].attn, kj.nn.RWKV7TimeMix)
 
 
 def test_a_family_added_from_outside(tmp_path):

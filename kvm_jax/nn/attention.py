@@ -128,12 +128,9 @@ class AttentionFrontEnd(nnx.Module):
     pd = cfg.jnp_param_dtype
     stores_kv = self.sources is None
     family = self.family = family_of(cfg)
-    # Scores squashed to (-cap, cap) before the softmax (Gemma 2), or None.
+    # Scores squashed to (-cap, cap) before the softmax (Gemma 2), or None; a kind that cannot
+    # cap them (SOFTCAP False) is refused by the Block that builds it.
     self.softcap = family.attention_softcap(cfg)
-    if self.softcap is not None and not self.SOFTCAP:  # (Block names the kinds that cap)
-      raise ValueError(f"layer {layer}: {self.kind!r} layers do not soft-cap attention scores, "
-                       f"which the {cfg.family!r} family's options ask for (cap "
-                       f"{self.softcap}); use a kind whose class sets SOFTCAP = True.")
     head_norm = lambda: family.head_norm(cfg, D, rngs) if self.QK_NORM else None
     # Creation order fixes which random key each parameter gets: keep it.
     self.c_q = family.projection(cfg, C, dq, rngs, "q")

@@ -56,7 +56,8 @@ class BlockOutput(NamedTuple):
 
 def _check_softcap(cfg: ModelConfig, layer: int, family) -> None:
   """Refuses a layer whose kind cannot soft-cap scores in a family that asks for it, naming the
-  kinds that can (each class says so with ``SOFTCAP``)."""
+  kinds that can (each class says so with ``SOFTCAP``; a kind without it is refused, so one added
+  from outside that never reads the cap does not silently compute another model)."""
   kind = cfg.layer_mixers[layer]
   cap = family.attention_softcap(cfg)
   if cap is not None and not getattr(mixer_class(kind), "SOFTCAP", False):

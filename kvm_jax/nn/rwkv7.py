@@ -156,6 +156,9 @@ class RWKV7TimeMix(nnx.Module):
   AUTHORS = AuthorsMixer(("rwkv7",), ("model.rwkv7_mixer.SequenceMixer",), None, rotates=False,
                          title="RWKV-7", own_head_width=True, always_value_residual=True,
                          read_options=_read_authors_options, layout=_authors_layout)
+  # A soft-capping family (Gemma 2) caps attention scores; the time mix computes none, so it
+  # computes the family's model as it is.
+  SOFTCAP = True
   LOGICAL_AXES = {"receptance": ("embed", "heads"), "key": ("embed", "heads"),
                   "value": ("embed", "heads"), "output": ("heads", "embed"),
                   "w1": ("embed", "lora"), "w2": ("lora", "heads"),
