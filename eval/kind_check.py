@@ -33,9 +33,11 @@ KIND_TOLERANCE = 2e-4
 SEQ_LEN, PREFILL, PIECE, DOCUMENTS = 40, 21, 4, (23, 17)
 
 
-def perturbed_model(kind: str, seed: int = 0) -> kj.LM:
-  """A tiny model of ``kind`` layers whose parameters are all moved by noise of scale 0.05."""
-  model = kj.LM(kj.presets.tiny(mixers=kind), rngs=nnx.Rngs(seed))
+def perturbed_model(kind: str, seed: int = 0, **overrides) -> kj.LM:
+  """A tiny model of ``kind`` layers (``overrides``: other ``presets.tiny`` arguments) whose
+  parameters are all moved by noise of scale 0.05, so that zero-initialized projections hide no
+  path."""
+  model = kj.LM(kj.presets.tiny(mixers=kind, **overrides), rngs=nnx.Rngs(seed))
   state = nnx.state(model, nnx.Param)
   leaves, treedef = jax.tree_util.tree_flatten(state)
   keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))

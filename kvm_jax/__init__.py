@@ -21,6 +21,7 @@ any lengths over the slots of one cache and ``kj.generate_many`` runs a list of 
 from kvm_jax.budget import (CallableBudget, FixedBudget, KVMSchedule, PowerLawBudget,
                             SaturatingBudget, kvm_schedule, state_rows_after)
 from kvm_jax.kvm_config import KVMConfig
+from kvm_jax import renamed as _renamed
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.ops.common import current_platform
 from kvm_jax.ops.kvm import (KVMBackend, KVMCache, KVMOutput, KVMParams, KVMState,
@@ -62,9 +63,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-  """``kvm_jax.config``, the old name of a renamed module, still resolves (its names warn)."""
-  if name == "config":
-    import importlib
-    return importlib.import_module("kvm_jax.config")
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# ``kvm_jax.config``, the old path of a renamed module, still resolves.
+__getattr__ = _renamed.old_submodules(__name__, "config")

@@ -35,7 +35,7 @@ from kvm_jax.kvm_config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.kvm import KVMAttention
 from kvm_jax.nn.mixer import KVMConversion
-from kvm_jax.nn.registry import mixer_class, registered_mixers
+from kvm_jax.nn.registry import mixer_class, own_members
 from kvm_jax.nn.model import LM
 from kvm_jax.nn.roles import conversion_value, parameter_role
 
@@ -68,18 +68,13 @@ def convertible_kinds() -> tuple[str, ...]:
   asks of the KVM options (``kvm_conversion``, :class:`kvm_jax.nn.mixer.KVMConversion`): full
   attention always, block sliding-window attention into the same window plus a state,
   sliding-window attention exact up to the shorter window."""
-  return tuple(kind for kind, cls in registered_mixers().items() if _converts(cls))
-
-
-def _converts(cls: type) -> bool:
-  """Whether a kind's own class (not a parent's) says how its layers convert."""
-  return "kvm_conversion" in vars(cls)
+  return tuple(own_members("kvm_conversion"))  # a class's own, not a parent's
 
 
 def _conversion(cfg: ModelConfig, layer: int) -> Optional[KVMConversion]:
   """What converting ``layer`` asks of the KVM options, or None when its kind does not convert."""
-  cls = mixer_class(cfg.layer_mixers[layer])
-  return cls.kvm_conversion(cfg, layer) if _converts(cls) else None
+  kind = cfg.layer_mixers[layer]
+  return mixer_class(kind).kvm_conversion(cfg, layer) if kind in convertible_kinds() else None
 
 
 def __getattr__(name: str):

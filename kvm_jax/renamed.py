@@ -26,3 +26,16 @@ def forwarding(old: str, new: str) -> tuple:
     return public()
 
   return __getattr__, __dir__
+
+
+def old_submodules(package: str, *names: str):
+  """A package's ``__getattr__`` that still resolves its renamed submodules ``names`` (their old
+  paths, each a :func:`forwarding` module) as attributes, as ``import package; package.name``
+  did before."""
+
+  def __getattr__(name: str):
+    if name in names:
+      return importlib.import_module(f"{package}.{name}")
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+  return __getattr__

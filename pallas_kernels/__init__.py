@@ -20,10 +20,8 @@ never the dispatcher that calls them. The XLA scan (``implementation="xla"``) st
 and the reference; ``kvm-check`` compares the two on any machine.
 """
 
+from kvm_jax import renamed as _renamed
 
-def __getattr__(name: str):
-  """``kvm_jax.kernels.anchor``, the tokamax readout's old module name, still resolves."""
-  if name == "anchor":
-    import importlib
-    return importlib.import_module("kvm_jax.kernels.anchor")
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+# ``kvm_jax.kernels.anchor``, the old path of a renamed module, still resolves.
+__getattr__ = _renamed.old_submodules(__name__, "anchor")

@@ -58,6 +58,7 @@ import pytest
 from flax import nnx
 
 import kvm_jax as kj
+from kvm_jax.eval.kind_check import perturbed_model
 from kvm_jax.nn.layers import path_names
 from kvm_jax.runs import logits_fn
 
@@ -203,14 +204,9 @@ def decode_all(model: kj.LM, tokens, prompt: int):
 
 
 def make_model(mixers="kvm", seed: int = 0, **overrides) -> kj.LM:
-  """A tiny LM whose zero-initialized projections are perturbed, so every path matters."""
-  model = kj.LM(kj.presets.tiny(mixers=mixers, **overrides), rngs=nnx.Rngs(seed))
-  state = nnx.state(model, nnx.Param)
-  leaves, treedef = jax.tree_util.tree_flatten(state)
-  keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
-  leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-  nnx.update(model, jax.tree_util.tree_unflatten(treedef, leaves))
-  return model
+  """A tiny LM whose zero-initialized projections are perturbed, so every path matters
+  (``kvm-check --kinds``'s model)."""
+  return perturbed_model(mixers, seed, **overrides)
 
 
 def random_parameter(names: list[str], shape: tuple, rng: np.random.Generator) -> np.ndarray:

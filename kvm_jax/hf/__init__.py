@@ -12,6 +12,7 @@ writes the family's format from a run directory. docs/checkpoints.md (the author
 docs/pretrained.md (transformers') have the field and tensor tables.
 """
 
+from kvm_jax import renamed as _renamed
 from kvm_jax.hf.authors_config import (ConfigError, ExportError, authors_config_from_model,
                                model_config_from_authors)
 from kvm_jax.hf.families import (from_transformers, model_config_from_transformers,
@@ -30,9 +31,5 @@ __all__ = ["CheckpointError", "ConfigError", "ExportError", "authors_config_from
            "read_checkpoint", "to_authors", "write_checkpoint"]
 
 
-def __getattr__(name: str):
-  """``kvm_jax.hf.config``, the old name of a renamed module, still resolves (its names warn)."""
-  if name == "config":
-    import importlib
-    return importlib.import_module("kvm_jax.hf.config")
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# ``kvm_jax.hf.config``, the old path of a renamed module, still resolves.
+__getattr__ = _renamed.old_submodules(__name__, "config")

@@ -29,7 +29,7 @@ from kvm_jax.nn.authors_format import read_int as _int
 from kvm_jax.nn.authors_format import read_opt_int as _opt_int
 from kvm_jax.nn.gptalpha2 import GPTAlpha2Options
 from kvm_jax.nn.kvm import NO_CAP_ROWS  # noqa: F401  (its former home; the KVM layer's cap)
-from kvm_jax.nn.registry import registered_mixers
+from kvm_jax.nn.registry import own_members, registered_mixers
 
 MODEL_CLASS_PATH = "model.rwkv7_backbone.RWKV7BackboneForCausalLM"
 MODEL_TYPE = "rwkv7backbone"
@@ -111,8 +111,7 @@ def authors_kinds() -> dict[str, AuthorsMixer]:
   """``{kind: how the authors' code names it}`` for every registered kind their code also has:
   the ``AUTHORS`` row its own class declares (a subclass registered under another name does not
   inherit it: their code has no such mixer)."""
-  return {kind: vars(cls)["AUTHORS"] for kind, cls in registered_mixers().items()
-          if vars(cls).get("AUTHORS") is not None}
+  return own_members("AUTHORS")
 
 
 def __getattr__(name: str):

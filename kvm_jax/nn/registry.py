@@ -191,12 +191,18 @@ def registered_mixers() -> dict[str, type]:
   return dict(_CLASSES)
 
 
+def own_members(name: str) -> dict:
+  """``{kind: member}`` of every registered kind whose own class declares ``name`` (not None):
+  what a class says of its format or conversion is not inherited by a subclass registered under
+  another name, whose layers may compute something else."""
+  return {kind: vars(cls)[name] for kind, cls in _CLASSES.items()
+          if vars(cls).get(name) is not None}
+
+
 def transformers_layers() -> dict[str, TransformersLayer]:
   """``{kind: TRANSFORMERS row}`` of every registered kind that transformers' Llama and Gemma
-  formats have: the row its own class declares (a subclass registered under another name does not
-  inherit it)."""
-  return {kind: vars(cls)["TRANSFORMERS"] for kind, cls in _CLASSES.items()
-          if vars(cls).get("TRANSFORMERS") is not None}
+  formats have (:func:`own_members`)."""
+  return own_members("TRANSFORMERS")
 
 
 def kinds_of_layer_types() -> dict[str, str]:

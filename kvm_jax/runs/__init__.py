@@ -1,6 +1,7 @@
 """Run directories (config, checkpoints, the trained model) and multi-process launch, shared by
 training and evaluation."""
 
+from kvm_jax import renamed as _renamed
 from kvm_jax.runs.checkpoint import Checkpointer, abstract_like
 from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.runs.directory import (CHECKPOINT_DIR, CONFIG_FILE, IMPORT_RECORD, TRAIN_CLASSES,
@@ -13,9 +14,5 @@ __all__ = ["CHECKPOINT_DIR", "CONFIG_FILE", "IMPORT_RECORD", "Checkpointer", "TR
            "load_config", "load_trained", "logits_fn", "save_config", "start_distributed"]
 
 
-def __getattr__(name: str):
-  """``kvm_jax.runs.config``, the old name of a renamed module, still resolves (its names warn)."""
-  if name == "config":
-    import importlib
-    return importlib.import_module("kvm_jax.runs.config")
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# ``kvm_jax.runs.config``, the old path of a renamed module, still resolves.
+__getattr__ = _renamed.old_submodules(__name__, "config")
