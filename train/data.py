@@ -28,15 +28,38 @@ def data_vocabulary(cfg: TrainConfig) -> tuple[str, int]:
           tokenizer(cfg.tokenizer_file).vocab_size)
 
 
+def smaller_data(cfg: TrainConfig, size: int) -> str:
+  """How to make the run's data produce at most ``size`` distinct ids."""
+  if cfg.task == "mqar":
+    return f"--config.mqar.vocab_size={size} (or less)"
+  if cfg.task == "niah":
+    return f"a NIAH tokenizer of at most {size} ids (--config.niah.tokenizer_file)"
+  what = "token shards tokenized with" if cfg.data_dir else "a text tokenizer of"
+  return f"{what} at most {size} ids (e.g. the tokenizer of the run it starts from)"
+
+
 def check_vocabulary(cfg: TrainConfig) -> None:
   """Refuses, before anything is built or compiled, data whose ids the model cannot embed (an id
   at or past ``model.vocab_size`` would read outside the embedding table: NaN or garbage, not an
-  error, inside a jitted step)."""
+  error, inside a jitted step).
+
+  Run it on the config the trainer builds (after :func:`kvm_jax.train.start.with_init_model`):
+  under ``init_from`` the model, its vocabulary included, is that run's, so the way out is other
+  data or another starting point, never ``--config.model.vocab_size``."""
   source, size = data_vocabulary(cfg)
-  if size > cfg.model.vocab_size:
-    raise ValueError(f"{source} produces ids up to {size - 1} but model.vocab_size="
-                     f"{cfg.model.vocab_size}: set --config.model.vocab_size={size} (or more), or "
-                     "use data tokenized for this model.")
+  vocab = cfg.model.vocab_size
+  if size <= vocab:
+    return
+  if cfg.init_from:
+    raise ValueError(
+        f"{source} produces ids up to {size - 1} but the model comes from init_from="
+        f"{cfg.init_from!r}, whose model.vocab_size={vocab} (a --config.model.vocab_size does "
+        f"not change a model that init_from gives): use {smaller_data(cfg, vocab)}, start from "
+        f"a run whose model.vocab_size is {size} or more, or train from scratch without "
+        f"init_from (--config.init_from= --config.model.vocab_size={size}).")
+  raise ValueError(f"{source} produces ids up to {size - 1} but model.vocab_size={vocab}: set "
+                   f"--config.model.vocab_size={size} (or more), or use data tokenized for this "
+                   "model.")
 
 
 def task_dataset(cfg: TrainConfig, split: str):

@@ -7,6 +7,7 @@ which also writes them.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Callable, Optional
 
 import jax
@@ -14,7 +15,9 @@ import optax
 from etils import epath
 from flax import nnx
 
+from kvm_jax import config_io
 from kvm_jax.hf.load import checkpoint_kind
+from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.model import LM
 from kvm_jax.runs.checkpoint import Checkpointer, abstract_like
 from kvm_jax.runs.train_config import TEACHER_TASK, TrainConfig
@@ -52,11 +55,12 @@ def with_init_model(cfg: TrainConfig, workdir=None) -> TrainConfig:
   """``cfg`` with ``model`` taken from ``cfg.init_from``'s run directory (except
   :data:`FINE_TUNE_FIELDS`), or from ``workdir``'s own config once the fine-tuning run has
   started there (so resuming does not need ``init_from`` any more); ``cfg`` itself when it starts
-  from scratch."""
+  from scratch. The fields of ``cfg.model`` this replaces with other values are named on stderr
+  (:func:`replaced_model_fields`): a ``--config.model.FIELD`` has no effect here."""
   if not cfg.init_from:
     return cfg
   if workdir is not None and is_run_directory(workdir):
-    source = load_config(workdir).model
+    source, owner = load_config(workdir).model, f"the run in {workdir}"
   elif not is_run_directory(cfg.init_from):
     raise ValueError(f"init_from={cfg.init_from!r} is not a run directory (no config.json); give "
                      "a kvm-train workdir or a kvm-import output (kvm-import converts the "
@@ -66,9 +70,24 @@ def with_init_model(cfg: TrainConfig, workdir=None) -> TrainConfig:
                      f"convert it first: kvm-import {cfg.init_from} RUN_DIR, then "
                      "--config.init_from=RUN_DIR.")
   else:
-    source = load_config(cfg.init_from).model
+    source, owner = load_config(cfg.init_from).model, f"init_from={cfg.init_from}"
   model = dataclasses.replace(source, **{f: getattr(cfg.model, f) for f in FINE_TUNE_FIELDS})
+  replaced = replaced_model_fields(cfg.model, model)
+  if replaced:
+    # Said, not refused: a config file's model may only stand in for the run's (distill.py),
+    # but a --config.model.FIELD that the run's model overrides must not vanish without a word.
+    print(f"note: the model is {owner}'s, which replaces this config's "
+          f"{', '.join(replaced)} (only {', '.join(FINE_TUNE_FIELDS)} are this config's).",
+          file=sys.stderr, flush=True)
   return dataclasses.replace(cfg, model=model)
+
+
+def replaced_model_fields(mine: ModelConfig, theirs: ModelConfig) -> list[str]:
+  """``"model.FIELD=MINE → THEIRS"`` for each model field (dotted, as ``--config.model.FIELD``
+  names it) whose value in ``mine`` a fine-tuning run's model ``theirs`` replaces."""
+  a, b = config_io.flat_fields(mine), config_io.flat_fields(theirs)
+  return [f"model.{f}={config_io.value_text(a.get(f))} → {config_io.value_text(b.get(f))}"
+          for f in dict.fromkeys([*a, *b]) if a.get(f) != b.get(f)]
 
 
 # What a run trains on: the task, its spec, the corpus and the tokenizer. ``TrainConfig.task =
