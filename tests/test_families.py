@@ -264,8 +264,7 @@ def test_export_writes_back_what_transformers_wrote(tmp_path, name):
   exported directories load in transformers 4.57 and 5.25 with logits equal to the fixture's.)"""
   from kvm_jax.hf import export_run, import_checkpoint, read_checkpoint
   run = import_checkpoint(DATA / name, tmp_path / "run", progress=False)
-  dtype = "bfloat16" if name.endswith("bf16") else None
-  export_run(run, tmp_path / "out", dtype=dtype, progress=False)
+  export_run(run, tmp_path / "out", progress=False)  # in the source's dtype, unasked
   theirs = json.loads((DATA / name / "config.json").read_text())
   ours = json.loads((tmp_path / "out" / "config.json").read_text())
   assert ours["model_type"] == theirs["model_type"]
@@ -278,6 +277,119 @@ def test_export_writes_back_what_transformers_wrote(tmp_path, name):
     assert got[key].dtype == value.dtype, key
     np.testing.assert_array_equal(np.asarray(got[key], np.float32),
                                   np.asarray(value, np.float32), err_msg=key)
+
+
+# The special token ids and generation settings that transformers' generate reads: a
+# generation_config.json of the kind Qwen's chat models ship, written by hand. Its second end token
+# is where row 0 of qwen3_bf16's greedy continuation starts (93), which row 1 never reaches.
+QWEN_GENERATION = {"bos_token_id": 1, "eos_token_id": [2, 93], "pad_token_id": 0,
+                   "do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
+                   "transformers_version": "5.25.0"}
+TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+@pytest.fixture(scope="module")
+def round_trip(tmp_path_factory):
+  """``round_trip(case)``: (source, export) of qwen3_bf16 (bfloat16 weights) through kvm-import
+  (to float32, the default) and kvm-export with no flags; the source as the fixture is ("plain":
+  its config.json's token ids, no generation_config.json) or with QWEN_GENERATION added
+  ("generation")."""
+  from kvm_jax.hf import export_run, import_checkpoint
+  made = {}
+
+  def make(case: str) -> tuple[Path, Path]:
+    if case not in made:
+      root = tmp_path_factory.mktemp(case)
+      shutil.copytree(DATA / "qwen3_bf16", root / "src")
+      if case == "generation":
+        (root / "src" / "generation_config.json").write_text(json.dumps(QWEN_GENERATION))
+      run = import_checkpoint(root / "src", root / "run", progress=False)
+      export_run(run, root / "out", progress=False)
+      made[case] = (root / "src", root / "out")
+    return made[case]
+  return make
+
+
+@pytest.mark.parametrize("case", ["plain", "generation"])
+def test_export_keeps_special_tokens_generation_config_and_dtype(round_trip, case):
+  """What transformers needs besides the tensors' values survives import then export, field by
+  field: config.json's special token ids and dtype, generation_config.json (the source's own, or
+  the ids transformers derives from config.json when it has none), and every tensor's stored
+  dtype."""
+  from kvm_jax.hf.safetensors import tensor_info
+  src, out = round_trip(case)
+  theirs, ours = (json.loads((d / "config.json").read_text()) for d in (src, out))
+  assert {f: ours.get(f) for f in (*TOKEN_FIELDS, "dtype")} == {
+      f: theirs[f] for f in (*TOKEN_FIELDS, "dtype")}
+  written = json.loads((out / "generation_config.json").read_text())
+  assert written == (QWEN_GENERATION if case == "generation"
+                     else {f: theirs[f] for f in TOKEN_FIELDS})
+  stored = lambda d: {name: code for name, (code, _) in tensor_info(d / "model.safetensors")
+                      .items()}
+  assert stored(out) == stored(src) and set(stored(src).values()) == {"BF16"}
+
+
+def _generation_config(path: Path):
+  """The GenerationConfig transformers' ``from_pretrained`` gives a model in ``path`` (its
+  generation_config.json, else one derived from config.json: transformers 5.25's
+  ``GenerationMixin._load_generation_config``), which is what ``generate`` stops by."""
+  transformers = pytest.importorskip("transformers")
+  try:
+    return transformers.GenerationConfig.from_pretrained(path)
+  except OSError:
+    return transformers.GenerationConfig.from_pretrained(path, config_file_name="config.json",
+                                                         _from_model_config=True)
+
+
+@pytest.mark.parametrize("case", ["plain", "generation"])
+def test_transformers_generation_stops_where_the_source_does(round_trip, case):
+  """As transformers reads them, the export's generation settings equal the source's, so its
+  greedy generation (on the source's very tensors: the test above) ends the fixture's
+  continuation at the same token: row 0 at once with QWEN_GENERATION, never without."""
+  src, out = round_trip(case)
+  theirs, ours = _generation_config(src), _generation_config(out)
+  for field in (*TOKEN_FIELDS, "do_sample", "temperature", "top_k", "top_p"):
+    assert getattr(ours, field) == getattr(theirs, field), field
+  ref = _reference("qwen3_bf16")
+  continuation = ref["generated"][:, ref["prompt"].shape[1]:]
+
+  def stops(cfg) -> list:
+    ends = set(np.atleast_1d(cfg.eos_token_id).tolist())
+    return [next((i for i, t in enumerate(row) if t in ends), None) for row in continuation]
+  assert stops(ours) == stops(theirs) == ([0, None] if case == "generation" else [None, None])
+
+
+def test_a_run_without_a_source_takes_special_tokens_from_its_tokenizer(tmp_path):
+  """With no imported source (a run trained here), the export's special tokens are the ones the
+  run's tokenizer_config.json names, looked up in its tokenizer.json, else kvm_jax's own end of
+  text; the tensors keep the run's parameter dtype (float32), as before."""
+  from kvm_jax.hf import export_run, import_checkpoint
+  from kvm_jax.hf.safetensors import tensor_info
+  vocab = {"<unk>": 0, "<s>": 5, "</s>": 7, "<pad>": 9, "<|endoftext|>": 11}
+  tokenizer = {"version": "1.0", "added_tokens": [
+      {"id": i, "content": t, "special": True} for t, i in vocab.items() if t != "<unk>"],
+      "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}}
+  (tmp_path / "tok").mkdir()
+  (tmp_path / "tok" / "tokenizer.json").write_text(json.dumps(tokenizer))
+  (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
+      {"bos_token": "<s>", "eos_token": {"content": "</s>", "__type": "AddedToken"},
+       "pad_token": "<pad>"}))
+  run = import_checkpoint(DATA / "qwen3_bf16", tmp_path / "run", progress=False,
+                          tokenizer_file=str(tmp_path / "tok" / "tokenizer.json"))
+  (run / "import.json").unlink()  # what a run trained here lacks
+  export_run(run, tmp_path / "out", progress=False)
+  named = {"bos_token_id": 5, "eos_token_id": 7, "pad_token_id": 9}
+  config = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert {f: config.get(f) for f in TOKEN_FIELDS} == named and config["dtype"] == "float32"
+  assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == named
+  assert (tmp_path / "out" / "tokenizer_config.json").read_text() == (
+      tmp_path / "tok" / "tokenizer_config.json").read_text()
+  assert {code for code, _ in tensor_info(tmp_path / "out" / "model.safetensors").values()} == {
+      "F32"}
+  (run / "tokenizer_config.json").unlink()
+  export_run(run, tmp_path / "bare", progress=False)
+  assert json.loads((tmp_path / "bare" / "generation_config.json").read_text()) == {
+      "eos_token_id": 11}
 
 
 def test_export_refuses_kvm_layers(tmp_path, loaded):

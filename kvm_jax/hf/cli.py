@@ -32,7 +32,9 @@ Write config.json + model.safetensors from a kvm_jax run directory's parameters:
 model in the authors' format, loadable by their RWKV7BackboneForCausalLM.from_pretrained (their
 repository's model/ on the Python path); a Llama- or Gemma-family model in transformers' format
 (Llama, Qwen2, Qwen3, Mistral, Gemma 2 or Gemma 3, as its options say), loadable by
-AutoModelForCausalLM.from_pretrained.
+AutoModelForCausalLM.from_pretrained. What generate reads comes along: the special token ids in
+config.json and a generation_config.json (an imported run's source's, else those its tokenizer
+names), and the tensors keep the dtype the source stored them in unless --dtype says otherwise.
 Models the format cannot express (kvm layers in transformers' format; cross-layer KV sharing, a
 callable KVM budget, layer layouts other than one mixer or two alternating in the authors') are
 refused with the reason.
@@ -141,7 +143,8 @@ def export_parser() -> argparse.ArgumentParser:
   p.add_argument("--step", type=int, default=None,
                  help="checkpoint step to export (default: the newest).")
   p.add_argument("--dtype", choices=DTYPES, default=None,
-                 help="tensor dtype in the file (default: the run's parameter dtype).")
+                 help="tensor dtype in the file (default: the dtype the source stored its "
+                      "weights in, for a run kvm-import wrote; else the run's parameter dtype).")
   p.add_argument("--max-shard-size", type=float, default=None, metavar="GB",
                  help="split the weights into shards of at most this many GB (10^9 bytes) with "
                       "model.safetensors.index.json, as Hugging Face does (default: one file).")
@@ -161,7 +164,10 @@ def export_main(argv: Optional[Sequence[str]] = None) -> int:
     return _fail(e)
   from kvm_jax.runs.directory import load_config
   note = numerics_note(load_config(args.run_dir).model)
-  print(f"exported {args.run_dir} -> {args.dest}: {', '.join(f.name for f in files)}")
+  from kvm_jax.hf.load import export_settings
+  settings = export_settings(args.run_dir, args.dtype)
+  print(f"exported {args.run_dir} -> {args.dest}: {', '.join(f.name for f in files)}; "
+        f"{settings.summary()}")
   if note:
     print(f"note: {note}")
   return 0

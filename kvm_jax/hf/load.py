@@ -20,6 +20,8 @@ from flax import nnx
 from kvm_jax import config_io
 from kvm_jax.hf import families
 from kvm_jax.hf import safetensors as st
+from kvm_jax.hf.special_tokens import (GENERATION_CONFIG_FILE, TOKENIZER_COMPANIONS, Generation,
+                                       export_generation, source_dtype)
 from kvm_jax.hf.authors_config import (DTYPES, ConfigError, authors_config_from_model, authors_fields,
                                model_config_from_authors, with_numerics)
 from kvm_jax.hf.params import from_authors, to_authors
@@ -188,7 +190,10 @@ def import_checkpoint(src, dest, *, dtype: str = "float32", numerics: str = "aut
 
   ``dest`` then holds ``config.json`` (a :class:`TrainConfig`: the model, ``task="text"``),
   ``checkpoints/0/`` (the parameters only, no optimizer state), ``import.json`` (where it came
-  from) and, when ``src`` has one or ``tokenizer_file`` is given, ``tokenizer.json``. kvm-eval,
+  from: its ``config.json`` with the special token ids, its ``generation_config.json`` or None,
+  the dtype its weights were stored in, all of which kvm-export writes back) and, when ``src``
+  has one or ``tokenizer_file`` is given, ``tokenizer.json`` with the ``tokenizer_config.json``
+  and ``special_tokens_map.json`` beside it (which name its special tokens). kvm-eval,
   ``kvm_jax.runs.load_trained``, the lm-eval adapter and ``generate`` read it as they read any run;
   ``kvm-train --config.init_from=DEST`` fine-tunes from it.
   """
@@ -203,18 +208,84 @@ def import_checkpoint(src, dest, *, dtype: str = "float32", numerics: str = "aut
     raise FileNotFoundError(f"tokenizer file {tokenizer} does not exist.")
   # The run records where its tokenizer will be once the staged directory becomes dest.
   tok_path = str(dest.resolve() / TOKENIZER_FILE) if tokenizer.exists() else ""
+  generation = src / GENERATION_CONFIG_FILE
   with staged(dest, overwrite, src) as stage:
     if tok_path:
-      shutil.copyfile(tokenizer, stage / TOKENIZER_FILE)
+      _copy_tokenizer(tokenizer, stage)
     save_starting_point(stage, TrainConfig(model=cfg, task="text", tokenizer_file=tok_path),
                         params, {"imported_from": str(src.resolve())})
     leaves = [np.size(x) for x in jax.tree_util.tree_leaves(params)]
     authors = kind == "authors"
     record = {"source": str(src.resolve()), "source_config": config, "dtype": dtype,
+              "source_dtype": st.stored_dtype(src),
+              "generation_config": _read_json(generation) if generation.exists() else None,
               "numerics": numerics if authors else None, "parameters": int(sum(leaves)),
               "tensors": len(leaves), "tokenizer": tok_path or None}
     (stage / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
   return dest
+
+
+def _copy_tokenizer(tokenizer: Path, folder: Path) -> list[str]:
+  """Copies ``tokenizer`` into ``folder`` as tokenizer.json, with the files beside it that name
+  its special tokens; returns the names written."""
+  shutil.copyfile(tokenizer, folder / TOKENIZER_FILE)
+  companions = [name for name in TOKENIZER_COMPANIONS if (tokenizer.parent / name).exists()]
+  for name in companions:
+    shutil.copyfile(tokenizer.parent / name, folder / name)
+  return [TOKENIZER_FILE, *companions]
+
+
+def _import_record(run_dir: Path) -> Optional[dict]:
+  """The run's ``import.json`` (what kvm-import kept of its source), None for a run trained
+  here."""
+  record = run_dir / IMPORT_RECORD
+  return json.loads(record.read_text()) if record.exists() else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSettings:
+  """What kvm-export writes besides the parameters' values.
+
+  Attributes:
+    dtype: the tensors' dtype in the file, one of ``DTYPES``.
+    dtype_from: why that dtype, in words.
+    generation: the special token ids for ``config.json`` and ``generation_config.json``.
+  """
+  dtype: str
+  dtype_from: str
+  generation: Generation
+
+  def __post_init__(self):
+    if self.dtype not in DTYPES:
+      raise ValueError(f"dtype={self.dtype!r}; choose from {DTYPES}.")
+
+  def summary(self) -> str:
+    """One line for kvm-export to print: the dtype and the special tokens, each with why."""
+    g = self.generation
+    tokens = f"special tokens {dict(g.token_ids)}" if g.token_ids else "no special tokens"
+    file = f" and {GENERATION_CONFIG_FILE}" if g.generation_config is not None else ""
+    return f"{self.dtype} tensors ({self.dtype_from}); {tokens}{file} ({g.source})"
+
+
+def export_settings(run_dir, dtype: Optional[str] = None) -> ExportSettings:
+  """The dtype and generation settings :func:`export_run` uses for ``run_dir``.
+
+  ``dtype`` wins when given; else an imported run keeps the dtype its source stored the weights
+  in (a bfloat16 checkpoint goes back out in bfloat16 even when imported to float32), and a run
+  trained here (or a source in a dtype the export does not write) the run's parameter dtype. The
+  special tokens come from :func:`kvm_jax.hf.special_tokens.export_generation`."""
+  run_dir = Path(run_dir)
+  run_cfg = load_config(run_dir)
+  record = _import_record(run_dir)
+  kept = source_dtype(record) if record else None
+  if dtype:
+    why = "as asked"
+  elif kept in DTYPES:
+    dtype, why = kept, "the imported source's dtype"
+  else:
+    dtype = run_cfg.model.param_dtype
+    why = "the run's parameter dtype" + (f"; the source's {kept} is not written" if kept else "")
+  return ExportSettings(dtype, why, export_generation(record, run_cfg.tokenizer_file))
 
 
 def export_run(run_dir, dest, *, step: Optional[int] = None, dtype: Optional[str] = None,
@@ -225,17 +296,18 @@ def export_run(run_dir, dest, *, step: Optional[int] = None, dtype: Optional[str
   format, loadable by their ``RWKV7BackboneForCausalLM.from_pretrained``; a Llama- or
   Gemma-family model without kvm layers in transformers' (``LlamaForCausalLM``,
   ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Gemma2ForCausalLM`` or
-  ``Gemma3ForCausalLM``, as its options say). ``dtype`` defaults to the
-  run's parameter dtype. A model the format cannot express is refused
+  ``Gemma3ForCausalLM``, as its options say), with ``generation_config.json`` and the special
+  token ids in ``config.json`` when the run knows them, and the tokenizer's files when it has one.
+  ``dtype`` defaults to the imported source's, else the run's parameter dtype
+  (:func:`export_settings`). A model the format cannot express is refused
   (:class:`kvm_jax.hf.ExportError` says why). Returns the files written."""
   run_dir, dest = Path(run_dir), Path(dest)
   if checkpoint_kind(run_dir) != "run":
     raise ValueError(f"{run_dir} is not a kvm_jax run directory (it is already in the authors' "
                      "format).")
   run_cfg = load_config(run_dir)
-  dtype = dtype or run_cfg.model.param_dtype
-  if dtype not in DTYPES:
-    raise ValueError(f"dtype={dtype!r}; choose from {DTYPES}.")
+  settings = export_settings(run_dir, dtype)
+  dtype = settings.dtype
   transformers = family_of(run_cfg.model).CHECKPOINT_FORMAT == "transformers"
   # refuse before reading any weights
   if transformers:
@@ -250,24 +322,29 @@ def export_run(run_dir, dest, *, step: Optional[int] = None, dtype: Optional[str
   else:
     tensors = to_authors(params, run_cfg.model, jnp.dtype(dtype))
   config["dtype"] = config["torch_dtype"] = dtype
+  generation = settings.generation
+  config.update(generation.token_ids)
   with staged(dest, overwrite, run_dir) as stage:
     written = st.write_checkpoint(stage, tensors, metadata={"format": "pt"},
                                   max_shard_bytes=max_shard_bytes, progress=progress)
     (stage / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     names = [p.name for p in written] + [CONFIG_FILE]
+    if generation.generation_config is not None:
+      (stage / GENERATION_CONFIG_FILE).write_text(
+          json.dumps(generation.generation_config, indent=2) + "\n")
+      names.append(GENERATION_CONFIG_FILE)
     tok = run_cfg.tokenizer_file
     if tok and Path(tok).exists():
-      shutil.copyfile(tok, stage / TOKENIZER_FILE)
-      names.append(TOKENIZER_FILE)
+      names += _copy_tokenizer(Path(tok), stage)
   return [dest / name for name in names]
 
 
 def _max_positions(run_dir: Path, run_cfg: TrainConfig) -> int:
   """``max_position_embeddings`` for an exported config: the imported source's when the run came
   from a transformers checkpoint, else the run's training length."""
-  record = run_dir / IMPORT_RECORD
-  if record.exists():
-    source = json.loads(record.read_text()).get("source_config") or {}
+  record = _import_record(run_dir)
+  if record:
+    source = record.get("source_config") or {}
     if isinstance(source.get("max_position_embeddings"), int):
       return source["max_position_embeddings"]
   return max(int(run_cfg.sequence_length), 1)

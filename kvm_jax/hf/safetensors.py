@@ -105,6 +105,18 @@ def tensor_info(path) -> dict[str, tuple[str, tuple[int, ...]]]:
           if name != "__metadata__"}
 
 
+def stored_dtype(directory) -> Optional[str]:
+  """The dtype a model directory's floating tensors are stored in, by numpy's name ("float32",
+  "bfloat16", ...), from the headers alone: the one they all share, "float32" when they differ
+  (it holds float16 and bfloat16 values exactly), None when none is floating."""
+  codes = {code for path in checkpoint_files(directory)
+           for code, _ in tensor_info(path).values()}
+  floating = {DTYPES[c].name for c in codes if c in ("F64", "F32", "F16", "BF16")}
+  if len(floating) > 1:
+    return "float32"
+  return floating.pop() if floating else None
+
+
 def read_metadata(path) -> dict[str, str]:
   """The ``__metadata__`` strings of one safetensors file (empty when it has none)."""
   return dict(_header(Path(path))[0].get("__metadata__") or {})
