@@ -31,6 +31,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import time
 from typing import Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -42,6 +43,13 @@ from kvm_jax.generate import SamplingConfig, pod_mesh, replicate_on
 from kvm_jax.nn.cache import reset_rows, select_rows
 
 Array = jax.Array
+INT32_MAX = 2**31 - 1
+# The seeds a request may name: jax.random.PRNGKey keeps 32 bits of a seed (without x64), so
+# 2**32 would draw what 0 draws; a larger Python int does not convert at all.
+SEED_MIN, SEED_MAX = 0, 2**32 - 1
+# Finished requests an engine keeps for Engine.result by default (the oldest go first): a
+# long-lived engine serves without end, and its memory must not grow with what it served.
+KEEP_FINISHED = 1024
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,8 +102,9 @@ def _cut_top_p(scaled: Array, top_p: Array) -> Array:
 
 
 def sampling_rows(sampling: SamplingConfig) -> tuple[float, int, float]:
-  """``(temperature, top_k, top_p)`` of :func:`sample_rows` for one request's settings."""
-  return (float(sampling.temperature), int(sampling.top_k or 0),
+  """``(temperature, top_k, top_p)`` of :func:`sample_rows` for one request's settings. A
+  ``top_k`` beyond int32 keeps every token, as any ``top_k`` of at least the vocabulary does."""
+  return (float(sampling.temperature), min(int(sampling.top_k or 0), INT32_MAX),
           2.0 if sampling.top_p is None else float(sampling.top_p))
 
 
@@ -323,6 +332,15 @@ class TokenEvent:
   finish_reason: Optional[str] = None
 
 
+def _check_seeds(seed, n: int) -> None:
+  """A ValueError unless seeds ``seed .. seed + n - 1`` are ints :func:`jax.random.PRNGKey` keeps
+  whole (:data:`SEED_MIN` .. :data:`SEED_MAX`)."""
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or \
+      not SEED_MIN <= seed <= SEED_MAX - (n - 1):
+    last = "" if n == 1 else f" (and seed + {n - 1} for the last of {n} samples)"
+    raise ValueError(f"seed must be an int in [{SEED_MIN}, {SEED_MAX}]{last}, got {seed!r}.")
+
+
 class Engine:
   """Continuous batching over ``slots`` cache rows of up to ``max_len`` tokens each.
 
@@ -350,6 +368,10 @@ class Engine:
   ``keep_logits``: keep the logits of every generated token (tests and analyses; one more
   transfer per step).
 
+  ``keep_finished``: how many finished requests :meth:`result` can still show (the oldest are
+  dropped first; :meth:`release` drops one at once); None keeps every one (a batch that reads its
+  results at the end, as :func:`generate_many`). Waiting and running requests are always kept.
+
   Usage::
 
       engine = kj.Engine(model, slots=8, max_len=1024)
@@ -362,16 +384,19 @@ class Engine:
 
   def __init__(self, model, *, slots: int, max_len: int, prefill_chunk: int = 64,
                prefill_lanes: int = 4, tokens_per_step: int = 8,
-               prefill_bucket: Optional[int] = None, keep_logits: bool = False):
+               prefill_bucket: Optional[int] = None, keep_logits: bool = False,
+               keep_finished: Optional[int] = KEEP_FINISHED):
     for name, value in (("slots", slots), ("max_len", max_len), ("prefill_chunk", prefill_chunk),
                         ("prefill_lanes", prefill_lanes), ("tokens_per_step", tokens_per_step),
-                        ("prefill_bucket", 1 if prefill_bucket is None else prefill_bucket)):
+                        ("prefill_bucket", 1 if prefill_bucket is None else prefill_bucket),
+                        ("keep_finished", 1 if keep_finished is None else keep_finished)):
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"Engine: {name} must be a positive int, got {value!r}.")
     self.model, self.slots, self.max_len = model, slots, max_len
     self.prefill_chunk, self.keep_logits = prefill_chunk, keep_logits
     self.prefill_bucket, self.tokens_per_step = prefill_bucket, tokens_per_step
     self.prefill_lanes = min(prefill_lanes, slots)
+    self.keep_finished = keep_finished
     # Prompts continue in parallel pieces when every layer can (LM.resume) and the pieces can be
     # whole multiples of the alignment; else they go through the decode step.
     alignment = model.resume_alignment()
@@ -385,14 +410,19 @@ class Engine:
     self._width = max(tokens_per_step, self._serial_width + 1)
     self._step = step_program(self._graphdef, self._width, keep_logits)
     self._mesh = pod_mesh(self._state)
-    self._caches = replicate_on(self._mesh, model.init_cache(slots, max_len))
     self._fresh = replicate_on(self._mesh, model.init_cache(1, max_len))
-    self._keys = replicate_on(self._mesh, jnp.zeros((slots, 2), jnp.uint32))
     self._requests: dict[int, Request] = {}
-    self._waiting: collections.deque = collections.deque()
-    self._running: list[Optional[Request]] = [None] * slots
+    self._finished: collections.deque = collections.deque()  # ids of finished requests kept
+    self._finished_total = 0
     self._ids = itertools.count()
-    self._events: dict[int, list] = collections.defaultdict(list)
+    self._clear_slots()
+
+  def _clear_slots(self) -> None:
+    """Empty slots: new device caches and keys, no request waiting or running."""
+    self._caches = replicate_on(self._mesh, self.model.init_cache(self.slots, self.max_len))
+    self._keys = replicate_on(self._mesh, jnp.zeros((self.slots, 2), jnp.uint32))
+    self._waiting: collections.deque = collections.deque()
+    self._running: list[Optional[Request]] = [None] * self.slots
 
   # -- submitting and following requests ----------------------------------------------------
   def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int,
@@ -401,6 +431,7 @@ class Engine:
     """Queues a prompt; returns its request id. ``seed``: the request draws what
     ``kj.generate`` of this prompt alone draws with ``key=jax.random.PRNGKey(seed)``."""
     prompt = self._checked_prompt(prompt_ids, max_new_tokens)
+    _check_seeds(seed, 1)
     request = Request(id=next(self._ids), prompt=prompt, max_new_tokens=max_new_tokens,
                       sampling=sampling, seed=int(seed), stop_tokens=frozenset(stop_tokens))
     self._requests[request.id] = request
@@ -416,6 +447,7 @@ class Engine:
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.slots:
       raise ValueError(f"n must be an int in [1, slots={self.slots}], got {n!r}.")
     prompt = self._checked_prompt(prompt_ids, max_new_tokens)
+    _check_seeds(seed, n)
     group = [Request(id=next(self._ids), prompt=prompt, max_new_tokens=max_new_tokens,
                      sampling=sampling, seed=int(seed) + i, stop_tokens=frozenset(stop_tokens))
              for i in range(n)]
@@ -463,17 +495,47 @@ class Engine:
           other.source, other.fed = None, 0
       self._running[request.slot] = None
       request.slot = None
-    request.finish_reason = "cancelled"
-    self._events[request.id].append(TokenEvent(request.id, -1, "cancelled"))
+    self._finish(request, "cancelled")
     return True
+
+  def _finish(self, request: Request, reason: str) -> None:
+    """Ends ``request`` (its slot freed) and keeps its record among the last ``keep_finished``."""
+    request.finish_reason = reason
+    if request.slot is not None:
+      self._running[request.slot] = None
+      request.slot = None
+    self._finished.append(request.id)
+    self._finished_total += 1
+    while self.keep_finished is not None and len(self._finished) > self.keep_finished:
+      self._requests.pop(self._finished.popleft(), None)
+
+  def release(self, request_id: int) -> None:
+    """Drops a finished request's record now (a server does once it delivered the response);
+    a ValueError for a request still waiting or running (cancel it first)."""
+    if not self.request(request_id).done:
+      raise ValueError(f"request {request_id} is still running: cancel it before releasing it.")
+    del self._requests[request_id]
+
+  def recover(self) -> list[TokenEvent]:
+    """After a step that raised: every waiting and running request ends with finish reason
+    "error" (their events returned), and the slots start empty (new caches and keys: a failed
+    step may have consumed its donated ones). Finished requests stay as they were."""
+    held = [r for group in self._waiting for r in group] + [r for r in self._running if r]
+    for request in held:
+      request.slot = None
+      self._finish(request, "error")
+    self._clear_slots()
+    return [TokenEvent(r.id, -1, "error") for r in held]
 
   def request(self, request_id: int) -> Request:
     if request_id not in self._requests:
-      raise KeyError(f"no request {request_id!r} in this engine.")
+      raise KeyError(f"no request {request_id!r} in this engine (never submitted, released, or "
+                     f"finished before the last keep_finished={self.keep_finished}).")
     return self._requests[request_id]
 
   def requests(self) -> list[Request]:
-    """Every request submitted so far, in submission order."""
+    """Every request the engine holds (waiting, running, and the finished ones it keeps), in
+    submission order."""
     return list(self._requests.values())
 
   def result(self, request_id: int) -> Request:
@@ -497,7 +559,7 @@ class Engine:
     while self.busy:
       self.step()
       if progress is not None:
-        progress(sum(r.done for r in self._requests.values()))
+        progress(self._finished_total)
 
   def stream(self, request_id: int) -> Iterator[int]:
     """The request's tokens as they are generated (stepping the engine, which advances every
@@ -511,6 +573,37 @@ class Engine:
       if request.done:
         return
       self.step()
+
+  def lane_widths(self) -> tuple[int, ...]:
+    """The prompt-piece widths a step can run with (0: no lane): one compiled step program
+    each."""
+    if self._alignment is None:
+      return (0,)
+    full = self.prefill_chunk // self._alignment * self._alignment
+    return tuple(sorted({0, self._alignment, full}))
+
+  def warm_up(self, report: Optional[Callable[[str, float], None]] = None) -> float:
+    """Compiles every step program a request can need (one per :meth:`lane_widths`) before any
+    request arrives, by running one synthetic greedy request per width to its first token;
+    ``report(what, seconds)`` after each. The engine must be idle; it is idle and empty after
+    (the synthetic requests released, the slots cleared). Returns the seconds it took. Without
+    ``prefill_bucket`` only: its admission program compiles once per prompt length bucket."""
+    if self.busy:
+      raise ValueError("warm_up needs an idle engine: it runs before the first request.")
+    start = time.perf_counter()
+    # A prompt one token longer than a width feeds that width's piece and the rest serially.
+    for width in self.lane_widths():
+      length = min(width + 1, self.max_len - 1)
+      began = time.perf_counter()
+      rid = self.submit([0] * length, max_new_tokens=1)
+      self.run()
+      self.release(rid)
+      what = (f"the step with {width}-token prompt pieces" if width
+              else "the step that feeds tokens one at a time and draws")
+      if report is not None:
+        report(what, time.perf_counter() - began)
+    self._clear_slots()
+    return time.perf_counter() - start
 
   # -- the step -------------------------------------------------------------------------------
   def _admit(self) -> np.ndarray:
@@ -681,15 +774,10 @@ class Engine:
     if logits is not None:
       request.logits.append(logits)
     if token in request.stop_tokens:
-      request.finish_reason = "stop"
+      self._finish(request, "stop")
     elif len(request.tokens) >= request.max_new_tokens:
-      request.finish_reason = "length"
-    if request.done:
-      self._running[request.slot] = None
-      request.slot = None
-    event = TokenEvent(request.id, token, request.finish_reason)
-    self._events[request.id].append(event)
-    return event
+      self._finish(request, "length")
+    return TokenEvent(request.id, token, request.finish_reason)
 
 
 def generate_many(model, prompts: Sequence[Sequence[int]], *,
@@ -718,7 +806,8 @@ def generate_many(model, prompts: Sequence[Sequence[int]], *,
   slots = min(slots, len(prompts))
   engine = Engine(model, slots=slots, max_len=max_len, prefill_chunk=prefill_chunk,
                   prefill_lanes=slots if prefill_lanes is None else prefill_lanes,
-                  tokens_per_step=tokens_per_step, prefill_bucket=prefill_bucket)
+                  tokens_per_step=tokens_per_step, prefill_bucket=prefill_bucket,
+                  keep_finished=None)
   ids = [engine.submit(p, max_new_tokens=n, sampling=sampling, seed=seed + i,
                        stop_tokens=stop_tokens)
          for i, (p, n) in enumerate(zip(prompts, budgets))]

@@ -23,6 +23,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 Array = jax.Array
+# float32's smallest normal and largest finite numbers: the range of a sampling setting that the
+# float32 logits can be divided or cut by.
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def pod_mesh(state) -> Optional[Mesh]:
@@ -67,12 +71,16 @@ class SamplingConfig:
   top_p: Optional[float] = None
 
   def __post_init__(self):
-    if self.temperature < 0:
-      raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+    # The logits are float32: a temperature or nucleus that float32 rounds to 0 or infinity
+    # would draw from NaN or from a distribution nobody asked for.
+    if not (self.temperature == 0 or FLOAT32_TINY <= self.temperature <= FLOAT32_MAX):
+      raise ValueError(f"temperature must be 0 (greedy) or a number in [{FLOAT32_TINY:.3g}, "
+                       f"{FLOAT32_MAX:.3g}] (float32's range), got {self.temperature}.")
     if self.top_k is not None and self.top_k < 1:
       raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}.")
-    if self.top_p is not None and not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p}.")
+    if self.top_p is not None and not FLOAT32_TINY <= self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1] (at least {FLOAT32_TINY:.3g}, float32's "
+                       f"smallest normal number) or None, got {self.top_p}.")
 
 
 def sample_logits(logits: Array, key: Array, sampling: SamplingConfig) -> Array:

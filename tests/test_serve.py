@@ -9,7 +9,9 @@ hold exactly those token ids and their text.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import contextlib
 import json
 import subprocess
 import sys
@@ -62,15 +64,39 @@ def start_server(app):
   return server, thread, f"http://127.0.0.1:{port}"
 
 
+def wait_until_ready(client, timeout=120):
+  """Polls /health until the server is warm (status ok); returns the statuses it saw."""
+  seen, deadline = [], time.time() + timeout
+  while True:
+    response = client.get("/health")
+    seen.append((response.status_code, response.json()["status"]))
+    if seen[-1] == (200, "ok"):
+      return seen
+    assert time.time() < deadline, f"the server did not get warm: {seen[-3:]}"
+    time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def serving(model, tokenizer=TOK, **options):
+  """A live server of ``model`` (warm), its worker and an HTTP client to it."""
+  app = build_app(model, tokenizer, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=8,
+                  model_name="tiny", log=lambda line: None, **options)
+  server, thread, url = start_server(app)
+  client = httpx.Client(base_url=url, timeout=120)
+  try:
+    wait_until_ready(client)
+    yield types.SimpleNamespace(model=model, url=url, engine=app.state.engine_worker,
+                                client=client)
+  finally:
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def served():
   model = make_model(("swa", "kvm"), 3, vocab_size=TOK.vocab_size)
-  app = build_app(model, TOK, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=8, model_name="tiny")
-  server, thread, url = start_server(app)
-  yield types.SimpleNamespace(model=model, url=url, engine=app.state.engine_worker,
-                              client=httpx.Client(base_url=url, timeout=120))
-  server.should_exit = True
-  thread.join(timeout=30)
+  with serving(model, warm=True) as served:
+    yield served
 
 
 def complete(client, **body):
@@ -81,7 +107,8 @@ def complete(client, **body):
 
 def test_health_and_models(served):
   health = served.client.get("/health").json()
-  assert health == {"status": "ok", "slots": SLOTS, "running": 0, "waiting": 0}
+  assert health == {"status": "ok", "slots": SLOTS, "running": 0, "waiting": 0,
+                    "engine_restarts": 0, "last_error": None}
   (listed,) = served.client.get("/v1/models").json()["data"]
   assert listed["id"] == "tiny" and listed["max_len"] == MAX_LEN
 
@@ -165,14 +192,14 @@ BAD_REQUESTS = [
     (dict(prompt="", max_tokens=4), 400, "the prompt is empty"),
     (dict(prompt=[], max_tokens=4), 400, "prompt must be a string"),
     (dict(prompt=[1, 999], max_tokens=4), 400, "token id 999 is outside the vocabulary"),
-    (dict(prompt="hi", max_tokens=0), 400, "max_tokens must be an integer >= 1, got 0"),
-    (dict(prompt="hi", max_token=4), 400, "unknown field(s) ['max_token']"),
-    (dict(prompt="hi", temperature=-1), 400, "temperature must be a number >= 0, got -1"),
-    (dict(prompt="hi", top_p=1.5), 400, "top_p must be a number in (0, 1], got 1.5"),
+    (dict(prompt="hi", max_tokens=0), 400, "max_tokens must be an integer in [1, 255]"),
+    (dict(prompt="hi", max_token=4), 400, 'unknown field(s) ["max_token"]'),
+    (dict(prompt="hi", temperature=-1), 400, "temperature must be 0 (greedy) or a finite"),
+    (dict(prompt="hi", top_p=1.5), 400, "top_p must be a number in (0, 1]"),
     (dict(prompt="hi", n=9), 400, "n must be an integer in [1, 3]"),
     (dict(prompt="hi", logprobs=5), 400, "logprobs=5 is not supported"),
     (dict(prompt="hi", stop=[""]), 400, "stop must be a non-empty string"),
-    (dict(prompt="hi", model="gpt-4"), 404, "model 'gpt-4' is not served here"),
+    (dict(prompt="hi", model="gpt-4"), 404, 'model "gpt-4" is not served here'),
     (dict(max_tokens=3), 400, "prompt is required"),
 ]
 
@@ -201,6 +228,13 @@ def test_a_client_that_disconnects_frees_its_slot(served):
   nothing running, the engine calls it cancelled), and the slot serves the next request
   exactly."""
   body = dict(prompt="Interrupted:", max_tokens=240, temperature=0, stream=True)
+  ended = []  # the requests the engine ends (their records are dropped once delivered)
+
+  def watch(engine):
+    finish = type(engine)._finish
+    engine._finish = lambda request, reason: (finish(engine, request, reason),
+                                              ended.append(request))
+  served.engine.call(watch).result()
   with served.client.stream("POST", "/v1/completions", json=body) as response:
     lines = response.iter_lines()
     seen = [line for line, _ in zip(lines, range(4)) if line.startswith("data: ")]
@@ -209,9 +243,10 @@ def test_a_client_that_disconnects_frees_its_slot(served):
   while served.client.get("/health").json()["running"]:
     assert time.time() < deadline, "the disconnected request still holds its slot"
     time.sleep(0.05)
-  last = served.engine.call(lambda engine: engine.requests()[-1]).result()
+  (last,) = ended
   assert last.prompt == tuple(TOK.encode("Interrupted:"))
   assert last.finish_reason == "cancelled" and len(last.tokens) < 240
+  served.engine.call(lambda engine: vars(engine).pop("_finish")).result()
   after = complete(served.client, prompt="Next:", max_tokens=6, temperature=0)["choices"][0]
   assert after["token_ids"] == alone(served.model, TOK.encode("Next:"), 6)[0]
 
@@ -245,3 +280,251 @@ def test_kvm_serve_serves_a_run_directory(tmp_path, subprocess_environ):
   finally:
     server.terminate()
     server.wait(timeout=30)
+
+
+# ----------------------------------------------------------------------------------------------
+# No request stops the server
+# ----------------------------------------------------------------------------------------------
+
+# Bodies as raw JSON text: Python's json reads NaN and Infinity, which a client may send.
+HOSTILE = [
+    ('{"prompt": "x", "max_tokens": 5, "seed": 1208925819614629174706176}', "seed", "seed"),
+    ('{"prompt": "x", "max_tokens": 5, "seed": 4294967296}', "seed", "[0, 4294967295]"),
+    ('{"prompt": "x", "max_tokens": 5, "seed": -1}', "seed", "[0, 4294967295]"),
+    ('{"prompt": "x", "n": 2, "seed": 4294967295}', "seed", "seed + i"),
+    ('{"prompt": "x", "temperature": NaN}', "temperature", "got NaN"),
+    ('{"prompt": "x", "temperature": Infinity}', "temperature", "got Infinity"),
+    ('{"prompt": "x", "temperature": 1e39}', "temperature", "finite number"),
+    ('{"prompt": "x", "top_p": NaN}', "top_p", "got NaN"),
+    ('{"prompt": "x", "top_p": 1e-300}', "top_p", "(0, 1]"),
+    ('{"prompt": "x", "top_k": 1e3}', "top_k", "integer"),
+    ('{"prompt": "x", "top_k": 2147483648}', "top_k", "[1, 2147483647]"),
+    ('{"prompt": "x", "max_tokens": 1208925819614629174706176}', "max_tokens", "[1, 255]"),
+    ('{"prompt": "x", "max_tokens": -3}', "max_tokens", "[1, 255]"),
+    ('{"prompt": "x", "n": 1e100}', "n", "n must be an integer"),
+    ('{"prompt": [1208925819614629174706176]}', "prompt", "outside the vocabulary"),
+    ('{"prompt": [-1]}', "prompt", "outside the vocabulary"),
+    ('{"prompt": [[[1]]]}', "prompt", "prompt must be a string"),
+    ('{"prompt": [1.0, 2]}', "prompt", "prompt must be a string"),
+    ('{"prompt": "\\ud800"}', "prompt", "cannot be encoded"),
+    ('{"prompt": {"a": 1}}', "prompt", "prompt must be a string"),
+    ('{"prompt": ' + json.dumps(["a"] * 65) + '}', "prompt", "at most 64 prompts"),
+    ('{"prompt": "x", "stop": ' + json.dumps("s" * 2000) + '}', "stop", "at most 1024"),
+    ('{"prompt": "x", "stop": [1]}', "stop", "stop must be"),
+    ('{"prompt": "x", "stream": "yes"}', "stream", "true or false"),
+    ('{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options",
+     "only allowed with stream=true"),
+    ('{"prompt": "x", "stream": true, "stream_options": {"x": 1}}', "stream_options",
+     "include_usage"),
+    ('{"prompt": "x", "user": 5}', "user", "user must be a string"),
+    ('{"prompt": "x", "echo": 0}', "echo", "not supported"),
+    ('{"prompt": "x", "model": ["tiny"]}', "model", "model must be a string"),
+    ('{"prompt": "x", ' + json.dumps("k" * 5000) + ': 1}', "k" * 80, "unknown field"),
+    ("[" * 100_000 + "]" * 100_000, None, "nested too deeply"),
+    ('{"prompt": "x", "max_tokens": ' + "9" * 5000 + '}', None, "not JSON"),
+    ('"just a string"', None, "must be a JSON object"),
+]
+
+
+def post_raw(client, body: str, path="/v1/completions"):
+  return client.post(path, content=body.encode("utf-8", "surrogatepass"),
+                     headers={"content-type": "application/json"})
+
+
+def assert_openai_error(response, status, param=None, message=""):
+  """A JSON error in OpenAI's shape with ``status`` (and the field and words expected)."""
+  assert response.status_code == status, response.text
+  error = response.json()["error"]
+  assert set(error) == {"message", "type", "param", "code"}, error
+  assert isinstance(error["message"], str) and message in error["message"], error
+  assert error["param"] == param, error
+  return error
+
+
+def test_hostile_requests_get_json_4xx_and_the_server_goes_on(served):
+  """Values past every range the engine takes (the 2**80 seed that once killed the engine's
+  thread, NaN temperatures, ids past int64, lone surrogates, deep nesting, huge numbers...) are
+  refused with a JSON 400 naming the field; the server still serves exactly after them."""
+  before = complete(served.client, prompt="Still here?", max_tokens=6, temperature=0)
+  for body, param, message in HOSTILE:
+    assert_openai_error(post_raw(served.client, body), 400, param, message)
+  health = served.client.get("/health").json()
+  assert health["status"] == "ok" and health["engine_restarts"] == 0
+  after = complete(served.client, prompt="Still here?", max_tokens=6, temperature=0)
+  assert after["choices"] == before["choices"]
+  # The largest top_k keeps every token, as top_k >= the vocabulary does: the same draw.
+  huge_k = complete(served.client, prompt="k", max_tokens=5, temperature=1.0, seed=3,
+                    top_k=2**31 - 1)["choices"][0]["token_ids"]
+  assert huge_k == complete(served.client, prompt="k", max_tokens=5, temperature=1.0, seed=3,
+                            top_k=TOK.vocab_size)["choices"][0]["token_ids"]
+
+
+def test_a_body_too_large_is_refused_before_it_is_read(served, monkeypatch):
+  monkeypatch.setattr("kvm_jax.serve.MAX_BODY_BYTES", 1000)
+  response = post_raw(served.client, json.dumps({"prompt": "x" * 2000}))
+  assert_openai_error(response, 413, None, "larger than 1000 bytes")
+
+
+def test_every_error_is_json_in_openai_shape(served):
+  """Starlette's own answers (no such path, a wrong method) come in OpenAI's shape too."""
+  assert_openai_error(served.client.post("/v1/nothing", json={}), 404, None, "no endpoint")
+  assert_openai_error(served.client.get("/v1/completions"), 405, None, "Method Not Allowed")
+  assert_openai_error(served.client.post("/v1/chat/completions", json={
+      "messages": [{"role": "user", "content": "hi"}]}), 400, "messages", "/v1/completions")
+
+
+def random_value(rng: np.random.Generator, depth: int = 0):
+  """A JSON value of a random type and magnitude: what a careless or hostile client sends."""
+  kind = rng.integers(0, 12 if depth < 3 else 9)
+  if kind == 0:
+    return None
+  if kind == 1:
+    return bool(rng.integers(0, 2))
+  if kind == 2:
+    return int(rng.integers(-5, 40))
+  if kind == 3:
+    return int(rng.choice([-2**80, -2**63, -1, 0, 2**31, 2**32, 2**63, 2**80, 10**30]))
+  if kind == 4:
+    return float(rng.choice([0.0, -0.0, 0.5, 1.0, 1e-300, 1e308, -1e308, np.nan, np.inf,
+                             -np.inf, 2.5]))
+  if kind == 5:
+    return "".join(rng.choice(list("ab \n\u00e9\u4e2d\U0001f600"), int(rng.integers(0, 12))))
+  if kind == 6:
+    return "x" * int(rng.choice([300, 5000]))
+  if kind == 7:
+    return [int(rng.integers(0, TOK.vocab_size)) for _ in range(int(rng.integers(1, 6)))]
+  if kind == 8:
+    return [int(rng.integers(-2**40, 2**40))]
+  if kind in (9, 10):
+    return [random_value(rng, depth + 1) for _ in range(int(rng.integers(0, 4)))]
+  return {str(random_value(rng, 3)): random_value(rng, depth + 1)
+          for _ in range(int(rng.integers(0, 3)))}
+
+
+FUZZED_FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+                 "stream", "stream_options", "echo", "logprobs", "user", "model", "best_of"]
+
+
+def fuzz_body(rng: np.random.Generator) -> str:
+  """A request: a valid small one with a few fields replaced by random values (or left out),
+  sometimes an unknown field, sometimes not an object at all."""
+  body = {"prompt": "fuzz", "max_tokens": int(rng.integers(1, 4)), "temperature": 0.0}
+  for name in rng.choice(FUZZED_FIELDS, int(rng.integers(0, 4)), replace=False):
+    if rng.random() < 0.2:
+      body.pop(name, None)
+    else:
+      body[name] = random_value(rng)
+  if rng.random() < 0.05:
+    body["surprise"] = random_value(rng)
+  if rng.random() < 0.03:
+    return json.dumps(random_value(rng))
+  return json.dumps(body)  # NaN and Infinity go out as such
+
+
+def test_fuzzed_requests_never_stop_the_server_nor_change_its_answers(served):
+  """Three hundred random and hostile requests (random JSON types and magnitudes for every
+  field, NaN and Infinity, huge and negative numbers, nesting, long strings, unknown fields),
+  sent 8 at a time, with streams whose clients leave after their first event: every answer is
+  200 or a JSON 4xx, never a 500; afterwards the server answers a normal request with the tokens
+  it gave before, has restarted nothing, and holds no record of any of them."""
+  probe = dict(prompt="The same tokens", max_tokens=8, temperature=0.7, seed=5)
+  before = complete(served.client, **probe)["choices"]
+  rng = np.random.default_rng(0)
+  bodies = [fuzz_body(rng) for _ in range(300)]
+
+  def send(i):
+    body = bodies[i]
+    if i % 25 == 0:  # a stream whose client leaves at once: a concurrent cancel
+      with served.client.stream("POST", "/v1/completions", content=body.encode(),
+                                headers={"content-type": "application/json"}) as response:
+        next(response.iter_lines(), None)
+        return response.status_code, None
+    response = post_raw(served.client, body)
+    return response.status_code, response.json()
+
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    answers = list(pool.map(send, range(len(bodies))))
+  statuses = collections.Counter(status for status, _ in answers)
+  assert set(statuses) <= {200, 400, 404}, statuses
+  assert statuses[200] >= 30 and statuses[400] >= 100, statuses  # both sides were exercised
+  for (status, answer), body in zip(answers, bodies):
+    if status != 200 and answer is not None:
+      assert isinstance(answer["error"]["message"], str), body
+  health = served.client.get("/health").json()
+  assert health["status"] == "ok" and health["engine_restarts"] == 0, health
+  assert complete(served.client, **probe)["choices"] == before
+  deadline = time.time() + 20  # the streams' cancels land on the engine's thread
+  while served.engine.call(lambda engine: engine.requests()).result():
+    assert time.time() < deadline, "finished requests are still kept"
+    time.sleep(0.05)
+  assert served.engine._listeners == {}
+
+
+def test_the_engine_keeps_no_record_of_delivered_requests(served):
+  """Memory stays bounded: after sixty requests (plain, n samples, streamed, stopped by a stop
+  string) the engine holds no request and the worker no listener."""
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    list(pool.map(lambda i: complete(served.client, prompt=f"r{i}", max_tokens=2, temperature=0,
+                                     n=1 + i % 2), range(40)))
+  for i in range(10):
+    sse(served.client, prompt=f"s{i}", max_tokens=2, temperature=0)
+    complete(served.client, prompt=f"t{i}", max_tokens=4, temperature=0, stop=["\x00", "e"])
+  assert served.engine.call(lambda engine: engine.requests()).result() == []
+  assert served.engine._listeners == {}
+
+
+def fail_next_step(worker, times: int = 1, holding: int = 0):
+  """Makes the engine's next ``times`` steps that hold at least ``holding`` requests raise
+  (then steps as before)."""
+  def install(engine):
+    left = [times]
+    real = type(engine).step
+
+    def failing(self=engine):
+      if left[0] and sum(self.occupancy) >= holding:
+        left[0] -= 1
+        raise RuntimeError("planted fault in the step")
+      return real(self)
+    engine.step = failing
+  worker.call(install).result()
+
+
+def test_a_failing_step_fails_its_requests_with_json_500_and_the_server_recovers(served):
+  """The step raises with two requests in it (one streamed): both end with a JSON error naming
+  the failure, /health counts the restart, and the next requests are served exactly."""
+  body = dict(prompt="Doomed", max_tokens=30, temperature=0)
+  want = complete(served.client, **body)["choices"]
+  fail_next_step(served.engine, holding=2)
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    plain = pool.submit(served.client.post, "/v1/completions", json=body)
+    streamed = pool.submit(sse, served.client, **body)
+    error = assert_openai_error(plain.result(), 500, None, "planted fault in the step")
+    events = streamed.result()
+  assert error["type"] == "server_error"
+  assert "planted fault" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
+  health = served.client.get("/health").json()
+  assert health["status"] == "ok" and health["engine_restarts"] == 1
+  assert "planted fault" in health["last_error"]
+  assert complete(served.client, **body)["choices"] == want
+  assert served.engine.call(lambda engine: engine.requests()).result() == []
+
+
+def test_an_engine_that_cannot_recover_ends_the_server(tmp_path):
+  """Steps that fail every time: after three failures in a row the worker stops for good, calls
+  ``on_fatal`` (kvm-serve's exits non-zero), answers every request 503 and /health 503."""
+  model = make_model(("swa", "kvm"), 3, vocab_size=TOK.vocab_size)
+  fatal = []
+  with serving(model, on_fatal=fatal.append) as broken:
+    fail_next_step(broken.engine, times=10)
+    response = broken.client.post("/v1/completions", json=dict(prompt="x", max_tokens=2))
+    assert_openai_error(response, 500, None, "planted fault")
+    deadline = time.time() + 20
+    while not fatal:  # the first failure recovered; the request above ended the third
+      assert time.time() < deadline, "the worker did not give up"
+      broken.client.post("/v1/completions", json=dict(prompt="x", max_tokens=2))
+      time.sleep(0.05)
+    assert isinstance(fatal[0], RuntimeError)
+    health = broken.client.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "failed"
+    assert_openai_error(broken.client.post("/v1/completions", json=dict(prompt="x")), 503,
+                        None, "the engine stopped")

@@ -11,7 +11,8 @@ class ByteTokenizer:
   eos_id = 256
   vocab_size = 320
 
-  def encode(self, text: str) -> list[int]:
+  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    """UTF-8 bytes (there is no special token to add)."""
     return list(text.encode("utf-8"))
 
   def decode(self, ids: Iterable[int]) -> str:
@@ -31,8 +32,10 @@ class HFTokenizer:
     eos = eos_token or "<|endoftext|>"
     self.eos_id = self._tok.token_to_id(eos)
 
-  def encode(self, text: str) -> list[int]:
-    return self._tok.encode(text).ids
+  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``text``; ``add_special_tokens=False`` leaves out what the tokenizer's post
+    processor adds (a BOS): a chat template's text already has its own."""
+    return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
   def decode(self, ids: Iterable[int]) -> str:
     return self._tok.decode(list(int(i) for i in ids))
