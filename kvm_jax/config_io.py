@@ -103,9 +103,12 @@ def parse_value(current: Any, text: str, field: str = "value") -> Any:
   if isinstance(current, tuple) or field == "mixers":
     if text.strip()[:1] in ("(", "["):
       return tuple(_literal(text))
+    items = [x.strip() for x in text.split(",") if x.strip()]
     kinds = {type(x) for x in current} if isinstance(current, tuple) else {str}
+    if not kinds:  # an empty sequence shows no type: whole numbers are ints (layer indices)
+      kinds = {int} if items and all(_is_int(x) for x in items) else {str}
     cast = kinds.pop() if len(kinds) == 1 and kinds <= {int, float, str} else str
-    return tuple(cast(x.strip()) for x in text.split(",") if x.strip())
+    return tuple(cast(x) for x in items)
   if current is None:
     if text.lower() == "none":
       return None
@@ -141,6 +144,14 @@ def value_text(value: Any) -> str:
   if isinstance(value, (list, tuple)):
     return ",".join(value_text(v) for v in value)
   return str(value)
+
+
+def _is_int(text: str) -> bool:
+  try:
+    int(text)
+    return True
+  except ValueError:
+    return False
 
 
 def _literal(text: str) -> Any:
