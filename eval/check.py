@@ -39,37 +39,23 @@ import argparse
 import math
 import sys
 import time
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+from kvm_jax import compilation_cache, plugins
 
-from kvm_jax.eval import kind_check
-from kvm_jax.kernels.backend import default_interpret
-from kvm_jax.nn.registry import registered_mixers
-from kvm_jax import plugins
-from kvm_jax.ops.common import current_platform
-from kvm_jax.ops.kvm.api import chunk_ops, kvm_decode_step, kvm_prefill, resolve_kvm_backend
-from kvm_jax.ops.kvm.cases import TOLERANCE, Case, rel_rms, select, state_rel_error
-from kvm_jax.ops.kvm.decode import kvm_init_cache
-from kvm_jax.ops.kvm.reference import kvm_attention_reference
-from kvm_jax.ops.kvm.scan import XLA_OPS, kvm_attention_scan
-from kvm_jax.ops.ovq import cases as ovq_cases
-from kvm_jax.ops.ovq.decode import ovq_decode_step, ovq_init_cache, ovq_prefill
-from kvm_jax.ops.ovq.reference import ovq_attention_reference
-from kvm_jax.ops.ovq.scan import ovq_attention
-from kvm_jax.ops.rwkv7 import cases as rwkv7_cases
-from kvm_jax.ops.rwkv7.scan import rwkv7_recurrence, rwkv7_step
-from kvm_jax.ops.rwkv7.reference import rwkv7_recurrence_reference
+# JAX and the ops are imported by the functions that use them, so that --help and a bad flag
+# answer without them (a test patches an op where it is defined, which these imports then read).
+if TYPE_CHECKING:
+  from kvm_jax.ops.kvm.cases import Case
+  from kvm_jax.ops.ovq import cases as ovq_cases
+  from kvm_jax.ops.rwkv7 import cases as rwkv7_cases
 
 SIZES = ("small", "paper")
-# The baselines' checks run in float32 with the KVM checks' relative-RMS tolerances.
-TOLERANCES_F32 = TOLERANCE["float32"]
 
 
 def cases(size: str) -> list[Case]:
   """The cases ``kvm-check --size size`` runs (tagged ``check-<size>`` in the shared matrix)."""
+  from kvm_jax.ops.kvm.cases import select
   if size not in SIZES:
     raise ValueError(f"size={size!r}; choose from {SIZES}.")
   return select(f"check-{size}")
@@ -79,6 +65,7 @@ def worst(errors) -> float:
   """The largest of ``errors``, NaN if any is NaN. Python's ``max`` keeps whichever of a NaN and a
   number comes first (every comparison with NaN is false), so it can hide a NaN; ``np.max``
   propagates it."""
+  import numpy as np
   return float(np.max(np.asarray(list(errors), np.float64)))
 
 
@@ -117,6 +104,7 @@ def make_row(case: str, pair: str, output: float, state: Optional[float], tolera
 
 
 def _timed(timings: dict, name: str, fn):
+  import jax
   jax.block_until_ready(fn())  # compile
   t0 = time.perf_counter()
   out = jax.block_until_ready(fn())
@@ -125,6 +113,8 @@ def _timed(timings: dict, name: str, fn):
 
 
 def _gradient_error(loss_a, loss_b, args, argnums) -> float:
+  import jax
+  from kvm_jax.ops.kvm.cases import rel_rms
   ga = jax.jit(jax.grad(loss_a, argnums=argnums))(*args)
   gb = jax.jit(jax.grad(loss_b, argnums=argnums))(*args)
   return worst(rel_rms(a, b) for a, b in zip(jax.tree_util.tree_leaves(ga),
@@ -133,6 +123,12 @@ def _gradient_error(loss_a, loss_b, args, argnums) -> float:
 
 def check_case(case: Case, grads: bool = True) -> list[dict]:
   """One row per comparison (see :func:`make_row`); the first also holds the run ``timings``."""
+  import jax.numpy as jnp
+  from kvm_jax.ops.kvm.api import chunk_ops, kvm_decode_step, kvm_prefill, resolve_kvm_backend
+  from kvm_jax.ops.kvm.cases import rel_rms, state_rel_error
+  from kvm_jax.ops.kvm.decode import kvm_init_cache
+  from kvm_jax.ops.kvm.reference import kvm_attention_reference
+  from kvm_jax.ops.kvm.scan import kvm_attention_scan, XLA_OPS
   q, k, v, g, params = case.inputs()
   cfg, tol = case.cfg, case.tolerance
   pallas = chunk_ops("pallas")
@@ -185,6 +181,8 @@ def check_case(case: Case, grads: bool = True) -> list[dict]:
 
 def _dictionary_error(state, ref) -> float:
   """Relative error of a final OVQ dictionary (keys and values); inf if any count differs."""
+  import numpy as np
+  from kvm_jax.ops.kvm.cases import rel_rms
   if not np.array_equal(np.asarray(state.counts), np.asarray(ref.counts)):
     return math.inf
   return worst([rel_rms(state.keys, ref.keys), rel_rms(state.values, ref.values)])
@@ -192,8 +190,15 @@ def _dictionary_error(state, ref) -> float:
 
 def check_ovq_case(case: "ovq_cases.Case", grads: bool = True) -> list[dict]:
   """The OVQ rows of one case (see :func:`make_row`); the first also holds the ``timings``."""
+  import jax
+  import jax.numpy as jnp
+  from kvm_jax.ops.kvm.cases import TOLERANCE, rel_rms
+  from kvm_jax.ops.ovq.decode import ovq_decode_step, ovq_init_cache, ovq_prefill
+  from kvm_jax.ops.ovq.reference import ovq_attention_reference
+  from kvm_jax.ops.ovq.scan import ovq_attention
   q, k, v, beta = case.inputs()
-  cfg, tol = case.cfg, TOLERANCES_F32
+  # float32, with the KVM checks' relative-RMS tolerances
+  cfg, tol = case.cfg, TOLERANCE["float32"]
   timings = {}
   name = f"ovq {case.name}"
   rows = case.row_update
@@ -227,8 +232,13 @@ def check_ovq_case(case: "ovq_cases.Case", grads: bool = True) -> list[dict]:
 
 def check_rwkv7_case(case: "rwkv7_cases.Case", grads: bool = True) -> list[dict]:
   """The RWKV-7 rows of one case (see :func:`make_row`); the first also holds the ``timings``."""
+  import jax
+  import jax.numpy as jnp
+  from kvm_jax.ops.kvm.cases import TOLERANCE, rel_rms
+  from kvm_jax.ops.rwkv7.reference import rwkv7_recurrence_reference
+  from kvm_jax.ops.rwkv7.scan import rwkv7_recurrence, rwkv7_step
   inputs, h0 = case.inputs()
-  tol = TOLERANCES_F32
+  tol = TOLERANCE["float32"]  # as the OVQ checks
   timings = {}
   name = f"rwkv7 {case.name}"
   chunked = jax.jit(rwkv7_recurrence, static_argnames="chunk_size")
@@ -289,6 +299,7 @@ def format_table(rows: Sequence[dict]) -> str:
 def _chosen_kinds(spec: str) -> list[str]:
   """The kinds ``--kinds`` names (``all``: every registered one), or SystemExit naming the
   unknown ones and the choices."""
+  from kvm_jax.nn.registry import registered_mixers
   known = list(registered_mixers())
   kinds = known if spec == "all" else [k for k in spec.split(",") if k]
   unknown = [k for k in kinds if k not in known]
@@ -298,7 +309,7 @@ def _chosen_kinds(spec: str) -> list[str]:
   return kinds
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="kvm-check", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--size", choices=SIZES, default="small",
@@ -317,7 +328,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       "to check: forward vs prefill+decode, vs prefill+resume, packed documents "
                       "vs alone, as far as each kind supports them (default: none)")
   plugins.add_plugin_flag(p)
-  args = p.parse_args(argv)
+  compilation_cache.add_flag(p)
+  return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  args = build_parser().parse_args(argv)
+  compilation_cache.enable(args.compilation_cache)
+  import jax
+  from kvm_jax.eval import kind_check
+  from kvm_jax.kernels.backend import default_interpret
+  from kvm_jax.ops.common import current_platform
+  from kvm_jax.ops.ovq import cases as ovq_cases
+  from kvm_jax.ops.rwkv7 import cases as rwkv7_cases
   plugins.load_plugins(args)
   ops = [op for op in args.ops.split(",") if op]
   kinds = _chosen_kinds(args.kinds)

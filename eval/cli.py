@@ -36,24 +36,20 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-import jax
-import numpy as np
-
+from kvm_jax import compilation_cache
 from kvm_jax.budget import budget_label, parse_budget, state_rows_after
-from kvm_jax.convert import add_kvm_flag, describe_kvm, has_kvm_layers, kvm_flags, with_kvm
-from kvm_jax.eval import mqar as mqar_eval
-from kvm_jax.eval import niah as niah_eval
 from kvm_jax.eval import position_loss as position_lib
-from kvm_jax.model_config import ModelConfig
-from kvm_jax.nn.model import count_params
-from kvm_jax.nn.registry import exact_window
-from kvm_jax.ops.common import current_platform
+from kvm_jax.kvm_config import add_kvm_flag
 from kvm_jax.runs import launch
-from kvm_jax.runs.directory import is_run_directory, load_trained, logits_fn
-from kvm_jax.tasks import mqar, niah, text
+from kvm_jax.tasks import niah
 from kvm_jax.tasks.tokenizers import tokenizer
+
+# JAX, the model and the suites are imported by the functions that use them, so that --help and a
+# bad flag answer without them.
+if TYPE_CHECKING:
+  from kvm_jax.model_config import ModelConfig
 
 SUITES = ("niah", "mqar", "position_loss")
 
@@ -68,6 +64,7 @@ def mqar_window(model_cfg: ModelConfig) -> tuple[Optional[int], str]:
   the longest exact window of its layers (:func:`kvm_jax.nn.registry.exact_window`), so that
   "state only" means no layer still holds the queried key exactly. None: a full-attention layer
   sees every key, and every answer counts as in-window."""
+  from kvm_jax.nn.registry import exact_window
   window = exact_window(model_cfg)
   kinds = "/".join(sorted(set(model_cfg.layer_mixers)))
   if window is None:
@@ -77,6 +74,7 @@ def mqar_window(model_cfg: ModelConfig) -> tuple[Optional[int], str]:
 
 def find_runs(paths: Sequence[str]) -> list[Path]:
   """Run directories named by ``paths``: each path is a run (has ``config.json``) or holds runs."""
+  from kvm_jax.runs.directory import is_run_directory
   runs = []
   for p in map(Path, paths):
     if is_run_directory(p):
@@ -92,6 +90,8 @@ def find_runs(paths: Sequence[str]) -> list[Path]:
 def evaluate_run(run: Path, args) -> list[dict[str, Any]]:
   """The results of one run directory: one entry, or with ``--budget-sweep`` one per budget
   (a model without kvm layers is evaluated once, unchanged)."""
+  from kvm_jax.convert import describe_kvm, has_kvm_layers, with_kvm
+  from kvm_jax.runs.directory import load_trained
   cfg, model, step = load_trained(run)
   fields = args.kvm_fields
   if not has_kvm_layers(cfg.model):
@@ -117,6 +117,11 @@ def evaluate_run(run: Path, args) -> list[dict[str, Any]]:
 
 def evaluate_model(name: str, run: Path, cfg, model, step: int, args,
                    budget: Optional[str] = None, note: Optional[str] = None) -> dict[str, Any]:
+  from kvm_jax.convert import describe_kvm, has_kvm_layers
+  from kvm_jax.eval import mqar as mqar_eval, niah as niah_eval
+  from kvm_jax.nn.model import count_params
+  from kvm_jax.runs.directory import logits_fn
+  from kvm_jax.tasks import mqar, text
   out: dict[str, Any] = {"model": name, "run": str(run), "step": step,
                          "mixers": list(cfg.model.layer_mixers),
                          "parameters": count_params(cfg.model)["total"]}
@@ -204,6 +209,7 @@ def _length_label(n: int) -> str:
 
 
 def _mean(values) -> float:
+  import numpy as np
   values = [v for v in values if v is not None and not (isinstance(v, float) and np.isnan(v))]
   return float(np.mean(values)) if values else float("nan")
 
@@ -228,6 +234,7 @@ def sweep_rows(results: Sequence[dict]) -> list[dict]:
 
 def sweep_report(rows: Sequence[dict]) -> str:
   """The budget sweep as a markdown table."""
+  import numpy as np
   fmt = lambda x: "–" if x is None or (isinstance(x, float) and np.isnan(x)) else f"{x:.3f}"
   lines = ["| run | budget | state rows | MQAR recall | in window | state only | MQAR answer NLL "
            "| text NLL |", "|---|---|---|---|---|---|---|---|"]
@@ -286,6 +293,7 @@ def schedule_text(res: dict) -> str:
 
 def markdown_report(results: Sequence[dict]) -> str:
   """One row per model: NIAH score per task and length, MQAR recall, first/last-bucket NLL."""
+  import numpy as np
   niah_cols = sorted({(r["task"], r["length"]) for res in results
                       for r in (res.get("niah") if isinstance(res.get("niah"), list) else [])},
                      key=lambda c: (c[0], c[1]))
@@ -426,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "row positions)")
   g.add_argument("--text-files", nargs="*", default=(),
                  help="local .txt/.jsonl documents (default: the embedded corpus)")
+  compilation_cache.add_flag(p)
   return p
 
 
@@ -466,6 +475,10 @@ def output_dir(args) -> Path:
 def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = build_parser()
   args, rest = parser.parse_known_args(argv)
+  compilation_cache.enable(args.compilation_cache)
+  import jax
+  from kvm_jax.convert import kvm_flags
+  from kvm_jax.ops.common import current_platform
   try:
     args.kvm_fields = kvm_flags(args, rest)
   except ValueError as e:

@@ -22,17 +22,16 @@ import json
 import statistics
 import sys
 
-import jax
-import jax.numpy as jnp
+import kvm_jax as kj  # its names import JAX on first use, after the arguments are parsed
+from kvm_jax import compilation_cache
 
-import kvm_jax as kj
-from kvm_jax.eval.speed import bench_rope_dims
-from kvm_jax.eval.timing import (full_attention_impl, median_ms, time_full_decode,
-                                 time_kvm_decode)
-from kvm_jax.ops.kvm.cases import random_inputs
+# JAX and the timing helpers are imported by the functions that use them: --help needs neither.
 
 
 def bench_prefill(T, args, cfg, params, dtype):
+  import jax
+  from kvm_jax.eval.timing import full_attention_impl, median_ms
+  from kvm_jax.ops.kvm.cases import random_inputs
   q, k, v, g = random_inputs(T, args.batch, T, args.heads, args.heads, args.head_dim,
                              args.head_dim, dtype)
   kvm = jax.jit(lambda q, k, v, g: kj.kvm_attention(q, k, v, g, params, cfg)[0])
@@ -44,6 +43,8 @@ def bench_prefill(T, args, cfg, params, dtype):
 
 
 def bench_decode(T, args, cfg, params, dtype):
+  from kvm_jax.eval.timing import time_full_decode, time_kvm_decode
+  from kvm_jax.ops.kvm.cases import random_inputs
   n = args.decode_steps
   q, k, v, g = random_inputs(T + 1, args.batch, T + n, args.heads, args.heads, args.head_dim,
                              args.head_dim, dtype)
@@ -82,11 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
                  help="timed repetitions per prefill measurement; the median is reported "
                       "(default: %(default)s)")
   p.add_argument("--json", default=None, help="also write the results to this JSON file")
+  compilation_cache.add_flag(p)
   return p
 
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
+  compilation_cache.enable(args.compilation_cache)
+  import jax
+  import jax.numpy as jnp
+  from kvm_jax.eval.speed import bench_rope_dims
   dtype = jnp.dtype(args.dtype)
   cfg = kj.KVMConfig(chunk_size=args.chunk_size, window_chunks=args.window_chunks, sink_rows=1,
                      rope_dims=bench_rope_dims(args.head_dim),

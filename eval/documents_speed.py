@@ -21,14 +21,9 @@ from __future__ import annotations
 
 import statistics
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 import kvm_jax as kj
-from kvm_jax.eval.timing import interleaved_times
-from kvm_jax.ops.kvm.cases import random_inputs, random_params
 from kvm_jax.row_plan import plan_rows
 
 #: The issue's target for every ratio below: documents cost at most 15 % more.
@@ -81,6 +76,10 @@ def op_rows(lengths_to_time, batch: int, heads: int, head_dim: int, dtype, media
             repeats: int) -> list[dict]:
   """The KVM op (fixed 256 rows, C = 256, two window chunks, one sink) with and without
   segment ids, forward and forward + backward, per length."""
+  import jax
+  import jax.numpy as jnp
+  from kvm_jax.eval.timing import interleaved_times
+  from kvm_jax.ops.kvm.cases import random_inputs, random_params
   cfg = kj.KVMConfig(chunk_size=256, window_chunks=2, sink_rows=1, rope_dims=head_dim // 2,
                      budget=kj.FixedBudget(256))
   params = random_params(0, head_dim, heads)
@@ -123,6 +122,10 @@ def bench_model_config(T: int) -> kj.ModelConfig:
 def step_row(T: int, batch: int, median: int, repeats: int) -> dict:
   """Loss and gradient of a small KVM model on ``documents`` rows against ``cram`` rows, and the
   real-token fractions of ``documents`` and ``pad`` packing of one log-normal corpus."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from kvm_jax.eval.timing import interleaved_times
   from flax import nnx
   model = kj.LM(bench_model_config(T), rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model)
@@ -165,6 +168,7 @@ def mark(ratio: float) -> str:
 
 def run(args) -> dict:
   """Prints the three tables; returns every measurement."""
+  import jax.numpy as jnp
   lengths = args.doc_lengths
   dtype = jnp.dtype(args.dtype)
   print(f"documents (segment_ids): B={args.batch} H={args.heads} D={args.head_dim} "

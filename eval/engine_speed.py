@@ -23,13 +23,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import kvm_jax as kj
-from kvm_jax.nn.registry import cache_bytes
 
 GIB = 1024 ** 3
 BUDGETS_GIB = (16, 80)
@@ -57,6 +53,8 @@ def run_engine(model, workload, slots: int, max_len: int, prefill_chunk: int,
 
 
 def run_one_at_a_time(model, workload, max_len: int, prefill_bucket) -> None:
+  import jax
+  import jax.numpy as jnp
   greedy = kj.SamplingConfig(temperature=0.0)
   for prompt, budget in workload:
     tokens, _ = kj.generate(model, jnp.asarray([prompt], jnp.int32), max_new_tokens=budget,
@@ -66,6 +64,8 @@ def run_one_at_a_time(model, workload, max_len: int, prefill_bucket) -> None:
 
 
 def run_padded_batches(model, workload, slots: int, max_len: int, prefill_bucket) -> None:
+  import jax
+  import jax.numpy as jnp
   greedy = kj.SamplingConfig(temperature=0.0)
   for start in range(0, len(workload), slots):
     batch = workload[start:start + slots]
@@ -91,6 +91,7 @@ def timed(fn, repeats: int = 3) -> float:
 
 
 def throughput(args) -> list[dict]:
+  from flax import nnx
   rows = []
   bucket = args.engine_prefill_bucket or None
   for mixers in args.engine_mixers:
@@ -122,6 +123,8 @@ def throughput(args) -> list[dict]:
 
 def preset_memory(name: str, context: int, dtype: str) -> dict:
   """One slot's decode-cache bytes at ``context`` tokens and the weights' bytes of a preset."""
+  import jax.numpy as jnp
+  from kvm_jax.nn.registry import cache_bytes
   cfg = getattr(kj.presets, name)()
   cfg = dataclasses.replace(cfg, param_dtype=dtype, compute_dtype=dtype)
   per_slot = int(sum(cache_bytes(cfg, 1, context)))

@@ -23,17 +23,16 @@ token at those positions, so late buckets average the documents long enough to r
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
-from kvm_jax.ops.documents import documents
 from kvm_jax.progress import progress
-from kvm_jax.tasks.labels import IGNORE
-from kvm_jax.tasks.packing import PackedRows, check_packing, packed_example, plan_rows
+
+# JAX, optax and the packing (grain, which imports JAX) are imported by the functions that use
+# them: kvm-eval's argument parser reads PAPER_MIN_CHARS.
+if TYPE_CHECKING:
+  import jax
 
 #: The paper's validation documents: at least this many characters.
 PAPER_MIN_CHARS = 4096
@@ -82,6 +81,7 @@ class ScoredRows:
     return self.inputs.shape[1]
 
   def scored_tokens(self) -> int:
+    from kvm_jax.tasks.labels import IGNORE
     return int(np.sum(self.labels != IGNORE))
 
 
@@ -89,6 +89,9 @@ def scored_rows(token_docs: Sequence[np.ndarray], context: int, packing: str,
                 eos_id: int) -> ScoredRows:
   """``token_docs`` (each at most ``context + 1`` tokens) in rows of ``context`` positions under
   ``packing`` (module docstring); ``eos_id`` ends each document under ``"cram"``."""
+  from kvm_jax.ops.documents import documents
+  from kvm_jax.tasks.labels import IGNORE
+  from kvm_jax.tasks.packing import PackedRows, check_packing, packed_example, plan_rows
   check_packing(packing)
   width = context + 1
   too_long = [i for i, d in enumerate(token_docs) if len(d) > width]
@@ -120,6 +123,9 @@ def document_loss(logits_fn: Callable[..., jax.Array], rows: ScoredRows,
                   batch_size: int = 1) -> tuple[np.ndarray, np.ndarray]:
   """Next-token NLL summed per curve position, and the number of scored tokens there: two
   ``[context]`` float64 arrays. ``logits_fn(tokens, segment_ids=None) -> [B, T, V]``."""
+  import jax.numpy as jnp
+  import optax
+  from kvm_jax.tasks.labels import IGNORE
   sums = np.zeros(rows.context, np.float64)
   counts = np.zeros(rows.context, np.float64)
   for first in progress(range(0, len(rows.inputs), batch_size), desc=f"text loss ({rows.packing})"):

@@ -50,26 +50,14 @@ import sys
 import time
 from typing import Callable
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
-
-import kvm_jax as kj
-from kvm_jax.kvm_config import KVM_IMPLEMENTATIONS
+import kvm_jax as kj  # its names import JAX on first use
+from kvm_jax import compilation_cache, plugins
 from kvm_jax.eval import documents_speed, engine_speed
-from kvm_jax.eval.timing import (full_attention_impl, median_ms, time_full_decode,
-                                 time_kvm_decode, time_ovq_decode, time_rwkv7_decode)
-from kvm_jax.generate import prefill_logits, sample_step
-from kvm_jax.kernels import tokamax_readout
-from kvm_jax.kernels.backend import KernelConfig
-from kvm_jax.kernels.readout import joint_attention_pallas
-from kvm_jax.ops.common import joint_attention, tree_nbytes, window_mask
-from kvm_jax.ops.kvm.cases import random_inputs
+from kvm_jax.kvm_config import KVM_IMPLEMENTATIONS
 from kvm_jax.ops.ovq.config import OVQConfig
-from kvm_jax import plugins
-from kvm_jax.ops.ovq.scan import ovq_attention
-from kvm_jax.ops.rwkv7.cases import time_mix_inputs
-from kvm_jax.ops.rwkv7.scan import rwkv7_recurrence
+
+# JAX, the ops and the kernels are imported by the functions that use them, so that --help and a
+# bad flag answer without them.
 
 BUDGETS = {
     "fixed256": lambda: kj.FixedBudget(256),
@@ -93,6 +81,10 @@ def kvm_config(budget: str, head_dim: int) -> kj.KVMConfig:
 
 
 def time_prefill_backward(T, args, dtype, phases):
+  import jax
+  import jax.numpy as jnp
+  from kvm_jax.eval.timing import full_attention_impl, median_ms
+  from kvm_jax.ops.kvm.cases import random_inputs
   q, k, v, g = random_inputs(T, args.batch, T, args.heads, args.heads, args.head_dim,
                              args.head_dim, dtype)
   w = jax.random.normal(jax.random.PRNGKey(1), q.shape, dtype)
@@ -123,6 +115,8 @@ def time_prefill_backward(T, args, dtype, phases):
 
 def _ovq_inputs(T, args, dtype):
   """OVQ's L2-normalized q, k, its v and beta = 1 at the benchmark's shapes."""
+  import jax.numpy as jnp
+  from kvm_jax.ops.kvm.cases import random_inputs
   q, k, v, _ = random_inputs(T, args.batch, T, args.heads, args.heads, args.head_dim,
                              args.head_dim, dtype)
   unit = lambda x: (x / jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
@@ -132,12 +126,15 @@ def _ovq_inputs(T, args, dtype):
 
 def _rwkv7_inputs(T, args, dtype):
   """RWKV-7's r, w, k, v, a, b as its time mix makes them, at the benchmark's shapes."""
+  from kvm_jax.ops.rwkv7.cases import time_mix_inputs
   return tuple(x.astype(dtype) for x in time_mix_inputs(
       args.batch, T, args.heads, args.head_dim, args.head_dim, seed=T))
 
 
 def _ovq_decode(inputs, T: int, n: int, item: int) -> dict:
   """The decode row of OVQ after ``T`` tokens (``n`` steps timed)."""
+  from kvm_jax.eval.timing import time_ovq_decode
+  from kvm_jax.ops.common import tree_nbytes
   times, cache, accessed = time_ovq_decode(OVQ, *inputs, T, n)
   B, _, H, D = inputs[0].shape
   return {"decode_ms": statistics.fmean(times), "cache_bytes": tree_nbytes(cache),
@@ -147,6 +144,8 @@ def _ovq_decode(inputs, T: int, n: int, item: int) -> dict:
 
 def _rwkv7_decode(inputs, T: int, n: int, item: int) -> dict:
   """The decode row of RWKV-7 after ``T`` tokens (``n`` steps timed)."""
+  from kvm_jax.eval.timing import time_rwkv7_decode
+  from kvm_jax.ops.common import tree_nbytes
   times, state, accessed = time_rwkv7_decode(inputs, T, n, RWKV7_CHUNK)
   B, _, H, D = inputs[0].shape
   return {"decode_ms": statistics.fmean(times), "cache_bytes": tree_nbytes(state),
@@ -168,12 +167,21 @@ class BaselineArm:
   memory: Callable
 
 
+def _ovq_op(q, k, v, beta):
+  from kvm_jax.ops.ovq.scan import ovq_attention
+  return ovq_attention(q, k, v, beta, OVQ)[0]
+
+
+def _rwkv7_op(*inputs):
+  from kvm_jax.ops.rwkv7.scan import rwkv7_recurrence
+  return rwkv7_recurrence(*inputs, chunk_size=RWKV7_CHUNK)[0]
+
+
 BASELINE_ARMS = {
-    "ovq": BaselineArm(_ovq_inputs, lambda q, k, v, b: ovq_attention(q, k, v, b, OVQ)[0], 3,
-                       _ovq_decode, lambda row, arm: f"{row[f'{arm}_state_rows']} centroids"),
-    "rwkv7": BaselineArm(_rwkv7_inputs,
-                         lambda *x: rwkv7_recurrence(*x, chunk_size=RWKV7_CHUNK)[0], 6,
-                         _rwkv7_decode, lambda row, arm: "fixed-size state"),
+    "ovq": BaselineArm(_ovq_inputs, _ovq_op, 3, _ovq_decode,
+                       lambda row, arm: f"{row[f'{arm}_state_rows']} centroids"),
+    "rwkv7": BaselineArm(_rwkv7_inputs, _rwkv7_op, 6, _rwkv7_decode,
+                         lambda row, arm: "fixed-size state"),
 }
 BASELINES = tuple(BASELINE_ARMS)
 
@@ -185,6 +193,9 @@ def baseline_inputs(arm: str, T, args, dtype):
 
 def time_baselines_prefill_backward(T, args, dtype, phases):
   """Prefill and backward ms of each ``--baselines`` arm."""
+  import jax
+  import jax.numpy as jnp
+  from kvm_jax.eval.timing import median_ms
   out = {}
   for name in args.baselines:
     arm = BASELINE_ARMS[name]
@@ -274,6 +285,9 @@ def full_decode_min_bytes(T: int, n: int, B: int, H: int, Hkv: int, D: int, Dv: 
 
 
 def time_decode(T, args, dtype):
+  import jax.numpy as jnp
+  from kvm_jax.eval.timing import time_full_decode, time_kvm_decode
+  from kvm_jax.ops.kvm.cases import random_inputs
   n = args.decode_steps
   q, k, v, g = random_inputs(T + 1, args.batch, T + n, args.heads, args.heads, args.head_dim,
                              args.head_dim, dtype)
@@ -312,6 +326,9 @@ def readout_inputs(cfg: kj.KVMConfig, T: int, B: int, H: int, D: int, dtype):
   """One chunk's readout arguments as ``kvm_attention`` builds them for the last chunk of a
   T-token sequence (G = 1): the state at its capacity with the rows valid at that chunk, the
   2·C-slot window and its causal mask. Returns (args, valid rows, capacity)."""
+  import jax
+  import jax.numpy as jnp
+  from kvm_jax.ops.common import window_mask
   sched = kj.kvm_schedule(cfg, T)
   C, nb = cfg.chunk_size, cfg.window_chunks
   last = sched.num_chunks - 1
@@ -336,6 +353,12 @@ def time_readout(T, args, dtype):
   """Per budget: ms of one chunk's readout by the XLA path, the Pallas kernel (None where it
   would be interpreted) and tokamax's attention (None without tokamax), its implementation, and
   each arm's speed relative to tokamax's (tokamax ms / ms)."""
+  import jax
+  from kvm_jax.eval.timing import median_ms
+  from kvm_jax.kernels import tokamax_readout
+  from kvm_jax.kernels.backend import KernelConfig
+  from kvm_jax.kernels.readout import joint_attention_pallas
+  from kvm_jax.ops.common import joint_attention
   kc = KernelConfig.for_target()
   out = {}
   for budget in args.budgets:
@@ -367,6 +390,7 @@ def time_readout(T, args, dtype):
 
 def readout_line(T: int, budget: str, r: dict, kc: KernelConfig) -> str:
   """One printed line of ``--readout-tokamax``."""
+  from kvm_jax.kernels import tokamax_readout
   cells = []
   if r["readout_tokamax_ms"] is not None:
     cells.append(f"tokamax[{r['readout_tokamax_impl']}] {r['readout_tokamax_ms']:.3f} ms")
@@ -385,6 +409,11 @@ def readout_line(T: int, budget: str, r: dict, kc: KernelConfig) -> str:
 
 def time_model_decode(name: str, context: int, steps: int, batch: int, dtype: str) -> dict:
   """Whole-model greedy decoding of preset ``name`` after a ``context``-token prompt."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from kvm_jax.generate import prefill_logits, sample_step
+  from kvm_jax.ops.common import tree_nbytes
   if name.startswith("tiny-"):  # test-sized models of any registered kind: tiny-kvm, tiny-swa ...
     kind = name[len("tiny-"):]
     if kind not in kj.nn.registered_mixers():
@@ -519,11 +548,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--plot", default=None,
                  help="write a PNG to this path: ms vs T (with --engine: tokens/s per arm and "
                       "slots vs context)")
+  compilation_cache.add_flag(p)
   return p
 
 
 def _device_line() -> str:
   """The accelerator, its platform and jax's version: the first words every run prints."""
+  import jax
   return f"{jax.devices()[0].device_kind} ({kj.current_platform()}), jax {jax.__version__}"
 
 
@@ -582,6 +613,9 @@ def _operator_plan(args) -> tuple[list[str], set[str], list[int]]:
 
 def _baseline_impl(args) -> str:
   """The full-attention baseline's implementation for this run's heads and dtype."""
+  import jax
+  import jax.numpy as jnp
+  from kvm_jax.eval.timing import full_attention_impl
   heads = jax.ShapeDtypeStruct((args.batch, 512, args.heads, args.head_dim), jnp.dtype(args.dtype))
   return full_attention_impl(heads)
 
@@ -631,6 +665,7 @@ def _speedup_cells(row: dict, arms: list[str]) -> list[str]:
 def _achieved_cell(row: dict, T: int, args, dtype) -> str:
   """The achieved TFLOP/s and GB/s of each budget's prefill (:func:`kvm_prefill_work` over the
   measured ms), also stored in ``row`` for the JSON."""
+  import jax.numpy as jnp
   for b in args.budgets:
     flops, nbytes = kvm_prefill_work(kvm_config(b, args.head_dim), T, args.batch, args.heads,
                                      args.heads, args.head_dim, args.head_dim,
@@ -702,6 +737,9 @@ def _plot(path: str, rows: list[dict], arms: list[str], phases: set[str]) -> Non
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
+  compilation_cache.enable(args.compilation_cache)
+  import jax.numpy as jnp
+  from kvm_jax.kernels.backend import KernelConfig
   plugins.load_plugins(args)
   if args.paper:
     args.batch, args.heads, args.head_dim, args.dtype = 8, 32, 128, "bfloat16"

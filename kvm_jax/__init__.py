@@ -18,24 +18,28 @@ any lengths over the slots of one cache and ``kj.generate_many`` runs a list of 
 (README, "Serving and batched generation").
 """
 
-from kvm_jax.budget import (CallableBudget, FixedBudget, KVMSchedule, PowerLawBudget,
-                            SaturatingBudget, kvm_schedule, state_rows_after)
-from kvm_jax.kvm_config import KVMConfig
+from kvm_jax import lazy_exports as _lazy_exports
 from kvm_jax import renamed as _renamed
-from kvm_jax.model_config import ModelConfig
-from kvm_jax.ops.common import current_platform
-from kvm_jax.ops.kvm import (KVMBackend, KVMCache, KVMOutput, KVMParams, KVMState,
-                             KVMStepOutput, RoutedKVMOutput, RoutedKVMStepOutput, kvm_attention,
-                             kvm_attention_reference, kvm_decode_step, kvm_init_cache, kvm_prefill,
-                             resolve_kvm_backend)
-from kvm_jax.ops.ovq import OVQConfig
 
-from kvm_jax.nn.model import LM, count_params
-from kvm_jax.nn.rwkv7 import RWKV7Options
-from kvm_jax import presets
-from kvm_jax.generate import SamplingConfig, generate, generate_text, sample_logits
-from kvm_jax.engine import Engine, generate_many
-from kvm_jax.convert import convert_to_kvm, with_kvm
+# Where each public name lives, imported on first use (kvm_jax.lazy_exports): ``import kvm_jax``
+# alone costs no JAX, so the commands' --help and argument errors answer at once.
+_EXPORTS = {
+    "kvm_jax.budget": ("CallableBudget", "FixedBudget", "KVMSchedule", "PowerLawBudget",
+                       "SaturatingBudget", "kvm_schedule", "state_rows_after"),
+    "kvm_jax.kvm_config": ("KVMConfig",),
+    "kvm_jax.model_config": ("ModelConfig",),
+    "kvm_jax.ops.common": ("current_platform",),
+    "kvm_jax.ops.kvm": ("KVMBackend", "KVMCache", "KVMOutput", "KVMParams", "KVMState",
+                        "KVMStepOutput", "RoutedKVMOutput", "RoutedKVMStepOutput", "kvm_attention",
+                        "kvm_attention_reference", "kvm_decode_step", "kvm_init_cache",
+                        "kvm_prefill", "resolve_kvm_backend"),
+    "kvm_jax.ops.ovq": ("OVQConfig",),
+    "kvm_jax.nn.model": ("LM", "count_params"),
+    "kvm_jax.nn.rwkv7": ("RWKV7Options",),
+    "kvm_jax.generate": ("SamplingConfig", "generate", "generate_text", "sample_logits"),
+    "kvm_jax.engine": ("Engine", "generate_many"),
+    "kvm_jax.convert": ("convert_to_kvm", "with_kvm"),
+}
 
 __version__ = "0.1.0"
 
@@ -63,5 +67,8 @@ __all__ = [
 ]
 
 
-# ``kvm_jax.config``, the old path of a renamed module, still resolves.
-__getattr__ = _renamed.old_submodules(__name__, "config")
+# The names of _EXPORTS on first use; ``kvm_jax.config``, the old path of a renamed module, still
+# resolves.
+__getattr__, __dir__ = _lazy_exports.exports(
+    __name__, _EXPORTS, modules=("presets",),
+    fallback=_renamed.old_submodules(__name__, "config"))

@@ -31,9 +31,10 @@ FLAG_HELP = ("JAX's persistent compilation cache: a directory, or 'off' (default
              "loads them instead of compiling")
 
 
-def default_dir() -> Path:
-  """The cache directory used when nothing else names one."""
-  root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+def default_dir(environ=None) -> Path:
+  """The cache directory used when nothing else names one (``environ``: default ``os.environ``)."""
+  environ = os.environ if environ is None else environ
+  root = environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
   return Path(root) / "kvm_jax" / "jax-compilation-cache"
 
 
@@ -54,7 +55,7 @@ def choose_dir(flag: Optional[str] = None, environ=None,
     return None if is_off(setting) else Path(setting).expanduser()
   if jax_dir:
     return Path(jax_dir)
-  return default_dir()
+  return default_dir(environ)
 
 
 def enable(flag: Optional[str] = None) -> Optional[Path]:

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import jax.numpy as jnp
 from flax import nnx
 
-from kvm_jax.budget import BUDGET_SPEC_HELP, budget_label
+from kvm_jax.budget import budget_label
 from kvm_jax.config_io import parse_value
 from kvm_jax.kvm_config import KVMConfig
 from kvm_jax.model_config import ModelConfig
@@ -365,15 +365,6 @@ def parse_kvm_flags(items: Sequence[str]) -> dict[str, Any]:
     field, text = item[len("--kvm."):].split("=", 1)
     fields[field] = parse_kvm_value(field, text)
   return fields
-
-
-def add_kvm_flag(parser, what: str) -> None:
-  """Documents ``--kvm.FIELD=VALUE`` (read by :func:`kvm_flags`) on an argparse parser or group;
-  ``what`` says which layers the fields set."""
-  parser.add_argument("--kvm.FIELD", dest="kvm_help", metavar="VALUE", default=None,
-                      help=f"--kvm.FIELD=VALUE sets a field of {what} KVMConfig (repeatable): "
-                           f"budget (a spec: {BUDGET_SPEC_HELP}), max_state_rows (an int or "
-                           "none), chunk_size, window_chunks, sink_rows, ...")
 
 
 def kvm_flags(args, rest: Sequence[str]) -> dict[str, Any]:

@@ -15,10 +15,8 @@ import argparse
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-
-import kvm_jax as kj
+import kvm_jax as kj  # its names import JAX on first use, after the arguments are parsed
+from kvm_jax import compilation_cache
 
 
 def _schedule_table(lengths) -> str:
@@ -48,11 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
                  help="power-law budget factor for part 2: rows = factor * sqrt(tokens) "
                       "(default: %(default)s)")
   p.add_argument("--seed", type=int, default=0, help="PRNG seed (default: %(default)s)")
+  compilation_cache.add_flag(p)
   return p
 
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
+  compilation_cache.enable(args.compilation_cache)
+  import jax
+  import jax.numpy as jnp
   print(f"kvm_jax {kj.__version__} on {kj.current_platform()} (jax {jax.__version__})\n")
   print("1) State rows after N tokens (C=256, L=512; the paper's budgets, docs/kvm-spec.md §3):")
   print(_schedule_table([512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]))

@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from kvm_jax.budget import (BudgetLike, CallableBudget, FixedBudget, SaturatingBudget, as_budget)
+from kvm_jax.budget import (BUDGET_SPEC_HELP, BudgetLike, CallableBudget, FixedBudget,
+                            SaturatingBudget, as_budget)
 
 # What ``implementation=`` of ``resolve_kvm_backend`` (and ``ModelConfig.kvm_implementation``)
 # accepts; the resolver that gives each name its meaning is ``kvm_jax.ops.kvm.api``.
@@ -173,6 +174,17 @@ class KVMConfig:
       raise ValueError(f"KVMConfig.rope_dims={self.rope_dims} must equal the model's "
                        f"rope_dims={model.rope_dims} (the state zeroes exactly the rotary "
                        "channels).")
+
+
+# Here, beside the fields it documents, so that a command's parser (kvm-eval, kvm-convert) builds
+# without importing the model; kvm_jax.convert.kvm_flags reads the values.
+def add_kvm_flag(parser, what: str) -> None:
+  """Documents ``--kvm.FIELD=VALUE`` (read by ``kvm_jax.convert.kvm_flags``) on an argparse parser or group;
+  ``what`` says which layers the fields set."""
+  parser.add_argument("--kvm.FIELD", dest="kvm_help", metavar="VALUE", default=None,
+                      help=f"--kvm.FIELD=VALUE sets a field of {what} KVMConfig (repeatable): "
+                           f"budget (a spec: {BUDGET_SPEC_HELP}), max_state_rows (an int or "
+                           "none), chunk_size, window_chunks, sink_rows, ...")
 
 
 __all__ = ["KVMConfig", "CallableBudget", "KVM_IMPLEMENTATIONS"]

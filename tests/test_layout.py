@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (
     ("config", ("kvm_jax.budget", "kvm_jax.kvm_config", "kvm_jax.config", "kvm_jax.mixer_options",
                 "kvm_jax.family_options", "kvm_jax.model_config", "kvm_jax.config_io", "kvm_jax.progress",
-                "kvm_jax.plugins", "kvm_jax.renamed",
+                "kvm_jax.plugins", "kvm_jax.renamed", "kvm_jax.compilation_cache",
+                "kvm_jax.lazy_exports",
                 "kvm_jax.row_plan")),
     ("ops", ("kvm_jax.ops.common", "kvm_jax.ops.rope", "kvm_jax.ops.attention",
              "kvm_jax.ops.kv_fusion", "kvm_jax.ops.kvm.*", "kvm_jax.ops.chunked_attention",

@@ -26,18 +26,15 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import kvm_jax as kj
-from kvm_jax.nn.bswa import BSWAOptions
-from kvm_jax.nn.registry import memory_in_words
-from kvm_jax.nn.rwkv7 import RWKV7Options
-from kvm_jax.nn.swa import SWAOptions
-from kvm_jax.ops.ovq.config import OVQConfig
-from kvm_jax.runs.train_config import TrainConfig
-from kvm_jax.tasks.mqar import MQARSpec
-from kvm_jax.tasks.tokenizers import ByteTokenizer
-from kvm_jax.train.evaluation import evaluate
-from kvm_jax.train.loop import train
+import kvm_jax as kj  # its names import JAX on first use, after the arguments are parsed
+from kvm_jax import compilation_cache
+
+# The model, task and trainer modules import JAX: each function below imports what it uses, so
+# that --help and a bad flag answer without it.
+if TYPE_CHECKING:
+  from kvm_jax.runs.train_config import TrainConfig
 
 CHUNK, WINDOW_CHUNKS = 8, 2
 VALUES = 32  # value vocabulary of the MQAR task: chance recall is 1/32
@@ -50,6 +47,11 @@ DEFAULT_MODELS = ("full", "bswa", "kvm-fixed", "kvm-sqrt")
 
 
 def model_configs() -> dict[str, kj.ModelConfig]:
+  from kvm_jax.nn.bswa import BSWAOptions
+  from kvm_jax.nn.rwkv7 import RWKV7Options
+  from kvm_jax.nn.swa import SWAOptions
+  from kvm_jax.ops.ovq.config import OVQConfig
+  from kvm_jax.tasks.tokenizers import ByteTokenizer
   # vocab 320 = the byte tokenizer's: MQAR uses ids < 64, and `kvm-eval` can still run the text
   # suites (NIAH, position-wise loss) on these models.
   base = dict(vocab_size=ByteTokenizer.vocab_size, num_layers=2, hidden_size=64, num_heads=2,
@@ -75,6 +77,8 @@ def model_configs() -> dict[str, kj.ModelConfig]:
 
 
 def train_config(model: kj.ModelConfig, steps: int, seed: int) -> TrainConfig:
+  from kvm_jax.runs.train_config import TrainConfig
+  from kvm_jax.tasks.mqar import MQARSpec
   # 32 sequences per step: the recall each model reaches in 600 steps is that of 64 per step
   # (full and kvm-sqrt 1.00, kvm-fixed 0.97 beyond the window, BSWA near chance), in half the
   # time. The evaluation reads the same 512 held-out sequences (16 batches of 32).
@@ -144,11 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--models", default=",".join(DEFAULT_MODELS),
                  help="comma-separated models: full, bswa, kvm-fixed, kvm-sqrt (the default "
                       "four), and the paper's other baselines ovq-swa and rwkv7")
+  compilation_cache.add_flag(p)
   return p
 
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
+  compilation_cache.enable(args.compilation_cache)
+  from kvm_jax.nn.registry import memory_in_words
+  from kvm_jax.train.evaluation import evaluate
+  from kvm_jax.train.loop import train
   workdir = Path(args.workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   configs = model_configs()

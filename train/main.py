@@ -61,6 +61,12 @@ Flags:
   --profile-steps=A:B     write a jax.profiler trace of steps A..B (as numbered in
                           metrics.jsonl) to WORKDIR/profile on process 0; open it with
                           TensorBoard's profile plugin or Perfetto.
+  --compilation-cache=DIR|off
+                          JAX's persistent compilation cache (default: $KVM_JAX_COMPILATION_CACHE,
+                          else JAX's own JAX_COMPILATION_CACHE_DIR, else
+                          ~/.cache/kvm_jax/jax-compilation-cache): a second start or a resume of
+                          the same run loads the compiled step programs instead of compiling
+                          them again; off compiles everything anew.
   --memory-report         compile the configured train step for the configured shapes from
                           abstract inputs on the present backend (no data read, no weights
                           allocated), print its memory per device and exit. The last line is
@@ -81,17 +87,12 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import jax
-from etils import epath
-
-from kvm_jax import config_io
+from kvm_jax import compilation_cache
 from kvm_jax.mixer_options import KindOptions
 from kvm_jax.runs import launch
-from kvm_jax.train import memory
-from kvm_jax.train.hooks import NonFiniteError, parse_profile_steps
-from kvm_jax.train.loop import train
-from kvm_jax.train.start import with_init_model
-from kvm_jax.train.start import with_teacher_task
+
+# JAX, the configs and the trainer are imported once the flags are parsed: --help and a bad flag
+# answer without them.
 
 
 INSTALLED_CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -141,6 +142,7 @@ def apply_override(cfg, dotted: str, text: str):
 
 
 def _override(cfg, dotted: str, text: str):
+  from kvm_jax import config_io
   head, _, rest = dotted.partition(".")
   if isinstance(cfg, KindOptions):
     if not rest:
@@ -154,7 +156,9 @@ def _override(cfg, dotted: str, text: str):
   return dataclasses.replace(cfg, **{head: new})
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+  """kvm-train's flags (module docstring); ``--config.FIELD=VALUE`` overrides are what
+  ``parse_known_args`` leaves over."""
   parser = argparse.ArgumentParser(prog="kvm-train", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", required=True,
@@ -172,8 +176,21 @@ def main(argv=None) -> int:
   parser.add_argument("--memory-report", action="store_true",
                       help="compile the train step from abstract inputs, print its memory per "
                       "device and exit (reads no data, allocates no weights).")
-  args, rest = parser.parse_known_args(argv)
+  compilation_cache.add_flag(parser)
+  return parser
+
+
+def main(argv=None) -> int:
+  args, rest = build_parser().parse_known_args(argv)
   launch.check_flags(args)
+  compilation_cache.enable(args.compilation_cache)  # before anything compiles
+  import jax
+  from etils import epath
+  from kvm_jax import config_io
+  from kvm_jax.train import memory
+  from kvm_jax.train.hooks import NonFiniteError, parse_profile_steps
+  from kvm_jax.train.loop import train
+  from kvm_jax.train.start import with_init_model, with_teacher_task
   launch.load_plugins(args)
   profile_steps = None
   if args.profile_steps:

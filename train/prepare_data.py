@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kvm_jax.tasks import shards, text
 from kvm_jax.tasks.tokenizers import tokenizer as make_tokenizer
 
 
@@ -82,6 +81,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     raise SystemExit(f"kvm-data: --shard-tokens must be >= 1, got {args.shard_tokens}.")
   if args.tokenizer and not Path(args.tokenizer).is_file():
     raise SystemExit(f"kvm-data: --tokenizer {args.tokenizer!r} does not exist.")
+  from kvm_jax.tasks import shards, text  # grain, which imports JAX: after the flags are checked
   try:
     tok = make_tokenizer(args.tokenizer)
     if args.hf_dataset:

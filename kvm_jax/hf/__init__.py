@@ -12,15 +12,8 @@ writes the family's format from a run directory. docs/checkpoints.md (the author
 docs/pretrained.md (transformers') have the field and tensor tables.
 """
 
+from kvm_jax import lazy_exports as _lazy_exports
 from kvm_jax import renamed as _renamed
-from kvm_jax.hf.authors_config import (ConfigError, ExportError, authors_config_from_model,
-                               model_config_from_authors)
-from kvm_jax.hf.families import (from_transformers, model_config_from_transformers,
-                                 to_transformers, transformers_config_from_model)
-from kvm_jax.hf.load import (checkpoint_kind, export_run, import_checkpoint, load_pretrained,
-                             numerics_note, read_authors, read_model_directory, read_transformers)
-from kvm_jax.hf.params import authors_shapes, from_authors, to_authors
-from kvm_jax.hf.safetensors import CheckpointError, read_checkpoint, write_checkpoint
 
 __all__ = ["CheckpointError", "ConfigError", "ExportError", "authors_config_from_model",
            "authors_shapes", "checkpoint_kind", "export_run", "from_authors", "import_checkpoint",
@@ -31,5 +24,16 @@ __all__ = ["CheckpointError", "ConfigError", "ExportError", "authors_config_from
            "read_checkpoint", "to_authors", "write_checkpoint"]
 
 
+# Imported on first use (kvm_jax.lazy_exports): kvm-import's --help needs none of it.
 # ``kvm_jax.hf.config``, the old path of a renamed module, still resolves.
-__getattr__ = _renamed.old_submodules(__name__, "config")
+__getattr__, __dir__ = _lazy_exports.exports(__name__, {
+    "kvm_jax.hf.authors_config": ("ConfigError", "ExportError", "authors_config_from_model",
+                                  "model_config_from_authors"),
+    "kvm_jax.hf.families": ("from_transformers", "model_config_from_transformers",
+                            "to_transformers", "transformers_config_from_model"),
+    "kvm_jax.hf.load": ("checkpoint_kind", "export_run", "import_checkpoint", "load_pretrained",
+                        "numerics_note", "read_authors", "read_model_directory",
+                        "read_transformers"),
+    "kvm_jax.hf.params": ("authors_shapes", "from_authors", "to_authors"),
+    "kvm_jax.hf.safetensors": ("CheckpointError", "read_checkpoint", "write_checkpoint")},
+    fallback=_renamed.old_submodules(__name__, "config"))

@@ -10,10 +10,14 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kvm_jax.convert import add_kvm_flag, kvm_flags
-from kvm_jax.hf.authors_config import DTYPES, NUMERICS
-from kvm_jax.hf.load import export_run, import_checkpoint, numerics_note
-from kvm_jax.nn.family import family_of
+from kvm_jax import compilation_cache
+from kvm_jax.kvm_config import add_kvm_flag
+
+# The readers and writers import JAX: each command imports them once its flags are parsed, so that
+# --help and a bad flag answer without them. The two reading options, as
+# kvm_jax.hf.authors_config.DTYPES and NUMERICS (tests/test_cli_startup.py keeps them equal):
+DTYPES = ("float32", "bfloat16")
+NUMERICS = ("authors", "float32")
 
 IMPORT_HELP = """\
 Write a kvm_jax run directory (config.json, checkpoints/0 with the parameters, import.json) from a
@@ -93,6 +97,7 @@ def _destination_flags(p: argparse.ArgumentParser, work: str) -> argparse.Argume
   p.add_argument("--overwrite", action="store_true",
                  help="replace DEST if it exists and is not empty.")
   p.add_argument("--no-progress", action="store_true", help=f"no progress bar while {work}.")
+  compilation_cache.add_flag(p)
   return p
 
 
@@ -117,6 +122,9 @@ def import_parser() -> argparse.ArgumentParser:
 
 def import_main(argv: Optional[Sequence[str]] = None) -> int:
   args = import_parser().parse_args(argv)
+  compilation_cache.enable(args.compilation_cache)
+  from kvm_jax.hf.load import import_checkpoint
+  from kvm_jax.nn.family import family_of
   try:
     dest = import_checkpoint(args.src, args.dest, dtype=args.dtype, numerics=args.numerics,
                              tokenizer_file=args.tokenizer, overwrite=args.overwrite,
@@ -153,6 +161,8 @@ def export_parser() -> argparse.ArgumentParser:
 
 def export_main(argv: Optional[Sequence[str]] = None) -> int:
   args = export_parser().parse_args(argv)
+  compilation_cache.enable(args.compilation_cache)
+  from kvm_jax.hf.load import export_run, numerics_note
   shard = None if args.max_shard_size is None else int(args.max_shard_size * 1e9)
   if shard is not None and shard < 1:
     return _fail(ValueError(f"--max-shard-size={args.max_shard_size} must be positive."))
@@ -192,9 +202,11 @@ def convert_parser() -> argparse.ArgumentParser:
 
 
 def convert_main(argv: Optional[Sequence[str]] = None) -> int:
+  args, rest = convert_parser().parse_known_args(argv)
+  compilation_cache.enable(args.compilation_cache)
+  from kvm_jax.convert import kvm_flags
   from kvm_jax.runs.conversion import write_converted
   from kvm_jax.runs.directory import CONVERSION_RECORD
-  args, rest = convert_parser().parse_known_args(argv)
   try:
     fields = kvm_flags(args, rest)
     dest = write_converted(args.src, args.dest, layers=args.layers, kvm=fields or None,

@@ -22,8 +22,6 @@ import re
 import socket
 import sys
 
-import jax
-
 from kvm_jax.plugins import add_plugin_flag, load_plugins  # noqa: F401  (kvm-train's, kvm-eval's)
 
 
@@ -69,6 +67,7 @@ def requested_cpu_devices() -> int:
   """CPU devices this process will have when its platform is the CPU (1 otherwise): read from
   ``JAX_PLATFORMS``, ``XLA_FLAGS`` (``--xla_force_host_platform_device_count``) and
   ``jax_num_cpu_devices`` before any backend starts."""
+  import jax  # on first use: parsing and checking the flags needs no JAX
   platforms = os.environ.get("JAX_PLATFORMS", "") or str(jax.config.jax_platforms or "")
   if platforms and platforms.split(",")[0].strip() != "cpu":
     return 1
@@ -89,6 +88,7 @@ def start_local_gloo() -> None:
   """A one-process ``jax.distributed`` job on a free local port, so that this process's CPU
   devices use gloo collectives, like a multi-process run. Does nothing (with a note) when JAX's
   backends are already running, e.g. when called from a notebook after other JAX work."""
+  import jax  # on first use: parsing and checking the flags needs no JAX
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   for _ in range(3):  # another program may take the free port before the service binds it
     try:
@@ -107,6 +107,7 @@ def start_distributed(coordinator: str | None, num_processes: int | None,
                       process_id: int | None) -> None:
   """``jax.distributed.initialize`` with the launch flags, checked first; gloo collectives so that
   CPU processes can run the same program (GPUs and TPUs use their own)."""
+  import jax  # on first use: parsing and checking the flags needs no JAX
   given = {"--coordinator": coordinator, "--num-processes": num_processes,
            "--process-id": process_id}
   if coordinator is not None:

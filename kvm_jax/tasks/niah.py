@@ -19,10 +19,8 @@ import dataclasses
 import uuid
 from typing import Callable, Sequence
 
-import grain
 import numpy as np
 
-from kvm_jax.tasks.labels import IGNORE
 from kvm_jax.tasks.tokenizers import tokenizer
 
 NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
@@ -164,6 +162,7 @@ class NIAHSpec:
 
 def niah_example(seed: int, index: int, spec: NIAHSpec, tok=None) -> dict[str, np.ndarray]:
   """Example ``index`` of the NIAH training stream ``seed``: ``inputs``/``labels`` ``[seq_len]``."""
+  from kvm_jax.tasks.labels import IGNORE  # here: it imports JAX (see niah_dataset)
   tok = tok or tokenizer(spec.tokenizer_file)
   rng = np.random.default_rng([seed, index, 77])
   answer_budget = 48 if spec.task == "niah_single_3" else 16  # " <value>." + EOS, with margin
@@ -187,5 +186,6 @@ def niah_example(seed: int, index: int, spec: NIAHSpec, tok=None) -> dict[str, n
 
 def niah_dataset(seed: int, spec: NIAHSpec) -> grain.MapDataset:
   """The index-addressable NIAH training stream ``seed``."""
+  import grain  # here: grain imports JAX, and kvm-eval's parser reads this module's TASKS
   tok = tokenizer(spec.tokenizer_file)
   return grain.MapDataset.range(2 ** 31 - 1).map(lambda i: niah_example(seed, int(i), spec, tok))

@@ -13,15 +13,7 @@
 The fused kernels live in :mod:`kvm_jax.kernels`; only ``api.py`` plugs them in.
 """
 
-from kvm_jax.ops.kvm.api import (AUTO_PALLAS_BACKENDS, KVM_PLATFORMS, KVM_READOUTS, KVMBackend,
-                                 chunk_ops, kernel_sharding, kvm_attention, kvm_decode_step,
-                                 kvm_prefill, kvm_resume, resolve_implementation,
-                                 resolve_kvm_backend)
-from kvm_jax.ops.kvm.decode import KVMCache, kvm_init_cache
-from kvm_jax.ops.kvm.reference import kvm_attention_reference
-from kvm_jax.ops.kvm.scan import XLA_OPS, ChunkOps, kvm_attention_scan
-from kvm_jax.ops.kvm.state import (KVMOutput, KVMParams, KVMState, KVMStepOutput, RoutedKVMOutput,
-                                   RoutedKVMStepOutput)
+from kvm_jax import lazy_exports as _lazy_exports
 
 __all__ = ["AUTO_PALLAS_BACKENDS", "KVM_PLATFORMS", "KVM_READOUTS", "ChunkOps", "KVMBackend",
            "KVMCache", "KVMOutput", "KVMParams", "KVMState", "KVMStepOutput",
@@ -29,3 +21,16 @@ __all__ = ["AUTO_PALLAS_BACKENDS", "KVM_PLATFORMS", "KVM_READOUTS", "ChunkOps", 
            "kvm_attention", "kvm_attention_reference", "kvm_attention_scan", "kvm_decode_step",
            "kvm_init_cache", "kvm_prefill", "kvm_resume", "resolve_implementation",
            "resolve_kvm_backend"]
+
+# Imported on first use (kvm_jax.lazy_exports): a kernel that needs only ``state.py`` loads
+# neither ``api.py`` nor, through it, the kernels it dispatches to.
+__getattr__, __dir__ = _lazy_exports.exports(__name__, {
+    "kvm_jax.ops.kvm.api": ("AUTO_PALLAS_BACKENDS", "KVM_PLATFORMS", "KVM_READOUTS", "KVMBackend",
+                            "chunk_ops", "kernel_sharding", "kvm_attention", "kvm_decode_step",
+                            "kvm_prefill", "kvm_resume", "resolve_implementation",
+                            "resolve_kvm_backend"),
+    "kvm_jax.ops.kvm.decode": ("KVMCache", "kvm_init_cache"),
+    "kvm_jax.ops.kvm.reference": ("kvm_attention_reference",),
+    "kvm_jax.ops.kvm.scan": ("XLA_OPS", "ChunkOps", "kvm_attention_scan"),
+    "kvm_jax.ops.kvm.state": ("KVMOutput", "KVMParams", "KVMState", "KVMStepOutput",
+                              "RoutedKVMOutput", "RoutedKVMStepOutput")})

@@ -2,11 +2,16 @@
 (``reference``), the chunked scan (``scan``), the decode cache and step (``decode``), and the
 per-chunk operations they share (``state``)."""
 
-from kvm_jax.ops.ovq.config import OVQConfig
-from kvm_jax.ops.ovq.decode import OVQCache, ovq_decode_step, ovq_init_cache, ovq_prefill
-from kvm_jax.ops.ovq.reference import ovq_attention_reference
-from kvm_jax.ops.ovq.scan import ovq_attention
-from kvm_jax.ops.ovq.state import OVQState
+from kvm_jax import lazy_exports as _lazy_exports
 
 __all__ = ["OVQCache", "OVQConfig", "OVQState", "ovq_attention", "ovq_attention_reference",
            "ovq_decode_step", "ovq_init_cache", "ovq_prefill"]
+
+# Imported on first use (kvm_jax.lazy_exports): ``OVQConfig`` alone (a command's defaults) needs
+# no JAX.
+__getattr__, __dir__ = _lazy_exports.exports(__name__, {
+    "kvm_jax.ops.ovq.config": ("OVQConfig",),
+    "kvm_jax.ops.ovq.decode": ("OVQCache", "ovq_decode_step", "ovq_init_cache", "ovq_prefill"),
+    "kvm_jax.ops.ovq.reference": ("ovq_attention_reference",),
+    "kvm_jax.ops.ovq.scan": ("ovq_attention",),
+    "kvm_jax.ops.ovq.state": ("OVQState",)})
