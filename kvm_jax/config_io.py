@@ -98,8 +98,14 @@ def parse_value(current: Any, text: str, field: str = "value") -> Any:
     if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
       raise ValueError(f"expected true or false, got {text!r}")
     return text.lower() in ("true", "1", "yes")
-  if isinstance(current, (int, float, str)):
-    return type(current)(text)
+  if isinstance(current, (int, float)):
+    try:
+      return type(current)(text)
+    except ValueError:
+      kind = "an integer" if isinstance(current, int) else "a number"
+      raise ValueError(f"expected {kind}, got {text!r}") from None
+  if isinstance(current, str):
+    return text
   if isinstance(current, tuple) or field == "mixers":
     if text.strip()[:1] in ("(", "["):
       return tuple(_literal(text))
@@ -125,7 +131,7 @@ def flat_fields(cfg: Any) -> dict[str, Any]:
   def flat(value, prefix):
     if isinstance(value, dict):
       if value.get(CLASS_KEY, "").endswith("Budget"):
-        return {prefix: budget_lib.budget_label(from_jsonable(value))}
+        return {prefix: budget_text(from_jsonable(value))}
       out = {}
       for key, item in value.items():
         if key != CLASS_KEY:
@@ -133,6 +139,19 @@ def flat_fields(cfg: Any) -> dict[str, Any]:
       return out
     return {prefix: value}
   return flat(to_jsonable(cfg), "")
+
+
+def budget_text(budget: Any) -> str:
+  """A budget's spec (``budget_lib.budget_label``) where it reads back to the same budget; else
+  its repr. The spec prints numbers to 6 digits and has no rounding: a field compared or shown
+  through it must not make two budgets the same."""
+  label = budget_lib.budget_label(budget)
+  try:
+    if budget_lib.parse_budget(label) == budget:
+      return label
+  except ValueError:
+    pass
+  return repr(budget)
 
 
 def value_text(value: Any) -> str:
