@@ -24,6 +24,7 @@ import kvm_jax.nn  # registers the backbone families  # noqa: F401
 from kvm_jax import budget as budget_lib
 from kvm_jax import config_io
 from kvm_jax.config_io import parse_value, value_text
+from kvm_jax.mixer_options import KindOptions
 from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.train.main import apply_override, load_config, main as train_main
 
@@ -171,8 +172,7 @@ def _value_at(cfg, dotted: str):
   """The value (a config object, not its JSON form) of field ``dotted``."""
   value = cfg
   for name in dotted.split("."):
-    value = value[name] if isinstance(value, kvm_jax.mixer_options.KindOptions) else getattr(
-        value, name)
+    value = value[name] if isinstance(value, KindOptions) else getattr(value, name)
   return value
 
 
