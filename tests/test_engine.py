@@ -380,7 +380,81 @@ def test_engine_refuses_bad_requests_by_name():
     Engine(model, slots=0, max_len=16)
   with pytest.raises(KeyError, match="no request 99"):
     engine.result(99)
+  # Seeds: jax.random.PRNGKey keeps 32 bits (2**32 would draw what 0 draws, 2**80 does not
+  # convert at all), and sample i of n draws with seed + i.
+  for seed in (2**80, 2**32, -1, 1.5, True):
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 4294967295\]"):
+      engine.submit([1], max_new_tokens=1, seed=seed)
+  with pytest.raises(ValueError, match=r"and seed \+ 1 for the last of 2 samples"):
+    engine.submit_samples([1], 2, max_new_tokens=1, seed=2**32 - 1)
+  with pytest.raises(ValueError, match="temperature must be 0 .greedy. or a number"):
+    kj.SamplingConfig(temperature=float("nan"))
+  with pytest.raises(ValueError, match="top_p must be in"):
+    kj.SamplingConfig(top_p=1e-300)  # 0 in float32: no token would be kept
   assert not engine.busy  # nothing bad was queued
+  last = engine.submit([1], max_new_tokens=1, seed=2**32 - 1)  # the range's edges are served
+  first = engine.submit_samples([1], 2, max_new_tokens=1, seed=2**32 - 2)
+  engine.run()
+  assert engine.result(last).done and all(engine.result(i).done for i in first)
+
+
+def test_finished_requests_are_kept_only_within_their_bound():
+  """``keep_finished`` bounds the records of finished requests (the oldest go first),
+  ``release`` drops one at once, and waiting or running requests are never dropped."""
+  model = _model("rwkv7")
+  engine = Engine(model, slots=2, max_len=16, keep_finished=3)
+  ids = [engine.submit([1 + i], max_new_tokens=2) for i in range(7)]
+  assert [r.id for r in engine.requests()] == ids  # none finished yet: all kept
+  engine.run()
+  assert [r.id for r in engine.requests()] == ids[-3:]
+  with pytest.raises(KeyError, match="keep_finished=3"):
+    engine.result(ids[0])
+  running = engine.submit([9], max_new_tokens=5)
+  with pytest.raises(ValueError, match="still running"):
+    engine.release(running)
+  engine.release(ids[-1])
+  assert [r.id for r in engine.requests()] == [ids[-3], ids[-2], running]
+  progress = []
+  engine.run(progress.append)
+  assert progress[-1] == 8  # every request finished so far, kept or not
+
+
+def test_recover_ends_the_held_requests_and_serves_exactly_after():
+  """After a step that raised, ``recover`` ends every waiting and running request with "error"
+  (one event each), empties the slots, and the next request is its alone run."""
+  model = _model("kvm_swa_hybrid")
+  engine = Engine(model, **ENGINE)
+  held = [engine.submit(list(range(1, 12)), max_new_tokens=9) for _ in range(4)]
+  engine.step()
+  events = engine.recover()
+  assert sorted(e.request_id for e in events) == held
+  assert {(e.token, e.finish_reason) for e in events} == {(-1, "error")}
+  assert not engine.busy and all(engine.result(i).finish_reason == "error" for i in held)
+  after = engine.submit([3, 1, 4, 1, 5], max_new_tokens=6)
+  engine.run()
+  want, _ = alone(model, [3, 1, 4, 1, 5], 6, MAX_LEN)
+  assert engine.result(after).tokens == want
+
+
+def test_warm_up_compiles_every_step_program_a_request_can_need():
+  """After ``warm_up`` no request compiles a step program: prompts of every length (lanes of
+  both widths, rests through the decode step), samples and bursts run on what it compiled."""
+  model = _model("kvm_swa_hybrid")
+  # A burst width no other test uses: this engine's step program is its own (not yet compiled).
+  engine = Engine(model, **{**ENGINE, "keep_logits": False, "tokens_per_step": 11})
+  assert engine._step._cache_size() == 0
+  reported = []
+  engine.warm_up(lambda what, seconds: reported.append(what))
+  assert len(reported) == len(engine.lane_widths()) == 2  # no lane, and 8-token pieces
+  assert engine.requests() == [] and not engine.busy
+  compiled = engine._step._cache_size()
+  assert compiled == 2
+  for length in (1, 7, 8, 9, 17, 30):
+    engine.submit(list(range(1, length + 1)), max_new_tokens=5)
+  engine.submit_samples([5, 6, 7], 2, max_new_tokens=4, sampling=kj.SamplingConfig(0.8),
+                        seed=1)
+  engine.run()
+  assert engine._step._cache_size() == compiled
 
 
 def test_sample_rows_is_sample_logits_row_by_row():

@@ -138,10 +138,10 @@ def test_concurrent_completions_equal_generate_alone(served):
     assert response["object"] == "text_completion" and response["model"] == "tiny"
 
 
-def sse(client, **body) -> list:
+def sse(client, path="/v1/completions", **body) -> list:
   """The events of a streamed completion (the JSON chunks, then "[DONE]")."""
   events = []
-  with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+  with client.stream("POST", path, json={**body, "stream": True}) as response:
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
     for line in response.iter_lines():
@@ -274,12 +274,17 @@ def test_kvm_serve_serves_a_run_directory(tmp_path, subprocess_environ):
         assert time.time() < deadline, "kvm-serve did not start"
         time.sleep(0.2)
     assert health["slots"] == 2
+    wait_until_ready(client)
     assert client.get("/v1/models").json()["data"][0]["max_len"] == 48  # the run's seq_len
     got = complete(client, prompt="Hello", max_tokens=5, temperature=0, model="tiny-run")
     assert got["choices"][0]["token_ids"] == alone(model, TOK.encode("Hello"), 5)[0]
   finally:
     server.terminate()
-    server.wait(timeout=30)
+    output = server.communicate(timeout=30)[0]
+  # It says how it reads text (this run has no tokenizer) and what it compiled before ready.
+  assert "no tokenizer recorded: text prompts are read as UTF-8 bytes" in output, output
+  assert "compiling the engine's step programs" in output and "kvm-serve: warm in" in output
+  assert output.index("kvm-serve: warm in") < output.index("POST /v1/completions")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -528,3 +533,191 @@ def test_an_engine_that_cannot_recover_ends_the_server(tmp_path):
     assert health.status_code == 503 and health.json()["status"] == "failed"
     assert_openai_error(broken.client.post("/v1/completions", json=dict(prompt="x")), 503,
                         None, "the engine stopped")
+
+
+# ----------------------------------------------------------------------------------------------
+# OpenAI's conventions: usage, a finished choice, chat, the openai client
+# ----------------------------------------------------------------------------------------------
+
+
+def test_usage_counts_the_prompt_once_and_every_samples_tokens(served):
+  """OpenAI's usage: n samples of one prompt count its tokens once; the completion tokens of
+  every sample add up; a streamed response with ``include_usage`` ends with the same usage in a
+  chunk of its own (no choices) before [DONE], and only then."""
+  body = dict(prompt="Count me:", max_tokens=5, temperature=1.0, seed=9, n=3)
+  whole = complete(served.client, **body)
+  prompt = len(TOK.encode(body["prompt"]))
+  generated = sum(len(c["token_ids"]) for c in whole["choices"])
+  assert whole["usage"] == {"prompt_tokens": prompt, "completion_tokens": generated,
+                            "total_tokens": prompt + generated}
+  two = complete(served.client, prompt=["ab", [1, 2, 3]], max_tokens=2, temperature=0, n=2)
+  assert two["usage"]["prompt_tokens"] == 2 + 3 and len(two["choices"]) == 4
+  events = sse(served.client, stream_options={"include_usage": True}, **body)
+  assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+  assert events[-2]["usage"] == whole["usage"]
+  assert all(e["usage"] is None for e in events[:-2])
+  assert all("usage" not in e for e in sse(served.client, **body)[:-1])
+
+
+class StopAt(ByteTokenizer):
+  """Bytes, with the end of text at a token the tiny model generates (so a choice ends there)."""
+
+  def __init__(self, eos_id: int):
+    self.eos_id = eos_id
+
+
+def test_a_choice_that_ends_on_the_stop_token(served):
+  """Generation that draws the end-of-text token: the choice's token ids are those before it
+  (the stop token is neither in them nor in the text), its finish reason is "stop", and usage
+  counts exactly its token ids; streamed, the same ids and text arrive, the last chunk carries
+  "stop" and no id. Oracle: ``kj.generate`` alone without a stop token."""
+  prompt = TOK.encode("End here:")
+  free, _ = alone(served.model, prompt, 12)
+  cut = next(i for i in range(2, len(free)) if free[i] not in free[:i])
+  with serving(served.model, StopAt(free[cut])) as stopping:
+    response = complete(stopping.client, prompt=prompt, max_tokens=12, temperature=0, n=2)
+    events = sse(stopping.client, prompt=prompt, max_tokens=12, temperature=0)
+  for choice in response["choices"]:
+    assert choice["token_ids"] == free[:cut] and choice["finish_reason"] == "stop"
+    assert choice["text"] == TOK.decode(free[:cut])
+  assert response["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 2 * cut,
+                               "total_tokens": len(prompt) + 2 * cut}
+  chunks = [e["choices"][0] for e in events[:-1]]
+  assert sum((c["token_ids"] for c in chunks), []) == free[:cut]
+  assert "".join(c["text"] for c in chunks) == TOK.decode(free[:cut])
+  assert chunks[-1]["finish_reason"] == "stop" and chunks[-1]["token_ids"] == []
+  assert [c["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+  # Ended by length instead: every drawn token counts.
+  length = complete(served.client, prompt=prompt, max_tokens=cut, temperature=0)
+  assert length["choices"][0]["finish_reason"] == "length"
+  assert length["usage"]["completion_tokens"] == cut
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_chat_completions_render_the_runs_template(served):
+  """/v1/chat/completions: the messages rendered by the chat template (text parts joined) and
+  continued exactly as /v1/completions continues that text; the response in chat's shape,
+  streamed chunks as deltas whose first names the role. Without a template: a JSON 400."""
+  from kvm_jax.serve import ChatTemplate
+  messages = [{"role": "system", "content": "Be brief."},
+              {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                           {"type": "text", "text": "there"}]}]
+  rendered = "<system>Be brief.\n<user>Hi there\n<assistant>"
+  want, _ = alone(served.model, TOK.encode(rendered), 7)
+  with serving(served.model, chat_template=ChatTemplate(CHAT_TEMPLATE, "test")) as chat:
+    response = chat.client.post("/v1/chat/completions", json=dict(
+        messages=messages, max_tokens=7, temperature=0, model="tiny"))
+    assert response.status_code == 200, response.text
+    body = response.json()
+    events = sse(chat.client, messages=messages, max_completion_tokens=7, temperature=0,
+                 path="/v1/chat/completions")
+    bad = chat.client.post("/v1/chat/completions", json=dict(messages=[{"role": "wizard",
+                                                                        "content": "x"}]))
+  (choice,) = body["choices"]
+  assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+  assert choice["message"] == {"role": "assistant", "content": TOK.decode(want)}
+  assert choice["token_ids"] == want
+  assert body["usage"]["prompt_tokens"] == len(TOK.encode(rendered))
+  deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+  assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
+  assert "".join(d.get("content", "") for d in deltas) == TOK.decode(want)
+  assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+  assert_openai_error(bad, 400, "messages", "messages[0].role must be one of")
+
+
+def test_chat_templates_are_found_where_runs_keep_them(tmp_path):
+  """A run's ``chat_template.jinja`` wins over its tokenizer's ``tokenizer_config.json``, whose
+  ``chat_template`` (a string, or transformers' list of named templates) is read with its
+  special tokens; a folder without either has none."""
+  from kvm_jax.serve import find_chat_template
+  run, tok = tmp_path / "run", tmp_path / "tok"
+  run.mkdir(), tok.mkdir()
+  assert find_chat_template([run, tok]) is None
+  (tok / "tokenizer_config.json").write_text(json.dumps({
+      "chat_template": [{"name": "tool_use", "template": "T"},
+                        {"name": "default", "template": "{{ bos_token }}{{ messages[0].content }}"}],
+      "bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+  found = find_chat_template([run, tok])
+  assert found.render([{"role": "user", "content": "hey"}]) == "<s>hey"
+  assert found.eos_token == "</s>" and "tokenizer_config.json" in found.where
+  (run / "chat_template.jinja").write_text("J{{ messages|length }}")
+  assert find_chat_template([run, tok]).render([{"role": "user", "content": "x"}]) == "J1"
+
+
+def test_the_openai_client_talks_to_the_server(served):
+  """The ``openai`` package, as users will point it here: completions equal ``kj.generate``
+  alone, a stream with usage, and errors raised as its typed exceptions with our messages."""
+  openai = pytest.importorskip("openai")
+  client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+  got = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0)
+  want, _ = alone(served.model, TOK.encode("Hello"), 6)
+  assert got.choices[0].text == TOK.decode(want)
+  assert got.usage.prompt_tokens == 5 and got.usage.completion_tokens == len(want)
+  chunks = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=6,
+                                          temperature=0, stream=True,
+                                          stream_options={"include_usage": True}))
+  assert "".join(c.choices[0].text for c in chunks if c.choices) == TOK.decode(want)
+  assert chunks[-1].usage.completion_tokens == len(want)
+  with pytest.raises(openai.BadRequestError, match="temperature must be 0"):
+    client.completions.create(model="tiny", prompt="x", temperature=-1)
+  with pytest.raises(openai.NotFoundError, match="is not served here"):
+    client.completions.create(model="gpt-4", prompt="x")
+  with pytest.raises(openai.BadRequestError, match="no chat template.*to /v1/completions"):
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+
+
+class _SlowToWarm:
+  """An engine stand-in whose warm-up waits for the test: what /health shows meanwhile."""
+
+  busy, occupancy = False, (0, 0)
+
+  def __init__(self):
+    self.release = threading.Event()
+
+  def lane_widths(self):
+    return (0,)
+
+  def warm_up(self, report):
+    assert self.release.wait(30)
+    return 0.0
+
+
+def test_health_says_warming_until_the_programs_are_compiled():
+  """While the engine compiles, /health answers 503 "warming" (and requests wait, not fail);
+  once it is done, 200 "ok"."""
+  from kvm_jax.serve import EngineWorker, Settings, app_for
+  engine = _SlowToWarm()
+  worker = EngineWorker(engine, warm=True, log=lambda line: None)
+  server, thread, url = start_server(app_for(worker, TOK, Settings(320, 64, 2, "tiny")))
+  try:
+    client = httpx.Client(base_url=url, timeout=30)
+    warming = client.get("/health")
+    assert warming.status_code == 503 and warming.json()["status"] == "warming"
+    engine.release.set()
+    assert wait_until_ready(client)[-1] == (200, "ok")
+  finally:
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def test_kvm_serve_exits_non_zero_when_its_engine_cannot_recover(tmp_path, monkeypatch, capsys):
+  """kvm-serve whose every step raises (here from the warm-up on) stops serving and exits 1
+  with the error, instead of listening with a dead engine."""
+  from kvm_jax.engine import Engine
+  from kvm_jax.runs.train_config import TrainConfig
+  from kvm_jax.serve import main
+  cfg = TrainConfig(model=kj.presets.tiny(mixers=("swa", "kvm"), vocab_size=TOK.vocab_size),
+                    task="text", seq_len=48)
+  run = write_run(tmp_path / "broken", cfg, make_model(("swa", "kvm"), 5,
+                                                       vocab_size=TOK.vocab_size))
+
+  def broken_step(self):
+    raise RuntimeError("planted fault in every step")
+  monkeypatch.setattr(Engine, "step", broken_step)
+  with pytest.raises(SystemExit) as exited:
+    main([str(run), "--port", str(free_local_port()), "--compilation-cache", "off"])
+  assert exited.value.code == 1
+  assert "planted fault in every step" in capsys.readouterr().err
