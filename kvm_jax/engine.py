@@ -419,8 +419,13 @@ class Engine:
 
   def _clear_slots(self) -> None:
     """Empty slots: new device caches and keys, no request waiting or running."""
-    self._caches = replicate_on(self._mesh, self.model.init_cache(self.slots, self.max_len))
-    self._keys = replicate_on(self._mesh, jnp.zeros((self.slots, 2), jnp.uint32))
+    caches = self.model.init_cache(self.slots, self.max_len)
+    keys = jnp.zeros((self.slots, 2), jnp.uint32)
+    # Committed to a device like the step's outputs that replace them: jit compiles separately
+    # for uncommitted arguments, so fresh slots would cost a compile of each program again.
+    if self._mesh is None:
+      caches, keys = jax.device_put((caches, keys), jax.devices()[0])
+    self._caches, self._keys = replicate_on(self._mesh, (caches, keys))
     self._waiting: collections.deque = collections.deque()
     self._running: list[Optional[Request]] = [None] * self.slots
 

@@ -439,7 +439,10 @@ def test_recover_ends_the_held_requests_and_serves_exactly_after():
 def test_warm_up_compiles_every_step_program_a_request_can_need():
   """After ``warm_up`` no request compiles a step program: prompts of every length (lanes of
   both widths, rests through the decode step), samples and bursts run on what it compiled."""
-  model = _model("kvm_swa_hybrid")
+  # Parameters committed to the device, as a loaded checkpoint's are (then the step's outputs
+  # are committed too, and fresh slots must be as well).
+  graphdef, state = nnx.split(_model("kvm_swa_hybrid"))
+  model = nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
   # A burst width no other test uses: this engine's step program is its own (not yet compiled).
   engine = Engine(model, **{**ENGINE, "keep_logits": False, "tokens_per_step": 11})
   assert engine._step._cache_size() == 0
@@ -449,6 +452,9 @@ def test_warm_up_compiles_every_step_program_a_request_can_need():
   assert engine.requests() == [] and not engine.busy
   compiled = engine._step._cache_size()
   assert compiled == 2
+  engine.submit(list(range(1, 10)), max_new_tokens=2)  # a lane's piece first, on fresh slots
+  engine.run()
+  assert engine._step._cache_size() == compiled
   for length in (1, 7, 8, 9, 17, 30):
     engine.submit(list(range(1, length + 1)), max_new_tokens=5)
   engine.submit_samples([5, 6, 7], 2, max_new_tokens=4, sampling=kj.SamplingConfig(0.8),
