@@ -148,11 +148,14 @@ def test_each_row_is_filtered_by_its_own_logits(sampling):
 
 
 def test_bad_sampling_config():
-  with pytest.raises(ValueError, match="temperature must be >= 0"):
-    kj.SamplingConfig(temperature=-0.1)
+  # float32 logits are divided by the temperature: NaN, infinity or a value that float32 rounds
+  # to 0 or infinity would draw from NaN logits rather than fail.
+  for temperature in (-0.1, float("nan"), float("inf"), 1e39, 1e-46):
+    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or a number in"):
+      kj.SamplingConfig(temperature=temperature)
   with pytest.raises(ValueError, match="top_k must be >= 1"):
     kj.SamplingConfig(top_k=0)
-  for top_p in (0.0, 1.5):
+  for top_p in (0.0, 1.5, float("nan"), 1e-46):
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
       kj.SamplingConfig(top_p=top_p)
 
