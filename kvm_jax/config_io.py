@@ -125,6 +125,22 @@ def parse_value(current: Any, text: str, field: str = "value") -> Any:
   return _literal(text)
 
 
+def is_optional(field: dataclasses.Field) -> bool:
+  """Whether a dataclass field's annotation admits None (``Optional[...]``, ``X | None``)."""
+  annotation = field.type if isinstance(field.type, str) else repr(field.type)
+  return "Optional[" in annotation or "None" in annotation
+
+
+def parse_field(field: dataclasses.Field, current: Any, text: str) -> Any:
+  """:func:`parse_value` for a dataclass field, which also reads ``none`` as None wherever the
+  field's annotation admits None, whatever it holds now (``max_state_rows=64`` in a config file
+  can be unset from the command line); a text field that is not optional keeps ``none`` as text
+  (``remat=none``)."""
+  if text.strip().lower() == "none" and is_optional(field):
+    return None
+  return parse_value(current, text, field.name)
+
+
 def flat_fields(cfg: Any) -> dict[str, Any]:
   """``{dotted field: value}`` of a config's leaves, in field order, each value as its JSON form
   (a list for a tuple) except a budget, which is one leaf: its spec text (``"sqrt:16@256"``)."""

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvm_jax.budget import budget_label
-from kvm_jax.config_io import parse_value
+from kvm_jax.config_io import parse_field
 from kvm_jax.kvm_config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 from kvm_jax.nn.kvm import KVMAttention
@@ -344,12 +344,12 @@ def parse_kvm_value(field: str, text: str) -> Any:
   """The value of KVMConfig ``field`` written as ``text`` on a command line (``--kvm.FIELD=...``),
   spelled as every CLI reads values (:data:`kvm_jax.config_io.VALUE_SPEC_HELP`: a budget spec,
   ``none`` for an optional field, true/false for a flag)."""
-  defaults = {f.name: f.default for f in dataclasses.fields(KVMConfig)}
-  if field not in defaults:
+  fields = {f.name: f for f in dataclasses.fields(KVMConfig)}
+  if field not in fields:
     raise ValueError(f"--kvm.{field}: KVMConfig has no field {field!r}; the schedule fields are "
                      f"{', '.join(SCHEDULE_FIELDS)}.")
   try:
-    return parse_value(defaults[field], text, field)
+    return parse_field(fields[field], fields[field].default, text)
   except ValueError as e:
     raise ValueError(f"--kvm.{field}={text}: {e}") from None
 

@@ -224,3 +224,22 @@ def test_show_config_reads_back_to_the_same_config(capsys):
     expected = apply_override(expected, *flag[len("--config."):].split("=", 1))
   assert cfg == expected
   assert expected.seed == -3 and expected.text_files == ("a.txt",)
+
+
+def test_none_unsets_an_optional_field_that_holds_a_value():
+  """``none`` reads as None for a field whose annotation admits None, whatever value the config
+  gives it (a config file's ``max_state_rows=64`` can be unset from the command line), in
+  ``kvm-train --config`` and ``--kvm`` alike; a text field that is not optional keeps the word."""
+  from kvm_jax.convert import parse_kvm_value
+  from kvm_jax.train.main import _override
+  tiny = kj.presets.tiny(mixers="kvm")
+  capped = dataclasses.replace(tiny.options_of("kvm"), max_state_rows=64)
+  model = dataclasses.replace(tiny, options=tiny.options.set("kvm", capped))
+  cfg = TrainConfig(model=model, remat="block")
+  unset = _override(cfg, "model.options.kvm.max_state_rows", "none")
+  assert unset.model.options_of("kvm").max_state_rows is None
+  assert _override(cfg, "model.options.kvm.max_state_rows", "NONE").model.options_of(
+      "kvm").max_state_rows is None
+  assert _override(cfg, "remat", "none").remat == "none"  # a text field: the word itself
+  assert parse_kvm_value("max_state_rows", "none") is None
+  assert parse_kvm_value("max_state_rows", "32") == 32

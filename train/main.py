@@ -152,7 +152,8 @@ def _override(cfg, dotted: str, text: str):
     names = sorted(f.name for f in dataclasses.fields(cfg)) if dataclasses.is_dataclass(cfg) else []
     raise ValueError(f"unknown config field {head!r}; known fields: {', '.join(names)}.")
   old = getattr(cfg, head)
-  new = _override(old, rest, text) if rest else config_io.parse_value(old, text, head)
+  field = next(f for f in dataclasses.fields(cfg) if f.name == head)
+  new = _override(old, rest, text) if rest else config_io.parse_field(field, old, text)
   return dataclasses.replace(cfg, **{head: new})
 
 
