@@ -32,8 +32,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
-import math
 import queue
 import secrets
 import sys
@@ -258,7 +258,7 @@ def _common(body: Any, fields: set, neutral: dict, settings: Settings) -> dict:
   from kvm_jax.engine import SEED_MAX, SEED_MIN
   n = _int_field(body, "n", 1, 1, settings.slots, " (the server's slots)")
   seed = _int_field(body, "seed", None, SEED_MIN, SEED_MAX - (n - 1),
-                    f" (the sampler's 32-bit seeds; sample i of n uses seed + i)")
+                    " (the sampler's 32-bit seeds; sample i of n uses seed + i)")
   stream, include_usage = _stream(body)
   return dict(sampling=_sampling(body, settings.vocab_size), seed=seed, n=n, stop=_stop(body),
               stream=stream, include_usage=include_usage)
@@ -400,8 +400,13 @@ class ChatTemplate:
     # its BOS again (transformers' apply_chat_template encodes the same way).
     return {"add_special_tokens": False}
 
-  def render(self, messages: list[dict]) -> str:
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+  @functools.cached_property
+  def compiled(self):
+    """The template compiled (once; a template that does not compile fails here, at start)."""
+    try:
+      from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:
+      raise ImportError(INSTALL_HINT) from e
 
     def raise_exception(message):
       raise ValueError(message)
@@ -409,9 +414,14 @@ class ChatTemplate:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
-    return env.from_string(self.source).render(
-        messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-        eos_token=self.eos_token)
+    try:
+      return env.from_string(self.source)
+    except Exception as e:  # jinja2's TemplateSyntaxError and kin
+      raise ValueError(f"the chat template of {self.where} does not compile: {e}") from e
+
+  def render(self, messages: list[dict]) -> str:
+    return self.compiled.render(messages=messages, add_generation_prompt=True,
+                                bos_token=self.bos_token, eos_token=self.eos_token)
 
 
 def _token_text(value) -> str:
@@ -430,14 +440,18 @@ def find_chat_template(folders: Sequence[Path]) -> Optional[ChatTemplate]:
     tokens = dict(bos_token=_token_text(config.get("bos_token")),
                   eos_token=_token_text(config.get("eos_token")))
     jinja = folder / "chat_template.jinja"
+    found = None
     if jinja.is_file():
-      return ChatTemplate(jinja.read_text(), str(jinja), **tokens)
+      found = ChatTemplate(jinja.read_text(), str(jinja), **tokens)
     source = config.get("chat_template")
     if isinstance(source, list):
       named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
       source = named.get("default")
-    if isinstance(source, str) and source:
-      return ChatTemplate(source, f"{config_file} (chat_template)", **tokens)
+    if found is None and isinstance(source, str) and source:
+      found = ChatTemplate(source, f"{config_file} (chat_template)", **tokens)
+    if found is not None:
+      found.compiled  # a broken template stops the start, not every chat request
+      return found
   return None
 
 

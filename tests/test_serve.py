@@ -645,6 +645,9 @@ def test_chat_templates_are_found_where_runs_keep_them(tmp_path):
   assert found.eos_token == "</s>" and "tokenizer_config.json" in found.where
   (run / "chat_template.jinja").write_text("J{{ messages|length }}")
   assert find_chat_template([run, tok]).render([{"role": "user", "content": "x"}]) == "J1"
+  (run / "chat_template.jinja").write_text("{% for m in messages %}")  # never closed
+  with pytest.raises(ValueError, match="chat_template.jinja does not compile"):
+    find_chat_template([run, tok])
 
 
 def test_the_openai_client_talks_to_the_server(served):
