@@ -28,6 +28,7 @@ inputs are replicated onto the parameters' mesh, and every process reads the sam
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -509,9 +510,11 @@ class Engine:
     if request.slot is not None:
       self._running[request.slot] = None
       request.slot = None
-    self._finished.append(request.id)
     self._finished_total += 1
-    while self.keep_finished is not None and len(self._finished) > self.keep_finished:
+    if self.keep_finished is None:
+      return
+    self._finished.append(request.id)
+    while len(self._finished) > self.keep_finished:
       self._requests.pop(self._finished.popleft(), None)
 
   def release(self, request_id: int) -> None:
@@ -520,6 +523,8 @@ class Engine:
     if not self.request(request_id).done:
       raise ValueError(f"request {request_id} is still running: cancel it before releasing it.")
     del self._requests[request_id]
+    with contextlib.suppress(ValueError):  # its place among the kept ones is free again
+      self._finished.remove(request_id)
 
   def recover(self) -> list[TokenEvent]:
     """After a step that raised: every waiting and running request ends with finish reason
@@ -596,6 +601,8 @@ class Engine:
     if self.busy:
       raise ValueError("warm_up needs an idle engine: it runs before the first request.")
     start = time.perf_counter()
+    if self.max_len < 2:  # no request fits a slot (a prompt token and a new one): none to serve
+      return 0.0
     # A prompt one token longer than a width feeds that width's piece and the rest serially.
     for width in self.lane_widths():
       length = min(width + 1, self.max_len - 1)
