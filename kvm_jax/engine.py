@@ -420,6 +420,8 @@ class Engine:
 
   def _clear_slots(self) -> None:
     """Empty slots: new device caches and keys, no request waiting or running."""
+    # The old caches go first: after a step that ran out of memory, both would not fit.
+    self._caches = self._keys = None
     caches = self.model.init_cache(self.slots, self.max_len)
     keys = jnp.zeros((self.slots, 2), jnp.uint32)
     # Committed to a device like the step's outputs that replace them: jit compiles separately

@@ -27,6 +27,9 @@ Array = jax.Array
 # float32 logits can be divided or cut by.
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# The smallest sampling temperature: logits divided by less could overflow float32 to infinity
+# (their softmax then NaN); 0 asks for greedy decoding instead.
+MIN_TEMPERATURE = 1e-6
 
 
 def pod_mesh(state) -> Optional[Mesh]:
@@ -71,11 +74,11 @@ class SamplingConfig:
   top_p: Optional[float] = None
 
   def __post_init__(self):
-    # The logits are float32: a temperature or nucleus that float32 rounds to 0 or infinity
-    # would draw from NaN or from a distribution nobody asked for.
-    if not (self.temperature == 0 or FLOAT32_TINY <= self.temperature <= FLOAT32_MAX):
-      raise ValueError(f"temperature must be 0 (greedy) or a number in [{FLOAT32_TINY:.3g}, "
-                       f"{FLOAT32_MAX:.3g}] (float32's range), got {self.temperature}.")
+    # The logits are float32: a temperature that overflows them, or a nucleus that float32
+    # rounds to 0, would draw from NaN rather than fail.
+    if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= FLOAT32_MAX):
+      raise ValueError(f"temperature must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, "
+                       f"{FLOAT32_MAX:.3g}], got {self.temperature}.")
     if self.top_k is not None and self.top_k < 1:
       raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}.")
     if self.top_p is not None and not FLOAT32_TINY <= self.top_p <= 1:

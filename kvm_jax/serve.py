@@ -15,8 +15,9 @@ No request can stop the server. Every field is checked before the engine sees it
 OpenAI's error shape names the bad value); a client that disconnects cancels its request,
 freeing its slot; a finished request's record is dropped once its response is delivered. Should
 the engine's step raise anyway, the requests it held end with a JSON 500 naming the error, the
-engine restarts on empty slots and ``/health`` counts the restart; an engine that fails again at
-once, without a step in between, ends the process with a non-zero exit instead of hanging.
+engine restarts on empty slots and ``/health`` counts the restart; an engine whose empty slots
+fail a request of its own three restarts in a row ends the process with a non-zero exit instead
+of hanging.
 
 Before it reports ready (``/health`` says ``warming`` with status 503 until then), the server
 compiles the engine's step programs, printing each and its time; JAX's persistent compilation
@@ -71,24 +72,28 @@ MAX_BODY_BYTES = 16 * 2**20
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # How long /health waits for the engine's thread before it answers with what it knows.
 HEALTH_TIMEOUT_S = 2.0
+# How often a request that is not streamed looks whether its client is still there.
+DISCONNECT_CHECK_S = 0.25
+# How long a stopping server waits for open responses (a stalled client must not keep a server
+# whose engine stopped alive).
+SHUTDOWN_GRACE_S = 10
 
 
 class RequestError(ValueError):
   """A request the server refuses: its HTTP status, message and the offending field."""
 
-  def __init__(self, message: str, param: Optional[str] = None, status: int = 400):
+  def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
+               code: Optional[str] = None):
     super().__init__(message)
-    self.param, self.status = param, status
+    self.param, self.status, self.code = param, status, code
 
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-               413: "invalid_request_error", 500: "server_error", 503: "server_error"}
-
-
-def error_body(message: str, status: int, param: Optional[str] = None) -> dict:
-  """An error in OpenAI's shape (what the ``openai`` client reads into its exceptions)."""
-  return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                    "param": param, "code": None}}
+def error_body(message: str, status: int, param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+  """An error in OpenAI's shape (what the ``openai`` client reads into its exceptions): a
+  request's fault is an ``invalid_request_error``, the server's a ``server_error``."""
+  kind = "server_error" if status >= 500 else "invalid_request_error"
+  return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +138,10 @@ def _shown(value, limit: int = 80) -> str:
   try:
     text = json.dumps(value, allow_nan=True)
   except (TypeError, ValueError, RecursionError):
-    text = repr(value)
+    try:
+      text = repr(value)
+    except RecursionError:  # nested nearly as deep as the JSON parser goes
+      text = f"a {type(value).__name__} nested too deeply to show"
   return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -176,8 +184,10 @@ def _check_neutral(body: dict, neutral_fields: dict) -> None:
 
 
 def _int_field(body: dict, name: str, default, low: int, high: int, why: str = ""):
-  value = body.get(name, default)
-  if value is None and default is None:
+  """``body[name]`` checked to be an int in ``[low, high]``; ``default`` when absent or null."""
+  value = body.get(name)
+  value = default if value is None else value
+  if value is None:
     return None
   if not _is_int(value) or not low <= value <= high:
     raise RequestError(f"{name} must be an integer in [{low}, {high}]{why}, got {_shown(value)}.",
@@ -188,13 +198,13 @@ def _int_field(body: dict, name: str, default, low: int, high: int, why: str = "
 def _sampling(body: dict, vocab_size: int):
   """The request's :class:`kvm_jax.SamplingConfig` (temperature, top_p, top_k: each finite and
   in the range float32 logits can be divided or cut by)."""
-  from kvm_jax.generate import FLOAT32_MAX, FLOAT32_TINY, SamplingConfig
+  from kvm_jax.generate import FLOAT32_MAX, FLOAT32_TINY, MIN_TEMPERATURE, SamplingConfig
   temperature = body.get("temperature")
   temperature = 1.0 if temperature is None else temperature
   if not _is_number(temperature) or not (
-      temperature == 0 or FLOAT32_TINY <= temperature <= FLOAT32_MAX):
+      temperature == 0 or MIN_TEMPERATURE <= temperature <= FLOAT32_MAX):
     raise RequestError(f"temperature must be 0 (greedy) or a finite number in "
-                       f"[{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}], got {_shown(temperature)}.",
+                       f"[{MIN_TEMPERATURE:g}, {FLOAT32_MAX:.3g}], got {_shown(temperature)}.",
                        "temperature")
   top_p = body.get("top_p")
   top_p = 1.0 if top_p is None else top_p
@@ -252,7 +262,7 @@ def _common(body: Any, fields: set, neutral: dict, settings: Settings) -> dict:
     raise RequestError(f"model must be a string, got {_shown(model)}.", "model")
   if model is not None and model != settings.model_name:
     raise RequestError(f"model {_shown(model)} is not served here; this server serves "
-                       f"{settings.model_name!r}.", "model", status=404)
+                       f"{settings.model_name!r}.", "model", status=404, code="model_not_found")
   if body.get("user") is not None and not isinstance(body["user"], str):
     raise RequestError(f"user must be a string, got {_shown(body['user'])}.", "user")
   from kvm_jax.engine import SEED_MAX, SEED_MIN
@@ -345,7 +355,8 @@ def _message_text(message: Any, i: int) -> dict:
   if not isinstance(content, str):
     raise RequestError(f"{where}.content must be a string or a list of text parts, got "
                        f"{_shown(content)}.", "messages")
-  unknown = sorted(set(message) - {"role", "content", "name"})
+  # A client sends earlier assistant turns back as it got them (refusal, tool_calls: null).
+  unknown = sorted(k for k in set(message) - {"role", "content", "name"} if message[k] is not None)
   if unknown:
     raise RequestError(f"{where} has unknown field(s) {_shown(unknown)} (tool calls are not "
                        "supported).", "messages")
@@ -368,7 +379,8 @@ def parse_chat_request(body: Any, tokenizer, template: Optional["ChatTemplate"],
   if settings.text_refusal:
     raise RequestError(settings.text_refusal, "messages")
   messages = [_message_text(m, i) for i, m in enumerate(messages)]
-  max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+  max_tokens = body.get("max_completion_tokens")
+  max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
   try:
     text = template.render(messages)
   except Exception as e:  # a template may raise_exception() on messages it does not take
@@ -486,10 +498,11 @@ class EngineWorker:
   request's tokens to its listener.
 
   A step that raises ends the requests the engine held (an event with finish reason "error" to
-  each listener), the engine restarts on empty slots and the loop goes on; ``max_failures``
-  failures in a row (no successful step between them) end the thread: ``state`` becomes
-  "failed", every waiting call and listener is told, and ``on_fatal(error)`` is called (the
-  server exits non-zero)."""
+  each listener), the engine restarts on empty slots and runs a request of its own through
+  them: when that works the fault was the requests', and the loop goes on. When it fails too,
+  the engine restarts again, up to ``max_failures`` times in a row; then the thread ends:
+  ``state`` becomes "failed", every waiting call and listener is told, and ``on_fatal(error)``
+  is called (the server exits non-zero)."""
 
   def __init__(self, engine, *, warm: bool = False, on_fatal: Optional[Callable] = None,
                max_failures: int = 3, log: Callable[[str], None] = print):
@@ -498,6 +511,9 @@ class EngineWorker:
     self.restarts, self.last_error = 0, None
     self._warm = warm
     self._inbox: queue.Queue = queue.Queue()
+    # Held while a call is queued and while the thread fails for good, so that no call is queued
+    # after the failed thread emptied the inbox (its future would never resolve).
+    self._failing = threading.Lock()
     self._listeners: dict[int, Callable] = {}
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name="kvm-engine", daemon=True)
@@ -506,10 +522,11 @@ class EngineWorker:
   def call(self, fn: Callable) -> concurrent.futures.Future:
     """Runs ``fn(engine)`` on the engine's thread; its result (or exception) in the future."""
     future: concurrent.futures.Future = concurrent.futures.Future()
-    if self.state == "failed":
-      future.set_exception(EngineFailed(f"the engine stopped: {self.last_error}"))
-      return future
-    self._inbox.put((fn, future))
+    with self._failing:
+      if self.state == "failed":
+        future.set_exception(EngineFailed(f"the engine stopped: {self.last_error}"))
+      else:
+        self._inbox.put((fn, future))
     return future
 
   def listen(self, request_ids: Sequence[int], listener: Callable) -> None:
@@ -568,35 +585,46 @@ class EngineWorker:
     seconds = self.engine.warm_up(lambda what, s: self.log(f"kvm-serve:   {what}: {s:.1f} s"))
     self.log(f"kvm-serve: warm in {seconds:.1f} s")
 
-  def _step(self, failures: int) -> int:
-    """One engine step, its events delivered; returns the failures in a row after it."""
+  def _step(self) -> None:
+    """One engine step, its events delivered; after a step that raised, the recovery."""
     try:
       events = self.engine.step()
     except Exception as e:
-      self.restarts += 1
-      self.last_error = f"{type(e).__name__}: {e}"
-      self.log(f"kvm-serve: the engine's step failed ({self.last_error}); the requests it held "
-               f"end with an error and the engine restarts on empty slots (restart "
-               f"{self.restarts}).\n{traceback.format_exc()}")
-      if failures + 1 >= self.max_failures:
-        raise
-      self._deliver(self.engine.recover())
-      return failures + 1
+      self._recover(e)
+      return
     self._deliver(events)
-    return 0
+
+  def _recover(self, error: Exception) -> None:
+    """Ends the held requests, restarts the engine on empty slots and checks them with a
+    request of its own (the warm-up's); raises once ``max_failures`` restarts in a row failed
+    that check (the engine cannot serve: the thread ends)."""
+    for attempt in range(1, self.max_failures + 1):
+      self.last_error = f"{type(error).__name__}: {error}"
+      self.log(f"kvm-serve: the engine's step failed ({self.last_error}); the requests it held "
+               f"end with an error and the engine restarts on empty slots.\n"
+               f"{''.join(traceback.format_exception(error))}")
+      self._deliver(self.engine.recover())
+      self.restarts += 1
+      try:
+        self.engine.warm_up()
+        return
+      except Exception as again:  # the fault is the engine's, not the requests'
+        error = again
+    raise RuntimeError(f"the engine failed {self.max_failures} restarts in a row: "
+                       f"{self.last_error}") from error
 
   def _run(self) -> None:
     try:
       if self._warm:
         self._warm_up()
       self.state = "ok"
-      failures = 0
       while not self._stop.is_set():
         self._run_calls(block=not self.engine.busy)
         if self.engine.busy:
-          failures = self._step(failures)
+          self._step()
     except BaseException as e:  # nothing more can run: say so to everyone, then stop
-      self.state, self.last_error = "failed", f"{type(e).__name__}: {e}"
+      with self._failing:
+        self.state, self.last_error = "failed", f"{type(e).__name__}: {e}"
       self.log(f"kvm-serve: the engine stopped for good: {self.last_error}\n"
                f"{traceback.format_exc()}")
       self._fail_everything()
@@ -720,14 +748,18 @@ class _Running:
 
   async def wait(self, request) -> bool:
     """Takes token events until every sample ends; False (its samples cancelled) if the client
-    disconnected first. The engine never tells of a disconnect, so the wait looks now and then."""
+    disconnected first. The engine never tells of a disconnect, so the wait looks every
+    :data:`DISCONNECT_CHECK_S`, whether tokens arrive meanwhile or not."""
+    loop = asyncio.get_running_loop()
     try:
+      look_at = loop.time() + DISCONNECT_CHECK_S
       while self.unfinished():
-        try:
-          await self.next_event(timeout=0.25)
-        except asyncio.TimeoutError:
+        with contextlib.suppress(asyncio.TimeoutError):
+          await self.next_event(timeout=max(look_at - loop.time(), 0.0))
+        if loop.time() >= look_at:
           if await request.is_disconnected():
             return False
+          look_at = loop.time() + DISCONNECT_CHECK_S
       return True
     finally:  # delivered, failed, or abandoned: its slots and records go
       self.server.worker.finish(list(self.choices))
@@ -755,7 +787,8 @@ class _Server:
     self._json_response, self._streaming_response = json_response, streaming_response
 
   def error(self, e: RequestError):
-    return self._json_response(error_body(str(e), e.status, e.param), status_code=e.status)
+    return self._json_response(error_body(str(e), e.status, e.param, e.code),
+                               status_code=e.status)
 
   def _start(self, engine, completions: list[Completion], listener: Callable) -> list[int]:
     """Submits every sample (on the engine's thread, so no token comes before ``listener``);
@@ -783,9 +816,17 @@ class _Server:
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     deliver = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
-    ids = await asyncio.wrap_future(
-        self.worker.call(lambda engine: self._start(engine, parsed.completions, deliver)))
+    started = self.worker.call(lambda engine: self._start(engine, parsed.completions, deliver))
+    try:
+      ids = await asyncio.wrap_future(started)
+    except asyncio.CancelledError:  # the handler went away: whatever it submitted must go too
+      started.add_done_callback(self._finish_orphans)
+      raise
     return _Running(self, parsed, ids, events, chat)
+
+  def _finish_orphans(self, started: concurrent.futures.Future) -> None:
+    if not started.cancelled() and started.exception() is None:
+      self.worker.finish(started.result())
 
   def advance(self, choice: _Choice, event) -> str:
     """Takes one token event; returns the new text to send."""
@@ -800,9 +841,8 @@ class _Server:
     delta, choice.sent = ready[len(choice.sent):], ready
     return delta
 
-  async def _body(self, request) -> Any:
-    """The request's JSON body (a :class:`RequestError` for one too large, not JSON, or nested
-    deeper than the parser goes)."""
+  async def _body(self, request) -> bytes:
+    """The request's body (a :class:`RequestError` for one too large)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
       raise RequestError(f"the request body ({declared} bytes) is larger than "
@@ -813,16 +853,14 @@ class _Server:
       if len(raw) > MAX_BODY_BYTES:
         raise RequestError(f"the request body is larger than {MAX_BODY_BYTES} bytes.",
                            status=413)
-    try:
-      return json.loads(bytes(raw))
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, an int of 5000 digits
-      raise RequestError(f"the request body is not JSON: {e}.") from e
-    except RecursionError as e:
-      raise RequestError("the request body is nested too deeply to read.") from e
+    return bytes(raw)
 
   async def _serve(self, request, parse: Callable[[Any], Parsed], chat: bool):
     try:
-      parsed = parse(await self._body(request))
+      raw = await self._body(request)
+      # Decoding, checking and tokenizing a large body take a while: off the event loop, so
+      # that other streams and /health go on meanwhile.
+      parsed = await asyncio.to_thread(lambda: parse(read_json(raw)))
       if self.worker.state == "failed":
         raise RequestError(f"the engine stopped ({self.worker.last_error}); the server is "
                            "shutting down.", status=503)
@@ -832,7 +870,8 @@ class _Server:
     except EngineFailed as e:
       return self.error(RequestError(str(e), status=503))
     if parsed.stream:
-      return self._streaming_response(running.chunks(), media_type="text/event-stream")
+      return self._streaming_response(running.chunks(), media_type="text/event-stream",
+                                      on_close=lambda: self.worker.finish(list(running.choices)))
     if not await running.wait(request):
       return self._json_response(error_body("the client closed the request.", 499),
                                  status_code=499)
@@ -891,6 +930,17 @@ class _Server:
     self.worker.close()
 
 
+def read_json(raw: bytes) -> Any:
+  """A request body's JSON (a :class:`RequestError` for one that is not JSON, or is nested
+  deeper than the parser goes)."""
+  try:
+    return json.loads(raw)
+  except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, an int of 5000 digits
+    raise RequestError(f"the request body is not JSON: {e}.") from e
+  except RecursionError as e:
+    raise RequestError("the request body is nested too deeply to read.") from e
+
+
 def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
   """``text`` up to the first of ``stops`` (and whether one occurred)."""
   cuts = [text.index(s) for s in stops if s in text]
@@ -941,8 +991,29 @@ def app_for(worker: EngineWorker, tokenizer, settings: Settings,
     from starlette.routing import Route
   except ImportError as e:
     raise ImportError(INSTALL_HINT) from e
-  server = _Server(worker, tokenizer, settings, json_response=JSONResponse,
-                   streaming_response=StreamingResponse, chat_template=chat_template)
+  class AsciiJSONResponse(JSONResponse):
+    """JSON as ASCII: a message that quotes a request's lone surrogate ("\\ud800") still
+    encodes (starlette's own writes UTF-8, which cannot hold one)."""
+
+    def render(self, content) -> bytes:
+      return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+  class ClosingStreamingResponse(StreamingResponse):
+    """A stream that runs ``on_close`` however it ends: sent, failed, or its client gone before
+    or while it was read (its generator is then not always run to its ``finally``)."""
+
+    def __init__(self, content, *, on_close: Callable[[], Any], **kwargs):
+      super().__init__(content, **kwargs)
+      self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+      try:
+        await super().__call__(scope, receive, send)
+      finally:
+        self.on_close()
+
+  server = _Server(worker, tokenizer, settings, json_response=AsciiJSONResponse,
+                   streaming_response=ClosingStreamingResponse, chat_template=chat_template)
   app = Starlette(routes=[Route("/v1/completions", server.completions, methods=["POST"]),
                           Route("/v1/chat/completions", server.chat_completions,
                                 methods=["POST"]),
@@ -1042,7 +1113,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   if max_len is None:
     max_len = load_config(run).sequence_length if checkpoint_kind(run) == "run" else 2048
   name = args.name or run.name
-  config = uvicorn.Config(None, host=args.host, port=args.port, log_level="info")
+  config = uvicorn.Config(None, host=args.host, port=args.port, log_level="info",
+                          timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
   server = uvicorn.Server(config)
   failures = []
 

@@ -235,20 +235,55 @@ def test_a_client_that_disconnects_frees_its_slot(served):
     engine._finish = lambda request, reason: (finish(engine, request, reason),
                                               ended.append(request))
   served.engine.call(watch).result()
+  try:
+    disconnect_and_wait(served, body)
+  finally:
+    served.engine.call(lambda engine: vars(engine).pop("_finish")).result()
+  (last,) = ended
+  assert last.prompt == tuple(TOK.encode("Interrupted:"))
+  assert last.finish_reason == "cancelled" and len(last.tokens) < 240
+  after = complete(served.client, prompt="Next:", max_tokens=6, temperature=0)["choices"][0]
+  assert after["token_ids"] == alone(served.model, TOK.encode("Next:"), 6)[0]
+
+
+def disconnect_and_wait(served, body):
+  """Reads a few events of a streamed ``body``, leaves, and waits until nothing runs."""
   with served.client.stream("POST", "/v1/completions", json=body) as response:
     lines = response.iter_lines()
     seen = [line for line, _ in zip(lines, range(4)) if line.startswith("data: ")]
     assert seen
+  wait_until_idle(served)
+
+
+def wait_until_idle(served):
   deadline = time.time() + 20
   while served.client.get("/health").json()["running"]:
     assert time.time() < deadline, "the disconnected request still holds its slot"
     time.sleep(0.05)
+
+
+def test_a_client_that_leaves_a_request_not_streamed_frees_its_slot(served):
+  """A client that stops waiting for a whole (non-streamed) response is noticed while tokens
+  still arrive (steps slowed here so that generation outlasts the client's patience): its request
+  is cancelled long before its max_tokens."""
+  ended = []
+
+  def slow_and_watched(engine):
+    finish, step = type(engine)._finish, type(engine).step
+    engine._finish = lambda request, reason: (finish(engine, request, reason),
+                                              ended.append(request))
+    engine.step = lambda: (time.sleep(0.05), step(engine))[1]
+  served.engine.call(slow_and_watched).result()
+  try:
+    with pytest.raises(httpx.ReadTimeout):
+      served.client.post("/v1/completions", timeout=1.0,
+                         json=dict(prompt="Impatient:", max_tokens=200, temperature=0))
+    wait_until_idle(served)
+  finally:
+    served.engine.call(lambda engine: (vars(engine).pop("_finish"),
+                                       vars(engine).pop("step"))).result()
   (last,) = ended
-  assert last.prompt == tuple(TOK.encode("Interrupted:"))
-  assert last.finish_reason == "cancelled" and len(last.tokens) < 240
-  served.engine.call(lambda engine: vars(engine).pop("_finish")).result()
-  after = complete(served.client, prompt="Next:", max_tokens=6, temperature=0)["choices"][0]
-  assert after["token_ids"] == alone(served.model, TOK.encode("Next:"), 6)[0]
+  assert last.finish_reason == "cancelled" and len(last.tokens) < 200
 
 
 def test_kvm_serve_serves_a_run_directory(tmp_path, subprocess_environ):
@@ -259,9 +294,10 @@ def test_kvm_serve_serves_a_run_directory(tmp_path, subprocess_environ):
   model = make_model(("swa", "kvm"), 5, vocab_size=TOK.vocab_size)
   run = write_run(tmp_path / "tiny-run", cfg, model)
   port = free_local_port()
+  log = open(tmp_path / "serve.log", "w+")  # a file, not a pipe: nobody reads while it runs
   server = subprocess.Popen([sys.executable, "-m", "kvm_jax.serve", str(run), "--port", str(port),
-                             "--slots", "2"], env=subprocess_environ(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--slots", "2"], env=subprocess_environ(), stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
   try:
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
     deadline = time.time() + 120
@@ -270,7 +306,7 @@ def test_kvm_serve_serves_a_run_directory(tmp_path, subprocess_environ):
         health = client.get("/health").json()
         break
       except httpx.TransportError:
-        assert server.poll() is None, server.stdout.read()
+        assert server.poll() is None, (tmp_path / "serve.log").read_text()
         assert time.time() < deadline, "kvm-serve did not start"
         time.sleep(0.2)
     assert health["slots"] == 2
@@ -280,7 +316,9 @@ def test_kvm_serve_serves_a_run_directory(tmp_path, subprocess_environ):
     assert got["choices"][0]["token_ids"] == alone(model, TOK.encode("Hello"), 5)[0]
   finally:
     server.terminate()
-    output = server.communicate(timeout=30)[0]
+    server.wait(timeout=30)
+    log.close()
+  output = (tmp_path / "serve.log").read_text()
   # It says how it reads text (this run has no tokenizer) and what it compiled before ready.
   assert "no tokenizer recorded: text prompts are read as UTF-8 bytes" in output, output
   assert "compiling the engine's step programs" in output and "kvm-serve: warm in" in output
@@ -328,6 +366,8 @@ HOSTILE = [
     ("[" * 100_000 + "]" * 100_000, None, "nested too deeply"),
     ('{"prompt": "x", "max_tokens": ' + "9" * 5000 + '}', None, "not JSON"),
     ('"just a string"', None, "must be a JSON object"),
+    ('{"prompt": "x", "\\ud800": 1}', "\ud800", "unknown field"),  # the reply must still encode
+    ('{"prompt": "x", "temperature": 1e-9}', "temperature", "[1e-06, "),
 ]
 
 
@@ -353,6 +393,13 @@ def test_hostile_requests_get_json_4xx_and_the_server_goes_on(served):
   before = complete(served.client, prompt="Still here?", max_tokens=6, temperature=0)
   for body, param, message in HOSTILE:
     assert_openai_error(post_raw(served.client, body), 400, param, message)
+  # Nested about as deep as the JSON parser goes: refused by the parser or by the field's check
+  # (whose message must still show the value), never a 500.
+  for depth in range(880, 1000, 8):
+    nested = '{"prompt": "x", "logit_bias": ' + "[" * depth + "]" * depth + '}'
+    response = post_raw(served.client, nested)
+    assert response.status_code == 400, (depth, response.text)
+    assert response.json()["error"]["param"] in ("logit_bias", None), depth
   health = served.client.get("/health").json()
   assert health["status"] == "ok" and health["engine_restarts"] == 0
   after = complete(served.client, prompt="Still here?", max_tokens=6, temperature=0)
@@ -478,15 +525,14 @@ def test_the_engine_keeps_no_record_of_delivered_requests(served):
   assert served.engine._listeners == {}
 
 
-def fail_next_step(worker, times: int = 1, holding: int = 0):
-  """Makes the engine's next ``times`` steps that hold at least ``holding`` requests raise
-  (then steps as before)."""
+def fail_next_step(worker, times: int = 1):
+  """Makes the engine's next ``times`` steps raise (then steps as before)."""
   def install(engine):
     left = [times]
     real = type(engine).step
 
     def failing(self=engine):
-      if left[0] and sum(self.occupancy) >= holding:
+      if left[0]:
         left[0] -= 1
         raise RuntimeError("planted fault in the step")
       return real(self)
@@ -494,17 +540,41 @@ def fail_next_step(worker, times: int = 1, holding: int = 0):
   worker.call(install).result()
 
 
+def step_as_before(worker):
+  worker.call(lambda engine: vars(engine).pop("step", None)).result()
+
+
+@contextlib.contextmanager
+def engine_held(worker, queued: int):
+  """Holds the engine's thread until ``queued`` calls wait for it (requests submitted inside
+  the block), so that they all enter the engine's next step together."""
+  release = threading.Event()
+  worker.call(lambda engine: release.wait(60))
+  try:
+    yield
+    deadline = time.time() + 30
+    while worker._inbox.qsize() < queued:
+      assert time.time() < deadline, "the requests did not reach the engine's queue"
+      time.sleep(0.01)
+  finally:
+    release.set()
+
+
 def test_a_failing_step_fails_its_requests_with_json_500_and_the_server_recovers(served):
   """The step raises with two requests in it (one streamed): both end with a JSON error naming
   the failure, /health counts the restart, and the next requests are served exactly."""
   body = dict(prompt="Doomed", max_tokens=30, temperature=0)
   want = complete(served.client, **body)["choices"]
-  fail_next_step(served.engine, holding=2)
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    plain = pool.submit(served.client.post, "/v1/completions", json=body)
-    streamed = pool.submit(sse, served.client, **body)
-    error = assert_openai_error(plain.result(), 500, None, "planted fault in the step")
-    events = streamed.result()
+  fail_next_step(served.engine)
+  try:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      with engine_held(served.engine, queued=2):
+        plain = pool.submit(served.client.post, "/v1/completions", json=body)
+        streamed = pool.submit(sse, served.client, **body)
+      error = assert_openai_error(plain.result(), 500, None, "planted fault in the step")
+      events = streamed.result()
+  finally:
+    step_as_before(served.engine)
   assert error["type"] == "server_error"
   assert "planted fault" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
   health = served.client.get("/health").json()
@@ -514,9 +584,27 @@ def test_a_failing_step_fails_its_requests_with_json_500_and_the_server_recovers
   assert served.engine.call(lambda engine: engine.requests()).result() == []
 
 
+def test_requests_that_fail_the_step_again_and_again_do_not_end_the_server(served):
+  """Three requests in a row whose steps raise (no good step between them, as a request that
+  slipped past the checks would do): each gets its 500, the engine's own check of its empty
+  slots passes each time, and the server goes on serving."""
+  restarts = served.client.get("/health").json()["engine_restarts"]
+  try:
+    for _ in range(3):
+      fail_next_step(served.engine)
+      response = served.client.post("/v1/completions", json=dict(prompt="Again", max_tokens=3))
+      assert_openai_error(response, 500, None, "planted fault in the step")
+  finally:
+    step_as_before(served.engine)
+  health = served.client.get("/health").json()
+  assert health["status"] == "ok" and health["engine_restarts"] == restarts + 3
+  assert complete(served.client, prompt="Again", max_tokens=3, temperature=0)["choices"]
+
+
 def test_an_engine_that_cannot_recover_ends_the_server(tmp_path):
-  """Steps that fail every time: after three failures in a row the worker stops for good, calls
-  ``on_fatal`` (kvm-serve's exits non-zero), answers every request 503 and /health 503."""
+  """Steps that fail every time, the engine's own checks of its empty slots too: after three
+  restarts in a row the worker stops for good, calls ``on_fatal`` (kvm-serve's exits
+  non-zero), answers every request 503 and /health 503."""
   model = make_model(("swa", "kvm"), 3, vocab_size=TOK.vocab_size)
   fatal = []
   with serving(model, on_fatal=fatal.append) as broken:
@@ -666,8 +754,9 @@ def test_the_openai_client_talks_to_the_server(served):
   assert chunks[-1].usage.completion_tokens == len(want)
   with pytest.raises(openai.BadRequestError, match="temperature must be 0"):
     client.completions.create(model="tiny", prompt="x", temperature=-1)
-  with pytest.raises(openai.NotFoundError, match="is not served here"):
+  with pytest.raises(openai.NotFoundError, match="is not served here") as wrong_model:
     client.completions.create(model="gpt-4", prompt="x")
+  assert wrong_model.value.code == "model_not_found"
   with pytest.raises(openai.BadRequestError, match="no chat template.*to /v1/completions"):
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
 
@@ -724,3 +813,36 @@ def test_kvm_serve_exits_non_zero_when_its_engine_cannot_recover(tmp_path, monke
     main([str(run), "--port", str(free_local_port()), "--compilation-cache", "off"])
   assert exited.value.code == 1
   assert "planted fault in every step" in capsys.readouterr().err
+
+
+def test_null_means_the_default_as_openai_clients_send_it(served):
+  """Clients send optional fields as null and earlier assistant turns back as they got them:
+  null ``n``, ``seed``, ``temperature``, ``max_tokens`` are their defaults (16 tokens for a
+  completion), and an assistant message's null ``tool_calls``/``refusal`` are no fields at all."""
+  defaults = complete(served.client, prompt="Nulls", n=None, seed=None, temperature=0,
+                      max_tokens=None, top_p=None, top_k=None, stop=None, stream=None)
+  assert len(defaults["choices"]) == 1 and len(defaults["choices"][0]["token_ids"]) <= 16
+  assert defaults["choices"] == complete(served.client, prompt="Nulls", temperature=0)["choices"]
+  from kvm_jax.serve import ChatTemplate
+  with serving(served.model, chat_template=ChatTemplate(CHAT_TEMPLATE, "test")) as chat:
+    response = chat.client.post("/v1/chat/completions", json=dict(
+        messages=[{"role": "user", "content": "a"},
+                  {"role": "assistant", "content": "b", "tool_calls": None, "refusal": None},
+                  {"role": "user", "content": "c"}],
+        max_completion_tokens=None, max_tokens=3, temperature=0))
+    tools = chat.client.post("/v1/chat/completions", json=dict(
+        messages=[{"role": "assistant", "content": "b", "tool_calls": [{"id": "1"}]}]))
+  assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) <= 3
+  assert_openai_error(tools, 400, "messages", "tool calls are not supported")
+
+
+def test_messages_show_any_value_however_nested():
+  """An error message quotes the bad value, cut short, even one nested past what ``json`` and
+  ``repr`` can walk (such a value gets a 400 like any other, not a 500 from the message)."""
+  from kvm_jax.serve import _shown
+  deep = []
+  for _ in range(20_000):
+    deep = [deep]
+  assert _shown(deep) == "a list nested too deeply to show"
+  assert _shown("x" * 500).endswith('xxx...') and len(_shown("x" * 500)) == 83
+  assert _shown(float("nan")) == "NaN" and _shown(2**80) == str(2**80)
