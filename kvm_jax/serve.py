@@ -133,7 +133,7 @@ def _is_number(x) -> bool:
   return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _shown(value, limit: int = 80) -> str:
+def shown_value(value, limit: int = 80) -> str:
   """``value`` as JSON for a message, cut to ``limit`` characters (a request may be huge)."""
   try:
     text = json.dumps(value, allow_nan=True)
@@ -168,7 +168,7 @@ def _prompts(value, tokenizer, text_refusal: Optional[str] = None) -> list[list[
                          "prompt")
     return [one for p in value for one in _prompts(p, tokenizer, text_refusal)]
   raise RequestError(f"prompt must be a string, a list of token ids, or a list of those; got "
-                     f"{_shown(value)}.", "prompt")
+                     f"{shown_value(value)}.", "prompt")
 
 
 def _same(value, neutral) -> bool:
@@ -179,8 +179,8 @@ def _same(value, neutral) -> bool:
 def _check_neutral(body: dict, neutral_fields: dict) -> None:
   for name, neutral in neutral_fields.items():
     if name in body and not any(_same(body[name], n) for n in neutral):
-      raise RequestError(f"{name}={_shown(body[name])} is not supported (only "
-                         f"{_shown(neutral[0])}).", name)
+      raise RequestError(f"{name}={shown_value(body[name])} is not supported (only "
+                         f"{shown_value(neutral[0])}).", name)
 
 
 def _int_field(body: dict, name: str, default, low: int, high: int, why: str = ""):
@@ -190,7 +190,7 @@ def _int_field(body: dict, name: str, default, low: int, high: int, why: str = "
   if value is None:
     return None
   if not _is_int(value) or not low <= value <= high:
-    raise RequestError(f"{name} must be an integer in [{low}, {high}]{why}, got {_shown(value)}.",
+    raise RequestError(f"{name} must be an integer in [{low}, {high}]{why}, got {shown_value(value)}.",
                        name)
   return value
 
@@ -204,13 +204,13 @@ def _sampling(body: dict, vocab_size: int):
   if not _is_number(temperature) or not (
       temperature == 0 or MIN_TEMPERATURE <= temperature <= FLOAT32_MAX):
     raise RequestError(f"temperature must be 0 (greedy) or a finite number in "
-                       f"[{MIN_TEMPERATURE:g}, {FLOAT32_MAX:.3g}], got {_shown(temperature)}.",
+                       f"[{MIN_TEMPERATURE:g}, {FLOAT32_MAX:.3g}], got {shown_value(temperature)}.",
                        "temperature")
   top_p = body.get("top_p")
   top_p = 1.0 if top_p is None else top_p
   if not _is_number(top_p) or not FLOAT32_TINY <= top_p <= 1:
     raise RequestError(f"top_p must be a number in (0, 1] (at least {FLOAT32_TINY:.3g}), got "
-                       f"{_shown(top_p)}.", "top_p")
+                       f"{shown_value(top_p)}.", "top_p")
   from kvm_jax.engine import INT32_MAX
   top_k = _int_field(body, "top_k", None, 1, INT32_MAX,
                      f" (any value >= the vocabulary's {vocab_size} keeps every token)")
@@ -225,7 +225,7 @@ def _stop(body: dict) -> tuple:
       or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)):
     raise RequestError(f"stop must be a non-empty string of at most {MAX_STOP_CHARS} characters "
                        f"or a list of at most {MAX_STOP_STRINGS} such, got "
-                       f"{_shown(body.get('stop'))}.", "stop")
+                       f"{shown_value(body.get('stop'))}.", "stop")
   return tuple(stop)
 
 
@@ -234,7 +234,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
   stream = body.get("stream")
   stream = False if stream is None else stream
   if not isinstance(stream, bool):
-    raise RequestError(f"stream must be true or false, got {_shown(stream)}.", "stream")
+    raise RequestError(f"stream must be true or false, got {shown_value(stream)}.", "stream")
   options = body.get("stream_options")
   if options is None:
     return stream, False
@@ -243,7 +243,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
   if not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(
       options.get("include_usage", False), bool):
     raise RequestError(f"stream_options must be {{\"include_usage\": true|false}}, got "
-                       f"{_shown(options)}.", "stream_options")
+                       f"{shown_value(options)}.", "stream_options")
   return stream, options.get("include_usage", False)
 
 
@@ -251,20 +251,20 @@ def _common(body: Any, fields: set, neutral: dict, settings: Settings) -> dict:
   """The fields completions and chat share, checked: ``max_tokens`` (or None when absent),
   ``sampling``, ``seed``, ``n``, ``stop``, ``stream``, ``include_usage``."""
   if not isinstance(body, dict):
-    raise RequestError(f"the request body must be a JSON object, got {_shown(body)}.")
+    raise RequestError(f"the request body must be a JSON object, got {shown_value(body)}.")
   unknown = sorted(set(body) - fields)
   if unknown:
-    raise RequestError(f"unknown field(s) {_shown(unknown)}; this endpoint takes "
+    raise RequestError(f"unknown field(s) {shown_value(unknown)}; this endpoint takes "
                        f"{sorted(fields)}.", str(unknown[0])[:80])
   _check_neutral(body, neutral)
   model = body.get("model")
   if model is not None and not isinstance(model, str):
-    raise RequestError(f"model must be a string, got {_shown(model)}.", "model")
+    raise RequestError(f"model must be a string, got {shown_value(model)}.", "model")
   if model is not None and model != settings.model_name:
-    raise RequestError(f"model {_shown(model)} is not served here; this server serves "
+    raise RequestError(f"model {shown_value(model)} is not served here; this server serves "
                        f"{settings.model_name!r}.", "model", status=404, code="model_not_found")
   if body.get("user") is not None and not isinstance(body["user"], str):
-    raise RequestError(f"user must be a string, got {_shown(body['user'])}.", "user")
+    raise RequestError(f"user must be a string, got {shown_value(body['user'])}.", "user")
   from kvm_jax.engine import SEED_MAX, SEED_MIN
   n = _int_field(body, "n", 1, 1, settings.slots, " (the server's slots)")
   seed = _int_field(body, "seed", None, SEED_MIN, SEED_MAX - (n - 1),
@@ -283,14 +283,14 @@ def _completions(prompts: list[list[int]], max_tokens, common: dict, settings: S
     if not _is_int(max_tokens) or not 1 <= max_tokens <= settings.max_len - 1:
       raise RequestError(f"max_tokens must be an integer in [1, {settings.max_len - 1}] (the "
                          f"server's max_len={settings.max_len} holds the prompt too), got "
-                         f"{_shown(max_tokens)}.", "max_tokens")
+                         f"{shown_value(max_tokens)}.", "max_tokens")
   completions = []
   for prompt in prompts:
     if not prompt:
       raise RequestError(f"the {param} is empty: give at least one token.", param)
     bad = [t for t in prompt if not 0 <= t < settings.vocab_size]
     if bad:
-      raise RequestError(f"token id {_shown(bad[0])} is outside the vocabulary [0, "
+      raise RequestError(f"token id {shown_value(bad[0])} is outside the vocabulary [0, "
                          f"{settings.vocab_size}).", param)
     if max_tokens is None:  # a chat without max_tokens: until the end of text or of the slot
       max_tokens = max(settings.max_len - len(prompt), 1)
@@ -340,25 +340,25 @@ def _message_text(message: Any, i: int) -> dict:
   where = f"messages[{i}]"
   if not isinstance(message, dict) or "role" not in message:
     raise RequestError(f"{where} must be an object with a role and content, got "
-                       f"{_shown(message)}.", "messages")
+                       f"{shown_value(message)}.", "messages")
   role, content = message["role"], message.get("content")
   if role not in CHAT_ROLES:
-    raise RequestError(f"{where}.role must be one of {list(CHAT_ROLES)}, got {_shown(role)}.",
+    raise RequestError(f"{where}.role must be one of {list(CHAT_ROLES)}, got {shown_value(role)}.",
                        "messages")
   if isinstance(content, list):  # content parts: only text can be rendered here
     if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                for p in content):
       raise RequestError(f"{where}.content parts must all be {{\"type\": \"text\", \"text\": "
-                         f"...}} (this server reads text only), got {_shown(content)}.",
+                         f"...}} (this server reads text only), got {shown_value(content)}.",
                          "messages")
     content = "".join(p["text"] for p in content)
   if not isinstance(content, str):
     raise RequestError(f"{where}.content must be a string or a list of text parts, got "
-                       f"{_shown(content)}.", "messages")
+                       f"{shown_value(content)}.", "messages")
   # A client sends earlier assistant turns back as it got them (refusal, tool_calls: null).
   unknown = sorted(k for k in set(message) - {"role", "content", "name"} if message[k] is not None)
   if unknown:
-    raise RequestError(f"{where} has unknown field(s) {_shown(unknown)} (tool calls are not "
+    raise RequestError(f"{where} has unknown field(s) {shown_value(unknown)} (tool calls are not "
                        "supported).", "messages")
   return {"role": role, "content": content}
 
@@ -375,7 +375,7 @@ def parse_chat_request(body: Any, tokenizer, template: Optional["ChatTemplate"],
   messages = body.get("messages")
   if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
     raise RequestError(f"messages must be a non-empty list of at most {MAX_MESSAGES} messages, "
-                       f"got {_shown(messages)}.", "messages")
+                       f"got {shown_value(messages)}.", "messages")
   if settings.text_refusal:
     raise RequestError(settings.text_refusal, "messages")
   messages = [_message_text(m, i) for i, m in enumerate(messages)]

@@ -231,15 +231,14 @@ def test_none_unsets_an_optional_field_that_holds_a_value():
   gives it (a config file's ``max_state_rows=64`` can be unset from the command line), in
   ``kvm-train --config`` and ``--kvm`` alike; a text field that is not optional keeps the word."""
   from kvm_jax.convert import parse_kvm_value
-  from kvm_jax.train.main import _override
   tiny = kj.presets.tiny(mixers="kvm")
   capped = dataclasses.replace(tiny.options_of("kvm"), max_state_rows=64)
   model = dataclasses.replace(tiny, options=tiny.options.set("kvm", capped))
   cfg = TrainConfig(model=model, remat="block")
-  unset = _override(cfg, "model.options.kvm.max_state_rows", "none")
+  unset = apply_override(cfg, "model.options.kvm.max_state_rows", "none")
   assert unset.model.options_of("kvm").max_state_rows is None
-  assert _override(cfg, "model.options.kvm.max_state_rows", "NONE").model.options_of(
+  assert apply_override(cfg, "model.options.kvm.max_state_rows", "NONE").model.options_of(
       "kvm").max_state_rows is None
-  assert _override(cfg, "remat", "none").remat == "none"  # a text field: the word itself
+  assert apply_override(cfg, "remat", "none").remat == "none"  # a text field: the word itself
   assert parse_kvm_value("max_state_rows", "none") is None
   assert parse_kvm_value("max_state_rows", "32") == 32

@@ -839,10 +839,10 @@ def test_null_means_the_default_as_openai_clients_send_it(served):
 def test_messages_show_any_value_however_nested():
   """An error message quotes the bad value, cut short, even one nested past what ``json`` and
   ``repr`` can walk (such a value gets a 400 like any other, not a 500 from the message)."""
-  from kvm_jax.serve import _shown
+  from kvm_jax.serve import shown_value
   deep = []
   for _ in range(20_000):
     deep = [deep]
-  assert _shown(deep) == "a list nested too deeply to show"
-  assert _shown("x" * 500).endswith('xxx...') and len(_shown("x" * 500)) == 83
-  assert _shown(float("nan")) == "NaN" and _shown(2**80) == str(2**80)
+  assert shown_value(deep) == "a list nested too deeply to show"
+  assert shown_value("x" * 500).endswith('xxx...') and len(shown_value("x" * 500)) == 83
+  assert shown_value(float("nan")) == "NaN" and shown_value(2**80) == str(2**80)
