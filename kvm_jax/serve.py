@@ -306,15 +306,6 @@ def _completions(prompts: list[list[int]], max_tokens, common: dict, settings: S
   return completions
 
 
-def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_len: int, slots: int,
-                     model_name: str) -> tuple[list[Completion], bool]:
-  """The completions a ``/v1/completions`` body asks for, and whether it streams; a
-  :class:`RequestError` naming the bad value otherwise."""
-  request = parse_completion_request(body, tokenizer, Settings(vocab_size, max_len, slots,
-                                                               model_name))
-  return request.completions, request.stream
-
-
 @dataclasses.dataclass(frozen=True)
 class Parsed:
   """A checked request: its completions and how the response goes out."""
@@ -546,8 +537,6 @@ class EngineWorker:
           engine.release(rid)
     return self.call(finish_all)
 
-  cancel = finish
-
   def close(self) -> None:
     self._stop.set()
     self._thread.join(timeout=10)
@@ -707,7 +696,7 @@ class _Running:
       return choice, None, []
     delta = self.server.advance(choice, event)
     if choice.finish_reason is not None and event.finish_reason is None:
-      self.server.worker.cancel([event.request_id])  # a stop string ended it early: free the slot
+      self.server.worker.finish([event.request_id])  # a stop string ended it early: free the slot
     return choice, delta, ([] if event.token == self.server.eos else [event.token])
 
   def _choice_json(self, choice: _Choice, text: str, token_ids: list, streamed: bool) -> dict:
