@@ -427,21 +427,16 @@ class ChatTemplate:
                                 bos_token=self.bos_token, eos_token=self.eos_token)
 
 
-def _token_text(value) -> str:
-  if isinstance(value, dict):
-    value = value.get("content")
-  return value if isinstance(value, str) else ""
-
-
 def find_chat_template(folders: Sequence[Path]) -> Optional[ChatTemplate]:
   """The first chat template in ``folders``: a ``chat_template.jinja`` file, else the
   ``chat_template`` of a ``tokenizer_config.json`` (a string, or transformers' list of named
   templates, whose ``default`` is taken). None when no folder has one."""
+  from kvm_jax.hf.special_tokens import token_name
   for folder in folders:
     config_file = folder / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    tokens = dict(bos_token=_token_text(config.get("bos_token")),
-                  eos_token=_token_text(config.get("eos_token")))
+    tokens = dict(bos_token=token_name(config.get("bos_token")) or "",
+                  eos_token=token_name(config.get("eos_token")) or "")
     jinja = folder / "chat_template.jinja"
     found = None
     if jinja.is_file():

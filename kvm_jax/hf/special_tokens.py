@@ -42,7 +42,7 @@ def source_dtype(record: Mapping[str, Any]) -> Optional[str]:
   return named if isinstance(named, str) else None
 
 
-def _token_name(value) -> Optional[str]:
+def token_name(value) -> Optional[str]:
   """A special token as tokenizer_config.json writes it: a string, or an AddedToken object."""
   if isinstance(value, Mapping):
     value = value.get("content")
@@ -75,7 +75,7 @@ def tokenizer_token_ids(tokenizer_file) -> tuple[dict[str, int], str]:
   for file in reversed(found):  # the first file that names a token wins
     listed = json.loads(file.read_text())
     names.update({f: name for f in TOKEN_ID_FIELDS
-                  if (name := _token_name(listed.get(f.removesuffix("_id"))))})
+                  if (name := token_name(listed.get(f.removesuffix("_id"))))})
   ids = {f: vocab[names[f]] for f in TOKEN_ID_FIELDS if names.get(f) in vocab}
   return ids, (f"the tokenizer's {found[0].name}" if found
                else f"the tokenizer's {DEFAULT_EOS} (it has no {TOKENIZER_COMPANIONS[0]})")
