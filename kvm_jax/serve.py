@@ -666,7 +666,7 @@ class _Running:
     self.choices = {rid: _Choice(index=i, stops=stops[i]) for i, rid in enumerate(ids)}
     prefix, kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
     self.header = {"id": f"{prefix}-{secrets.token_hex(12)}", "object": kind,
-                   "created": int(time.time()), "model": server.model_name}
+                   "created": int(time.time()), "model": server.settings.model_name}
 
   def unfinished(self) -> list[int]:
     """The engine ids of the samples still running: what a client that leaves must cancel."""
@@ -765,8 +765,6 @@ class _Server:
                streaming_response, chat_template: Optional[ChatTemplate] = None):
     self.worker, self.tokenizer, self.eos = worker, tokenizer, tokenizer.eos_id
     self.settings, self.chat_template = settings, chat_template
-    self.model_name, self.slots, self.max_len = (settings.model_name, settings.slots,
-                                                 settings.max_len)
     self.created = int(time.time())
     self._json_response, self._streaming_response = json_response, streaming_response
 
@@ -878,14 +876,15 @@ class _Server:
 
   async def models(self, request):
     return self._json_response({"object": "list", "data": [
-        {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvm_jax",
-         "max_len": self.max_len, "slots": self.slots}]})
+        {"id": self.settings.model_name, "object": "model", "created": self.created,
+         "owned_by": "kvm_jax", "max_len": self.settings.max_len, "slots": self.settings.slots}]})
 
   async def health(self, request):
     """``GET /health``: 200 with ``status: ok`` once warm and serving; 503 while ``warming`` or
     once ``failed``. ``engine_restarts`` counts the engine's recoveries, ``last_error`` names
     the latest failure."""
-    body = {"status": self.worker.state, "slots": self.slots, "running": None, "waiting": None,
+    body = {"status": self.worker.state, "slots": self.settings.slots, "running": None,
+            "waiting": None,
             "engine_restarts": self.worker.restarts, "last_error": self.worker.last_error}
     if self.worker.state == "ok":
       with contextlib.suppress(asyncio.TimeoutError, EngineFailed):

@@ -15,16 +15,9 @@ The fused kernels live in :mod:`kvm_jax.kernels`; only ``api.py`` plugs them in.
 
 from kvm_jax import lazy_exports as _lazy_exports
 
-__all__ = ["AUTO_PALLAS_BACKENDS", "KVM_PLATFORMS", "KVM_READOUTS", "ChunkOps", "KVMBackend",
-           "KVMCache", "KVMOutput", "KVMParams", "KVMState", "KVMStepOutput",
-           "RoutedKVMOutput", "RoutedKVMStepOutput", "XLA_OPS", "chunk_ops", "kernel_sharding",
-           "kvm_attention", "kvm_attention_reference", "kvm_attention_scan", "kvm_decode_step",
-           "kvm_init_cache", "kvm_prefill", "kvm_resume", "resolve_implementation",
-           "resolve_kvm_backend"]
-
 # Imported on first use (kvm_jax.lazy_exports): a kernel that needs only ``state.py`` loads
 # neither ``api.py`` nor, through it, the kernels it dispatches to.
-__getattr__, __dir__ = _lazy_exports.exports(__name__, {
+_EXPORTS = {
     "kvm_jax.ops.kvm.api": ("AUTO_PALLAS_BACKENDS", "KVM_PLATFORMS", "KVM_READOUTS", "KVMBackend",
                             "chunk_ops", "kernel_sharding", "kvm_attention", "kvm_decode_step",
                             "kvm_prefill", "kvm_resume", "resolve_implementation",
@@ -33,4 +26,6 @@ __getattr__, __dir__ = _lazy_exports.exports(__name__, {
     "kvm_jax.ops.kvm.reference": ("kvm_attention_reference",),
     "kvm_jax.ops.kvm.scan": ("XLA_OPS", "ChunkOps", "kvm_attention_scan"),
     "kvm_jax.ops.kvm.state": ("KVMOutput", "KVMParams", "KVMState", "KVMStepOutput",
-                              "RoutedKVMOutput", "RoutedKVMStepOutput")})
+                              "RoutedKVMOutput", "RoutedKVMStepOutput")}
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)
+__getattr__, __dir__ = _lazy_exports.exports(__name__, _EXPORTS)
