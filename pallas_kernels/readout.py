@@ -32,6 +32,8 @@ from kvm_jax.kernels import backend
 from kvm_jax.kernels.sharding import per_shard
 from kvm_jax.ops.common import MASKED
 
+TPU_LANES = 128  # the lane width of a TPU vector register: Mosaic's unit of dynamic lane slices
+
 
 @dataclasses.dataclass(frozen=True)
 class ReadoutBlocks:
@@ -51,15 +53,26 @@ def readout_blocks(GT: int, R: int, W: int, platform: str, interpret: bool = Fal
   """Tiles for ``GT = G·Tq`` query rows per KV head against ``R`` state and ``W`` window rows.
 
   GPU (Triton): 64 x 64 tiles, power-of-two sizes (a [64, 128] bf16 operand is 16 KiB; with the
-  score tile and a float32 accumulator a program holds well under 100 KiB). TPU and interpreted:
-  128 query rows x 128 keys (one lane-width MXU tile; on TPU the per-head state and window
-  blocks sit in VMEM, see :mod:`kvm_jax.kernels.resources`)."""
+  score tile and a float32 accumulator a program holds well under 100 KiB).
+
+  TPU (Mosaic, compiled or interpreted): each loop step slices the ``[1, R]`` state bias and the
+  ``[rows, W]`` window bias along their last (lane) dimension at a dynamic offset, and Mosaic
+  accepts such a slice only where it can prove the offset a multiple of 128 (error E2003
+  otherwise): the state and window steps are exactly 128 rows, and R and W are padded to whole
+  steps (a 1-row state is read as one masked 128-row step). Query rows: at most 128 per program,
+  a multiple of 8 sublanes, or all of them.
+
+  Interpreted elsewhere (CPU): steps of at most 128 rows, multiples of 8, the fewest padded rows."""
   pow2 = lambda n: max(16, 1 << (max(n, 1) - 1).bit_length())
   if platform == "gpu" and not interpret:
     return ReadoutBlocks(min(64, pow2(GT)), min(64, pow2(R)), min(64, pow2(W)), pow2(GT),
                          pow2(R), pow2(W))
   up = lambda n, m: -(-n // m) * m
-  queries, state, window = (min(128, up(n, 8)) for n in (GT, R, W))
+  queries = min(128, up(GT, 8))
+  if platform == "tpu":
+    state = window = TPU_LANES
+  else:
+    state, window = (min(128, up(n, 8)) for n in (R, W))
   return ReadoutBlocks(queries, state, window, up(GT, queries), up(R, state), up(W, window))
 
 
@@ -156,14 +169,33 @@ def _block_ranges(state_bias, window_bias, blocks: ReadoutBlocks):
                    axis=1).astype(jnp.int32)
 
 
+def _forward_padded(q, state_keys, state_values, state_bias, window_keys, window_values,
+                    window_bias, state_scale, window_scale, kc, blocks: ReadoutBlocks):
+  """:func:`_forward` for sizes that are not whole tiles: pads to ``blocks``' sizes (state rows
+  and window slots masked, extra query rows seeing one window slot so their softmax stays finite)
+  and drops the padding from the outputs."""
+  GT, Wp = q.shape[2], blocks.window_padded
+  pad = backend.pad_axis
+  extra_rows = blocks.queries_padded - GT
+  window_bias = pad(pad(window_bias, 1, Wp, MASKED), 0, blocks.queries_padded, MASKED)
+  window_bias = window_bias.at[GT:, 0].set(0.0) if extra_rows else window_bias
+  y, lse = _forward(
+      pad(q, 2, blocks.queries_padded), pad(state_keys, 2, blocks.state_padded),
+      pad(state_values, 2, blocks.state_padded),
+      pad(state_bias, 3, blocks.state_padded, MASKED), pad(window_keys, 2, Wp),
+      pad(window_values, 2, Wp), window_bias, pad(state_scale, 1, blocks.queries_padded, 1.0),
+      pad(window_scale, 1, blocks.queries_padded, 1.0), kc)
+  return y[:, :, :GT], lse[:, :, :GT]
+
+
 def _forward(q, state_keys, state_values, state_bias, window_keys, window_values, window_bias,
              state_scale, window_scale, kc):
   B, Hkv, GT, D = q.shape
   R, W, Dv = state_keys.shape[2], window_keys.shape[2], window_values.shape[3]
-  want = readout_blocks(GT, R, W, kc.platform, kc.interpret)
-  fit = lambda block, n: block if n % block == 0 else n  # unpadded callers: whole-array blocks
-  blocks = ReadoutBlocks(fit(want.queries, GT), fit(want.state, R), fit(want.window, W), GT, R,
-                         W)
+  blocks = readout_blocks(GT, R, W, kc.platform, kc.interpret)
+  if (blocks.queries_padded, blocks.state_padded, blocks.window_padded) != (GT, R, W):
+    return _forward_padded(q, state_keys, state_values, state_bias, window_keys, window_values,
+                           window_bias, state_scale, window_scale, kc, blocks)
   BM = blocks.queries
   ranges = _block_ranges(state_bias, window_bias, blocks)
   per_head = lambda *tail: pl.BlockSpec((None, None, *tail), lambda b, h, i: (b, h, 0, 0))
