@@ -6,6 +6,8 @@ and the OVQ and RWKV-7 baselines' fast paths against their oracles.
     kvm-check --ops ovq,rwkv7 # only the baselines
     kvm-check --ops "" --kinds all             # every registered mixer kind's model checks
     kvm-check --plugin my_kind.py --kinds mine # a kind registered from outside the package
+    kvm-check --target v5e:2x2                 # compile every kernel and op for a TPU v5e
+    kvm-check --target h100:1x8 --programs kernels   # the kernels only, for an H100
 
 For each configuration (budgets, sinks, GQA, float32 and bfloat16) it runs, jitted, on the same
 inputs:
@@ -31,6 +33,15 @@ and the gradients (of every input and the initial state).
 ``--kinds`` checks whole models of each named mixer kind (any registered one, ``--plugin`` ones
 included): forward against prefill + decode, against prefill + parallel pieces, and packed
 documents against each alone, as far as the kind's class says it can (``kvm_jax.eval.kind_check``).
+
+``--target`` checks a chip before renting it: it compiles (without running) every kernel and op
+of ``kvm_jax.eval.chip_check`` for a TPU topology (``v5e:2x2``, ``v5p:2x2x1``, ``v6e:2x2``) or a
+GPU (``h100:1x8``, ``h200:1x8``, ``b200:1x8``) on this machine, and prints one line per program:
+compiles (seconds, bytes per chip: arguments, temporaries, outputs, and whether they fit the
+chip's memory) or FAILS with the compiler's reason. It needs the compilers, not the chip:
+``pip install "kvm_jax[compile]"``. A compile proves the program valid for the chip and its
+memory; it says nothing of speed or of numerics on the chip. The exit status is 1 if a program
+fails or does not fit.
 """
 
 from __future__ import annotations
@@ -327,14 +338,57 @@ def build_parser() -> argparse.ArgumentParser:
                  help="comma-separated mixer kinds (registered ones, or 'all') whose tiny models "
                       "to check: forward vs prefill+decode, vs prefill+resume, packed documents "
                       "vs alone, as far as each kind supports them (default: none)")
+  p.add_argument("--target", default=None,
+                 help="compile instead of run, for this chip: a TPU topology as JAX names it "
+                      "(v5e:2x2, v5p:2x2x1, v6e:2x2) or a GPU as CHIP:HOSTSxDEVICES (h100:1x8, "
+                      "h200:1x8, b200:1x8); prints one line per program (compiles or fails, "
+                      "seconds, bytes per chip). Needs pip install 'kvm_jax[compile]'")
+  p.add_argument("--programs", default="kernels,ops",
+                 help="with --target: which programs to compile, comma-separated: kernels (each "
+                      "Pallas kernel at the paper's and small shapes, seconds each), ops (the "
+                      "whole op forward/backward, documents, decode: minutes each); default both")
+  p.add_argument("--match", default="",
+                 help="with --target: only the programs whose name contains this text")
   plugins.add_plugin_flag(p)
   compilation_cache.add_flag(p)
   return p
 
 
+def compile_for_target(target: str, groups: Sequence[str], match: str = "") -> int:
+  """``--target``: compiles the chosen programs for ``target`` and prints one line each, then a
+  summary; 1 if any fails or does not fit the chip's memory."""
+  from kvm_jax import target as targets
+  from kvm_jax.eval import chip_check
+  from kvm_jax.progress import progress
+  try:
+    t = targets.parse_target(target)
+  except ValueError as e:
+    raise SystemExit(f"--target: {e}")
+  unknown = sorted(set(groups) - {"kernels", "ops"})
+  if unknown or not groups:
+    raise SystemExit(f"--programs: expected some of kernels, ops; got {','.join(groups)!r}")
+  selected = [p for p in chip_check.programs(groups) if match in p.name
+              and t.platform in p.platforms]
+  print(f"kvm-check --target {t.name}: {t.chip.kind}, {t.device_count} device(s), "
+        f"{t.memory_per_chip / 2**30:.2f} GiB per chip; {len(selected)} programs", flush=True)
+  results = []
+  for program in progress(selected, desc="compiling"):
+    results.append(chip_check.compile_one(program, t))
+    print(results[-1].line(), flush=True)
+  bad = [r for r in results if not r.fits]
+  print(f"\n{len(results) - len(bad)}/{len(results)} programs compile and fit {t.name}")
+  for r in bad:
+    print(f"FAIL {r.name}: {r.error or 'needs more memory than the chip has'}")
+  return 1 if bad else 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   args = build_parser().parse_args(argv)
   compilation_cache.enable(args.compilation_cache)
+  if args.target is not None:
+    plugins.load_plugins(args)
+    return compile_for_target(args.target, [g for g in args.programs.split(",") if g],
+                              args.match)
   import jax
   from kvm_jax.eval import kind_check
   from kvm_jax.kernels.backend import default_interpret

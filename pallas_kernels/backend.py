@@ -3,8 +3,10 @@
 Kernels run natively on TPU (Mosaic) and GPU (Triton), and in interpret mode everywhere else (the
 CPU reference path of the tests). A :class:`KernelConfig` is fixed when the caller is traced and
 passed to the kernels as a static argument — never read from global state while a kernel is
-traced, because ``custom_vjp`` traces its forward rule lazily, under ``grad``. An explicit target
-("tpu", "cuda") lets a CPU-only machine lower the kernels for an accelerator (the lowering tests).
+traced, because ``custom_vjp`` traces its forward rule lazily, under ``grad``. By default it is
+built for the current target (``kvm_jax.target.current_target()``: this machine, or inside
+``kvm_jax.compile_target("v5e:2x2")`` the chip being compiled for); an explicit platform ("tpu",
+"cuda") or target name builds it for that chip.
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kvm_jax.kernels.sharding import ShardAxes
-from kvm_jax.ops.common import current_platform
+from kvm_jax import target as targets
 
 
 KiB, MiB = 1024, 1024 * 1024
 GPU_STAGES, GPU_WARPS = 2, 4   # Triton software-pipelining stages and warps per program
-TPU_VMEM_BUDGET = 96 * MiB     # of a v5e core's 128 MiB VMEM; the rest left to the compiler
+# VMEM a kernel's own buffers may take: three quarters of the core's, the rest left to Mosaic's
+# internal scratch. Chips: v5e and v6e 128 MiB, v5p 64 MiB (kvm_jax.target.CHIPS; measured: a
+# kernel needing 128 MiB compiles for neither v5p nor v6e, 64 MiB compiles for all three).
+TPU_VMEM_SHARE = 0.75
+DEFAULT_TPU_VMEM = 128 * MiB   # a TPU platform named without a chip: v5e's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,18 +81,40 @@ def scalar_bounds_spec(kc: "KernelConfig", shape):
   return pl.BlockSpec(shape, lambda b, h, i: (0, 0))
 
 
-def vmem_limit_bytes(ws: WorkingSet) -> int:
-  """The VMEM to request from Mosaic for a kernel: the model's figure plus half again for the
-  compiler's own temporaries, at least the 16 MiB default scoped limit, at most the budget."""
-  return int(min(TPU_VMEM_BUDGET, max(16 * MiB, ws.vmem * 3 // 2)))
+def vmem_budget(vmem: int = DEFAULT_TPU_VMEM) -> int:
+  """Bytes of a TPU core's ``vmem`` that a kernel's buffers may use (:data:`TPU_VMEM_SHARE`)."""
+  return int(vmem * TPU_VMEM_SHARE)
+
+
+def vmem_limit_bytes(ws: WorkingSet, vmem: int = DEFAULT_TPU_VMEM) -> int:
+  """The VMEM to request from Mosaic for a kernel on a core of ``vmem`` bytes: the model's figure
+  plus half again for the compiler's own temporaries, at least the 16 MiB default scoped limit,
+  at most the budget (:func:`vmem_budget`)."""
+  return int(min(vmem_budget(vmem), max(16 * MiB, ws.vmem * 3 // 2)))
 
 
 def platform(target: Optional[str] = None) -> str:
-  """"tpu", "gpu" or "cpu": ``target`` ("tpu", "cuda"/"gpu", "cpu"), default this machine's."""
-  p = target or current_platform()
-  if p not in ("tpu", "cuda", "gpu", "cpu"):
-    raise ValueError(f"unknown Pallas target {p!r}; choose tpu, cuda or cpu.")
-  return "gpu" if p == "cuda" else p
+  """"tpu", "gpu" or "cpu": of ``target`` (a platform "tpu", "cuda"/"gpu", "cpu", or a target
+  name such as "v5e:2x2" / "h100:1x8"), default the current target's."""
+  if target is None:
+    return targets.current_platform()
+  if target in ("tpu", "cuda", "gpu", "cpu"):
+    return "gpu" if target == "cuda" else target
+  try:
+    return targets.parse_target(target).platform
+  except ValueError:
+    raise ValueError(f"unknown Pallas target {target!r}; choose tpu, cuda, cpu or a target "
+                     "name such as v5e:2x2 or h100:1x8.") from None
+
+
+def chip_vmem(target: Optional[str] = None) -> int:
+  """A TPU core's VMEM for ``target``: the named chip's, the current target's when it is a TPU,
+  else :data:`DEFAULT_TPU_VMEM`."""
+  if target not in (None, "tpu", "cuda", "gpu", "cpu"):
+    chip = targets.parse_target(target).chip
+  else:
+    chip = targets.current_target().chip
+  return chip.vmem if chip.platform == "tpu" and chip.vmem else DEFAULT_TPU_VMEM
 
 
 def default_interpret(target: Optional[str] = None) -> bool:
@@ -96,19 +124,21 @@ def default_interpret(target: Optional[str] = None) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-  """Static facts a kernel is built with: the platform, whether it is interpreted, and the mesh
-  axes it may split over (:class:`ShardAxes`, given by the caller)."""
+  """Static facts a kernel is built with: the platform, whether it is interpreted, the mesh axes
+  it may split over (:class:`ShardAxes`, given by the caller) and, on TPU, the core's VMEM."""
 
   platform: str
   interpret: bool
   shard_axes: ShardAxes = ShardAxes()
+  vmem: int = DEFAULT_TPU_VMEM
 
   @classmethod
   def for_target(cls, target: Optional[str] = None, interpret: Optional[bool] = None,
                  shard_axes: ShardAxes = ShardAxes()) -> "KernelConfig":
-    """Kernels for ``target`` (default: this machine), interpreted where no compiler exists."""
+    """Kernels for ``target`` (a platform or target name; default the current target),
+    interpreted where no compiler exists."""
     interpret = default_interpret(target) if interpret is None else bool(interpret)
-    return cls(platform(target), interpret, shard_axes)
+    return cls(platform(target), interpret, shard_axes, chip_vmem(target))
 
   def compiler_params(self, grid_dims: int, working_set: Optional[WorkingSet] = None):
     """Per-backend compiler parameters; ``working_set`` (the kernel's :class:`WorkingSet`) sets
@@ -117,7 +147,8 @@ class KernelConfig:
       return None
     if self.platform == "tpu":
       from jax.experimental.pallas import tpu as pltpu
-      extra = {} if working_set is None else {"vmem_limit_bytes": vmem_limit_bytes(working_set)}
+      extra = ({} if working_set is None
+               else {"vmem_limit_bytes": vmem_limit_bytes(working_set, self.vmem)})
       return pltpu.CompilerParams(dimension_semantics=("parallel",) * grid_dims, **extra)
     if self.platform == "gpu":
       from jax.experimental.pallas import triton as pltriton
@@ -130,7 +161,9 @@ class KernelConfig:
 
   def padded_size(self, n: int) -> int:
     """Triton needs power-of-two array sizes (and matmul operands of >= 16 rows): the size a
-    kernel dimension is padded to. Mosaic takes whole-array blocks of any size."""
+    kernel dimension is padded to. Elsewhere the kernels pad to their own tiles (on TPU a block's
+    last two dims are multiples of (8, 128) or whole array dims, and a dynamic lane slice starts
+    at a multiple of 128: ``kvm_jax.kernels.readout.readout_blocks``)."""
     return max(16, 1 << (n - 1).bit_length()) if self.triton else n
 
   def matmul_precision(self, dtype):

@@ -271,16 +271,29 @@ def _bounds(num_rows, t, R: int, L: int, C: int) -> Array:
   return jnp.stack(values).astype(jnp.int32)
 
 
+def ring_view(ring: Array, kc: backend.KernelConfig) -> Array:
+  """The ring ``[B, L, Hkv, D]`` as the kernel reads it: ``[B, L, Hkv·D]`` (a free reshape; a
+  ``(slots, D)`` block at column block h is KV head h), or, on TPU when D is not a multiple of
+  128 lanes, head-major ``[B, Hkv, L, D]`` (a copy of the ring: a TPU block's last dim must be a
+  multiple of 128 or the whole array dim, so a 64-wide head cannot be a column block)."""
+  b, l, h, d = ring.shape
+  if kc.platform == "tpu" and d % 128:
+    return jnp.swapaxes(ring, 1, 2)
+  return ring.reshape(b, l, h * d)
+
+
 def _decode_partials(bounds, q, state_scale, window_scale, state_keys, state_values, ring_keys,
                      ring_values, *, blocks: dict, kc: backend.KernelConfig):
   """``(max, sum, acc)`` per split: ``[B, Hkv, S, Gp, 1]`` twice and ``[B, Hkv, S, Gp, Dv]``.
 
   ``q [B, Hkv, Gp, D]``, scales ``[Hkv, Gp, 1]``, state ``[B, Hkv, R, D|Dv]``, ring
-  ``[B, L, Hkv·D]`` / ``[B, L, Hkv·Dv]``, ``bounds`` int32 ``[8]`` (:func:`_bounds`).
+  ``[B, L, Hkv·D]`` / ``[B, L, Hkv·Dv]`` or head-major ``[B, Hkv, L, D|Dv]`` (:func:`ring_view`),
+  ``bounds`` int32 ``[8]`` (:func:`_bounds`).
   """
   B, Hkv, Gp, D = q.shape
   R, Dv = state_keys.shape[2], state_values.shape[3]
-  L = ring_keys.shape[1]
+  head_major_ring = ring_keys.ndim == 4
+  L = ring_keys.shape[2 if head_major_ring else 1]
   S = blocks["splits"]
   Rs, Ls = blocks["state_split"], blocks["window_split"]
   n_state, n_ring = _cdiv(R, Rs), _cdiv(L, Ls)
@@ -308,9 +321,13 @@ def _decode_partials(bounds, q, state_scale, window_scale, state_keys, state_val
       spec((None, Gp, 1), lambda b, h, s, *_: (h, 0, 0)),
       spec((None, None, Rs, D), lambda b, h, s, *a: (b, h, state_split(s, *a), 0)),
       spec((None, None, Rs, Dv), lambda b, h, s, *a: (b, h, state_split(s, *a), 0)),
-      spec((None, Ls, D), lambda b, h, s, *a: (b, ring_split(s, *a), h)),
-      spec((None, Ls, Dv), lambda b, h, s, *a: (b, ring_split(s, *a), h)),
   ]
+  if head_major_ring:
+    in_specs += [spec((None, None, Ls, D), lambda b, h, s, *a: (b, h, ring_split(s, *a), 0)),
+                 spec((None, None, Ls, Dv), lambda b, h, s, *a: (b, h, ring_split(s, *a), 0))]
+  else:
+    in_specs += [spec((None, Ls, D), lambda b, h, s, *a: (b, ring_split(s, *a), h)),
+                 spec((None, Ls, Dv), lambda b, h, s, *a: (b, ring_split(s, *a), h))]
   part = lambda *tail: spec((None, None, None, Gp, *tail), lambda b, h, s, *_: (b, h, s, 0, 0))
   out_specs = [part(1), part(1), part(Dv)]
   out_shape = [jax.ShapeDtypeStruct((B, Hkv, S, Gp, 1), jnp.float32),
@@ -388,10 +405,9 @@ def decode_attention_pallas(q_t: Array, state_keys: Array, state_values: Array, 
   bounds = _bounds(num_rows, t, R, L, cfg.chunk_size)
 
   def run(bounds, q, sscale, wscale, sk, sv, wk, wv):
-    b, l, h = wk.shape[:3]
-    m, lsum, acc = _decode_partials(
-        bounds, q, sscale, wscale, sk, sv, wk.reshape(b, l, h * D), wv.reshape(b, l, h * Dv),
-        blocks=blocks, kc=kc)
+    ring = lambda x: ring_view(x, kc)  # noqa: E731
+    m, lsum, acc = _decode_partials(bounds, q, sscale, wscale, sk, sv, ring(wk), ring(wv),
+                                    blocks=blocks, kc=kc)
     return _merge(m, lsum, acc)
 
   # the ring is passed unreshaped ("bth": split on batch and heads) and viewed as [B, L, Hkv·D]

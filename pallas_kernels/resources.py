@@ -12,18 +12,21 @@ keeps live. Each kernel module computes its own figure from the tile function it
 * **TPU (Mosaic)**: ``vmem`` — every BlockSpec block twice (the pipeline double-buffers them),
   each padded to whole (sublane, 128-lane) tiles, plus the in-kernel float32 temporaries.
 
-:data:`LIMITS` holds the budgets of H100 / H200 (shared memory per block, registers per
-thread) and TPU v5e (VMEM); :func:`fits` compares. ``KernelConfig.compiler_params`` asks Mosaic
-for the VMEM the model computes (``vmem_limit_bytes``) instead of the default scoped limit.
+:data:`LIMITS` holds the budgets of every chip of ``kvm_jax.target.CHIPS``: H100 / H200 / B200
+(shared memory per block, registers per thread) and TPU v5e / v5p / v6e (the share of a core's
+VMEM a kernel may take); :func:`fits` compares. ``KernelConfig.compiler_params`` asks Mosaic for
+the VMEM the model computes (``vmem_limit_bytes``) instead of the default scoped limit. The
+compile tests (tests/test_chip_compile.py) hold the model to the compilers: tiles it says fit
+compile, and a shape it says does not fit is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from kvm_jax import target as targets
 from kvm_jax.kernels import decode, readout, update
-from kvm_jax.kernels.backend import (GPU_WARPS, KiB, MiB, TPU_VMEM_BUDGET, WorkingSet,
-                                     vmem_limit_bytes)
+from kvm_jax.kernels.backend import (GPU_WARPS, MiB, WorkingSet, vmem_budget, vmem_limit_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +40,16 @@ class Limits:
   vmem: int = 0            # bytes of VMEM a kernel may be given (TPU)
 
 
-LIMITS = {
-    # 227 KiB of shared memory per block; 255 32-bit registers per thread x GPU_WARPS warps.
-    "h100": Limits("H100", "gpu", shared=227 * KiB, registers=255 * 4 * GPU_WARPS * 32),
-    "h200": Limits("H200", "gpu", shared=227 * KiB, registers=255 * 4 * GPU_WARPS * 32),
-    # 128 MiB of VMEM per core; a quarter is left to the compiler's own buffers.
-    "tpu_v5e": Limits("TPU v5e", "tpu", vmem=TPU_VMEM_BUDGET),
-}
+def limits_of(chip: targets.Chip) -> Limits:
+  """The per-program budgets of one chip: a GPU block's opt-in shared memory and 255 32-bit
+  registers per thread × ``GPU_WARPS`` warps; a TPU kernel's share of the core's VMEM."""
+  if chip.platform == "gpu":
+    return Limits(chip.name, "gpu", shared=chip.shared_per_block,
+                  registers=255 * 4 * GPU_WARPS * 32)
+  return Limits(chip.name, "tpu", vmem=vmem_budget(chip.vmem))
+
+
+LIMITS = {name: limits_of(chip) for name, chip in targets.CHIPS.items()}
 
 def decode_set(R, L, G, D, Dv, dtype, platform) -> WorkingSet:
   """The decode kernel (``kvm_jax.kernels.decode``) over R state rows and an L-slot ring."""

@@ -1,5 +1,5 @@
 """The resource model (kvm_jax.kernels.resources): every kernel's per-program working set at the
-paper's shapes stays within H100/H200 shared memory and registers and TPU v5e VMEM, for state
+paper's shapes stays within H100/H200/B200 shared memory and registers and TPU v5e/v5p/v6e VMEM, for state
 sizes up to 4096 rows and GQA groups of 1, 3 and 4; and the model follows the kernels' tiles."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from kvm_jax.kernels import backend, resources
 from kvm_jax.kernels.readout import readout_blocks, readout_working_set
 from kvm_jax.kernels.update import routing_blocks
 
-TARGETS = {"gpu": ("h100", "h200"), "tpu": ("tpu_v5e",)}
+TARGETS = {"gpu": ("h100", "h200", "b200"), "tpu": ("v5e", "v5p", "v6e")}
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (
     ("config", ("kvm_jax.budget", "kvm_jax.kvm_config", "kvm_jax.config", "kvm_jax.mixer_options",
                 "kvm_jax.family_options", "kvm_jax.model_config", "kvm_jax.config_io", "kvm_jax.progress",
-                "kvm_jax.plugins", "kvm_jax.renamed", "kvm_jax.compilation_cache",
+                "kvm_jax.plugins", "kvm_jax.renamed", "kvm_jax.compilation_cache", "kvm_jax.target",
                 "kvm_jax.lazy_exports",
                 "kvm_jax.row_plan")),
     ("ops", ("kvm_jax.ops.common", "kvm_jax.ops.rope", "kvm_jax.ops.attention",
@@ -349,7 +349,7 @@ def test_user_facing_text_stands_on_its_own():
 
 # The one installed module that may ask JAX for its default backend (``current_platform``); the
 # backend resolvers of the KVM op and of softmax attention, and everything else, go through it.
-PLATFORM_READER = "kvm_jax.ops.common"
+PLATFORM_READER = "kvm_jax.target"
 
 
 def platform_reads(where: str, source: str) -> list[str]:
@@ -366,10 +366,11 @@ def platform_reads(where: str, source: str) -> list[str]:
 
 def test_one_module_reads_the_platform():
   """Only :data:`PLATFORM_READER` calls ``jax.default_backend()``; the rest of the package asks
-  ``kvm_jax.ops.common.current_platform()`` or a backend resolver."""
+  ``kvm_jax.target.current_target()`` (or ``kvm_jax.ops.common.current_platform()``) or a
+  backend resolver."""
   problems = [p for module, path in MODULES.items() if module != PLATFORM_READER
               for p in platform_reads(module, path.read_text())]
-  assert not problems, ("read the platform through kvm_jax.ops.common.current_platform():\n"
+  assert not problems, ("read the platform through kvm_jax.target.current_target():\n"
                         + "\n".join(problems))
   assert platform_reads(PLATFORM_READER, MODULES[PLATFORM_READER].read_text())  # not vacuous
   assert len(platform_reads("x", "import jax\nfrom jax import default_backend\n"

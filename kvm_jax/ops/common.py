@@ -1,7 +1,6 @@
 """Pure building blocks shared by every attention op (KVM and the baselines): no Flax, no kernels.
 
-* the platform the program runs on (:func:`current_platform`: the one reader of JAX's default
-  backend in the package);
+* the platform programs are built for (:func:`current_platform`, from :mod:`kvm_jax.target`);
 * byte counting of pytrees (:func:`tree_nbytes`);
 * ring buffers of recent tokens (slot = position mod slots), shared by every decode cache;
 * matmul helpers and a float32 LayerNorm;
@@ -19,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvm_jax import target
+
 Array = jax.Array
 # A finite "minus infinity" for masked scores: a fully masked row gives zeros, never NaN
 # gradients. The Pallas readout uses the same constant, so both paths mask identically.
@@ -35,13 +36,14 @@ def soft_capped(scores: Array, cap) -> Array:
 
 
 def current_platform() -> str:
-  """The platform programs are compiled for here: "cpu", "gpu" or "tpu" (JAX's default backend).
+  """The platform programs are being built for: "cpu", "gpu" or "tpu" — this machine's, or inside
+  ``kvm_jax.compile_target(...)`` the chip being compiled for (:mod:`kvm_jax.target`).
 
-  The one place the package reads it, so every backend decision can be traced to it: the KVM and
-  softmax-attention registries (``kvm_jax.ops.kvm.api.resolve_kvm_backend``,
-  ``kvm_jax.ops.attention_api.resolve_attention_backend``) take their platform from here and hand
-  the decided values down; the layers below them take those values as arguments."""
-  return jax.default_backend()
+  Every backend decision takes its platform from here: the KVM and softmax-attention registries
+  (``kvm_jax.ops.kvm.api.resolve_kvm_backend``, ``kvm_jax.ops.attention_api.
+  resolve_attention_backend``), the kernels' interpret default, the scan's layouts and row update;
+  the layers below them take the decided values as arguments."""
+  return target.current_platform()
 
 
 def import_tokamax(purpose: str):
