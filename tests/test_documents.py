@@ -273,7 +273,9 @@ def test_pallas_documents_are_each_document_alone_and_route_as_xla():
   """The Pallas kernels (interpret mode) in the document steps: per batch row state row counts in
   the readout's mask and the routing kernels' row bounds. Outputs and the last documents' states
   equal each document run alone (on the XLA scan), and equal the XLA document path's, whose
-  routing decisions (as the states' rows show) the kernels reproduce; gradients equal XLA's."""
+  routing decisions (as the states' rows show) the kernels reproduce; gradients with respect to
+  the inputs and the KVM parameters equal XLA's (tests/test_documents_kernels.py: the other
+  paths and a model's training step)."""
   cfg = KVMConfig(**TINY, **BUDGETS["sat_no_sink_gqa"])  # appends (novelty kernel) and merges
   layout = ([1, 3, 5, 9, -2, 22, 22], [-3, 30, 9, 4, 18])
   q, k, v, g, params = _kvm_inputs(2, H=4, Hkv=2, seed=1)
@@ -297,10 +299,13 @@ def test_pallas_documents_are_each_document_alone_and_route_as_xla():
   w = jax.random.normal(jax.random.PRNGKey(5), y.shape)
   loss = lambda impl: lambda *a: jnp.sum(  # noqa: E731
       kj.kvm_attention(*a, cfg, segment_ids=seg, backend=impl).y * w)
-  grads = [jax.jit(jax.grad(loss(impl), argnums=(0, 1, 2, 3)))(q, k, v, g, params)
+  grads = [jax.jit(jax.grad(loss(impl), argnums=(0, 1, 2, 3, 4)))(q, k, v, g, params)
            for impl in (pallas, kj.resolve_kvm_backend(cfg, readout="own"))]
   for name, a, e in zip("qkvg", *grads):
     assert rel_rms(a, e) < GRAD_TOL, name
+  for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(grads[0][4]),
+                          jax.tree_util.tree_leaves(grads[1][4])):
+    assert rel_rms(a, e) < GRAD_TOL, jax.tree_util.keystr(path)
 
 
 @pytest.mark.parametrize("path", ["aligned", "steps"])

@@ -94,13 +94,18 @@ def kvm_attention_documents(q: Array, k: Array, v: Array, merge_gate: Array, par
   Returns ``y [B, T, H, Dv]`` in ``q``'s dtype (padding positions: each token attending to itself
   alone) and the state of each row's last document as run alone (:class:`KVMState` with
   ``num_rows`` per row, ``[B]``; capacity: the rows the schedule reaches at ``T``). ``remat``:
-  the backward pass keeps the state every ~sqrt(steps) steps and recomputes the rest.
+  the backward pass keeps the state every ~sqrt(steps) steps and recomputes the rest. ``path``:
+  one of :data:`DOCUMENT_PATHS`; "aligned" needs ``ops`` without kernels.
   """
   docs = documents(segment_ids)
   if path not in DOCUMENT_PATHS:
     raise ValueError(f"path must be one of {DOCUMENT_PATHS}, got {path!r}.")
   if path == "auto":
     path = document_path_for(cfg, ops)
+  if path == "aligned" and ops.kernel is not None:
+    raise ValueError(f"path='aligned' needs the plain XLA operations (its window masks differ "
+                     f"from batch row to batch row, a kernel's mask is one for the batch), but "
+                     f"ops={ops.name!r} runs kernels; use path='steps' or 'auto'.")
   if path == "aligned":
     y, final = kvm_attention_scan_documents(q, k, v, merge_gate, params, docs, cfg, ops=ops,
                                             row_update=row_update)

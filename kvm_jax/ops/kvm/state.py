@@ -488,9 +488,8 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
                                            add_rows)
       # With nothing appended the rows are unchanged and routing reads the readout's LN_s keys
       # (the same values the authors route against), not a second LayerNorm of equal keys.
-      new_read = jnp.where(per_row(n_append, 4) > 0,
-                           layer_norm(jax.lax.stop_gradient(keys), params.ln_scale,
-                                      params.ln_bias, cfg.ln_eps), old_read)
+      new_read = jnp.where(per_row(n_append, 4) > 0, _routing_keys(keys, params, cfg),
+                           old_read)
     else:
       keys, values, radius, new_read = state.keys, state.values, state.radius, old_read
       dest = jnp.full(rows.k_bar.shape[:3], R, jnp.int32)
@@ -502,6 +501,15 @@ def update_state(state: KVMState, overflow_k: Array, overflow_v: Array, overflow
   values = add_rows(values, target, rows.v_gated)
   new = KVMState(keys=keys, values=values, radius=radius, num_rows=m_new.astype(jnp.int32))
   return RoutedUpdate(new, (dest, target)) if return_routing else new
+
+
+def _routing_keys(keys: Array, params: KVMParams, cfg: KVMConfig) -> Array:
+  """LN_s of state keys ``[B, Hkv, R, D]`` as routing scores them: a constant, with no gradient
+  to the keys or to LN_s's parameters. A parameter's tangent reaching the score kernels would
+  make reverse mode linearize a Pallas call, whose JVP is one call computing primal and tangent
+  together, so its primal is unknown and linearization fails wherever autodiff runs through the
+  update (packed documents' state steps, a scan without remat)."""
+  return jax.lax.stop_gradient(layer_norm(keys, params.ln_scale, params.ln_bias, cfg.ln_eps))
 
 
 class OverflowRows(NamedTuple):
