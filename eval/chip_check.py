@@ -153,6 +153,34 @@ def tokamax_readout_program(B, Hkv, G, Tq, R, W, D, dtype):
   return build
 
 
+def attention_program(implementation: str, B, T, H, Hkv, D, window, dtype, *, backward=False):
+  """Softmax attention (``kvm_jax.ops.attention_api.causal_attention``), the baselines' and the
+  hybrids' attention layers: splash on TPU, the chunked XLA form, tokamax's kernels."""
+  def build():
+    from kvm_jax.ops.attention_api import causal_attention
+    fn = lambda q, k, v: causal_attention(q, k, v, window=window,  # noqa: E731
+                                          implementation=implementation)
+    args = (_spec(B, T, H, D, dtype=dtype), _spec(B, T, Hkv, D, dtype=dtype),
+            _spec(B, T, Hkv, D, dtype=dtype))
+    return (_grad_of(fn, range(3)) if backward else fn), args
+  return build
+
+
+def attention_programs() -> list[Program]:
+  """Softmax attention at T = 2048, H = 32 over 8 KV heads, D = 128, a 512-token window, bf16.
+  cuDNN's fused attention is not among them: JAX asks the local cuDNN library for its version
+  while tracing, so it compiles only where cuDNN is installed (a GPU host)."""
+  shape = (1, 2048, 32, 8, 128, 512, "bfloat16")
+  out = []
+  for impl, platforms in (("splash", ("tpu",)), ("chunked", ("tpu", "gpu")),
+                          ("tokamax", ("tpu", "gpu"))):
+    out += [Program(f"attention {impl} window=512", "kernels",
+                    attention_program(impl, *shape), platforms),
+            Program(f"attention {impl} window=512 backward", "kernels",
+                    attention_program(impl, *shape, backward=True), platforms)]
+  return out
+
+
 # The paper's heads as (KV heads, query heads per KV head, dtype): MHA in bfloat16, GQA in float32.
 MHA_BF16, GQA_F32 = (32, 1, "bfloat16"), (8, 4, "float32")
 PAPER_ROWS = (1, 256, 1024, 4096)
@@ -185,7 +213,7 @@ def kernel_programs(rows: Sequence[int] = PAPER_ROWS) -> list[Program]:
                               backward=True)))
   out.append(Program("tokamax readout R=256 G=4 bfloat16", "kernels",
                      tokamax_readout_program(B, 8, 4, C, 256, nb * C, D, "bfloat16")))
-  return out + small_kernel_programs()
+  return out + small_kernel_programs() + attention_programs()
 
 
 def small_kernel_programs() -> list[Program]:
@@ -309,7 +337,7 @@ def check(target, selected: Sequence[Program], on_result: Optional[Callable] = N
   return results
 
 
-__all__ = ["PAPER", "Program", "add_rows_program", "check", "compile_one", "decode_program",
+__all__ = ["PAPER", "Program", "add_rows_program", "attention_program", "attention_programs", "check", "compile_one", "decode_program",
            "kernel_programs", "kvm_decode_program", "kvm_op_program", "op_programs", "programs",
            "readout_program", "routing_program", "small_kernel_programs",
            "tokamax_readout_program"]

@@ -79,25 +79,6 @@ def in_ci(values, keep, ids=None):
   return [v if name(v) in keep else slow(v) for v in values]
 
 
-@contextlib.contextmanager
-def lowering_for(platform: str):
-  """Lets this CPU-only machine lower Pallas kernels for ``platform`` ("tpu" or "cuda").
-
-  From jax 0.11 on, the Triton lowering reads the GPU's kind (its compute capability) from the
-  default device and raises ``RuntimeError("No supported GPU devices found ...")`` where there is
-  none; an abstract mesh whose abstract device is a Hopper GPU (sm_90, as the H100 and H200)
-  stands in for it. jax 0.10 ignores it (it falls back to sm_90 by itself); TPU needs nothing."""
-  if platform not in ("cuda", "gpu") or any(d.platform == "gpu" for d in jax.devices()):
-    yield
-    return
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
-                                       platform="cuda")
-  mesh = jax.sharding.AbstractMesh((1,), ("lowering",), (jax.sharding.AxisType.Auto,),
-                                   abstract_device=device)
-  with jax.sharding.use_abstract_mesh(mesh):
-    yield
-
-
 def subprocess_env(tmp_root, devices: int = 1, **extra: str) -> dict:
   """The environment of a test's Python subprocess (a ``kvm-train`` run, a multi-process job).
 

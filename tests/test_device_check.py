@@ -25,7 +25,7 @@ import pytest
 import kvm_jax as kj
 from benchmarks.device import cli, geometry, measure, preflight, records, report, stages
 from kvm_jax.kernels.backend import KernelConfig
-from tests.conftest import ROOT, lowering_for, subprocess_env
+from tests.conftest import ROOT, subprocess_env
 
 # What the device machine returns: at most 8 files, none deeper than $OUT/a/b/file, named in
 # letters, digits, '.', '_' and '-'.
@@ -188,20 +188,19 @@ def test_kernel_preflights_agree_with_their_xla_ops(dtype):
     assert wrong["status"] == "failed" and wrong["differences"] > 0
 
 
-def test_kernel_preflights_lower_for_the_gpu():
+@pytest.mark.slow  # 25 s; tests/test_chip_compile.py compiles these kernels for an H100 every run
+@pytest.mark.chip_compile
+def test_kernel_preflights_compile_for_an_h100():
   """At the paper's pre-flight shapes (B=1, Hkv=2, C=256, D=128, R=256), every pre-flight kernel
-  lowers to a Triton custom call on this CPU-only machine, in both dtypes (the kernels' own
-  lowering tests cover TPU and the larger shapes)."""
-  platform = "cuda"
-  kc = KernelConfig.for_target(platform, interpret=False)
-  marker = "xla.gpu.triton"
+  is a Triton custom call that compiles for an H100 on this CPU-only machine, in both dtypes (the
+  kernels' own compile tests, tests/test_chip_compile.py, cover TPU and the larger shapes)."""
   for dtype in (jnp.bfloat16, jnp.float32):
     for kernel, G in PREFLIGHTS:
-      c = preflight.comparison(kernel, geometry.PAPER, G, dtype, kc)
-      abstract = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.asarray(a).dtype) for a in c.args]
-      with lowering_for(platform):
-        text = jax.jit(c.kernel).trace(*abstract).lower(lowering_platforms=(platform,)).as_text()
-      assert marker in text, (kernel, G, dtype)
+      with kj.compile_target("h100:1x1") as chip:
+        c = preflight.comparison(kernel, geometry.PAPER, G, dtype, KernelConfig.for_target())
+        lowered = jax.jit(c.kernel).lower(*chip.structs(c.args))
+        lowered.compile()
+      assert "xla.gpu.triton" in lowered.as_text(), (kernel, G, dtype)
 
 
 def test_check_output_is_written_through_before_a_failure(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """Pallas kernels in interpret mode against the XLA path (outputs, log-sum-exp, routing decisions,
-final state, VJPs), through the model and decode, and lowered for TPU (Mosaic) and GPU (Triton)
-at the paper's shapes on this CPU-only machine."""
+final state, VJPs), through the model and decode, and built for a TPU v5e (Mosaic) and an H100
+(Triton) at the paper's shapes on this CPU-only machine (compiled in the nightly run)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from kvm_jax.ops.kvm.cases import (TOLERANCE, random_inputs, random_params, rel_
                                    valid_rows)
 from kvm_jax.ops.kvm.scan import XLA_OPS, kvm_attention_scan
 from kvm_jax.ops.kvm.state import update_state
-from tests.conftest import in_ci, lowering_for, make_model
+from kvm_jax.target import program_bytes
+from tests.conftest import in_ci, make_model
 
 CASES = {c.name: c for c in select("kernels")}
 PALLAS = chunk_ops("pallas", interpret=True)
@@ -164,64 +165,93 @@ def test_implementation_choices():
 PAPER = dict(chunk_size=256, window_chunks=2, sink_rows=1, rope_dims=64)
 
 
-def _assert_lowers(f, args, platform: str, kernels: list, text: str) -> None:
-  """``text`` (``f`` lowered for ``platform``) calls the named kernels (Mosaic: one
-  ``tpu_custom_call`` each at least; Triton: by name), and ``f``'s backward lowers too."""
-  if platform == "tpu":
-    assert text.count("tpu_custom_call") >= len(kernels)
-  else:
-    for name in kernels:
-      assert name in text, name
+# The chip each platform's programs are built for: compile_target makes every decision the chip's
+# (kernels compiled, not interpreted; the scan's layouts and row update).
+CHIPS = {"tpu": "v5e:2x2", "cuda": "h100:1x1"}
+
+
+def _build_for_chip(f, args, kernels: list, platform: str, *, compile: bool) -> None:
+  """``f`` built for ``platform``'s chip calls the named kernels (Mosaic: one ``tpu_custom_call``
+  each at least; Triton: by name); with ``compile``, ``f`` and its backward compile for the chip
+  (Mosaic / Triton and XLA run) and fit its memory."""
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
-  with lowering_for(platform):
-    jax.jit(grad).trace(*args).lower(lowering_platforms=(platform,))
+  with kj.compile_target(CHIPS[platform]) as chip:
+    structs = chip.structs(args)
+    lowered = jax.jit(f).lower(*structs)
+    text = lowered.as_text()
+    if platform == "tpu":
+      assert text.count("tpu_custom_call") >= len(kernels)
+    else:
+      for name in kernels:
+        assert name in text, name
+    if compile:
+      for compiled in (lowered.compile(), jax.jit(grad).lower(*structs).compile()):
+        assert program_bytes(compiled) <= chip.memory_per_chip
 
 
-@pytest.mark.parametrize("platform", ["tpu", "cuda"])
-@pytest.mark.parametrize("rows, heads, dtype", [
-    (256, (32, 32), "bfloat16"), (1024, (32, 8), "float32"), (4096, (32, 8), "bfloat16"),
-    pytest.param(4096, (24, 8), "float32", marks=pytest.mark.slow)],
-    ids=["R256-G1-bf16", "R1024-G4-f32", "R4096-G4-bf16", "R4096-G3-f32"])
-def test_kernels_lower_for_accelerators(platform, rows, heads, dtype):
-  """The paper's operator shapes (B=8, D=128, C=256, two window chunks) with R state rows: the
-  forward (readout, both routing kernels, row accumulation) and the backward lower to Mosaic /
-  Triton custom calls on this CPU-only machine."""
+def _paper_scan(rows, heads, dtype):
+  """The scan on the kernels at the paper's operator shape (B=8, D=128, C=256, two window
+  chunks) with R state rows, and the kernels it must call."""
   cfg = kj.KVMConfig(**PAPER, budget=kj.FixedBudget(rows))
   (H, Hkv), dtype = heads, jnp.dtype(dtype)
   B, D = 8, 128
   T = rows + 4 * 256  # the state fills to R rows before the last chunks
   assert kj.kvm_schedule(cfg, T).final_rows == rows
-  spec = lambda *s, dt=dtype: jax.ShapeDtypeStruct(s, dt)
+  spec = lambda *s, dt=dtype: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
   args = (spec(B, T, H, D), spec(B, T, Hkv, D), spec(B, T, Hkv, D), spec(B, T, Hkv, dt=jnp.float32),
-          kj.KVMParams.init(D, H))
-  ops = chunk_ops("pallas", target=platform, interpret=False)
-  f = lambda *a: kvm_attention_scan(*a, cfg=cfg, ops=ops)[0]
-  with lowering_for(platform):
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+          jax.eval_shape(lambda: kj.KVMParams.init(D, H)))
+  f = lambda *a: kvm_attention_scan(*a, cfg=cfg, ops=chunk_ops("pallas"))[0]  # noqa: E731
   # novelty is computed only where the static schedule appends rows (R > C here)
   kernels = ["kvm_fused_readout", "kvm_route_argmax", "kvm_add_rows"]
   kernels += ["kvm_route_novelty"] if any(kj.kvm_schedule(cfg, T).n_append) else []
   assert (rows > 256) == ("kvm_route_novelty" in kernels)
-  _assert_lowers(f, args, platform, kernels, text)
+  return f, args, kernels
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_document_kernels_lower_for_accelerators(platform):
-  """Packed documents on the kernels (a state mask per batch row in the readout, row bounds per
-  batch row in the routing kernels) lower for TPU and GPU at the paper's operator shapes with a
-  budget that appends rows (the novelty kernel runs), forward and backward."""
+def test_scan_calls_the_kernels_on_chips(platform):
+  """Built for a v5e / an H100, the scan's forward calls the readout, both routing kernels and
+  the row accumulation (the kernels themselves compile in tests/test_chip_compile.py)."""
+  _build_for_chip(*_paper_scan(1024, (32, 8), "float32"), platform, compile=False)
+
+
+@pytest.mark.slow  # minutes each: the whole scan forward and backward through XLA and the kernels
+@pytest.mark.chip_compile
+@pytest.mark.xdist_group("libtpu")
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("rows, heads, dtype", [
+    (256, (32, 32), "bfloat16"), (1024, (32, 8), "float32"), (4096, (32, 8), "bfloat16"),
+    (4096, (24, 8), "float32")],
+    ids=["R256-G1-bf16", "R1024-G4-f32", "R4096-G4-bf16", "R4096-G3-f32"])
+def test_scan_compiles_for_chips(platform, rows, heads, dtype):
+  """The paper's operator shapes with R state rows: the forward (readout, both routing kernels,
+  row accumulation) and the backward compile for a v5e and an H100 and fit their memory."""
+  _build_for_chip(*_paper_scan(rows, heads, dtype), platform, compile=True)
+
+
+def _paper_documents():
   cfg = kj.KVMConfig(**PAPER, budget=kj.FixedBudget(1024))
   B, T, H, Hkv, D = 2, 4096, 8, 4, 128
   spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
   args = (spec(B, T, H, D), spec(B, T, Hkv, D), spec(B, T, Hkv, D), spec(B, T, Hkv, dt=jnp.float32),
-          kj.KVMParams.init(D, H), spec(B, T, dt=jnp.int32))
-  ops = chunk_ops("pallas", target=platform, interpret=False)
+          jax.eval_shape(lambda: kj.KVMParams.init(D, H)), spec(B, T, dt=jnp.int32))
   f = lambda q, k, v, g, p, seg: kvm_attention_documents(  # noqa: E731
-      q, k, v, g, p, seg, cfg=cfg, ops=ops)[0]
-  with lowering_for(platform):
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+      q, k, v, g, p, seg, cfg=cfg, ops=chunk_ops("pallas"))[0]
   kernels = ["kvm_fused_readout", "kvm_route_novelty", "kvm_route_argmax", "kvm_add_rows"]
-  _assert_lowers(f, args, platform, kernels, text)
+  return f, args, kernels
+
+
+@pytest.mark.parametrize("compile", [
+    False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.chip_compile,
+                                     pytest.mark.xdist_group("libtpu")])],
+    ids=["calls-kernels", "compiles"])
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_document_kernels_on_chips(platform, compile):
+  """Packed documents on the kernels (a state mask per batch row in the readout, row bounds per
+  batch row in the routing kernels) at the paper's operator shapes with a budget that appends
+  rows: built for a v5e / an H100 the op calls every kernel; it compiles there, forward and
+  backward (nightly)."""
+  _build_for_chip(*_paper_documents(), platform, compile=compile)
 
 
 def test_gpu_target_rejects_non_power_of_two_chunks():

@@ -21,7 +21,7 @@ from kvm_jax.kernels import backend
 from kvm_jax.kernels.decode import decode_attention_pallas, decode_blocks, decode_bytes
 from kvm_jax.ops.common import joint_attention, ring_positions
 from kvm_jax.ops.kvm.decode import decode_attention
-from tests.conftest import ROOT, lowering_for
+from tests.conftest import ROOT
 
 # C = 8, L = 16 (two chunks), R = 40 state rows (not a power of two, not a multiple of a block).
 CFG = kj.KVMConfig(chunk_size=8, window_chunks=2, rope_dims=8, budget=kj.FixedBudget(16))
@@ -154,12 +154,18 @@ PAPER = kj.KVMConfig(chunk_size=256, window_chunks=2, sink_rows=1, rope_dims=64,
                      budget=kj.FixedBudget(256))
 
 
+@pytest.mark.parametrize("compile", [
+    False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.chip_compile,
+                                     pytest.mark.xdist_group("libtpu")])],
+    ids=["reads-the-cache", "compiles"])
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_decode_kernel_lowers_for_accelerators(platform):
+def test_decode_kernel_on_chips(platform, compile):
   """B=8, H=32 with Hkv=32 (MHA) and Hkv=8 (GQA), R in {256, 1024, 4096}; bf16 queries and ring
-  with the readout state in float32 or in the cache's bf16, and all float32: one Mosaic / Triton
-  custom call each (the kernel body is lowered)."""
-  kc = backend.KernelConfig.for_target(platform, interpret=False)
+  with the readout state in float32 or in the cache's bf16, and all float32: built for a v5e / an
+  H100, one Mosaic / Triton custom call each, reading the cache in place; every shape compiles
+  (nightly; tests/test_chip_compile.py compiles two of them in every run)."""
+  chip = {"tpu": "v5e:2x2", "cuda": "h100:1x1"}[platform]
+  kc = backend.KernelConfig.for_target(chip)
   Bp, H, Dp, L = 8, 32, 128, PAPER.window_len
   spec = jax.ShapeDtypeStruct
   marker = "tpu_custom_call" if platform == "tpu" else "xla.gpu.triton"
@@ -173,8 +179,11 @@ def test_decode_kernel_lowers_for_accelerators(platform):
             spec((Bp, L, Hkv, Dp), dtype), spec((Bp, L, Hkv, Dp), dtype),
             spec((), jnp.int32), spec((Hkv, G), jnp.float32), spec((Hkv, G), jnp.float32))
     f = lambda *a: decode_attention_pallas(*a, PAPER, kc=kc)
-    with lowering_for(platform):
-      text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    with kj.compile_target(chip) as target:
+      lowered = jax.jit(f).lower(*target.structs(args))
+      if compile:
+        lowered.compile()
+    text = lowered.as_text()
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
     assert len(calls) == 1 and marker in calls[0], (Hkv, rows, dtype, state)
     # No copy of the cache: the state (%arg1, %arg2) and the ring (%arg4, %arg5) reach the

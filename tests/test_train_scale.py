@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import kvm_jax as kj
 from kvm_jax import presets
 from kvm_jax.nn.model import LM, layer_period
 from kvm_jax.ops import attention as dense
@@ -180,14 +181,19 @@ def test_attention_registry_resolution_and_errors():
     causal_attention(q, k, v, implementation="cudnn", softcap=50.0)
 
 
-def test_splash_lowers_for_tpu_with_gradients():
+@pytest.mark.chip_compile
+@pytest.mark.xdist_group("libtpu")
+def test_splash_compiles_for_tpu_with_gradients():
+  """Splash attention (a Mosaic kernel) and its backward compile for a TPU v5e."""
   q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(B=1, T=256, D=128, Dv=128))
-  f = lambda q, k, v: causal_attention(q, k, v, window=100, implementation="splash",
-                                       interpret=False)
-  text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("tpu",)).as_text()
-  assert "tpu_custom_call" in text
+  f = lambda q, k, v: causal_attention(q, k, v, window=100, implementation="splash")
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), (0, 1, 2))
-  jax.jit(grad).trace(q, k, v).lower(lowering_platforms=("tpu",))
+  with kj.compile_target("v5e:2x2") as chip:
+    args = chip.structs((q, k, v))
+    lowered = jax.jit(f).lower(*args)
+    lowered.compile()
+    jax.jit(grad).lower(*args).compile()
+  assert "tpu_custom_call" in lowered.as_text()
 
 
 @pytest.mark.slow  # the registry test above covers chunked vs dense; this adds a whole model
