@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kvm_jax.nn.model import LM
-from kvm_jax.ops.common import current_platform
+from kvm_jax.target import current_target
 from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.train import sharding
 from kvm_jax.train.start import make_optimizer
@@ -63,7 +63,8 @@ class MemoryReport:
   aliased: int
   code: int
   devices: int
-  platform: str
+  platform: str             # "cpu", "gpu" or "tpu": the compiler that built the step
+  chip: str = ""            # the target's chip ("cpu", "v5e", "h100"): the report's label
   memory_order: bool = False  # XLA:CPU compiled with CPU_MEMORY_FLAG
 
   @property
@@ -73,7 +74,7 @@ class MemoryReport:
   def lines(self, cfg: TrainConfig) -> list[str]:
     gib = lambda n: f"{n / GIB:.2f} GiB"
     shape = (f"{cfg.batch_size} x {cfg.sequence_length} tokens per step over {self.devices} "
-             f"{self.platform} device(s)")
+             f"{self.chip or self.platform} device(s)")
     setup = (f"remat={cfg.remat}, grad_accum_steps={cfg.grad_accum_steps}, "
              f"loss_slice_len={cfg.loss_slice_len}, params {cfg.model.param_dtype}, compute "
              f"{cfg.model.compute_dtype}, attention {cfg.model.attention_implementation}, kvm "
@@ -125,5 +126,5 @@ def memory_report(cfg: TrainConfig, mesh=None) -> MemoryReport:
   return MemoryReport(arguments=m.argument_size_in_bytes, temporaries=m.temp_size_in_bytes,
                       outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
                       code=m.generated_code_size_in_bytes, devices=mesh.devices.size,
-                      platform=current_platform(),
+                      platform=current_target().platform, chip=current_target().chip.name,
                       memory_order=CPU_MEMORY_FLAG in os.environ.get("XLA_FLAGS", ""))
