@@ -172,13 +172,11 @@ def _block_ranges(state_bias, window_bias, blocks: ReadoutBlocks):
 def _forward_padded(q, state_keys, state_values, state_bias, window_keys, window_values,
                     window_bias, state_scale, window_scale, kc, blocks: ReadoutBlocks):
   """:func:`_forward` for sizes that are not whole tiles: pads to ``blocks``' sizes (state rows
-  and window slots masked, extra query rows seeing one window slot so their softmax stays finite)
-  and drops the padding from the outputs."""
+  and window slots masked; extra query rows, whose outputs are dropped, see only masked slots,
+  which the finite ``MASKED`` keeps finite) and drops the padding from the outputs."""
   GT, Wp = q.shape[2], blocks.window_padded
   pad = backend.pad_axis
-  extra_rows = blocks.queries_padded - GT
   window_bias = pad(pad(window_bias, 1, Wp, MASKED), 0, blocks.queries_padded, MASKED)
-  window_bias = window_bias.at[GT:, 0].set(0.0) if extra_rows else window_bias
   y, lse = _forward(
       pad(q, 2, blocks.queries_padded), pad(state_keys, 2, blocks.state_padded),
       pad(state_values, 2, blocks.state_padded),

@@ -66,25 +66,31 @@ def test_kernel_vjps_match_xla(name):
     assert rel_rms(b, a) < TOLERANCE[dtype]["grad"], n
 
 
-@pytest.mark.parametrize("shape", [(2, 2, 2, 8, 12, 16, 16), (1, 1, 2, 128, 256, 256, 16)],
-                         ids=["one_block", "blocked"])
-def test_readout_kernel_log_sum_exp_and_masks(shape):
+@pytest.mark.parametrize("tiles", ["cpu", "tpu"])
+@pytest.mark.parametrize("shape", [(2, 2, 2, 8, 12, 16, 16), (1, 1, 2, 128, 256, 256, 16),
+                                   (1, 1, 3, 50, 100, 100, 16)],
+                         ids=["one_block", "blocked", "ragged"])
+def test_readout_kernel_log_sum_exp_and_masks(shape, tiles):
   """The kernel's LSE equals logsumexp over the visible [state ; window] scores computed
   densely, and masked rows/slots get no weight. "blocked": 2 query blocks x 2 state blocks x 2
   window blocks of 128, so the online softmax really streams. "one_block": two batch rows that see
-  7 and 5 state rows (packed documents' per-row masks)."""
+  7 and 5 state rows (packed documents' per-row masks). "ragged": 150 query rows, 100 state rows
+  and 100 window slots, none a whole tile: the kernel pads them itself. ``tiles``: the CPU's
+  tiling, or the TPU's (interpreted: 128-row state and window steps, everything padded to them)."""
   B, Hkv, G, Tq, R, W, D = shape
   ks = jax.random.split(jax.random.PRNGKey(0), 6)
   q = jax.random.normal(ks[0], (B, Hkv, G * Tq, D))
   sk, sv = jax.random.normal(ks[1], (B, Hkv, R, D)), jax.random.normal(ks[2], (B, Hkv, R, D))
   wk, wv = jax.random.normal(ks[3], (B, Hkv, W, D)), jax.random.normal(ks[4], (B, Hkv, W, D))
-  state_ok = np.arange(R)[None] < (7 - 2 * np.arange(B)[:, None] if R < 100 else 200)  # [B, R]
+  seen = 7 - 2 * np.arange(B)[:, None] if R < 100 else min(200, R - 10)  # rows each row sees
+  state_ok = np.arange(R)[None] < seen                                              # [B, R]
   window_ok = np.arange(W)[None, :] <= W - Tq + np.arange(Tq)[:, None]
   sbias = jnp.broadcast_to(jnp.where(state_ok, 0.0, -1e30)[:, None, None], (B, Hkv, 1, R))
   wbias = jnp.tile(jnp.where(window_ok, 0.0, -1e30), (G, 1))
   scale = jnp.full((Hkv, G * Tq, 1), 0.25)
-  kc = backend.KernelConfig("cpu", interpret=True)
+  kc = backend.KernelConfig(tiles, interpret=True)
   y, lse = fused_readout(q, sk, sv, sbias, wk, wv, wbias, scale, scale, kc)
+  assert y.shape == (B, Hkv, G * Tq, D) and lse.shape == (B, Hkv, G * Tq, 1)
   scores = jnp.concatenate([jnp.einsum("bhqd,bhkd->bhqk", q, sk) * 0.25 + sbias,
                             jnp.einsum("bhqd,bhkd->bhqk", q, wk) * 0.25 + wbias], axis=-1)
   np.testing.assert_allclose(lse[..., 0], jax.nn.logsumexp(scores, axis=-1), rtol=1e-5, atol=1e-5)
