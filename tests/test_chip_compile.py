@@ -30,6 +30,7 @@ import kvm_jax as kj
 from kvm_jax import target as targets
 from kvm_jax.eval import chip_check
 from kvm_jax.kernels import decode, resources
+from kvm_jax.ops.attention_api import resolve_attention_backend
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 try:
@@ -196,7 +197,12 @@ def test_compile_target_is_what_backend_decisions_read():
     assert kj.current_platform() == "tpu" and t.device_count == 4
     kc = KernelConfig.for_target()
     assert (kc.platform, kc.interpret, kc.vmem) == ("tpu", False, 64 * 2**20)
-    assert kj.resolve_kvm_backend(cfg).platform == "tpu"
+    assert kj.resolve_kvm_backend(cfg) == kj.resolve_kvm_backend(cfg, platform="tpu")
+    pallas = kj.resolve_kvm_backend(cfg, implementation="pallas")
+    assert pallas == kj.resolve_kvm_backend(cfg, implementation="pallas", platform="tpu")
+    assert not pallas.kernel_config.interpret and pallas.kernel_config.vmem == 64 * 2**20
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+    assert resolve_attention_backend("auto", q).implementation == "splash"
     with kj.compile_target("h200:2x8") as gpu:
       assert (gpu.platform, gpu.device_count, gpu.hosts) == ("gpu", 16, 2)
       assert KernelConfig.for_target().triton
