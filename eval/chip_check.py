@@ -82,18 +82,20 @@ def readout_program(B, Hkv, G, Tq, R, W, D, dtype, *, backward=False, per_row_st
   return build
 
 
-def routing_program(B, Hkv, C, R, D, argmax: bool):
-  """A routing-score kernel (``kvm_jax.kernels.update``): first argmax or max over R rows."""
+def routing_program(B, Hkv, C, R, D, argmax: bool, *, per_row: bool = False):
+  """A routing-score kernel (``kvm_jax.kernels.update``): first argmax or max over R rows; with
+  ``per_row``, a row range per batch row (packed documents' states)."""
   def build():
     from kvm_jax.kernels import update
     from kvm_jax.kernels.backend import KernelConfig
     kc = KernelConfig.for_target()
     if argmax:
-      fn = lambda x, rows, n: update.first_argmax_rows(x, rows, 0, n, kc=kc)  # noqa: E731
+      fn = lambda x, rows, n: update.first_argmax_rows(x, rows, n // 2, n, kc=kc)  # noqa: E731
     else:
       fn = lambda x, rows, n: update.max_scores(x, rows, n, kc=kc)  # noqa: E731
+    bounds = _spec(B, dtype=jnp.int32) if per_row else _spec(dtype=jnp.int32)
     return fn, (_spec(B, Hkv, C, D, dtype=jnp.float32), _spec(B, Hkv, R, D, dtype=jnp.float32),
-                _spec(dtype=jnp.int32))
+                bounds)
   return build
 
 
@@ -211,6 +213,10 @@ def kernel_programs(rows: Sequence[int] = PAPER_ROWS) -> list[Program]:
   out.append(Program("readout documents backward R=1024 G=4 bfloat16", "kernels",
                      readout_program(B, 8, 4, C, 1024, nb * C, D, "bfloat16", per_row_state=True,
                               backward=True)))
+  out += [Program("route argmax documents R=1024", "kernels",
+                  routing_program(B, 8, C, 1024, D, True, per_row=True)),
+          Program("route novelty documents R=1024", "kernels",
+                  routing_program(B, 8, C, 1024, D, False, per_row=True))]
   out.append(Program("tokamax readout R=256 G=4 bfloat16", "kernels",
                      tokamax_readout_program(B, 8, 4, C, 256, nb * C, D, "bfloat16")))
   return out + small_kernel_programs() + attention_programs()
