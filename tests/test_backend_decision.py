@@ -25,7 +25,7 @@ CFG = kj.KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1, rope_dims=4,
 
 # platform -> (source_layout of XLA ops, source_layout of the kernels, row_update)
 EXPECTED = {"cpu": ("time", "heads", "scatter"), "gpu": ("heads", "heads", "onehot"),
-            "tpu": ("heads", "heads", "onehot")}
+            "tpu": ("time", "time", "onehot")}
 
 
 @pytest.mark.parametrize("platform", sorted(EXPECTED))

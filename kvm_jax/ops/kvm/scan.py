@@ -195,6 +195,9 @@ class ScanPlan:
   block: int            # chunks between stored states in the backward pass (about sqrt(chunks))
   out_dtype: Any
   time_major: bool      # sources in the caller's time-major layout (see SOURCE_LAYOUTS)
+  # Query heads per KV head, for a time-major query source given as the caller's [B, T, H, D]
+  # (viewed as [B, C, Hkv, G, D] per chunk, :func:`query_chunk`); None: sources are 5-D.
+  groups: Optional[int] = None
   rows_after: Optional[int] = None  # rows after every fold, when one number (documents' scan)
   # Another per-chunk function with :func:`_chunk`'s contract plus one argument, the chunk's
   # extra sources (packed documents: ``kvm_jax.ops.kvm.document_scan``); None: :func:`_chunk`.
@@ -202,11 +205,15 @@ class ScanPlan:
 
   @property
   def q_time(self) -> int:
-    """Time axis of the query source: ``[B, T, Hkv, G, D]`` or head-major ``[B, Hkv, G, T, D]``."""
+    """Time axis of the query source: ``[B, T, H, D]``, ``[B, T, Hkv, G, D]`` or head-major
+    ``[B, Hkv, G, T, D]``."""
     return 1 if self.time_major else 3
 
   def dims(self, q_src: Array) -> tuple[int, int, int, int]:
     """``(B, time steps, Hkv, G)`` of a query source in this plan's layout."""
+    if self.time_major and q_src.ndim == 4:
+      B, T, H = q_src.shape[:3]
+      return B, T, H // self.groups, self.groups
     if self.time_major:
       return q_src.shape[:4]
     B, Hkv, G, T = q_src.shape[:4]
@@ -226,21 +233,25 @@ class ScanPlan:
 # How the scan reads its inputs. "heads": transposed once per sequence to head-major copies
 # (queries [B, Hkv, G, T, D], keys / values [B, Hkv, T, ·], gates [B, Hkv, T]), the layout the
 # fused kernels read in blocks. "time": sliced in place from the caller's [B, T, H, ·] arrays
-# (queries viewed as [B, T, Hkv, G, D], a free reshape) and transposed per chunk inside the
-# readout's own fusions. XLA:CPU allocates a program's temporaries
+# (each query chunk viewed as [B, C, Hkv, G, D], :func:`query_chunk`) and transposed per chunk
+# inside the readout's own fusions. XLA:CPU allocates a program's temporaries
 # as one block per call, and a block over 32 MiB comes fresh from the OS, so every page of it
 # faults on first touch every call (~2 us per 4 KiB page measured on the project's 2-core VM:
 # 60 ms of a 250 ms call at T = 16,384, where the head-major copies and the stacked outputs made a
-# 120 MB block). On accelerators memory comes from a pool and the kernels want head-major blocks:
-# "heads" (source_layout_for). "auto": that rule applied to this machine's platform.
+# 120 MB block). On a TPU the head-major copies are as large as the inputs (6 GiB at the paper's
+# B=8, T=32,768, H=32, D=128 bf16), more than a v5e's 15.75 GiB holds beside the inputs and the
+# output: "time" there too. On GPUs memory comes from a pool of ample size and the kernels want
+# head-major blocks: "heads" (source_layout_for). "auto": that rule applied to this machine's
+# platform.
 SOURCE_LAYOUTS = ("auto", "time", "heads")
 
 
 def source_layout_for(platform: str, kernels: bool) -> str:
   """The source layout ("time" or "heads") for ``platform`` when the per-chunk operations are
-  ``kernels`` (Pallas) or plain XLA functions: "time" for XLA on CPU, "heads" otherwise. The
-  rule the KVM op's backend resolver applies; a pure function: the caller says which platform."""
-  return "time" if platform == "cpu" and not kernels else "heads"
+  ``kernels`` (Pallas) or plain XLA functions: "time" for XLA on CPU and for both on TPU,
+  "heads" otherwise. The rule the KVM op's backend resolver applies; a pure function: the caller
+  says which platform."""
+  return "time" if platform == "tpu" or (platform == "cpu" and not kernels) else "heads"
 
 
 def _time_major(source_layout: str, ops: ChunkOps) -> bool:
@@ -275,18 +286,26 @@ def _from_bits(x: Array, dtype) -> Array:
   return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
 
 
+def _moved_as_bits(x: Array) -> bool:
+  """Whether :func:`slice_time` and :func:`_update_slice` move ``x`` as bits: 16-bit floats when
+  the program is built for CPU (:func:`current_platform`), where :func:`_as_bits` says why. XLA:TPU
+  slices 16-bit floats natively and materializes the bitcast of a whole sequence as a copy of it
+  (2 GiB per input at B=8, T=32,768, H=32, D=128 bf16)."""
+  return _is_16bit_float(x) and current_platform() == "cpu"
+
+
 def slice_time(x: Array, start, size: int, axis: int = 1) -> Array:
   """``x[start : start + size]`` along ``axis`` (``start`` may be traced). Differentiable; 16-bit
-  floats are sliced as bits (:func:`_as_bits`), and so is their cotangent placed."""
-  if _is_16bit_float(x):
+  floats are sliced as bits on CPU (:func:`_moved_as_bits`), and so is their cotangent placed."""
+  if _moved_as_bits(x):
     return _slice_bits(size, axis, x.shape, x, start)
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
 def _update_slice(x: Array, update: Array, start, axis: int = 1) -> Array:
   """``x`` with ``update`` written at ``start`` along ``axis`` (in place in a loop carry).
-  Differentiable; 16-bit floats are written as bits (:func:`_as_bits`)."""
-  if _is_16bit_float(x):
+  Differentiable; 16-bit floats are written as bits on CPU (:func:`_moved_as_bits`)."""
+  if _moved_as_bits(x):
     return _update_slice_bits(axis, update.shape, x, update, start)
   return jax.lax.dynamic_update_slice_in_dim(x, update, start, axis)
 
@@ -329,6 +348,19 @@ _slice_bits.defvjp(_slice_bits_fwd, _slice_bits_bwd)
 _update_slice_bits.defvjp(_update_slice_bits_fwd, _update_slice_bits_bwd)
 
 
+def query_chunk(plan: ScanPlan, q_src: Array, start, size: int) -> Array:
+  """``size`` query time steps from ``start``: ``[B, size, Hkv, G, D]`` (time-major) or
+  ``[B, Hkv, G, size, D]`` (head-major). A time-major ``[B, T, H, D]`` source is viewed per
+  chunk: a whole-sequence ``[B, T, Hkv, G, D]`` view would be an array of its own, whose layout
+  XLA:TPU is free to choose, and it chooses the head-major one the readout reads, copying every
+  query once (2 GiB at B=8, T=32,768, H=32, D=128 bf16) instead of transposing chunk by chunk."""
+  q_c = slice_time(q_src, start, size, plan.q_time)
+  if plan.time_major and q_c.ndim == 4:
+    B, _, Hkv, G = plan.dims(q_src)
+    q_c = q_c.reshape(B, size, Hkv, G, q_c.shape[-1])
+  return q_c
+
+
 def window_slice(x: Array, start, size: int, axis: int) -> tuple[Array, int]:
   """``(x[max(start, 0) : start + size], slots cut off before row 0)`` along ``axis``. A static
   negative ``start`` (a front chunk, whose window reaches before the sequence) keeps only the
@@ -357,9 +389,9 @@ def _chunk(plan: ScanPlan, run: Run, params: KVMParams, state: KVMState, c, base
   masking them (chunk 0 scores ``C`` keys instead of ``nb·C``)."""
   cfg, ops = plan.cfg, plan.ops
   C, nb, R = cfg.chunk_size, cfg.window_chunks, plan.capacity
-  qt, kt = plan.q_time, plan.kv_time
+  kt = plan.kv_time
   B, _, Hkv, G = plan.dims(q_src)
-  q_c = slice_time(q_src, (c - base) * C, C, qt)
+  q_c = query_chunk(plan, q_src, (c - base) * C, C)
   win_start = (c - base) * C + k_lead - plan.overlap
   win_k, before = window_slice(k_src, win_start, nb * C, kt)
   win_v, _ = window_slice(v_src, win_start, nb * C, kt)
@@ -485,15 +517,40 @@ def _output_buffer(plan: ScanPlan, q_src, v_src) -> Array:
   return jnp.zeros((B, Tp, Hkv * G, v_src.shape[-1]), plan.out_dtype)
 
 
+def _front_run(run: Run) -> bool:
+  """Whether ``run`` is the causal front (no state seen, chunks unrolled), whose outputs are
+  written into the output buffer after every other run (:func:`write_chunks`). XLA turns a first
+  write into a zero buffer into a pad of the written rows, and the pad takes their layout: on TPU
+  the readout's head-major one, which the loops would then carry the whole buffer in and copy it
+  out of at the end (one more output-sized temporary: 2 GiB at B=8, T=32,768, H=32, Dv=128
+  bf16). Written last, the rows go into a buffer already in the output's layout."""
+  return not run.visible
+
+
+def write_chunks(out: Array, ys: Array, first: int, chunk: int) -> Array:
+  """``out [B, ·, H, Dv]`` with the chunk outputs ``ys [count, B, C, H, Dv]`` written at chunks
+  ``first .. first + count - 1``."""
+  for i in range(ys.shape[0]):
+    out = _update_slice(out, ys[i], (first + i) * chunk, axis=1)
+  return out
+
+
 def _forward(plan: ScanPlan, params, state0, q_p, k_p, v_p, g_p, routing):
   """The whole sequence, run by run: ``(y [B, nC·C, H, Dv], state arrays, decisions)``."""
   state = _state(state0, plan.initial_rows)
   out = _output_buffer(plan, q_p, v_p)
-  decisions = []
+  decisions, front = [], []
   for run in plan.runs:
-    state, out, d = scan_chunks(plan, run, params, state, run.start, run.length, 0, 0, q_p, k_p,
-                                 v_p, g_p, _routing_slice(routing, run.start, run.stop), out=out)
+    state, y, d = scan_chunks(plan, run, params, state, run.start, run.length, 0, 0, q_p, k_p,
+                               v_p, g_p, _routing_slice(routing, run.start, run.stop),
+                               out=None if _front_run(run) else out)
+    if _front_run(run):
+      front.append((run.start, y))
+    else:
+      out = y
     decisions.append(d)
+  for first, ys in front:
+    out = write_chunks(out, ys, first, plan.cfg.chunk_size)
   decisions = tuple(jnp.concatenate([d[i] for d in decisions], axis=0) for i in range(2))
   return out, (state.keys, state.values, state.radius), decisions
 
@@ -523,7 +580,7 @@ def _forward_checkpointed_fwd(plan, params, state0, q_p, k_p, v_p, g_p, routing)
   S = plan.block
   state = _state(state0, plan.initial_rows)
   out = _output_buffer(plan, q_p, v_p)
-  decisions, block_states = [], []
+  decisions, block_states, front = [], [], []
   for run in plan.runs:
     full, left = plan_blocks(plan, run)
     if full:
@@ -546,11 +603,18 @@ def _forward_checkpointed_fwd(plan, params, state0, q_p, k_p, v_p, g_p, routing)
     if left:
       first = run.start + full * S
       block_states.append((state.keys, state.values, state.radius))
-      state, out, d = scan_chunks(plan, run, params, state, first, left, 0, 0, q_p, k_p, v_p,
-                                   g_p, _routing_slice(routing, first, run.stop), out=out)
+      state, y, d = scan_chunks(plan, run, params, state, first, left, 0, 0, q_p, k_p, v_p,
+                                 g_p, _routing_slice(routing, first, run.stop),
+                                 out=None if _front_run(run) else out)
+      if _front_run(run):
+        front.append((first, y))
+      else:
+        out = y
       decisions.append(d)
     else:
       block_states.append(None)
+  for first, ys in front:
+    out = write_chunks(out, ys, first, plan.cfg.chunk_size)
   decisions = tuple(jnp.concatenate([d[i] for d in decisions], axis=0) for i in range(2))
   out = (out, (state.keys, state.values, state.radius), decisions)
   return out, (params, q_p, k_p, v_p, g_p, tuple(block_states), decisions)
@@ -712,7 +776,7 @@ def kvm_attention_scan(q: Array, k: Array, v: Array, merge_gate: Array, params: 
                n_append=tuple(sched.n_append), rows_before=tuple(sched.rows_before),
                num_chunks=nC, initial_rows=sched.initial_rows, capacity=sched.final_rows,
                block=max(1, math.isqrt(nC - 1) + 1), out_dtype=jnp.dtype(q.dtype),
-               time_major=_time_major(source_layout, ops))
+               time_major=_time_major(source_layout, ops), groups=H // k.shape[2])
   # Time padded to whole chunks (a copy only when T is not a multiple of C). Nothing is padded in
   # front: a window reaching before the sequence belongs to a front chunk, which has a static
   # index and slices only the rows that exist.
@@ -720,9 +784,8 @@ def kvm_attention_scan(q: Array, k: Array, v: Array, merge_gate: Array, params: 
   pad = lambda x: x if nC * C == T else jnp.pad(  # noqa: E731
       x, [(0, 0), (0, nC * C - T)] + [(0, 0)] * (x.ndim - 2))
   q_p, k_p, v_p, g_p = (pad(x) for x in (q, k, v, merge_gate))
-  q_p = q_p.reshape(B, nC * C, Hkv, H // Hkv, D)  # query head h = kv·G + g (free)
   if not plan.time_major:  # head-major, once per sequence (plan.q_time, plan.kv_time)
-    q_p = jnp.transpose(q_p, (0, 2, 3, 1, 4))
+    q_p = jnp.transpose(q_p.reshape(B, nC * C, Hkv, H // Hkv, D), (0, 2, 3, 1, 4))
     k_p, v_p = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k_p, v_p))
     g_p = jnp.transpose(g_p, (0, 2, 1))
   first = sched.initial_rows
