@@ -237,15 +237,48 @@ def _topology(name: str):
                        "the CUDA compile plugins: pip install 'kvm_jax[compile]'.") from e
 
 
+def _jit_key_state():
+  """A JAX config state holding the compile target's name, part of every ``jit`` cache key: the
+  decisions a function makes while it is traced (which kernels, tiles, layouts) depend on the
+  target, so a trace made for one target must not be reused for another. JAX offers user states
+  only through its internal config module; where that is missing, :func:`compile_target` clears
+  JAX's caches on entry and exit instead (correct, slower)."""
+  try:
+    from jax._src import config as jax_config
+    return jax_config.string_state(
+        "kvm_jax_compile_target", "", help="the kvm_jax compile target programs are traced for",
+        include_in_jit_key=True, include_in_trace_context=True)
+  except Exception:  # another jax than the ones tested (0.10.x): fall back to clearing caches
+    return None
+
+
+_TARGET_IN_JIT_KEY = _jit_key_state()
+
+
+@contextlib.contextmanager
+def _in_jit_key(target: Target):
+  if _TARGET_IN_JIT_KEY is not None:
+    with _TARGET_IN_JIT_KEY(target.name):
+      yield
+    return
+  import jax
+  jax.clear_caches()
+  try:
+    yield
+  finally:
+    jax.clear_caches()
+
+
 @contextlib.contextmanager
 def compile_target(target: Union[str, Target]) -> Iterator[Target]:
   """Builds programs for ``target`` (a name or a :class:`Target`) inside the block: every backend
-  decision reads it through :func:`current_target`. Yields the target (its ``devices()``,
-  ``mesh()`` and ``structs()`` place a program's arguments on it)."""
+  decision reads it through :func:`current_target`, and ``jit`` keeps the block's traces apart
+  from those made for other targets. Yields the target (its ``devices()``, ``mesh()`` and
+  ``structs()`` place a program's arguments on it)."""
   target = parse_target(target)
   token = _CURRENT.set(target)
   try:
-    with _gpu_lowering_context(target):
+    with _in_jit_key(target), _gpu_lowering_context(target):
       yield target
   finally:
     _CURRENT.reset(token)

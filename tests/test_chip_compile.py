@@ -213,3 +213,15 @@ def test_compile_target_is_what_backend_decisions_read():
       assert KernelConfig.for_target().triton
     assert kj.current_target() is t
   assert kj.current_target() == here and kj.current_platform() == jax.default_backend()
+
+
+def test_a_trace_for_one_target_is_not_reused_for_another():
+  """Decisions are made while a function is traced: the same jitted function traced for this
+  machine and inside compile_target gives two traces, each with its own target's decision."""
+  decide = jax.jit(lambda x: x + (1.0 if kj.current_platform() == "tpu" else 2.0))
+  x = jnp.zeros(3)
+  here = str(decide.trace(x).jaxpr)
+  with kj.compile_target("v5e:2x2"):
+    there = str(decide.trace(x).jaxpr)
+  assert "2.0" in here and "1.0" in there
+  assert "2.0" in str(decide.trace(x).jaxpr)
