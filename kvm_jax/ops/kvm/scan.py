@@ -294,12 +294,38 @@ def _moved_as_bits(x: Array) -> bool:
   return _is_16bit_float(x) and current_platform() == "cpu"
 
 
+def in_row_major(x: Array) -> Array:
+  """``x`` (a chunk or block ``[B, ·, H, D]`` of a time-major array) with its heads and features
+  kept in the row-major order of the arrays it is sliced from or written into, when the program
+  is built for TPU.
+
+  XLA:TPU chooses every intermediate array's layout, and the readout reads heads-first: left
+  free, it gives the chunks the head-major layout, which a slice passes back to the array it
+  reads (a head-major copy of q, k or v, 256 MiB each at B=1, T=32,768, H=32, D=128 bf16, in the
+  backward pass) and a written gradient piece passes on to the buffer it is written into
+  (head-major gradients, copied into the row-major results at the end). Heads and features
+  merged into one axis can only be laid out with the features minor and the heads next, as the
+  caller's arrays are, and an optimization barrier keeps the merge from being simplified away:
+  the transpose to heads-first happens per chunk. (XLA may still choose a time-minor layout for
+  keys and values, which it does in the backward pass: a copy of each. Only merging time in too
+  leaves it no choice, but a heads-sharded array cannot be merged with time without gathering
+  its heads.) Unlike ``with_layout_constraint`` (a custom call the SPMD partitioner does not see
+  through: it all-gathers a sharded chunk), a reshape that merges heads with features keeps a
+  batch- or heads-sharded array's sharding. Exact (no arithmetic), and a no-op on other
+  platforms, whose programs stay as they were."""
+  if x.ndim < 4 or current_platform() != "tpu":
+    return x
+  merged = x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+  return jax.lax.optimization_barrier(merged).reshape(x.shape)
+
+
 def slice_time(x: Array, start, size: int, axis: int = 1) -> Array:
   """``x[start : start + size]`` along ``axis`` (``start`` may be traced). Differentiable; 16-bit
-  floats are sliced as bits on CPU (:func:`_moved_as_bits`), and so is their cotangent placed."""
+  floats are sliced as bits on CPU (:func:`_moved_as_bits`), and so is their cotangent placed.
+  On TPU the slice keeps its heads and features in the source's order (:func:`in_row_major`)."""
   if _moved_as_bits(x):
     return _slice_bits(size, axis, x.shape, x, start)
-  return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+  return in_row_major(jax.lax.dynamic_slice_in_dim(x, start, size, axis))
 
 
 def _update_slice(x: Array, update: Array, start, axis: int = 1) -> Array:
@@ -307,7 +333,7 @@ def _update_slice(x: Array, update: Array, start, axis: int = 1) -> Array:
   Differentiable; 16-bit floats are written as bits on CPU (:func:`_moved_as_bits`)."""
   if _moved_as_bits(x):
     return _update_slice_bits(axis, update.shape, x, update, start)
-  return jax.lax.dynamic_update_slice_in_dim(x, update, start, axis)
+  return jax.lax.dynamic_update_slice_in_dim(x, in_row_major(update), start, axis)
 
 
 # The bit-level slice and update with their derivatives. Shapes are static arguments, so the only
@@ -366,7 +392,7 @@ def window_slice(x: Array, start, size: int, axis: int) -> tuple[Array, int]:
   negative ``start`` (a front chunk, whose window reaches before the sequence) keeps only the
   rows that exist; a traced ``start`` is never negative (only chunks past the front have one)."""
   if isinstance(start, int) and start < 0:
-    return jax.lax.slice_in_dim(x, 0, start + size, axis=axis), -start
+    return in_row_major(jax.lax.slice_in_dim(x, 0, start + size, axis=axis)), -start
   return slice_time(x, start, size, axis), 0
 
 
@@ -639,8 +665,11 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
   # Each query row belongs to one chunk: its gradient is produced once. A key/value/gate row
   # belongs to nb windows: with blocks walked in reverse, a block's first (nb-1)·C rows are
   # shared only with the block before it, so they are carried (float32) into that block, and
-  # every block emits its own rows complete, in the input's dtype. The pieces are scan outputs,
-  # not loop-carried whole-sequence buffers (which XLA:CPU would widen to float32).
+  # every block emits its own rows complete, in the input's dtype, written in place into the
+  # gradients, loop-carried buffers of the inputs' size: per-block pieces stacked as scan outputs
+  # would be a second copy of the gradients (240 MiB each of q, k and v at B=1, T=32,768, H=32,
+  # D=128 bf16), concatenated into them at the end. 16-bit gradients are written as bits on CPU
+  # (:func:`_update_slice`), where XLA would widen a carried buffer to float32.
   overlap, T, QT = plan.overlap, plan.kv_time, plan.q_time
   heads = tuple(jnp.zeros((*x.shape[:T], overlap, *x.shape[T + 1:]), f32)
                 for x in (k_p, v_p, g_p))
@@ -673,7 +702,17 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
     return (tuple(x.astype(f32) for x in d_in), tuple(new_heads), dparams), tuple(pieces)
 
   carry = (d_state, heads, dparams)
-  pieces = []  # per block, latest first: (dq, dk, dv, dg) over its chunks' rows
+  grads = tuple(jnp.zeros(x.shape, x.dtype) for x in (q_p, k_p, v_p, g_p))
+  grad_axes = (QT, T, T, T)
+
+  def write(grads, first, pieces):
+    return tuple(_update_slice(g, p, first * C, axis)
+                 for g, p, axis in zip(grads, pieces, grad_axes))
+
+  # The pieces of blocks outside the loops (static starts) are written after every loop, as the
+  # forward writes its front chunks (:func:`_front_run`): a first write into the zero buffers
+  # would become a pad that gives the carried gradients the pieces' layout.
+  pieces = []
   for r in reversed(range(len(plan.runs))):
     run = plan.runs[r]
     full, left = plan_blocks(plan, run)
@@ -683,22 +722,23 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
       carry, piece = block_grad(carry, first, left, run, left_state,
                                 jax.lax.slice_in_dim(dy, first * C, run.stop * C, axis=1),
                                 _routing_slice(decisions, first, run.stop))
-      pieces.append(piece)
+      pieces.append((first, piece))
     if full:
-      def step(carry, x, run=run):
+      def step(carry_grads, x, run=run):
+        carry, grads = carry_grads
         j, state_in = x
         first = run.start + j * S
         dy_blk = slice_time(dy, first * C, S * C, axis=1)
         given = tuple(jax.lax.dynamic_slice_in_dim(d, first, S, 0) for d in decisions)
-        return block_grad(carry, first, S, run, state_in, dy_blk, given)
+        carry, piece = block_grad(carry, first, S, run, state_in, dy_blk, given)
+        return (carry, write(grads, first, piece)), None
 
-      carry, stacked = jax.lax.scan(step, carry, (jnp.arange(full, dtype=jnp.int32), starts),
-                                    reverse=True)
-      pieces.append(tuple(_merge_blocks(x, axis) for x, axis in zip(stacked, (QT, T, T, T))))
+      (carry, grads), _ = jax.lax.scan(step, (carry, grads),
+                                       (jnp.arange(full, dtype=jnp.int32), starts), reverse=True)
+  for first, piece in pieces:
+    grads = write(grads, first, piece)
   d_state, _, dparams = carry  # the last heads carried: rows before the sequence start
-  pieces = pieces[::-1]
-  dq, dk, dv, dg = (jnp.concatenate([p[i] for p in pieces], axis=QT if i == 0 else T)
-                    for i in range(4))
+  dq, dk, dv, dg = grads
   dparams = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), dparams, params)
   return (dparams, d_state, dq, dk, dv, dg, None)
 
@@ -718,15 +758,6 @@ def complete_block_rows(grad: Array, head: Array, rows: int, overlap: int,
   grad = jnp.concatenate([jax.lax.slice_in_dim(grad, 0, rows, axis=axis), tail], axis=axis)
   return (jax.lax.slice_in_dim(grad, overlap, overlap + rows, axis=axis),
           jax.lax.slice_in_dim(grad, 0, overlap, axis=axis))
-
-
-def _merge_blocks(x: Array, time_axis: int) -> Array:
-  """Stacked per-block pieces ``[blocks, ...]`` (time on ``time_axis`` of a piece) -> one piece
-  with the blocks in order along its time axis."""
-  x = jnp.moveaxis(x, 0, time_axis)
-  shape = x.shape
-  return x.reshape(*shape[:time_axis], shape[time_axis] * shape[time_axis + 1],
-                   *shape[time_axis + 2:])
 
 
 # ----------------------------------------------------------------------------------------------
