@@ -275,8 +275,9 @@ def kvm_decode_program(implementation: str, B: int, max_len: int, H: int, Hkv: i
     backend = kj.resolve_kvm_backend(cfg, implementation=implementation)
     D = 128
     params = jax.eval_shape(lambda: kj.KVMParams.init(D, H))
-    cache = jax.eval_shape(lambda: kj.kvm_init_cache(cfg, B, Hkv, D, D, max_len,
-                                                     dtype=jnp.dtype(dtype)))
+    cache = jax.eval_shape(lambda: kj.kvm_init_cache(
+        cfg, batch=B, kv_heads=Hkv, head_dim=D, value_dim=D, max_len=max_len,
+        dtype=jnp.dtype(dtype)))
 
     def step(q, k, v, g, p, c):
       return kj.kvm_decode_step(q, k, v, g, p, cfg, c, backend=backend).y

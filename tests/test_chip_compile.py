@@ -110,6 +110,16 @@ def test_every_op_program_compiles(target):
   assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("platform_target", ["h100:1x1", "v5e:2x2"])
+def test_every_op_program_traces(platform_target):
+  """Each whole-op program of the check builds and traces for the chip at a small size (the
+  nightly run compiles them at full size): a broken program fails here, not only at night."""
+  for program in chip_check.op_programs(batch=1, seq_len=1024):
+    with kj.compile_target(platform_target):
+      fn, args = program.build()
+      jax.jit(fn).trace(*args)
+
+
 # -- the resource model against the compilers -----------------------------------------------------
 
 
