@@ -54,6 +54,9 @@ def test_forward_fits_v5e_within_its_inputs(implementation):
   assert result.ok, result.line()
   assert result.argument_bytes >= 6 * 2**30 and result.output_bytes == 2 * 2**30, result.line()
   assert result.temp_bytes <= result.argument_bytes, result.line()
+  # Stricter: no sequence-sized temporary at all (one of q, k, v is 2 GiB); the scan holds only
+  # per-chunk working memory. A head-major copy of q, k or v breaks this before the bound above.
+  assert result.temp_bytes < 2 * 2**30, result.line()
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
