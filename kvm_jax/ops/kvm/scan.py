@@ -653,27 +653,14 @@ def _block_sources(x: Array, start, size: int, axis: int) -> Array:
   return jnp.pad(part, [(0, 0)] * axis + [(before, 0)] + [(0, 0)] * (x.ndim - axis - 1))
 
 
-def _forward_checkpointed_bwd(plan, residuals, cotangents):
-  """Blocks in reverse: each is run again from its stored state *with the stored decisions*
-  (routing is never recomputed), under ``jax.vjp`` with per-chunk rematerialization, so at most
-  ``block`` chunk states are alive besides the stored block states."""
-  params, q_p, k_p, v_p, g_p, block_states, decisions = residuals
-  dy, d_final, _ = cotangents
-  C, S = plan.cfg.chunk_size, plan.block
+def _block_grad_fn(plan, params, q_p, k_p, v_p, g_p):
+  """One block's backward for :func:`_forward_checkpointed_bwd`: ``block_grad(carry, first,
+  count, run, state_in, dy_blk, given)`` reruns the block from ``state_in`` with the ``given``
+  decisions under ``jax.vjp`` and returns the new carry (state cotangent, the carried key / value
+  / gate rows shared with the block before, parameter gradients) and the block's own gradient
+  rows of q, k, v and the gate."""
+  C, T, QT, overlap = plan.cfg.chunk_size, plan.kv_time, plan.q_time, plan.overlap
   f32 = jnp.float32
-  d_state = tuple(x.astype(f32) for x in d_final)
-  # Each query row belongs to one chunk: its gradient is produced once. A key/value/gate row
-  # belongs to nb windows: with blocks walked in reverse, a block's first (nb-1)·C rows are
-  # shared only with the block before it, so they are carried (float32) into that block, and
-  # every block emits its own rows complete, in the input's dtype, written in place into the
-  # gradients, loop-carried buffers of the inputs' size: per-block pieces stacked as scan outputs
-  # would be a second copy of the gradients (240 MiB each of q, k and v at B=1, T=32,768, H=32,
-  # D=128 bf16), concatenated into them at the end. 16-bit gradients are written as bits on CPU
-  # (:func:`_update_slice`), where XLA would widen a carried buffer to float32.
-  overlap, T, QT = plan.overlap, plan.kv_time, plan.q_time
-  heads = tuple(jnp.zeros((*x.shape[:T], overlap, *x.shape[T + 1:]), f32)
-                for x in (k_p, v_p, g_p))
-  dparams = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, f32), params)
 
   def block_grad(carry, first, count: int, run: Run, state_in, dy_blk, given):
     d_state, heads, dparams = carry
@@ -700,6 +687,33 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
       new_heads.append(head)
     dparams = jax.tree_util.tree_map(lambda a, b: a + b.astype(f32), dparams, dp)
     return (tuple(x.astype(f32) for x in d_in), tuple(new_heads), dparams), tuple(pieces)
+
+  return block_grad
+
+
+def _forward_checkpointed_bwd(plan, residuals, cotangents):
+  """Blocks in reverse: each is run again from its stored state *with the stored decisions*
+  (routing is never recomputed), under ``jax.vjp`` with per-chunk rematerialization, so at most
+  ``block`` chunk states are alive besides the stored block states."""
+  params, q_p, k_p, v_p, g_p, block_states, decisions = residuals
+  dy, d_final, _ = cotangents
+  C, S = plan.cfg.chunk_size, plan.block
+  f32 = jnp.float32
+  d_state = tuple(x.astype(f32) for x in d_final)
+  # Each query row belongs to one chunk: its gradient is produced once. A key/value/gate row
+  # belongs to nb windows: with blocks walked in reverse, a block's first (nb-1)·C rows are
+  # shared only with the block before it, so they are carried (float32) into that block, and
+  # every block emits its own rows complete, in the input's dtype, written in place into the
+  # gradients, loop-carried buffers of the inputs' size: per-block pieces stacked as scan outputs
+  # would be a second copy of the gradients (240 MiB each of q, k and v at B=1, T=32,768, H=32,
+  # D=128 bf16), concatenated into them at the end. 16-bit gradients are written as bits on CPU
+  # (:func:`_update_slice`), where XLA would widen a carried buffer to float32.
+  overlap, T, QT = plan.overlap, plan.kv_time, plan.q_time
+  heads = tuple(jnp.zeros((*x.shape[:T], overlap, *x.shape[T + 1:]), f32)
+                for x in (k_p, v_p, g_p))
+  dparams = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, f32), params)
+
+  block_grad = _block_grad_fn(plan, params, q_p, k_p, v_p, g_p)
 
   carry = (d_state, heads, dparams)
   grads = tuple(jnp.zeros(x.shape, x.dtype) for x in (q_p, k_p, v_p, g_p))
