@@ -311,19 +311,15 @@ def joint_attention_heads_pallas(q, state_keys, state_values, state_valid, windo
     raise ValueError("the fused readout needs one state value per KV head "
                      "(readout_value_dtype=None).")
   kc.check_sizes(head_dim=D, value_dim=window_values.shape[3])
-  blocks = readout_blocks(G * Tq, R, W, kc.platform, kc.interpret)
-  # query rows g·Tp + i; padded rows (i >= Tq) see nothing new and are dropped at the end
+  # query rows g·Tp + i; padded rows (i >= Tq) see nothing new and are dropped at the end.
+  # The kernel pads the rest to its tiles itself (:func:`_forward_padded`).
   Tp = kc.padded_size(G * Tq) // G if kc.triton else Tq  # Triton: G·Tp a power of two
-  GTp = -(-(G * Tp) // blocks.queries) * blocks.queries
-  Rp, Wp = blocks.state_padded, blocks.window_padded
   pad = backend.pad_axis
-  qh = pad(pad(q, 3, Tp).reshape(B, Hkv, G * Tp, D), 2, GTp)
-  wk, wv = pad(window_keys, 2, Wp), pad(window_values, 2, Wp)
+  qh = pad(q, 3, Tp).reshape(B, Hkv, G * Tp, D)
   scale = 1.0 / np.sqrt(D)
 
   def rows(t):
-    per_row = jnp.repeat(t.astype(jnp.float32) * scale, Tp, axis=1)          # [Hkv, G·Tp]
-    return pad(per_row, 1, GTp, 1.0)[..., None]
+    return jnp.repeat(t.astype(jnp.float32) * scale, Tp, axis=1)[..., None]   # [Hkv, G·Tp, 1]
 
   # One state mask per batch row: the queries of a row see the same rows (the rows of a packed
   # document's state differ from row to row, ``state_valid [B, 1, 1, ·, R]``).
@@ -333,15 +329,11 @@ def joint_attention_heads_pallas(q, state_keys, state_values, state_valid, windo
     rows_seen = jnp.broadcast_to(state_valid, (Tq, R))[None, None, :1]          # [1, 1, 1, R]
   state_bias = jnp.broadcast_to(jnp.where(rows_seen, 0.0, MASKED), (B, Hkv, 1, R))
   window_bias = jnp.where(jnp.broadcast_to(window_valid, (Tq, W)), 0.0, MASKED)
-  window_bias = pad(pad(window_bias, 0, Tp), 1, Wp, MASKED)
-  window_bias = pad(jnp.tile(window_bias, (G, 1)), 0, GTp, MASKED)
-  # a padded query row must still see one slot (its softmax stays finite): the first
-  window_bias = window_bias.at[G * Tp:, 0].set(0.0)
-  args = (qh, pad(state_keys.astype(q.dtype), 2, Rp),
-          pad(state_values.astype(window_values.dtype), 2, Rp),
-          pad(state_bias.astype(jnp.float32), 3, Rp, MASKED), wk, wv,
+  window_bias = jnp.tile(pad(window_bias, 0, Tp), (G, 1))                       # [G·Tp, W]
+  args = (qh, state_keys.astype(q.dtype), state_values.astype(window_values.dtype),
+          state_bias.astype(jnp.float32), window_keys, window_values,
           window_bias.astype(jnp.float32), rows(state_temp), rows(window_temp))
   y, _ = per_shard(lambda *a: fused_readout(*a, kc), args,
                    ("bh", "bh", "bh", "bh", "bh", "bh", "r", "h", "h"), ("bh", "bh"), B, Hkv,
                    kc.shard_axes)
-  return y[:, :, :G * Tp].reshape(B, Hkv, G, Tp, -1)[:, :, :, :Tq].astype(jnp.float32)
+  return y.reshape(B, Hkv, G, Tp, -1)[:, :, :, :Tq].astype(jnp.float32)
