@@ -34,6 +34,15 @@ class ShardAxes:
   batch: tuple[str, ...] = ()
   heads: Optional[str] = None
 
+  def may_split_heads(self) -> bool:
+    """Whether arrays may arrive split over their heads: a head axis is named and the mesh set
+    around the call (if any) gives it more than one device. Without a mesh the named axis may
+    still split them (through ``jit``'s shardings), so the answer is yes."""
+    if self.heads is None:
+      return False
+    mesh = _mesh()
+    return mesh is None or dict(zip(mesh.axis_names, mesh.axis_sizes)).get(self.heads, 1) > 1
+
 
 _SHARD_AXES: contextvars.ContextVar[ShardAxes] = contextvars.ContextVar(
     "kvm_kernel_shard_axes", default=ShardAxes())
@@ -45,7 +54,9 @@ def kernel_sharding(batch_axes: Sequence[str] = (), head_axis: Optional[str] = N
   """Inside this context, Pallas kernels called under a mesh (``jax.set_mesh``) run per shard:
   the batch split over ``batch_axes``, the KV heads over ``head_axis`` (each only where the axis
   exists and divides the dimension). Outside it they see whole arrays, which XLA's partitioner
-  gathers for them. The names are the caller's: the trainer passes its own mesh axes.
+  gathers for them. The names are the caller's: the trainer passes its own mesh axes. The KVM
+  op's backend also records whether heads may be split (``KVMBackend.heads_split``): on TPU its
+  scan then keeps heads whole in its layout pins, which otherwise merge time with heads.
 
   It is read when an op is *called* (traced) and fixed into the compiled program."""
   token = _SHARD_AXES.set(ShardAxes(batch=tuple(batch_axes), heads=head_axis))

@@ -63,6 +63,31 @@ def test_kvm_decision_details():
     assert tok.readout == "tokamax" and "tokamax" in tok.chunk_ops().name
 
 
+def test_heads_split_follows_the_named_head_axis_and_the_mesh():
+  """The scan's TPU pins keep heads whole only where heads may arrive split: a head axis named
+  around the decision, unless the mesh set there gives it one device. A backend decided inside
+  the context is accepted outside it (the decision carries the answer), and its chunk operations
+  carry it to the scan."""
+  import jax
+  assert not resolve_kvm_backend(CFG, platform="tpu").heads_split
+  with kernel_sharding(batch_axes=("data",)):
+    assert not resolve_kvm_backend(CFG, platform="tpu").heads_split
+  with kernel_sharding(batch_axes=("data",), head_axis="tensor"):
+    split = resolve_kvm_backend(CFG, platform="tpu")
+    mesh = jax.make_mesh((1, 1), ("data", "tensor"))
+    with jax.set_mesh(mesh):
+      assert not resolve_kvm_backend(CFG, platform="tpu").heads_split
+  assert split.heads_split and split.chunk_ops().heads_split
+  assert not resolve_kvm_backend(CFG, platform="tpu").chunk_ops().heads_split
+  q, k, v, g = random_inputs(0, B, 2 * CFG.chunk_size, H, HKV, D, D)
+  params = kj.KVMParams.init(D, H)
+  with kernel_sharding(head_axis="tensor"):
+    chosen = resolve_kvm_backend(CFG)
+  np.testing.assert_array_equal(kj.kvm_attention(q, k, v, g, params, CFG, backend=chosen).y,
+                                kj.kvm_attention(q, k, v, g, params, CFG,
+                                                 backend=resolve_kvm_backend(CFG)).y)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(implementation="triton"), r"implementation='triton'.*'xla', 'pallas'"),
     (dict(readout="flash"), r"readout='flash'.*'own', 'tokamax'"),

@@ -166,11 +166,14 @@ def compile_ahead(train_step, *args):
 
 def kernel_context(cfg: TrainConfig, mesh) -> contextlib.ExitStack:
   """The context the step runs in: when the model runs Pallas kernels, the trainer's ``mesh``
-  and its batch and KV-head axes, over which the kernels run per shard (``shard_map``);
-  otherwise empty."""
+  and its batch and KV-head axes, over which the kernels run per shard (``shard_map``); when
+  it runs XLA alone and the mesh splits KV heads, those axes without the mesh (the KVM scan
+  then keeps heads whole in its TPU layout pins); otherwise empty."""
   contexts = contextlib.ExitStack()
+  head_axis = sharding.LOGICAL_RULES["kv_heads"]
   if cfg.model.kvm_implementation != "xla" or runs_pallas(cfg.model.attention_implementation):
     contexts.enter_context(jax.set_mesh(mesh))
-    contexts.enter_context(kernel_sharding(batch_axes=sharding.BATCH,
-                                           head_axis=sharding.LOGICAL_RULES["kv_heads"]))
+    contexts.enter_context(kernel_sharding(batch_axes=sharding.BATCH, head_axis=head_axis))
+  elif dict(mesh.shape).get(head_axis, 1) > 1:
+    contexts.enter_context(kernel_sharding(batch_axes=sharding.BATCH, head_axis=head_axis))
   return contexts

@@ -93,6 +93,10 @@ class KVMBackend:
       kernel and does not read it.
     kernel_config: the :class:`~kvm_jax.kernels.backend.KernelConfig` the kernels are built with
       (target, interpret mode, mesh axes) for "pallas"; None for "xla".
+    heads_split: whether the inputs may arrive split over their heads by a mesh axis (the
+      enclosing :func:`kernel_sharding` names one): on TPU the scan then keeps heads whole in
+      its layout pins, which otherwise merge time with heads to keep XLA from copying the inputs
+      into other layouts (:func:`kvm_jax.ops.kvm.scan.in_row_major`).
 
   Frozen and compared by value: equal decisions build equal :class:`ChunkOps` and share compiled
   programs.
@@ -104,10 +108,12 @@ class KVMBackend:
   source_layout: str
   row_update: str
   kernel_config: Optional[KernelConfig] = None
+  heads_split: bool = False
 
   def chunk_ops(self) -> ChunkOps:
     """The per-chunk operations this decision runs in the scan and in decode."""
-    return chunk_ops(self.implementation, readout=self.readout, kernel_config=self.kernel_config)
+    return chunk_ops(self.implementation, readout=self.readout, kernel_config=self.kernel_config,
+                     heads_split=self.heads_split)
 
 
 def _platform(platform: Optional[str]) -> str:
@@ -121,7 +127,8 @@ def _platform(platform: Optional[str]) -> str:
 
 def resolve_kvm_backend(cfg: KVMConfig, *, implementation: str = "auto", readout: str = "auto",
                         kernel_config: Optional[KernelConfig] = None,
-                        platform: Optional[str] = None) -> KVMBackend:
+                        platform: Optional[str] = None,
+                        heads_split: Optional[bool] = None) -> KVMBackend:
   """What a KVM request means on ``platform`` for ``cfg``: the one place its backend is decided.
 
   Args:
@@ -134,6 +141,9 @@ def resolve_kvm_backend(cfg: KVMConfig, *, implementation: str = "auto", readout
     platform: "cpu", "gpu" or "tpu" (:data:`KVM_PLATFORMS`); default: this machine's
       (:func:`kvm_jax.ops.common.current_platform`). Giving it decides for another machine, e.g.
       to inspect what a TPU run would do.
+    heads_split: whether the inputs may arrive split over their heads (:class:`KVMBackend`);
+      default: whether the enclosing :func:`kernel_sharding` names a head axis that the mesh
+      (if one is set) splits.
   Raises:
     ValueError: for a value none of the choices has (the message names it and the choices), and
       for Pallas with ``cfg.readout_value_dtype``.
@@ -176,7 +186,9 @@ def resolve_kvm_backend(cfg: KVMConfig, *, implementation: str = "auto", readout
   kernels = implementation == "pallas"
   return KVMBackend(platform=platform, implementation=implementation, readout=readout,
                     source_layout=source_layout_for(platform, kernels),
-                    row_update=row_update_for(platform), kernel_config=kernel_config)
+                    row_update=row_update_for(platform), kernel_config=kernel_config,
+                    heads_split=(current_shard_axes().may_split_heads() if heads_split is None
+                                 else bool(heads_split)))
 
 
 #: What a public op runs when given neither a backend nor the deprecated separate choices: the
@@ -212,7 +224,7 @@ def backend_for(cfg: KVMConfig, backend: Optional[KVMBackend], implementation: O
                      "pass one or the other.")
   decided = resolve_kvm_backend(cfg, implementation=backend.implementation,
                                 readout=backend.readout, kernel_config=backend.kernel_config,
-                                platform=backend.platform)
+                                platform=backend.platform, heads_split=backend.heads_split)
   if decided != backend:
     raise ValueError(f"backend={backend} is not what resolve_kvm_backend decides for this "
                      f"config on {backend.platform!r} ({decided}); build it with "
@@ -222,7 +234,8 @@ def backend_for(cfg: KVMConfig, backend: Optional[KVMBackend], implementation: O
 
 def chunk_ops(implementation: str, *, target: Optional[str] = None,
               interpret: Optional[bool] = None, shard_axes: Optional[ShardAxes] = None,
-              readout: str = "own", kernel_config: Optional[KernelConfig] = None) -> ChunkOps:
+              readout: str = "own", kernel_config: Optional[KernelConfig] = None,
+              heads_split: bool = False) -> ChunkOps:
   """The per-chunk operations of ``implementation`` ("xla" or "pallas").
 
   For "pallas": the kernels built with ``kernel_config``, or else for ``target`` ("tpu", "cuda",
@@ -231,6 +244,8 @@ def chunk_ops(implementation: str, *, target: Optional[str] = None,
   :func:`kernel_sharding`, else none).
   ``readout``: "own" (the implementation's readout) or "tokamax" (tokamax's attention,
   :func:`kvm_jax.kernels.tokamax_readout.joint_attention_tokamax`; the Pallas decode step keeps its own).
+  ``heads_split``: whether the inputs may arrive split over their heads
+  (:attr:`KVMBackend.heads_split`).
   The public op builds them from its :class:`KVMBackend` (:meth:`KVMBackend.chunk_ops`).
   """
   if readout not in ("own", "tokamax"):
@@ -251,7 +266,7 @@ def chunk_ops(implementation: str, *, target: Optional[str] = None,
   if readout == "tokamax":  # a module-level function: equal ChunkOps share compiled programs
     ops = dataclasses.replace(ops, name=f"{ops.name}+tokamax-readout",
                               attend_fn=joint_attention_tokamax, attend_heads_fn=None)
-  return ops
+  return dataclasses.replace(ops, heads_split=True) if heads_split else ops
 
 
 def resolve_implementation(implementation: str, cfg: KVMConfig, readout: str = "auto"

@@ -36,7 +36,8 @@ from kvm_jax.kvm_config import KVMConfig
 from kvm_jax.ops.common import current_platform
 from kvm_jax.ops.documents import Documents
 from kvm_jax.ops.kvm.scan import (XLA_OPS, ChunkOps, Run, ScanPlan, complete_block_rows,
-                                  no_state_readout, scan_chunks, slice_time, window_slice)
+                                  no_state_readout, plan_pins, scan_chunks, slice_time,
+                                  window_slice)
 from kvm_jax.ops.kvm.state import (KVMParams, KVMState, RoutedUpdate, state_readout, temperatures,
                                    token_rows)
 
@@ -370,6 +371,7 @@ def _skips_unseen_state() -> bool:
   return current_platform() == "cpu"
 
 
+@plan_pins
 def _forward(plan: ScanPlan, params, state0, sources, layout: DocumentLayout):
   """The layout's chunks in blocks of ``plan.block`` (the layout is whole blocks), in a loop of
   as many blocks as the rows hold tokens for (a row uses a fraction of the layout's capacity),
@@ -418,6 +420,7 @@ def _scan_fwd(plan, params, state0, sources, layout):
   return (out, final), (params, sources, layout, block_states, decisions)
 
 
+@plan_pins
 def _scan_bwd(plan, residuals, cotangents):
   """Blocks in reverse, as the plain scan's backward pass (decisions replayed), each gathering
   its chunks and adding its tokens' gradients at their offsets; the blocks the forward pass did

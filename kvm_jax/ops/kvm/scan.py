@@ -14,6 +14,7 @@ implementation registry (``api.py``) plugs in. This module never imports the ker
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import math
@@ -49,6 +50,10 @@ class ChunkOps:
       :func:`kvm_jax.ops.kvm.decode.decode_attention`; None: that function over ``attend_fn``.
     kernel: static configuration passed to all three as ``kc=`` (a kernel's target, interpret
       mode and mesh axes), or None for plain XLA functions.
+    heads_split: whether a mesh axis may split the heads of the arrays a scan reads (the caller
+      named a head axis): the scan's TPU layout pins then keep heads whole
+      (:func:`in_row_major`). Decided with the backend
+      (:func:`kvm_jax.ops.kvm.api.resolve_kvm_backend`).
 
   :meth:`attend` and :meth:`attend_heads` take ``softcap=`` (the config's
   ``logit_softcap``), passed on when set: only the XLA functions take it (the backend resolver
@@ -64,6 +69,7 @@ class ChunkOps:
   kernel: Optional[Any] = None
   decode_attend_fn: Optional[Callable] = None
   attend_heads_fn: Optional[Callable] = None
+  heads_split: bool = False
 
   def attend(self, *args, softcap=None, **kwargs):
     if self.kernel is not None:
@@ -204,6 +210,12 @@ class ScanPlan:
   chunk_fn: Optional[Callable] = None
 
   @property
+  def heads_split(self) -> bool:
+    """Whether a mesh axis may split the sources' heads (``ChunkOps.heads_split``): the TPU
+    layout pins then keep heads whole (:func:`in_row_major`)."""
+    return self.ops.heads_split
+
+  @property
   def q_time(self) -> int:
     """Time axis of the query source: ``[B, T, H, D]``, ``[B, T, Hkv, G, D]`` or head-major
     ``[B, Hkv, G, T, D]``."""
@@ -294,29 +306,64 @@ def _moved_as_bits(x: Array) -> bool:
   return _is_16bit_float(x) and current_platform() == "cpu"
 
 
-def in_row_major(x: Array) -> Array:
-  """``x`` (a chunk or block ``[B, ·, H, D]`` of a time-major array) with its heads and features
-  kept in the row-major order of the arrays it is sliced from or written into, when the program
-  is built for TPU.
+# Whether the arrays the scan slices may be split over their heads (a mesh axis shards them):
+# read by the TPU layout pins below, set from the plan for the time a scan's functions are
+# traced (:func:`plan_pins`). A context, not an argument, because every slice and write of the
+# scan pins its result; the plan (a static argument of every jitted entry) carries the value, so
+# equal plans trace equal programs.
+_HEADS_SPLIT: contextvars.ContextVar[bool] = contextvars.ContextVar("kvm_scan_heads_split",
+                                                                    default=False)
 
-  XLA:TPU chooses every intermediate array's layout, and the readout reads heads-first: left
-  free, it gives the chunks the head-major layout, which a slice passes back to the array it
-  reads (a head-major copy of q, k or v, 256 MiB each at B=1, T=32,768, H=32, D=128 bf16, in the
-  backward pass) and a written gradient piece passes on to the buffer it is written into
-  (head-major gradients, copied into the row-major results at the end). Heads and features
-  merged into one axis can only be laid out with the features minor and the heads next, as the
-  caller's arrays are, and an optimization barrier keeps the merge from being simplified away:
-  the transpose to heads-first happens per chunk. (XLA may still choose a time-minor layout for
-  keys and values, which it does in the backward pass: a copy of each. Only merging time in too
-  leaves it no choice, but a heads-sharded array cannot be merged with time without gathering
-  its heads.) Unlike ``with_layout_constraint`` (a custom call the SPMD partitioner does not see
-  through: it all-gathers a sharded chunk), a reshape that merges heads with features keeps a
-  batch- or heads-sharded array's sharding. Exact (no arithmetic), and a no-op on other
-  platforms, whose programs stay as they were."""
+
+def plan_pins(fn: Callable) -> Callable:
+  """``fn(plan, ...)`` traced with the layout pins its plan allows (``plan.heads_split``)."""
+
+  @functools.wraps(fn)
+  def traced(plan, *args, **kwargs):
+    token = _HEADS_SPLIT.set(plan.heads_split)
+    try:
+      return fn(plan, *args, **kwargs)
+    finally:
+      _HEADS_SPLIT.reset(token)
+
+  return traced
+
+
+def in_row_major(x: Array) -> Array:
+  """``x`` (a chunk or block ``[B, ·, H, D]`` of a time-major array) kept in the row-major
+  layout of the arrays it is sliced from or written into, when the program is built for TPU.
+
+  XLA:TPU chooses every intermediate array's layout. The readout reads heads-first and scores
+  keys with time in the minor dimension: left free, XLA gives the chunks those layouts and
+  passes them back to the arrays they are sliced from (a head-major or time-minor copy of q, k
+  or v, 256 MiB each at B=1, T=32,768, H=32, D=128 bf16) and on to the buffers gradient pieces
+  are written into (head-major gradients, copied into the row-major results at the end). Time
+  and heads merged into one axis, ``[B, ·×H, D]``, can only be laid out with the features minor,
+  as the caller's arrays are (with H a multiple of the tile's rows, the merge is free), and an
+  optimization barrier keeps the merge from being simplified away: the transposes happen chunk
+  by chunk. The batch stays its own axis, so a batch-sharded array keeps its sharding.
+
+  Merging time with heads would gather heads that a mesh axis splits (the partitioner cannot
+  express the split in the merged axis). Where the plan says heads may be split (``heads_split``:
+  the caller named a head axis, :func:`kvm_jax.kernels.sharding.kernel_sharding`), only heads and
+  features are merged: that keeps the sharding and fixes the head order, though XLA may still
+  lay keys and values out time-minor (in the backward pass it does: a copy of each).
+
+  Exact (no arithmetic), and a no-op on other platforms, whose programs stay as they were."""
   if x.ndim < 4 or current_platform() != "tpu":
     return x
-  merged = x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+  if _HEADS_SPLIT.get():
+    merged = x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+  else:
+    merged = x.reshape(x.shape[0], -1, x.shape[-1])
   return jax.lax.optimization_barrier(merged).reshape(x.shape)
+
+
+def pin_whole(x: Array) -> Array:
+  """:func:`in_row_major` for a sequence-sized buffer (a gradient carried through the backward
+  loop), only where the pin is free: with time merged into heads. The heads-and-features merge
+  tiles differently from ``[B, T, H, D]`` and would copy the whole buffer at every step."""
+  return x if _HEADS_SPLIT.get() else in_row_major(x)
 
 
 def slice_time(x: Array, start, size: int, axis: int = 1) -> Array:
@@ -561,6 +608,7 @@ def write_chunks(out: Array, ys: Array, first: int, chunk: int) -> Array:
   return out
 
 
+@plan_pins
 def _forward(plan: ScanPlan, params, state0, q_p, k_p, v_p, g_p, routing):
   """The whole sequence, run by run: ``(y [B, nC·C, H, Dv], state arrays, decisions)``."""
   state = _state(state0, plan.initial_rows)
@@ -595,11 +643,34 @@ def plan_blocks(plan: ScanPlan, run: Run) -> tuple[int, int]:
   return run.length // plan.block, run.length % plan.block
 
 
+def first_rows(plan: ScanPlan, *sources: Array) -> tuple[Array, ...]:
+  """The first ``plan.initial_rows`` time steps of each key-side source (the plan's layout)."""
+  return tuple(jax.lax.slice_in_dim(x, 0, plan.initial_rows, axis=plan.kv_time) for x in sources)
+
+
+def initial_rows_state(plan: ScanPlan, params, k0: Array, v0: Array, g0: Array):
+  """The state arrays ``(keys, values, radius)`` before the first fold: the time steps ``k0`` /
+  ``v0`` / ``g0`` (:func:`first_rows`, in the plan's layout) copied into the first rows of a
+  ``plan.capacity`` buffer (:func:`kvm_jax.ops.kvm.state.initial_state`)."""
+  if not plan.time_major:  # [B, Hkv, n, ·] -> [B, n, Hkv, ·]
+    k0, v0, g0 = (jnp.swapaxes(x, 1, 2) for x in (k0, v0, g0))
+  s0 = initial_state(k0, v0, g0, plan.initial_rows, plan.capacity, params, plan.cfg)
+  return (s0.keys, s0.values, s0.radius)
+
+
+# ``state0`` must be ``initial_rows_state(plan, params, *first_rows(plan, k_p, v_p, g_p))``:
+# its gradient is taken through ``params`` and the first rows of ``k_p``, ``v_p`` and ``g_p``,
+# where the backward pass adds it in place (:func:`_initial_state_grads`), and ``state0`` itself
+# gets none (a symbolic zero). Passed back through ``state0``, JAX would add the two cotangents
+# of k, v and g as whole arrays, a pad of the first rows plus an add that XLA:TPU gives a buffer
+# of its own (256 MiB per input at B=1, T=32,768, H=32, D=128 bf16, and a head-major one for
+# keys).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _forward_checkpointed(plan: ScanPlan, params, state0, q_p, k_p, v_p, g_p, routing):
   return _forward(plan, params, state0, q_p, k_p, v_p, g_p, routing)
 
 
+@plan_pins
 def _forward_checkpointed_fwd(plan, params, state0, q_p, k_p, v_p, g_p, routing):
   """The forward pass, keeping the state at the start of every block of ``plan.block`` chunks
   and every chunk's routing decisions (int32, ``[nC, B, Hkv, C]``)."""
@@ -691,6 +762,7 @@ def _block_grad_fn(plan, params, q_p, k_p, v_p, g_p):
   return block_grad
 
 
+@plan_pins
 def _forward_checkpointed_bwd(plan, residuals, cotangents):
   """Blocks in reverse: each is run again from its stored state *with the stored decisions*
   (routing is never recomputed), under ``jax.vjp`` with per-chunk rematerialization, so at most
@@ -745,19 +817,38 @@ def _forward_checkpointed_bwd(plan, residuals, cotangents):
         dy_blk = slice_time(dy, first * C, S * C, axis=1)
         given = tuple(jax.lax.dynamic_slice_in_dim(d, first, S, 0) for d in decisions)
         carry, piece = block_grad(carry, first, S, run, state_in, dy_blk, given)
-        return (carry, write(grads, first, piece)), None
+        return (carry, tuple(pin_whole(g) for g in write(grads, first, piece))), None
 
       (carry, grads), _ = jax.lax.scan(step, (carry, grads),
                                        (jnp.arange(full, dtype=jnp.int32), starts), reverse=True)
   for first, piece in pieces:
     grads = write(grads, first, piece)
   d_state, _, dparams = carry  # the last heads carried: rows before the sequence start
-  dq, dk, dv, dg = grads
-  dparams = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), dparams, params)
-  return (dparams, d_state, dq, dk, dv, dg, None)
+  dq, *key_side = grads
+  d_initial_params, key_side = _initial_state_grads(plan, params, (k_p, v_p, g_p), d_state,
+                                                      key_side)
+  dparams = jax.tree_util.tree_map(lambda g, g0, p: (g + g0.astype(f32)).astype(p.dtype),
+                                   dparams, d_initial_params, params)
+  return (dparams, None, dq, *key_side, None)
 
 
 _forward_checkpointed.defvjp(_forward_checkpointed_fwd, _forward_checkpointed_bwd)
+
+
+def _initial_state_grads(plan: ScanPlan, params, sources, d_state, key_side):
+  """The initial state's share of the gradients: ``(parameter gradients, key_side)`` with
+  ``key_side`` (the gradients of the key-side ``sources``: k, v and the gate) completed in their
+  first ``plan.initial_rows`` time steps, in place, given ``d_state``, the cotangent of the state
+  arrays before the first fold (summed in float32)."""
+  f32 = jnp.float32
+  state0, vjp = jax.vjp(functools.partial(initial_rows_state, plan), params,
+                        *first_rows(plan, *sources))
+  d_params, *d_rows = vjp(tuple(d.astype(s.dtype) for d, s in zip(d_state, state0)))
+  completed = tuple(
+      _update_slice(grad, (head.astype(f32) + extra.astype(f32)).astype(grad.dtype), 0,
+                    plan.kv_time)
+      for grad, head, extra in zip(key_side, first_rows(plan, *key_side), d_rows))
+  return d_params, completed
 
 
 def complete_block_rows(grad: Array, head: Array, rows: int, overlap: int,
@@ -836,7 +927,7 @@ def kvm_attention_scan(q: Array, k: Array, v: Array, merge_gate: Array, params: 
   first = sched.initial_rows
   s0 = initial_state(k[:, :first], v[:, :first], merge_gate[:, :first], first, sched.final_rows,
                      params, cfg)
-  state0 = (s0.keys, s0.values, s0.radius)
+  state0 = (s0.keys, s0.values, s0.radius)  # initial_rows_state(plan, params, its first rows)
   core = _forward_checkpointed if remat else _forward
   y, (keys, values, radius), decisions = core(plan, params, state0, q_p, k_p, v_p, g_p, routing)
   if nC * C != T:
