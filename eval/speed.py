@@ -479,19 +479,6 @@ def _lengths(text: str) -> list[int]:
   return values
 
 
-class _DeprecatedSwitch(argparse.Action):
-  """A switch kept under an old name: sets its ``dest`` and says on stderr which flag replaces
-  it."""
-
-  def __init__(self, option_strings, dest, **kwargs):
-    super().__init__(option_strings, dest, nargs=0, **kwargs)
-
-  def __call__(self, parser, namespace, values, option_string=None):
-    new = "--" + self.dest.replace("_", "-")
-    print(f"{parser.prog}: {option_string} is deprecated; use {new}.", file=sys.stderr)
-    setattr(namespace, self.dest, True)
-
-
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="kvm-bench", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -530,8 +517,6 @@ def build_parser() -> argparse.ArgumentParser:
                  help="also time one chunk's readout (XLA, Pallas, and tokamax's attention as the "
                       "yardstick when installed: pip install 'kvm_jax[tokamax]') per T and "
                       "budget")
-  p.add_argument("--readout-anchor", action=_DeprecatedSwitch, dest="readout_tokamax",
-                 help=argparse.SUPPRESS)
   g = p.add_argument_group("packed documents (segment_ids); --documents runs only these tables")
   g.add_argument("--documents", action="store_true",
                  help="time the KVM op with segment ids against without, a documents train step "

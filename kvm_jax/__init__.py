@@ -15,11 +15,10 @@ docs/ovq-rwkv7.md), their ops
 ``kj.with_kvm`` (another budget or window for its kvm layers) and ``kj.convert_to_kvm``
 (attention layers made kvm layers; docs/conversion.md). ``kj.Engine`` serves many requests of
 any lengths over the slots of one cache and ``kj.generate_many`` runs a list of prompts through it
-(README, "Serving and batched generation").
+(docs/generation.md).
 """
 
 from kvm_jax import lazy_exports as _lazy_exports
-from kvm_jax import renamed as _renamed
 
 # Where each public name lives, imported on first use (kvm_jax.lazy_exports): ``import kvm_jax``
 # alone costs no JAX, so the commands' --help and argument errors answer at once.
@@ -69,8 +68,5 @@ __all__ = [
 ]
 
 
-# The names of _EXPORTS on first use; ``kvm_jax.config``, the old path of a renamed module, still
-# resolves.
-__getattr__, __dir__ = _lazy_exports.exports(
-    __name__, _EXPORTS, modules=("presets",),
-    fallback=_renamed.old_submodules(__name__, "config"))
+# The names of _EXPORTS on first use.
+__getattr__, __dir__ = _lazy_exports.exports(__name__, _EXPORTS, modules=("presets",))

@@ -7,8 +7,8 @@ the class's own validation. JSON has no tuples: every list is read back as a tup
 is a list; tuples keep the frozen configs hashable, which jit's static arguments need). The mixers'
 options classes (:mod:`kvm_jax.mixer_options`, any registered kind) and the backbone families'
 (:mod:`kvm_jax.family_options`) are known without being named.
-A class may read files of earlier versions through a classmethod ``upgrade_fields(dict) -> dict``
-(``ModelConfig`` folds its old per-kind fields into ``options`` so).
+A file carries its format's version (:data:`FORMAT_KEY`); one without it was written before
+versions existed and is upgraded once, by :func:`upgrade_unversioned`, when read.
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ from kvm_jax.kvm_config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 
 CLASS_KEY = "__class__"
+# The top-level key holding a config file's format version. Version 2: the mixers' settings in
+# the model's ``options`` table and the backbone's in ``family_options``. Files without the key
+# (version 1) kept them as fields of the model (``kvm``, ``swa_window``, ``tokenshift_mlp``, ...).
+FORMAT_KEY = "format_version"
+FORMAT_VERSION = 2
 CORE_CLASSES = (ModelConfig, KVMConfig, budget_lib.FixedBudget, budget_lib.PowerLawBudget,
                 budget_lib.SaturatingBudget)
 
@@ -50,8 +55,11 @@ def to_jsonable(obj: Any) -> Any:
   raise ValueError(f"cannot write {type(obj).__name__} {obj!r} to a JSON config.")
 
 
-def from_jsonable(obj: Any, classes: Iterable[type] = ()) -> Any:
-  """Inverse of :func:`to_jsonable`; ``classes`` adds dataclasses beyond the core configs."""
+def from_jsonable(obj: Any, classes: Iterable[type] = (),
+                  upgrades: Mapping[str, Any] = {}) -> Any:  # noqa: B006 (read only)
+  """Inverse of :func:`to_jsonable`; ``classes`` adds dataclasses beyond the core configs;
+  ``upgrades`` maps a class name to a function that rewrites its fields (already built) from an
+  earlier format into the current one (:func:`upgrade_unversioned`)."""
   registry = {c.__name__: c for c in (*CORE_CLASSES, *mixer_options.options_classes(),
                                       *family_options.family_options_classes(), *classes)}
 
@@ -62,9 +70,8 @@ def from_jsonable(obj: Any, classes: Iterable[type] = ()) -> Any:
         raise ValueError(f"config names unknown class {name!r}; known: {sorted(registry)}.")
       cls = registry[name]
       fields = {k: build(v) for k, v in x.items() if k != CLASS_KEY}
-      upgrade = getattr(cls, "upgrade_fields", None)
-      if upgrade is not None:
-        fields = upgrade(fields)
+      if name in upgrades:
+        fields = upgrades[name](fields)
       unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
       if unknown:
         raise ValueError(f"config for {name} has unknown fields {sorted(unknown)} (written by a "
@@ -77,6 +84,67 @@ def from_jsonable(obj: Any, classes: Iterable[type] = ()) -> Any:
     return x
 
   return build(obj)
+
+
+def with_format(data: dict) -> dict:
+  """A config's JSON object (:func:`to_jsonable`) stamped with the current format version."""
+  return {FORMAT_KEY: FORMAT_VERSION, **data}
+
+
+def read_config(data: dict, classes: Iterable[type] = ()) -> Any:
+  """The config of a JSON object of any format version: the current one as it is, a file
+  without a version upgraded (:func:`upgrade_unversioned`), a newer one refused."""
+  data = dict(data)
+  version = data.pop(FORMAT_KEY, 1)
+  if not isinstance(version, int) or version > FORMAT_VERSION:
+    raise ValueError(f"config {FORMAT_KEY}={version!r}: this kvm_jax reads versions up to "
+                     f"{FORMAT_VERSION}; it was written by a newer kvm_jax (upgrade kvm_jax).")
+  return from_jsonable(data, classes, upgrades=upgrade_unversioned() if version == 1 else {})
+
+
+# The model fields of version 1 files: a field naming a kind holds its whole options; the others
+# hold one field of a kind's options.
+_UNVERSIONED_KIND_FIELDS = {"kvm": None, "swa_window": ("swa", "window"),
+                            "swa_rope_dims": ("swa", "rope_dims"),
+                            "bswa_chunk_size": ("bswa", "chunk_size"),
+                            "bswa_window_chunks": ("bswa", "window_chunks"),
+                            "bswa_sink_rows": ("bswa", "sink_rows")}
+# ... and the GPTAlpha-2 backbone's, now fields of its family options.
+_UNVERSIONED_FAMILY_FIELDS = ("ffn_expansion", "tokenshift_attention", "tokenshift_mlp",
+                              "value_residual", "share_value_anchor")
+
+
+def upgrade_unversioned() -> dict[str, Any]:
+  """The one migration: ``{class name: fields -> fields}`` reading a file written before format
+  versions (0.1.0's layout), whose model kept its mixers' settings as fields of its own. Each
+  such field replaces one field of its kind's options in ``options`` (or of the kind's defaults),
+  a field naming a kind gives that kind's options, and the backbone's fields become
+  ``family_options``."""
+
+  def model_fields(fields: dict) -> dict:
+    fields = dict(fields)
+    family = {n: fields.pop(n) for n in _UNVERSIONED_FAMILY_FIELDS if n in fields}
+    if family:
+      base = fields.get("family_options") or {}
+      base = base if isinstance(base, Mapping) else dataclasses.asdict(base)
+      fields["family_options"] = family_options.family_options_class(
+          fields.get("family", "gptalpha2"))(**{**base, **family})
+    kinds = {n: fields.pop(n) for n in _UNVERSIONED_KIND_FIELDS if n in fields}
+    if kinds:
+      options, per_kind = dict(fields.get("options") or {}), {}
+      for name, value in kinds.items():
+        if _UNVERSIONED_KIND_FIELDS[name] is None:
+          options.setdefault(name, value)
+        else:
+          kind, field = _UNVERSIONED_KIND_FIELDS[name]
+          per_kind.setdefault(kind, {})[field] = value
+      for kind, values in per_kind.items():
+        base = options.get(kind) or mixer_options.options_class(kind)()
+        options[kind] = dataclasses.replace(base, **values)
+      fields["options"] = options
+    return fields
+
+  return {"ModelConfig": model_fields}
 
 
 # The command-line spelling of config values, shown by every CLI's --help.
@@ -198,8 +266,8 @@ def _literal(text: str) -> Any:
 
 def save(path: str | Path, cfg: Any) -> None:
   # epath: a gs:// (or other remote) run directory is written there, not to a local "gs:" folder.
-  epath.Path(path).write_text(json.dumps(to_jsonable(cfg), indent=2) + "\n")
+  epath.Path(path).write_text(json.dumps(with_format(to_jsonable(cfg)), indent=2) + "\n")
 
 
 def load(path: str | Path, classes: Iterable[type] = ()) -> Any:
-  return from_jsonable(json.loads(epath.Path(path).read_text()), classes)
+  return read_config(json.loads(epath.Path(path).read_text()), classes)

@@ -23,7 +23,6 @@ Two things the paper leaves open (docs/conversion.md):
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax.numpy as jnp
@@ -75,14 +74,6 @@ def _conversion(cfg: ModelConfig, layer: int) -> Optional[KVMConversion]:
   """What converting ``layer`` asks of the KVM options, or None when its kind does not convert."""
   kind = cfg.layer_mixers[layer]
   return mixer_class(kind).kvm_conversion(cfg, layer) if kind in convertible_kinds() else None
-
-
-def __getattr__(name: str):
-  if name == "CONVERTIBLE":  # the fixed tuple this module had before kinds said it themselves
-    warnings.warn("kvm_jax.convert.CONVERTIBLE is deprecated; call convertible_kinds().",
-                  DeprecationWarning, stacklevel=2)
-    return convertible_kinds()
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def has_kvm_layers(cfg: ModelConfig) -> bool:

@@ -34,8 +34,8 @@ def exports(package: str, table: Mapping[str, Sequence[str]], modules: Sequence[
   ``__init__``, where ``sys.modules[package]`` is the package).
 
   ``table``: defining module -> the names of it the package exports; ``modules``: submodules
-  exported as modules (``kvm_jax.presets``); ``fallback(name)``: asked for any other name (e.g.
-  :func:`kvm_jax.renamed.old_submodules`), else AttributeError."""
+  exported as modules (``kvm_jax.presets``); ``fallback(name)``: asked for any other name, else
+  AttributeError."""
   where = {name: module for module, names in table.items() for name in names}
   this = sys.modules[package]
   this.__class__ = _Package

@@ -12,7 +12,6 @@ name to its function.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Callable
 
 from kvm_jax.budget import FixedBudget, PowerLawBudget, SaturatingBudget
@@ -269,29 +268,13 @@ def _tiny_options_by_type(mixers) -> dict:
           and mixer_class(kind).Options in by_type}
 
 
-def _warn_legacy_keywords(overrides: dict) -> None:
-  """A DeprecationWarning for keywords that are field names of pre-options config files (which
-  ``ModelConfig.upgrade_fields`` still reads, for those files)."""
-  legacy = sorted(set(overrides) & (set(ModelConfig.LEGACY_FIELDS)
-                                    | set(ModelConfig.LEGACY_FAMILY_FIELDS)))
-  if legacy:
-    warnings.warn(f"presets.tiny({'=, '.join(legacy)}=) is deprecated: pass options={{kind: "
-                  f"options}} for a kind's fields, family_options=... for GPTAlpha-2's switches.",
-                  DeprecationWarning, stacklevel=3)
-
-
 def tiny(mixers="kvm", options=None, **overrides) -> ModelConfig:
   """A CPU-test-sized model (2 layers, width 64, 4 heads of 16, vocab 256, C=8, L=16).
 
   ``options`` replaces entries of :data:`TINY_OPTIONS` (``{"kvm": KVMConfig(...)}``); the other
   keywords are ``ModelConfig`` fields. A kind without tiny options whose options are of a
-  built-in kind's type (a subclass registered from outside) takes that kind's tiny ones. The
-  field names of config files written before the options tables (``kvm=``, ``swa_window=``,
-  ``tokenshift_attention=``, ...: :meth:`ModelConfig.upgrade_fields`) still work here, with a
-  DeprecationWarning: pass ``options=`` or ``family_options=``."""
-  _warn_legacy_keywords(overrides)
+  built-in kind's type (a subclass registered from outside) takes that kind's tiny ones."""
   table = {**_tiny_options_by_type(mixers), **TINY_OPTIONS, **(options or {})}
-  overrides = ModelConfig.upgrade_fields(overrides, defaults=table)
   table.update(overrides.pop("options", {}))
   base = dict(vocab_size=256, num_layers=2, hidden_size=64, num_heads=4, mixers=mixers,
               options=table, rope_dims=8, mup_base_dim=64)

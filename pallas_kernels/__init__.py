@@ -20,8 +20,3 @@ never the dispatcher that calls them. The XLA scan (``implementation="xla"``) st
 and the reference; ``kvm-check`` compares the two on any machine.
 """
 
-from kvm_jax import renamed as _renamed
-
-
-# ``kvm_jax.kernels.anchor``, the old path of a renamed module, still resolves.
-__getattr__ = _renamed.old_submodules(__name__, "anchor")

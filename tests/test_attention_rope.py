@@ -57,17 +57,11 @@ def _rule(kind, kw) -> WindowRule:
   return WindowRule("chunks", chunk=kw["chunk_size"], window_chunks=kw["window_chunks"])
 
 
-def test_a_ring_named_by_its_old_kind_string_warns_and_is_the_same():
-  """``init_ring_cache("swa", window=...)`` (the kind-name form) still builds the ring the rule
-  builds, with a DeprecationWarning that names the rule."""
+def test_a_ring_is_built_from_its_rule_only():
+  """A layer kind's name is not a rule: refused, naming the fix."""
   sizes = dict(batch=1, kv_heads=1, head_dim=4, value_dim=4, max_len=16)
-  for kind, kw in KINDS[:3]:
-    with pytest.warns(DeprecationWarning, match="pass the layer's WindowRule"):
-      old = att.init_ring_cache(kind, **sizes, **kw)
-    assert old.rule == _rule(kind, kw) and old.keys.shape == att.init_ring_cache(
-        _rule(kind, kw), **sizes).keys.shape
-  with pytest.warns(DeprecationWarning):  # that form kept sinks for bswa only
-    assert att.init_ring_cache("swa", window=4, sink_rows=3, **sizes).sink_keys.shape[1] == 0
+  with pytest.raises(TypeError, match=r"rule='swa' is not a WindowRule"):
+    att.init_ring_cache("swa", **sizes)
 
 
 @pytest.mark.parametrize("kind, kw", KINDS, ids=[k for k, _ in KINDS])

@@ -5,7 +5,6 @@ same backend arguments, and bad requests name the bad value and the choices."""
 from __future__ import annotations
 
 import inspect
-import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -108,19 +107,16 @@ def test_pallas_refuses_readout_value_dtype():
     resolve_kvm_backend(cfg, implementation="pallas", platform="cpu")
 
 
-def test_entry_points_take_the_same_backend_arguments():
-  backend_args = {"implementation", "readout", "kernel_config"}
-  defaults = []
+def test_entry_points_take_one_decided_backend():
+  """The three entry points take the backend as one keyword-only ``backend=`` (default: the XLA
+  scan); the choices it is decided from are the resolver's arguments, not theirs."""
+  choices = {"implementation", "readout", "kernel_config"}
   for fn in (kj.kvm_attention, kj.kvm_prefill, kj.kvm_decode_step):
     params = inspect.signature(fn).parameters
-    assert backend_args <= set(params), fn.__name__
-    assert all(params[a].kind is inspect.Parameter.KEYWORD_ONLY for a in backend_args)
-    defaults.append({a: params[a].default for a in backend_args})
-  assert defaults[0] == defaults[1] == defaults[2], defaults
-  resolver = inspect.signature(resolve_kvm_backend).parameters
-  assert backend_args | {"platform"} <= set(resolver)
-  for fn in (kj.kvm_attention, kj.kvm_prefill, kj.kvm_decode_step):  # or one decided backend
-    assert inspect.signature(fn).parameters["backend"].default is None, fn.__name__
+    assert params["backend"].default is None, fn.__name__
+    assert params["backend"].kind is inspect.Parameter.KEYWORD_ONLY, fn.__name__
+    assert not choices & set(params), fn.__name__
+  assert choices | {"platform"} <= set(inspect.signature(resolve_kvm_backend).parameters)
 
 
 # The decode step at t = T = 32 folds a chunk (t >= L + C).
@@ -151,31 +147,16 @@ def test_prefill_and_decode_with_an_explicit_readout_equal_the_default():
     resolve_kvm_backend(CFG, readout="flash")
 
 
-def test_one_backend_object_runs_what_its_arguments_run():
-  """A backend decided once (``resolve_kvm_backend``) and passed as ``backend=`` runs exactly what
-  the deprecated separate arguments it was decided from run (prefill, decode, the whole sequence,
-  packed documents), and those warn, naming the replacement; given with them, hand-made, or not
-  a backend, it is refused by name."""
-  backend = resolve_kvm_backend(CFG, implementation="xla", readout="own")
-  with pytest.warns(DeprecationWarning, match=r"backend=resolve_kvm_backend\(cfg, readout='own'\)"):
-    separate, ((q, k, v, g), params, cache0) = _prefill_then_decode(4, readout="own")
-  decided, _ = _prefill_then_decode(4, backend=backend)
-  for a, b in zip(separate, decided):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  seg = jnp.asarray([[1] * 13 + [2] * (T + 1 - 13)])
-  for kw in ({}, {"segment_ids": seg}):
-    with pytest.warns(DeprecationWarning, match="kvm_attention"):
-      want, _ = kj.kvm_attention(q, k, v, g, params, CFG, readout="own", **kw)
-    got, _ = kj.kvm_attention(q, k, v, g, params, CFG, backend=backend, **kw)
-    np.testing.assert_array_equal(np.asarray(want), np.asarray(got))
-  with warnings.catch_warnings():  # neither: the XLA scan, no warning
-    warnings.simplefilter("error")
-    plain, _ = kj.kvm_attention(q, k, v, g, params, CFG)
+def test_a_backend_is_checked_against_the_decision():
+  """With no backend the ops run the XLA scan; a backend not decided by
+  ``resolve_kvm_backend`` for this config (hand-made), or not a backend, is refused by name."""
+  q, k, v, g = random_inputs(4, B, T + 1, H, HKV, D, D)
+  params = kj.KVMParams.init(D, H)
+  plain, _ = kj.kvm_attention(q, k, v, g, params, CFG)
   xla = kj.kvm_attention(q, k, v, g, params, CFG,
                          backend=resolve_kvm_backend(CFG, implementation="xla"))
   np.testing.assert_array_equal(np.asarray(plain), np.asarray(xla.y))
-  with pytest.raises(ValueError, match="backend= was given with {'readout': 'own'}"):
-    kj.kvm_attention(q, k, v, g, params, CFG, backend=backend, readout="own")
+  backend = resolve_kvm_backend(CFG, implementation="xla", readout="own")
   import dataclasses
   with pytest.raises(ValueError, match="is not what resolve_kvm_backend decides"):
     kj.kvm_attention(q, k, v, g, params, CFG,

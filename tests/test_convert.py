@@ -285,9 +285,3 @@ def test_the_kinds_that_convert_are_those_that_say_how():
   from kvm_jax.convert import convertible_kinds
   kinds = set(convertible_kinds())
   assert {"full", "swa", "bswa"} <= kinds and not kinds & {"kvm", "ovq", "rwkv7"}
-  import kvm_jax.convert as convert  # the fixed tuple it replaced still reads, with a warning
-  with pytest.warns(DeprecationWarning, match="convertible_kinds"):
-    assert set(convert.CONVERTIBLE) == kinds
-  from kvm_jax.hf import authors_config as authors  # so do the authors' tables the kinds replaced
-  with pytest.warns(DeprecationWarning, match="AUTHORS"):
-    assert authors.NO_ROPE_KINDS == ("ovq", "rwkv7")

@@ -385,7 +385,8 @@ def test_document_arguments_are_checked():
   with pytest.raises(ValueError, match="must be >= 0"):
     kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=-seg)
   with pytest.raises(ValueError, match="readout='own'"):
-    kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg, readout="tokamax")
+    kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg,
+                     backend=kj.resolve_kvm_backend(cfg, readout="tokamax"))
   with pytest.raises(ValueError, match="shared routing"):
     kj.kvm_attention(q, k, v, g, params, cfg, segment_ids=seg, return_routing=True)
 

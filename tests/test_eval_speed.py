@@ -142,17 +142,6 @@ def test_readout_tokamax(tmp_path, capsys):
     assert r["fixed256_readout_tokamax_ms"] is None and "kvm_jax[tokamax]" in text
 
 
-def test_old_tokamax_readout_names_still_work_and_say_their_new_ones(capsys):
-  """--readout-anchor and kvm_jax.kernels.anchor are the tokamax readout's old names: each still
-  works and names its replacement ("anchor" is the value residual's word)."""
-  from kvm_jax.kernels import tokamax_readout
-  assert speed.build_parser().parse_args(["--readout-anchor"]).readout_tokamax is True
-  assert "--readout-anchor is deprecated; use --readout-tokamax" in capsys.readouterr().err
-  with pytest.warns(DeprecationWarning, match="kvm_jax.kernels.tokamax_readout"):
-    from kvm_jax.kernels.anchor import joint_attention_tokamax
-  assert joint_attention_tokamax is tokamax_readout.joint_attention_tokamax
-
-
 def test_documents_bench_helpers_by_hand():
   """kvm-bench --documents: the packed rows it times hold exactly the planned documents, and the
   log-normal corpus covers what it is asked for."""

@@ -11,7 +11,6 @@ a fresh virtual environment); the environment sees the test environment's depend
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 import subprocess
@@ -89,31 +88,3 @@ def test_regular_install_from_another_directory(tmp_path):
                            capture_output=True, text=True, timeout=300)
     assert help_.returncode == 0, (name, help_.stderr[-2000:])
     assert f"usage: {name}" in help_.stdout, (name, help_.stdout[:500])
-
-
-def test_renamed_modules_still_resolve_under_their_old_names_with_a_warning():
-  """Each module called ``config`` but for one op's config was renamed for what it holds; the old
-  paths (imports and package attributes) give the same objects and name the new module."""
-  import warnings
-  import kvm_jax as kj
-  import kvm_jax.hf as hf
-  import kvm_jax.runs as runs
-  from kvm_jax.hf.authors_config import model_config_from_authors
-  for old, new, name, same in (
-      ("kvm_jax.config", "kvm_jax.kvm_config", "KVMConfig", kj.KVMConfig),
-      ("kvm_jax.hf.config", "kvm_jax.hf.authors_config", "model_config_from_authors",
-       model_config_from_authors),
-      ("kvm_jax.runs.config", "kvm_jax.runs.train_config", "TrainConfig", runs.TrainConfig)):
-    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated; import {new}"):
-      assert getattr(importlib.import_module(old), name) is same
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    assert kj.config.KVMConfig is kj.KVMConfig and hf.config.ConfigError is hf.ConfigError
-    star = {}
-    exec("from kvm_jax.runs.config import *", star)  # the new module's public names
-    assert star["TrainConfig"] is runs.TrainConfig
-    import kvm_jax.kernels as kernels
-    assert kernels.anchor.tokamax_available is kernels.tokamax_readout.tokamax_available
-  with warnings.catch_warnings():  # Python's own probes of a module do not warn
-    warnings.simplefilter("error")
-    assert not hasattr(importlib.import_module("kvm_jax.config"), "__path__")

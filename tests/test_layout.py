@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # Layers, lowest first. A pattern "x" names one module; "x.*" names x and everything below it.
 # The most specific pattern wins. Modules of one layer may import each other (without cycles).
 LAYERS = (
-    ("config", ("kvm_jax.budget", "kvm_jax.kvm_config", "kvm_jax.config", "kvm_jax.mixer_options",
+    ("config", ("kvm_jax.budget", "kvm_jax.kvm_config", "kvm_jax.mixer_options",
                 "kvm_jax.family_options", "kvm_jax.model_config", "kvm_jax.config_io", "kvm_jax.progress",
-                "kvm_jax.plugins", "kvm_jax.renamed", "kvm_jax.compilation_cache", "kvm_jax.target",
+                "kvm_jax.plugins", "kvm_jax.compilation_cache", "kvm_jax.target",
                 "kvm_jax.lazy_exports",
                 "kvm_jax.row_plan")),
     ("ops", ("kvm_jax.ops.common", "kvm_jax.ops.rope", "kvm_jax.ops.attention",

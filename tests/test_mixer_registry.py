@@ -302,23 +302,25 @@ def test_config_of_the_earlier_layout_loads_to_the_same_model(tmp_path):
   assert config_io.from_jsonable(json.loads(json.dumps(config_io.to_jsonable(cfg)))) == cfg
 
 
-def test_tiny_takes_the_earlier_field_names_only_with_a_warning():
-  """``presets.tiny`` still reads the pre-options field names (as config files of that layout
-  are read), with a DeprecationWarning naming ``options=`` / ``family_options=``; each gives the
-  config the new form gives."""
-  kvm = dataclasses.replace(kj.presets.TINY_OPTIONS["kvm"], budget=kj.FixedBudget(12))
-  with pytest.warns(DeprecationWarning, match=r"tiny\(bswa_sink_rows=, kvm=, swa_window=, "
-                                              r"tokenshift_mlp=\) is deprecated"):
-    old = kj.presets.tiny("swa,kvm,bswa", num_layers=3, kvm=kvm, swa_window=5, bswa_sink_rows=0,
-                          tokenshift_mlp=False)
-  new = kj.presets.tiny("swa,kvm,bswa", num_layers=3,
-                        family_options=kj.nn.GPTAlpha2Options(tokenshift_mlp=False),
-                        options={"kvm": kvm,
-                                 "swa": dataclasses.replace(kj.presets.TINY_OPTIONS["swa"],
-                                                            window=5),
-                                 "bswa": dataclasses.replace(kj.presets.TINY_OPTIONS["bswa"],
-                                                             sink_rows=0)})
-  assert old == new
+def test_config_files_carry_their_format_version(tmp_path):
+  """A config file is written with the current format version and read back equal; a file of a
+  newer version is refused by name; the upgrade of unversioned files applies to those only (a
+  current file with a field of the old layout is refused, not silently moved)."""
+  cfg = kj.presets.tiny("swa,kvm")
+  path = tmp_path / "config.json"
+  config_io.save(path, cfg)
+  data = json.loads(path.read_text())
+  assert data[config_io.FORMAT_KEY] == config_io.FORMAT_VERSION == 2
+  assert config_io.load(path) == cfg
+  path.write_text(json.dumps({**data, config_io.FORMAT_KEY: 3}))
+  with pytest.raises(ValueError, match="format_version=3: .*newer kvm_jax"):
+    config_io.load(path)
+  path.write_text(json.dumps({**data, "swa_window": 5}))
+  with pytest.raises(ValueError, match=r"unknown fields \['swa_window'\]"):
+    config_io.load(path)
+  del data[config_io.FORMAT_KEY]
+  path.write_text(json.dumps({**data, "swa_window": 5}))
+  assert config_io.load(path).options_of("swa").window == 5
 
 
 @pytest.mark.parametrize("mixers", [("full", "swa"), ("bswa", "kvm")])

@@ -133,16 +133,3 @@ def test_bad_chunk_sizes_and_shapes_are_refused():
     rwkv7_recurrence(*x[:3], x[3][:, :4], *x[4:])
   with pytest.raises(ValueError, match=r"the state must be \[B, H, Dk, Dv\]"):
     rwkv7_step(*(z[:, 0] for z in x), jnp.zeros((2, 2, 16, 11)))
-
-
-def test_the_old_module_name_warns_and_gives_the_same_functions():
-  """``kvm_jax.ops.rwkv7.chunked`` (the chunk-parallel form's old module name) still imports,
-  with a DeprecationWarning naming ``scan``, and holds the same objects."""
-  import importlib
-  import sys
-
-  from kvm_jax.ops.rwkv7 import scan
-  sys.modules.pop("kvm_jax.ops.rwkv7.chunked", None)
-  with pytest.warns(DeprecationWarning, match=r"kvm_jax\.ops\.rwkv7\.scan"):
-    old = importlib.import_module("kvm_jax.ops.rwkv7.chunked")
-  assert old.rwkv7_recurrence is scan.rwkv7_recurrence and old.rwkv7_step is scan.rwkv7_step

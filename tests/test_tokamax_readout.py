@@ -124,7 +124,7 @@ def test_readout_choice_through_the_op(tokamax):
   gradients as the op's own readout; "auto" keeps the own readout where no benchmark listed
   tokamax as faster (every backend today); an unknown choice names the valid ones."""
   import kvm_jax as kj
-  from kvm_jax.ops.kvm.api import TOKAMAX_READOUT_BACKENDS, resolve_implementation
+  from kvm_jax.ops.kvm.api import TOKAMAX_READOUT_BACKENDS
   from kvm_jax.ops.kvm.cases import random_inputs
 
   def ops(readout):
@@ -151,5 +151,3 @@ def test_readout_choice_through_the_op(tokamax):
   assert "tokamax" in ops("tokamax").name
   with pytest.raises(ValueError, match="readout='flash'"):
     ops("flash")
-  with pytest.warns(DeprecationWarning, match="resolve_kvm_backend"):  # the old second path
-    assert resolve_implementation("xla", cfg, "tokamax") == ops("tokamax")

@@ -350,18 +350,6 @@ def test_accumulation_and_slicing_equal_the_whole_batch():
       assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * scale, (accum, slice_len, remat)
 
 
-def test_names_moved_out_of_the_loop_warn_and_resolve():
-  """What the loop once re-exported still resolves there, to its defining module's object, with
-  a DeprecationWarning that names the module; an unknown name is an AttributeError."""
-  from kvm_jax.train import evaluation, step
-  with pytest.warns(DeprecationWarning, match="import it from kvm_jax.train.evaluation"):
-    assert loop.evaluate is evaluation.evaluate
-  with pytest.warns(DeprecationWarning, match="kvm_jax.train.step"):
-    assert loop.global_norm is step.global_norm
-  with pytest.raises(AttributeError, match="no attribute 'evaluat'"):
-    loop.evaluat  # noqa: B018
-
-
 def test_micro_batches_interleave_rows():
   x = jnp.arange(8)[:, None] * jnp.ones((1, 3), jnp.int32)
   np.testing.assert_array_equal(micro_batches(x, 4)[:, :, 0], [[0, 4], [1, 5], [2, 6],

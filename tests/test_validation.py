@@ -105,10 +105,6 @@ def test_decode_input_validation():
 def test_unknown_implementation():
   with pytest.raises(ValueError, match="implementation='triton' is not available"):
     kj.resolve_kvm_backend(CFG, implementation="triton")
-  cache = kj.kvm_init_cache(CFG, batch=1, kv_heads=2, head_dim=8, value_dim=6, max_len=16)
-  with pytest.raises(ValueError, match="implementation='triton' is not available"), \
-      pytest.warns(DeprecationWarning, match="kvm_prefill"):  # the old separate argument
-    kj.kvm_prefill(*_inputs(), CFG, cache, implementation="triton")
 
 
 @pytest.mark.parametrize("steps, warmup, match", [

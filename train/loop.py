@@ -16,9 +16,7 @@ their names from them.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import time
-import warnings
 from typing import Any, Optional
 
 import jax
@@ -40,29 +38,6 @@ from kvm_jax.train.objectives import FrozenParameters, LMObjective, Objective
 from kvm_jax.train.start import (check_workdir, fine_tuned_params, setup, with_init_model,
                                  with_teacher_task)
 from kvm_jax.train.step import compile_ahead, kernel_context, make_train_step
-
-# Names this module once re-exported without using them, and the modules that define them: still
-# readable here (and by ``import *``), with a DeprecationWarning, so that users' imports keep
-# working while they move. The parts ``train`` itself calls (``setup``, ``task_dataset``,
-# ``put_batch``, ``make_train_step``, ...) are attributes as any module's imports are; import them
-# from their modules too.
-_MOVED = {
-    "EvalSpec": "evaluation", "eval_sums": "evaluation", "evaluate": "evaluation",
-    "make_eval_step": "evaluation", "visible_keys": "accounting", "NonFiniteError": "hooks",
-    "parse_profile_steps": "hooks", "loss_sums": "objectives", "masked_loss": "objectives",
-    "FINE_TUNE_FIELDS": "start", "make_optimizer": "start", "clip_to_norm": "step",
-    "global_norm": "step", "loss_and_grads": "step", "micro_batches": "step"}
-__all__ = ["train", *_MOVED]
-
-
-def __getattr__(name: str):
-  if name not in _MOVED:
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-  module = f"kvm_jax.train.{_MOVED[name]}"
-  warnings.warn(f"kvm_jax.train.loop.{name} is deprecated; import it from {module}.",
-                DeprecationWarning, stacklevel=2)
-  return getattr(importlib.import_module(module), name)
-
 
 def _objective_and_extra(cfg: TrainConfig, objective, teacher_cfg, optimizer, params, shardings,
                          verbose):

@@ -13,7 +13,6 @@ docs/pretrained.md (transformers') have the field and tensor tables.
 """
 
 from kvm_jax import lazy_exports as _lazy_exports
-from kvm_jax import renamed as _renamed
 
 __all__ = ["CheckpointError", "ConfigError", "ExportError", "authors_config_from_model",
            "authors_shapes", "checkpoint_kind", "export_run", "from_authors", "import_checkpoint",
@@ -25,7 +24,6 @@ __all__ = ["CheckpointError", "ConfigError", "ExportError", "authors_config_from
 
 
 # Imported on first use (kvm_jax.lazy_exports): kvm-import's --help needs none of it.
-# ``kvm_jax.hf.config``, the old path of a renamed module, still resolves.
 __getattr__, __dir__ = _lazy_exports.exports(__name__, {
     "kvm_jax.hf.authors_config": ("ConfigError", "ExportError", "authors_config_from_model",
                                   "model_config_from_authors"),
@@ -35,5 +33,4 @@ __getattr__, __dir__ = _lazy_exports.exports(__name__, {
                         "numerics_note", "read_authors", "read_model_directory",
                         "read_transformers"),
     "kvm_jax.hf.params": ("authors_shapes", "from_authors", "to_authors"),
-    "kvm_jax.hf.safetensors": ("CheckpointError", "read_checkpoint", "write_checkpoint")},
-    fallback=_renamed.old_submodules(__name__, "config"))
+    "kvm_jax.hf.safetensors": ("CheckpointError", "read_checkpoint", "write_checkpoint")})

@@ -16,7 +16,6 @@ layers). Each mixer kind takes its value-residual anchor from its first layer, a
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Optional
 
 from kvm_jax.kvm_config import KVMConfig
@@ -112,21 +111,6 @@ def authors_kinds() -> dict[str, AuthorsMixer]:
   the ``AUTHORS`` row its own class declares (a subclass registered under another name does not
   inherit it: their code has no such mixer)."""
   return own_members("AUTHORS")
-
-
-def __getattr__(name: str):
-  # The tables this module kept before each kind declared its own row: still readable, with a
-  # DeprecationWarning.
-  tables = {"AUTHORS_KINDS": authors_kinds, "AUTHORS_MIXERS": _kind_of_mixer_name,
-            "KVM_JAX_MIXERS": _mixer_name_of_kind, "CLASS_PATHS": _kind_of_class_path,
-            "MODE_PREFIX": lambda: {k: m.mode_prefix for k, m in authors_kinds().items()},
-            "NO_ROPE_KINDS": lambda: tuple(k for k, m in authors_kinds().items()
-                                           if not m.rotates)}
-  if name not in tables:
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-  warnings.warn(f"kvm_jax.hf.authors_config.{name} is deprecated; each kind's class declares its row "
-                "(AUTHORS), read through authors_kinds().", DeprecationWarning, stacklevel=2)
-  return tables[name]()
 
 
 def _kind_of_mixer_name() -> dict[str, str]:

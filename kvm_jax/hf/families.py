@@ -11,7 +11,6 @@ docs/pretrained.md has the field table.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Mapping, Optional
 
 import jax
@@ -42,17 +41,6 @@ NOT_SUPPORTED = {
     "mixtral": "Mixtral (mixture of experts)", "llama4": "Llama 4", "phi3": "Phi-3",
     "gpt2": "GPT-2"}
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
-
-
-def __getattr__(name: str):
-  # The table this module kept before each kind declared its own layer type (TRANSFORMERS):
-  # still readable, with a DeprecationWarning.
-  if name != "LAYER_TYPES":
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-  warnings.warn("kvm_jax.hf.families.LAYER_TYPES is deprecated; each kind's class declares its "
-                "layer type (TRANSFORMERS), read through "
-                "kvm_jax.nn.registry.kinds_of_layer_types().", DeprecationWarning, stacklevel=2)
-  return registry.kinds_of_layer_types()
 
 
 def _kinds_of_types(types, layers: int) -> tuple[str, ...]:

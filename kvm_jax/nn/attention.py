@@ -20,7 +20,6 @@ how it mixes lives in :mod:`kvm_jax.nn.kv_sharing`.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Optional
 
 import jax
@@ -266,10 +265,6 @@ class AttentionFrontEnd(nnx.Module):
     else:
       q, tails = self.queries(x, positions, prev, starts)
       mixed = self.mix_reconstructed(x, q, mixer_cache, decode, shared, **extra)
-    if len(mixed) == 2:  # the earlier (y, mixer cache) of a reconstruction layer
-      warnings.warn(f"{type(self).__name__}.mix_reconstructed returned (y, cache); return "
-                    "kvm_jax.nn.Mixed(y, cache, {}) instead.", DeprecationWarning, stacklevel=2)
-      mixed = Mixed(*mixed, {})
     y, mixer_cache, exports = mixed
     B, T = x.shape[:2]
     return MixerOutput(self.c_proj(y.reshape(B, T, -1).astype(x.dtype)), mixer_cache, tails,

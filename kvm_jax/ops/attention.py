@@ -13,7 +13,6 @@ each step compiles once.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Optional
 
 import jax
@@ -161,39 +160,19 @@ jax.tree_util.register_dataclass(
     meta_fields=["rule", "max_len"])
 
 
-def init_ring_cache(rule, *, batch: int, kv_heads: int, head_dim: int, value_dim: int,
-                    max_len: int, sink_rows: int = 0, dtype=jnp.float32, **legacy) -> RingCache:
+def init_ring_cache(rule: "WindowRule", *, batch: int, kv_heads: int, head_dim: int,
+                    value_dim: int, max_len: int, sink_rows: int = 0,
+                    dtype=jnp.float32) -> RingCache:
   """An empty decode cache for a softmax layer whose queries see the positions of ``rule`` (a
-  :class:`WindowRule`): ``rule.slots(max_len)`` ring slots, ``sink_rows`` sinks.
-
-  ``rule`` may still be a layer kind's name ("full", "swa" with ``window=``, "bswa" with
-  ``chunk_size=`` and ``window_chunks=``), which is deprecated: pass the layer's rule."""
-  if isinstance(rule, str):
-    rule, keeps_sinks = _rule_of_kind_name(rule, **legacy)
-    sink_rows = sink_rows if keeps_sinks else 0
-  elif legacy:
-    raise TypeError(f"init_ring_cache: {sorted(legacy)} are given by the WindowRule.")
+  :class:`WindowRule`): ``rule.slots(max_len)`` ring slots, ``sink_rows`` sinks."""
+  if not isinstance(rule, WindowRule):
+    raise TypeError(f"init_ring_cache: rule={rule!r} is not a WindowRule; pass the layer's rule "
+                    "(e.g. WindowRule('sliding', window)).")
   slots = rule.slots(max_len)
-  zeros = lambda n, d: jnp.zeros((batch, n, kv_heads, d), dtype)
+  zeros = lambda n, d: jnp.zeros((batch, n, kv_heads, d), dtype)  # noqa: E731
   return RingCache(keys=zeros(slots, head_dim), values=zeros(slots, value_dim),
                    sink_keys=zeros(sink_rows, head_dim), sink_values=zeros(sink_rows, value_dim),
                    length=jnp.zeros((batch,), jnp.int32), rule=rule, max_len=max_len)
-
-
-def _rule_of_kind_name(kind: str, window: int = 0, chunk_size: int = 0,
-                       window_chunks: int = 0) -> tuple[WindowRule, bool]:
-  """(rule, whether it kept sinks) that a built-in softmax kind's name used to select (the
-  deprecated form: only the block window kept sinks)."""
-  rules = {"full": (lambda: WindowRule("causal"), False),
-           "swa": (lambda: WindowRule("sliding", window), False),
-           "bswa": (lambda: WindowRule("chunks", chunk=chunk_size, window_chunks=window_chunks),
-                    True)}
-  if kind not in rules:
-    raise ValueError(f"unknown attention kind {kind!r}; pass a WindowRule.")
-  make, keeps_sinks = rules[kind]
-  warnings.warn("init_ring_cache(kind, ...) is deprecated; pass the layer's WindowRule "
-                f"({make()}).", DeprecationWarning, stacklevel=3)
-  return make(), keeps_sinks
 
 
 @jax.jit

@@ -2,7 +2,6 @@
 training and evaluation."""
 
 from kvm_jax import lazy_exports as _lazy_exports
-from kvm_jax import renamed as _renamed
 
 __all__ = ["CHECKPOINT_DIR", "CONFIG_FILE", "IMPORT_RECORD", "Checkpointer", "TRAIN_CLASSES",
            "TrainConfig", "abstract_like", "default_placement", "forward_logits", "is_run_directory",
@@ -10,13 +9,11 @@ __all__ = ["CHECKPOINT_DIR", "CONFIG_FILE", "IMPORT_RECORD", "Checkpointer", "TR
 
 
 # Imported on first use (kvm_jax.lazy_exports): a command's argument parser reads
-# kvm_jax.runs.launch without orbax and JAX. ``kvm_jax.runs.config``, the old path of a renamed
-# module, still resolves.
+# kvm_jax.runs.launch without orbax and JAX.
 __getattr__, __dir__ = _lazy_exports.exports(__name__, {
     "kvm_jax.runs.checkpoint": ("Checkpointer", "abstract_like"),
     "kvm_jax.runs.train_config": ("TrainConfig",),
     "kvm_jax.runs.directory": ("CHECKPOINT_DIR", "CONFIG_FILE", "IMPORT_RECORD", "TRAIN_CLASSES",
                                "default_placement", "forward_logits", "is_run_directory",
                                "load_config", "load_trained", "logits_fn", "save_config"),
-    "kvm_jax.runs.launch": ("start_distributed",)},
-    fallback=_renamed.old_submodules(__name__, "config"))
+    "kvm_jax.runs.launch": ("start_distributed",)})

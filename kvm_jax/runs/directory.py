@@ -51,6 +51,7 @@ def save_config(cfg: TrainConfig, workdir, verbose: bool = True,
     if verbose:
       print(f"note: {CONFIG_FILE} not written ({e}); pass the config to load_trained().")
     return
+  data = config_io.with_format(data)
   if history:
     data[HISTORY_KEY] = list(history)
   (epath.Path(workdir) / CONFIG_FILE).write_text(json.dumps(data, indent=2) + "\n")
@@ -83,7 +84,7 @@ def load_config(workdir) -> TrainConfig:
                      "directory (one model per directory, e.g. runs/demo/kvm-fixed)?")
   data = json.loads(path.read_text())
   data.pop(HISTORY_KEY, None)
-  return config_io.from_jsonable(data, TRAIN_CLASSES)
+  return config_io.read_config(data, TRAIN_CLASSES)
 
 
 def is_run_directory(path) -> bool:

@@ -20,7 +20,7 @@ from kvm_jax import lazy_exports as _lazy_exports
 _EXPORTS = {
     "kvm_jax.ops.kvm.api": ("AUTO_PALLAS_BACKENDS", "KVM_PLATFORMS", "KVM_READOUTS", "KVMBackend",
                             "chunk_ops", "kernel_sharding", "kvm_attention", "kvm_decode_step",
-                            "kvm_prefill", "kvm_resume", "resolve_implementation",
+                            "kvm_prefill", "kvm_resume",
                             "resolve_kvm_backend"),
     "kvm_jax.ops.kvm.decode": ("KVMCache", "kvm_init_cache"),
     "kvm_jax.ops.kvm.reference": ("kvm_attention_reference",),

@@ -28,7 +28,6 @@ which mesh axes split the batch and the KV heads with :func:`kernel_sharding`.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Optional
 
 import jax
@@ -191,37 +190,16 @@ def resolve_kvm_backend(cfg: KVMConfig, *, implementation: str = "auto", readout
                                  else bool(heads_split)))
 
 
-#: What a public op runs when given neither a backend nor the deprecated separate choices: the
-#: XLA scan (``implementation="auto"`` must be asked for, since it may pick kernels); these were
-#: also the separate arguments' defaults, which a call may still spell out beside ``backend``.
-DEFAULT_CHOICES = {"implementation": "xla", "readout": "auto", "kernel_config": None}
-
-
-def backend_for(cfg: KVMConfig, backend: Optional[KVMBackend], implementation: Optional[str],
-                readout: Optional[str], kernel_config: Optional[KernelConfig],
-                op: str = "kvm_attention", default_readout: str = "auto") -> KVMBackend:
+def backend_for(cfg: KVMConfig, backend: Optional[KVMBackend], default_readout: str = "auto"
+                ) -> KVMBackend:
   """The backend a public op runs: ``backend`` when given (it must be what
-  :func:`resolve_kvm_backend` decides for ``cfg`` on its platform), else the decision for
-  :data:`DEFAULT_CHOICES` with ``default_readout``. The separate ``implementation``,
-  ``readout`` and ``kernel_config`` (None: not given) still work with a DeprecationWarning;
-  beside ``backend`` only their old defaults are accepted (they say nothing)."""
-  given = {name: value for name, value in (("implementation", implementation),
-                                          ("readout", readout),
-                                          ("kernel_config", kernel_config)) if value is not None}
+  :func:`resolve_kvm_backend` decides for ``cfg`` on its platform), else the XLA scan with
+  ``default_readout`` (``implementation="auto"`` must be asked for, since it may pick kernels)."""
   if backend is None:
-    if given:
-      warnings.warn(f"{op}({', '.join(f'{k}=' for k in given)}...) is deprecated: decide the "
-                    "backend once and pass it, backend=resolve_kvm_backend(cfg, "
-                    f"{', '.join(f'{k}={v!r}' for k, v in given.items())}).",
-                    DeprecationWarning, stacklevel=3)
-    return resolve_kvm_backend(cfg, **{**DEFAULT_CHOICES, "readout": default_readout, **given})
+    return resolve_kvm_backend(cfg, implementation="xla", readout=default_readout)
   if not isinstance(backend, KVMBackend):
     raise ValueError(f"backend={backend!r} is not a KVMBackend; build one with "
                      "resolve_kvm_backend(cfg, ...).")
-  given = {k: v for k, v in given.items() if v != DEFAULT_CHOICES[k]}
-  if given:
-    raise ValueError(f"backend= was given with {given}: the backend already says all of these; "
-                     "pass one or the other.")
   decided = resolve_kvm_backend(cfg, implementation=backend.implementation,
                                 readout=backend.readout, kernel_config=backend.kernel_config,
                                 platform=backend.platform, heads_split=backend.heads_split)
@@ -269,20 +247,9 @@ def chunk_ops(implementation: str, *, target: Optional[str] = None,
   return dataclasses.replace(ops, heads_split=True) if heads_split else ops
 
 
-def resolve_implementation(implementation: str, cfg: KVMConfig, readout: str = "auto"
-                           ) -> ChunkOps:
-  """Deprecated: ``resolve_kvm_backend(cfg, implementation=..., readout=...).chunk_ops()``, the
-  one decision, says the same (a DeprecationWarning)."""
-  warnings.warn("resolve_implementation is deprecated; use resolve_kvm_backend(cfg, "
-                "implementation=..., readout=...).chunk_ops().", DeprecationWarning, stacklevel=2)
-  return resolve_kvm_backend(cfg, implementation=implementation, readout=readout).chunk_ops()
-
-
 def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
                   cfg: KVMConfig, *, backend: Optional[KVMBackend] = None, remat: bool = True,
-                  routing=None, return_routing: bool = False, segment_ids=None,
-                  implementation: Optional[str] = None, readout: Optional[str] = None,
-                  kernel_config: Optional[KernelConfig] = None):
+                  routing=None, return_routing: bool = False, segment_ids=None):
   """KVM attention over a whole sequence (prefill / training forward), jit-compiled.
 
   Args:
@@ -306,8 +273,6 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
       state and window; docs/kvm-spec.md §12), on either implementation
       (:mod:`kvm_jax.ops.kvm.documents`); shared routing and the tokamax readout are not
       available with it.
-    implementation / readout / kernel_config: deprecated (a DeprecationWarning): the choices
-      :func:`resolve_kvm_backend` takes, passed here separately; refused beside ``backend``.
   Returns:
     a :class:`KVMOutput`: ``y [B, T, H, Dv]`` in q's dtype, and ``state``, the final
     :class:`KVMState` (float32, capacity = the number of rows the schedule reaches at T); with
@@ -317,11 +282,9 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
   validate_inputs(q, k, v, merge_gate, params, cfg)
   if segment_ids is not None:
     _check_documents(segment_ids, q, routing, return_routing,
-                     readout if backend is None else backend.readout)
-    if backend is None and readout == "auto":  # (the deprecated form) documents give every
-      readout = "own"  # row its own state mask, which tokamax's readout cannot take
-  be = backend_for(cfg, backend, implementation, readout, kernel_config, "kvm_attention",
-                   default_readout="own" if segment_ids is not None else "auto")
+                     "own" if backend is None else backend.readout)
+  # Documents give every row its own state mask, which tokamax's readout cannot take.
+  be = backend_for(cfg, backend, default_readout="own" if segment_ids is not None else "auto")
   if segment_ids is not None:
     return KVMOutput(*kvm_attention_documents(q, k, v, merge_gate, params, segment_ids, cfg=cfg,
                                               ops=be.chunk_ops(), row_update=be.row_update,
@@ -345,21 +308,19 @@ def _check_documents(segment_ids, q, routing, return_routing, readout: str) -> N
 
 def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
                 cfg: KVMConfig, cache: KVMCache, *, routing=None, return_routing: bool = False,
-                backend: Optional[KVMBackend] = None, implementation: Optional[str] = None,
-                readout: Optional[str] = None, kernel_config: Optional[KernelConfig] = None):
+                backend: Optional[KVMBackend] = None):
   """Runs a prompt of any length >= 1: a :class:`KVMStepOutput` of its outputs and the filled
   cache (:class:`RoutedKVMStepOutput` with ``return_routing``).
 
   The prompt starts a new sequence: ``cache`` provides sizes, ``max_len`` and dtype, and its
-  previous contents are discarded. Shapes, ``backend`` and the deprecated separate choices as in
-  :func:`kvm_attention`.
+  previous contents are discarded. Shapes and ``backend`` as in :func:`kvm_attention`.
   """
   validate_inputs(q, k, v, merge_gate, params, cfg)
   check_against_cache(k, v, cache, "kvm_prefill")
   if q.shape[1] > cache.max_len:
     raise ValueError(f"kvm_prefill: prompt of {q.shape[1]} tokens exceeds the cache's max_len="
                      f"{cache.max_len}; create the cache with a larger max_len.")
-  be = backend_for(cfg, backend, implementation, readout, kernel_config, "kvm_prefill")
+  be = backend_for(cfg, backend)
   return decode.prefill(q, k, v, merge_gate, params, cfg=cfg, cache=cache, ops=be.chunk_ops(),
                         routing=routing, return_routing=return_routing,
                         row_update=be.row_update, source_layout=be.source_layout)
@@ -367,14 +328,12 @@ def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPara
 
 def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParams,
                     cfg: KVMConfig, cache: KVMCache, *, routing=None, return_routing: bool = False,
-                    backend: Optional[KVMBackend] = None, implementation: Optional[str] = None,
-                    readout: Optional[str] = None,
-                    kernel_config: Optional[KernelConfig] = None):
+                    backend: Optional[KVMBackend] = None):
   """Processes one token: ``q_t [B,1,H,D]``, ``k_t [B,1,Hkv,D]``, ``v_t [B,1,Hkv,Dv]``,
   ``g_t [B,1,Hkv]``; returns a :class:`KVMStepOutput` of ``y_t [B,1,H,Dv]`` and the advanced
   cache (:class:`RoutedKVMStepOutput` with ``return_routing``).
 
-  ``backend`` (and the deprecated separate choices): as in :func:`kvm_attention`; pass the one
+  ``backend``: as in :func:`kvm_attention`; pass the one
   a request prefilled with, so that it decodes what it prefilled. The readout applies to the
   one-token attention with XLA (``"tokamax"`` runs tokamax's attention on a one-query chunk); the Pallas
   step always runs its own decode kernel, which has no tokamax form.
@@ -394,7 +353,7 @@ def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMP
       raise ValueError(
           f"kvm_decode_step: a row of the cache already holds {longest} tokens = max_len="
           f"{cache.max_len}; create the cache with a larger max_len to decode further.")
-  be = backend_for(cfg, backend, implementation, readout, kernel_config, "kvm_decode_step")
+  be = backend_for(cfg, backend)
   return decode.decode_step(q_t, k_t, v_t, g_t, params, cfg=cfg, cache=cache, ops=be.chunk_ops(),
                             routing=routing, return_routing=return_routing,
                             row_update=be.row_update)
