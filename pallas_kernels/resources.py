@@ -16,7 +16,7 @@ keeps live. Each kernel module computes its own figure from the tile function it
 (shared memory per block, registers per thread) and TPU v5e / v5p / v6e (the share of a core's
 VMEM a kernel may take); :func:`fits` compares. ``KernelConfig.compiler_params`` asks Mosaic for
 the VMEM the model computes (``vmem_limit_bytes``) instead of the default scoped limit. The
-compile tests (tests/test_chip_compile.py) hold the model to the compilers: tiles it says fit
+compile tests (tests/kernels/test_chip_compile.py) hold the model to the compilers: tiles it says fit
 compile, and a shape it says does not fit is refused.
 """
 

@@ -15,7 +15,7 @@ from kvm_jax.kvm_config import add_kvm_flag
 
 # The readers and writers import JAX: each command imports them once its flags are parsed, so that
 # --help and a bad flag answer without them. The two reading options, as
-# kvm_jax.hf.authors_config.DTYPES and NUMERICS (tests/test_cli_startup.py keeps them equal):
+# kvm_jax.hf.authors_config.DTYPES and NUMERICS (tests/repository/test_cli_startup.py keeps them equal):
 DTYPES = ("float32", "bfloat16")
 NUMERICS = ("authors", "float32")
 

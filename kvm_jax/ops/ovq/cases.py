@@ -1,5 +1,5 @@
 """The case matrix of the OVQ checks and its input builder, shared by the tests
-(``tests/test_ovq.py``) and ``kvm-check``.
+(``tests/ops/ovq/test_ovq.py``) and ``kvm-check``.
 
 Each case is tagged with the checks that use it: ``oracle`` (scan against the oracle: outputs and
 final dictionary), ``grad`` (gradients too), ``check-small`` / ``check-paper`` (``kvm-check``).

@@ -1,5 +1,5 @@
 """The case matrix of the RWKV-7 recurrence checks and its input builder, shared by the tests
-(``tests/test_rwkv7.py``) and ``kvm-check``.
+(``tests/ops/rwkv7/test_rwkv7.py``) and ``kvm-check``.
 
 Inputs are drawn as the time mix makes them: ``w`` in (-e^-½, 0), ``a = -kk`` and ``b = kk·α`` with
 ``kk`` unit per head and α in (0, 1). Tags: ``oracle`` (chunked form against the per-token oracle),
