@@ -177,6 +177,7 @@ def _rwkv7_op(*inputs):
   return rwkv7_recurrence(*inputs, chunk_size=RWKV7_CHUNK)[0]
 
 
+#: The ``--baselines`` arms by name (:class:`BaselineArm`).
 BASELINE_ARMS = {
     "ovq": BaselineArm(_ovq_inputs, _ovq_op, 3, _ovq_decode,
                        lambda row, arm: f"{row[f'{arm}_state_rows']} centroids"),

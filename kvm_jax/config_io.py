@@ -27,9 +27,9 @@ from kvm_jax.kvm_config import KVMConfig
 from kvm_jax.model_config import ModelConfig
 
 CLASS_KEY = "__class__"
-# The top-level key holding a config file's format version. Version 2: the mixers' settings in
-# the model's ``options`` table and the backbone's in ``family_options``. Files without the key
-# (version 1) kept them as fields of the model (``kvm``, ``swa_window``, ``tokenshift_mlp``, ...).
+#: The top-level key holding a config file's format version. Version 2: the mixers' settings in
+#: the model's ``options`` table and the backbone's in ``family_options``. Files without the key
+#: (version 1) kept them as fields of the model (``kvm``, ``swa_window``, ``tokenshift_mlp``, ...).
 FORMAT_KEY = "format_version"
 FORMAT_VERSION = 2
 CORE_CLASSES = (ModelConfig, KVMConfig, budget_lib.FixedBudget, budget_lib.PowerLawBudget,
@@ -147,7 +147,7 @@ def upgrade_unversioned() -> dict[str, Any]:
   return {"ModelConfig": model_fields}
 
 
-# The command-line spelling of config values, shown by every CLI's --help.
+#: The command-line spelling of config values, shown by every CLI's --help.
 VALUE_SPEC_HELP = (
     "Values are read by the field's type: true/false, numbers, text; none for an unset optional "
     "field; budgets as specs (" + budget_lib.BUDGET_SPEC_HELP + "); sequences as comma lists "

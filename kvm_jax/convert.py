@@ -40,8 +40,8 @@ from kvm_jax.nn.roles import conversion_value, parameter_role
 
 #: The kind every conversion produces (the one place this module names it).
 TARGET_KIND = "kvm"
-# KVMConfig fields a trained model's parameters do not depend on: what a test-time schedule may
-# change. The others add, remove or reinterpret parameters.
+#: KVMConfig fields a trained model's parameters do not depend on: what a test-time schedule may
+#: change. The others add, remove or reinterpret parameters.
 SCHEDULE_FIELDS = ("budget", "max_state_rows", "chunk_size", "window_chunks", "sink_rows",
                    "value_norm", "gate_appends", "gate_initial_state", "readout_value_dtype",
                    "ln_eps", "gate_keys", "gate_values")

@@ -12,8 +12,8 @@ from typing import Optional
 from kvm_jax.budget import (BUDGET_SPEC_HELP, BudgetLike, CallableBudget, FixedBudget,
                             SaturatingBudget, as_budget)
 
-# What ``implementation=`` of ``resolve_kvm_backend`` (and ``ModelConfig.kvm_implementation``)
-# accepts; the resolver that gives each name its meaning is ``kvm_jax.ops.kvm.api``.
+#: What ``implementation=`` of ``resolve_kvm_backend`` (and ``ModelConfig.kvm_implementation``)
+#: accepts; the resolver that gives each name its meaning is ``kvm_jax.ops.kvm.api``.
 KVM_IMPLEMENTATIONS = ("xla", "pallas", "auto")
 _VALUE_NORMS = ("radius", "none")
 _READOUT_DTYPES = (None, "bfloat16", "float16", "float32")

@@ -14,8 +14,8 @@ from kvm_jax.mixer_options import KindOptions, check_options, options_class, rot
 
 KV_SHARING = ("none", "fusedkv", "fusedkv_lite", "yoco", "cla")
 KVM_KV_SHARING = ("window", "shared_routing")
-# What ``ModelConfig.attention_implementation`` accepts; ``kvm_jax.ops.attention_api`` gives each
-# name its meaning.
+#: What ``ModelConfig.attention_implementation`` accepts; ``kvm_jax.ops.attention_api`` gives each
+#: name its meaning.
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "chunked", "cudnn", "splash", "tokamax")
 _DTYPES = ("float32", "bfloat16")
 

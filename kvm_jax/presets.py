@@ -184,6 +184,7 @@ def rwkv7_350m() -> ModelConfig:
   return _rwkv7("350m")
 
 
+#: Each paper preset's name -> its function.
 PRESETS: dict[str, Callable[[], ModelConfig]] = {f.__name__: f for f in (
     gpta2_120m, kvm256_120m, kvm_sqrt16_120m, kvm_swa_sat1024_120m, bswa_120m, swa_halfrope_120m,
     swa_nope_120m, ovq_swa_120m, rwkv7_120m, gpta2_350m, kvm256_350m, kvm_sqrt16_350m,
@@ -246,8 +247,8 @@ def converted(cfg: ModelConfig, layers: str = "global") -> ModelConfig:
   return converted_config(cfg, select_layers(layers, cfg.num_layers, cfg.layer_mixers), kvm)
 
 
-# The options of tiny(): KVM with C=8, L=16; SWA over 12 tokens with full RoPE; BSWA like KVM's
-# window with one sink; OVQ chunks of 8 with at most 12 centroids; RWKV-7 chunks of 16.
+#: The options of tiny(): KVM with C=8, L=16; SWA over 12 tokens with full RoPE; BSWA like KVM's
+#: window with one sink; OVQ chunks of 8 with at most 12 centroids; RWKV-7 chunks of 16.
 TINY_OPTIONS = {
     "kvm": KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1, rope_dims=8,
                      budget=PowerLawBudget(4.0, 0.5, min_rows=8)),

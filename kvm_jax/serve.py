@@ -479,9 +479,9 @@ class EngineFailed(RuntimeError):
 
 
 class EngineWorker:
-  """Owns an :class:`Engine` on a thread of its own: compiles its programs first (``warm``),
-  then runs submitted calls on it between steps, steps it while requests run, and passes each
-  request's tokens to its listener.
+  """Owns an :class:`~kvm_jax.engine.Engine` on a thread of its own: compiles its programs
+  first (``warm``), then runs submitted calls on it between steps, steps it while requests run,
+  and passes each request's tokens to its listener.
 
   A step that raises ends the requests the engine held (an event with finish reason "error" to
   each listener), the engine restarts on empty slots and runs a request of its own through

@@ -61,6 +61,7 @@ class Chip:
   target_config: Optional[str] = None
 
 
+#: The chips a target may name, by name (:class:`Chip`).
 CHIPS = {
     # Usable HBM per device: what XLA:TPU (libtpu 0.0.42) reports as "available HBM" when a
     # program does not fit (a v5e's 16 GiB: 15.75G).
@@ -137,7 +138,7 @@ _CURRENT: contextvars.ContextVar[Optional[Target]] = contextvars.ContextVar(
 
 def current_target() -> Target:
   """The target programs are being built for: the innermost :func:`compile_target`, else this
-  machine's (:func:`local_target`)."""
+  machine's (:func:`~kvm_jax.target.local_target`)."""
   target = _CURRENT.get()
   return local_target() if target is None else target
 
@@ -180,7 +181,7 @@ _TPU_NAME = re.compile(r"^(?P<chip>v\d+[a-z]?):(?P<shape>\d+(?:x\d+){1,2})$")
 
 
 def parse_target(name: Union[str, Target]) -> Target:
-  """A :class:`Target` from its name: a TPU topology as JAX spells it (``v5e:2x2``,
+  """A :class:`~kvm_jax.target.Target` from its name: a TPU topology as JAX spells it (``v5e:2x2``,
   ``v5p:2x2x1``), a GPU as ``CHIP[:HOSTSxDEVICES]`` (``h100:1x8``), or "local" (this machine)."""
   if isinstance(name, Target):
     return name
@@ -271,10 +272,10 @@ def _in_jit_key(target: Target):
 
 @contextlib.contextmanager
 def compile_target(target: Union[str, Target]) -> Iterator[Target]:
-  """Builds programs for ``target`` (a name or a :class:`Target`) inside the block: every backend
-  decision reads it through :func:`current_target`, and ``jit`` keeps the block's traces apart
-  from those made for other targets. Yields the target (its ``devices()``, ``mesh()`` and
-  ``structs()`` place a program's arguments on it)."""
+  """Builds programs for ``target`` (a name or a :class:`~kvm_jax.target.Target`) inside the
+  block: every backend decision reads it through :func:`current_target`, and ``jit`` keeps the
+  block's traces apart from those made for other targets. Yields the target (its ``devices()``,
+  ``mesh()`` and ``structs()`` place a program's arguments on it)."""
   target = parse_target(target)
   token = _CURRENT.set(target)
   try:

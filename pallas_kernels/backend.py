@@ -25,11 +25,11 @@ from kvm_jax import target as targets
 
 KiB, MiB = 1024, 1024 * 1024
 GPU_STAGES, GPU_WARPS = 2, 4   # Triton software-pipelining stages and warps per program
-# VMEM a kernel's own buffers may take: three quarters of the core's, the rest left to Mosaic's
-# internal scratch. Chips: v5e and v6e 128 MiB, v5p 64 MiB (kvm_jax.target.CHIPS; measured: a
-# kernel needing 128 MiB compiles for neither v5p nor v6e, 64 MiB compiles for all three).
+#: VMEM a kernel's own buffers may take: three quarters of the core's, the rest left to Mosaic's
+#: internal scratch. Chips: v5e and v6e 128 MiB, v5p 64 MiB (kvm_jax.target.CHIPS; measured: a
+#: kernel needing 128 MiB compiles for neither v5p nor v6e, 64 MiB compiles for all three).
 TPU_VMEM_SHARE = 0.75
-DEFAULT_TPU_VMEM = 128 * MiB   # a TPU platform named without a chip: v5e's
+DEFAULT_TPU_VMEM = 128 * MiB   #: a TPU platform named without a chip: v5e's
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,6 +49,7 @@ def limits_of(chip: targets.Chip) -> Limits:
   return Limits(chip.name, "tpu", vmem=vmem_budget(chip.vmem))
 
 
+#: The budgets of every chip of ``kvm_jax.target.CHIPS``, by name (``limits_of``).
 LIMITS = {name: limits_of(chip) for name, chip in targets.CHIPS.items()}
 
 def decode_set(R, L, G, D, Dv, dtype, platform) -> WorkingSet:

@@ -109,8 +109,8 @@ def train(cfg: TrainConfig, workdir, *, verbose: bool = True,
   ``cfg.teacher`` is set, else None) and its auxiliary metrics join every logged line. With
   ``cfg.teacher`` the default objective is the distillation stage of ``cfg.distill``
   (:mod:`kvm_jax.train.distill`); ``cfg.distill.trainable`` freezes parameters in any run.
-  Raises :class:`NonFiniteError` when a step's loss or gradient is not finite and
-  ``cfg.on_nonfinite == "stop"``."""
+  Raises :class:`~kvm_jax.train.hooks.NonFiniteError` when a step's loss or gradient is not
+  finite and ``cfg.on_nonfinite == "stop"``."""
   cfg = with_teacher_task(with_init_model(cfg, workdir))
   cfg.validate()
   primary = jax.process_index() == 0

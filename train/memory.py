@@ -37,10 +37,10 @@ from kvm_jax.train.step import make_train_step
 
 GIB = 1024 ** 3
 
-# XLA:CPU's default instruction order is chosen for thread parallelism (breadth first) and, at
-# these shapes, keeps ~25-50% more temporaries alive than its depth-first, memory-minimizing order;
-# accelerator compilers schedule under a memory limit. A memory report on CPU therefore compiles
-# with the breadth-first scheduler off, so that a CPU figure estimates an accelerator's.
+#: XLA:CPU's default instruction order is chosen for thread parallelism (breadth first) and, at
+#: these shapes, keeps ~25-50% more temporaries alive than its depth-first, memory-minimizing order;
+#: accelerator compilers schedule under a memory limit. A memory report on CPU therefore compiles
+#: with the breadth-first scheduler off, so that a CPU figure estimates an accelerator's.
 CPU_MEMORY_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 

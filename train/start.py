@@ -26,8 +26,8 @@ from kvm_jax.runs.directory import (CHECKPOINT_DIR, CONVERSION_RECORD, IMPORT_RE
 from kvm_jax.train import adamc as adamc_lib
 from kvm_jax.train import completep, sharding
 
-# Model fields a fine-tuning run (TrainConfig.init_from) takes from its own config; every other
-# field comes from the run it starts from, whose parameters fix the architecture.
+#: Model fields a fine-tuning run (TrainConfig.init_from) takes from its own config; every other
+#: field comes from the run it starts from, whose parameters fix the architecture.
 FINE_TUNE_FIELDS = ("param_dtype", "compute_dtype", "kvm_implementation",
                     "attention_implementation")
 
@@ -37,7 +37,8 @@ def make_optimizer(cfg: TrainConfig, params, trainable: Optional[Callable[[Any],
   """AdamC with CompleteP's per-group learning-rate and weight-decay scales and ``cfg``'s
   schedule; a float32 master copy of the parameters when they are stored in lower precision.
   ``trainable`` (``path -> bool`` over the parameters' state paths) freezes the parameters it
-  rejects: the optimizer then keeps state for the others only (:func:`adamc.partly_frozen`)."""
+  rejects: the optimizer then keeps state for the others only
+  (:func:`~kvm_jax.train.adamc.partly_frozen`)."""
   lr_scale, wd_scale = completep.mup_scales(params, cfg.model)
   mask = None
   if trainable is not None:
@@ -90,10 +91,10 @@ def replaced_model_fields(mine: ModelConfig, theirs: ModelConfig) -> list[str]:
           for f in dict.fromkeys([*a, *b]) if a.get(f) != b.get(f)]
 
 
-# What a run trains on: the task, its spec, the corpus and the tokenizer. ``TrainConfig.task =
-# "teacher"`` (the distillation configs' default) takes all of them from the teacher's run (a KL
-# compares the two models on the same ids); the text sequence length stays the student's own
-# choice (distillation usually runs past the window the teacher was trained at).
+#: What a run trains on: the task, its spec, the corpus and the tokenizer. ``TrainConfig.task =
+#: "teacher"`` (the distillation configs' default) takes all of them from the teacher's run (a KL
+#: compares the two models on the same ids); the text sequence length stays the student's own
+#: choice (distillation usually runs past the window the teacher was trained at).
 DATA_FIELDS = ("task", "mqar", "niah", "text_files", "tokenizer_file", "hf_dataset", "hf_split",
                "hf_text_field", "data_dir")
 

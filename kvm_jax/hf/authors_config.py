@@ -36,8 +36,8 @@ ARCHITECTURE = "RWKV7BackboneForCausalLM"
 NUMERICS = ("authors", "float32")
 DTYPES = ("float32", "bfloat16")
 
-# Every field of the authors' MixerConfigDataclass (and its RWKV7BackboneConfigDataclass base),
-# with its default, as of featherless-ai/KVM-paper commit 6bd7dfd.
+#: Every field of the authors' MixerConfigDataclass (and its RWKV7BackboneConfigDataclass base),
+#: with its default, as of featherless-ai/KVM-paper commit 6bd7dfd.
 AUTHORS_DEFAULTS: dict[str, Any] = {
     "model_class_path": MODEL_CLASS_PATH,
     "vocab_size": 50304, "num_hidden_layers": 12, "num_attention_heads": 6,
@@ -200,7 +200,7 @@ def layer_kinds(cfg: dict) -> tuple[str, ...]:
 
 def model_config_from_authors(config: dict, *, numerics: str = "authors",
                               dtype: str = "float32") -> ModelConfig:
-  """The :class:`ModelConfig` of an authors' ``config.json`` (a dict).
+  """The :class:`~kvm_jax.model_config.ModelConfig` of an authors' ``config.json`` (a dict).
 
   Args:
     config: the parsed ``config.json``; absent fields take the authors' defaults.

@@ -125,8 +125,9 @@ def _mixers(config: Mapping, model_type: str, layers: int) -> tuple[tuple[str, .
 
 
 def model_config_from_transformers(config: Mapping, *, dtype: str = "float32") -> ModelConfig:
-  """The :class:`ModelConfig` of a transformers ``config.json`` of the Llama or Gemma family, or
-  a :class:`ConfigError` naming the field (or model type) it cannot express."""
+  """The :class:`~kvm_jax.model_config.ModelConfig` of a transformers ``config.json`` of the Llama
+  or Gemma family, or a :class:`ConfigError` naming the field (or model type) it cannot
+  express."""
   model_type = config.get("model_type")
   if model_type in NOT_SUPPORTED:
     raise ConfigError(f"model_type={model_type!r} ({NOT_SUPPORTED[model_type]}) is not a family "

@@ -54,8 +54,8 @@ def checkpoint_kind(path) -> str:
   """"run" for a kvm_jax run directory (local or ``gs://``), "authors" for a local Hugging Face
   directory in the authors' format, "transformers" for one that transformers' ``save_pretrained``
   wrote (any other ``model_type``: :mod:`kvm_jax.hf.families` reads the Llama and Gemma
-  families and refuses the rest by name); anything else is a :class:`CheckpointError` saying what the directory
-  lacks."""
+  families and refuses the rest by name); anything else is a
+  :class:`~kvm_jax.hf.safetensors.CheckpointError` saying what the directory lacks."""
   path = epath.Path(path)
   if not path.is_dir():
     raise st.CheckpointError(f"{path} is not a directory (give a model directory: config.json and "

@@ -19,8 +19,8 @@ TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Beside tokenizer.json, the files that name its special tokens (AutoTokenizer reads them: without
 # them a tokenizer loaded from an export knows no EOS).
 TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json")
-# The end of text kvm_jax's own generation stops at when a tokenizer names none
-# (kvm_jax.tasks.tokenizers.HFTokenizer's default).
+#: The end of text kvm_jax's own generation stops at when a tokenizer names none
+#: (kvm_jax.tasks.tokenizers.HFTokenizer's default).
 DEFAULT_EOS = "<|endoftext|>"
 
 

@@ -280,7 +280,8 @@ class AttentionFrontEnd(nnx.Module):
 
 
 class SoftmaxAttention(AttentionFrontEnd):
-  """Softmax attention over a window of raw keys/values, a :class:`RingCache` (the baselines).
+  """Softmax attention over a window of raw keys/values, a
+  :class:`~kvm_jax.ops.attention.RingCache` (the baselines).
   Subclasses give the whole-sequence ``attend(q, k, v, scale=None)`` and the positions a query
   sees (``window_rule``), which the decode ring and packed documents follow too."""
 
@@ -303,7 +304,7 @@ class SoftmaxAttention(AttentionFrontEnd):
     return 0
 
   def attend_documents(self, q, k, v, documents: Documents, scale=None):
-    """:meth:`attend` on packed documents: each document as if alone (``scale``: the softmax
+    """``attend`` on packed documents: each document as if alone (``scale``: the softmax
     scale, default ``D ** -0.5``)."""
     B, T, H, D = q.shape
     Hkv = k.shape[2]

@@ -37,10 +37,12 @@ from kvm_jax.ops.kvm.shared_routing import (SourceTrack, kvm_attention_shared_st
 class SharedKV:
   """What a layer reads from the layers below it (cross-layer KV sharing).
 
-  exports: per lower layer, what it computed in this call: ``k``/``v`` (post-RoPE keys
-    ``[B, T, Hkv, D]``, values), and for ``kvm`` layers the merge gates ``g``, its KVM ``params``,
-    its ``cache`` after this call and, for a layer whose routing is shared, ``routing``.
-  old_caches: the layers' mixer caches as they were *before* this call (None without caches).
+  Attributes:
+    exports: per lower layer, what it computed in this call: ``k``/``v`` (post-RoPE keys
+      ``[B, T, Hkv, D]``, values), and for ``kvm`` layers the merge gates ``g``, its KVM
+      ``params``, its ``cache`` after this call and, for a layer whose routing is shared,
+      ``routing``.
+    old_caches: the layers' mixer caches as they were *before* this call (None without caches).
   """
 
   exports: dict

@@ -33,11 +33,11 @@ from kvm_jax.ops.loss import head_logits
 
 Array = jax.Array
 
-# Rematerialization of the blocks in a whole-sequence forward (training): what each block keeps
-# for the backward pass. "none": everything XLA keeps; "block": only the block's inputs (the
-# block's forward is recomputed during its backward: least memory, ~1/3 more compute);
-# "block_dots": the block's inputs and the results of its weight matmuls (less recompute, more
-# memory).
+#: Rematerialization of the blocks in a whole-sequence forward (training): what each block keeps
+#: for the backward pass. "none": everything XLA keeps; "block": only the block's inputs (the
+#: block's forward is recomputed during its backward: least memory, ~1/3 more compute);
+#: "block_dots": the block's inputs and the results of its weight matmuls (less recompute, more
+#: memory).
 REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
                   "block_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 

@@ -49,9 +49,9 @@ from kvm_jax.nn.swa import SlidingWindowAttention
 # What every mixer class must have: the members of the mixer protocol (the block calls some;
 # the library asks the rest).
 REQUIRED = protocol_members(MixerKind)
-# The vocabularies of the two tables: logical axes (kvm_jax.train.sharding maps each to a mesh
-# axis) and μP/CompleteP groups (kvm_jax.train.completep gives each its learning-rate and
-# weight-decay scales).
+#: The vocabularies of the two tables: logical axes (kvm_jax.train.sharding maps each to a mesh
+#: axis) and μP/CompleteP groups (kvm_jax.train.completep gives each its learning-rate and
+#: weight-decay scales).
 LOGICAL_AXIS_NAMES = ("embed", "vocab", "heads", "kv_heads", "mlp", "lora")
 PARAM_GROUP_NAMES = ("matrix_params", "lm_head", "wte_embed", "scalars")
 

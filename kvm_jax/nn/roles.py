@@ -48,14 +48,14 @@ def parameter_role(path) -> ParamRole:
 
 def is_kvm_only(role: ParamRole, cfg: ModelConfig) -> bool:
   """A parameter that a ``kvm`` layer has and the attention layer it was converted from has not
-  (LN_s, W_g, the two temperatures: :data:`KVMAttention.OWN_PARAMETERS`)."""
+  (LN_s, W_g, the two temperatures: :attr:`KVMAttention.OWN_PARAMETERS`)."""
   return (role.part == "mixer" and cfg.is_kvm(role.layer)
           and role.owner in KVMAttention.OWN_PARAMETERS)
 
 
 def conversion_value(role: ParamRole, leaf: str) -> Optional[float]:
   """The value a converted layer's new parameter starts at, so that in-window logits are the
-  source's (:data:`KVMAttention.CONVERSION_VALUES`); None for a parameter conversion never
+  source's (:attr:`KVMAttention.CONVERSION_VALUES`); None for a parameter conversion never
   makes."""
   if role.part != "mixer":
     return None

@@ -21,8 +21,8 @@ import numpy as np
 from kvm_jax import target
 
 Array = jax.Array
-# A finite "minus infinity" for masked scores: a fully masked row gives zeros, never NaN
-# gradients. The Pallas readout uses the same constant, so both paths mask identically.
+#: A finite "minus infinity" for masked scores: a fully masked row gives zeros, never NaN
+#: gradients. The Pallas readout uses the same constant, so both paths mask identically.
 MASKED = -1e30
 
 

@@ -21,7 +21,7 @@ from kvm_jax.ops.common import soft_capped
 
 Array = jax.Array
 
-# Label of positions that carry no loss (prompt tokens, padding, tokens after a document's EOS).
+#: Label of positions that carry no loss (prompt tokens, padding, tokens after a document's EOS).
 IGNORE = -100
 
 

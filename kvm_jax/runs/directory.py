@@ -25,17 +25,19 @@ from kvm_jax.runs.train_config import DistillSpec, TrainConfig
 from kvm_jax.tasks.mqar import MQARSpec
 from kvm_jax.tasks.niah import NIAHSpec
 
+#: The file of a run directory that holds its config.
 CONFIG_FILE = "config.json"
 # The key of config.json under which a run keeps the settings its resumes changed.
 HISTORY_KEY = "history"
+#: The folder of a run directory that holds its checkpoints.
 CHECKPOINT_DIR = "checkpoints"
-# Written by kvm-import (kvm_jax.hf): where the parameters came from. Such a directory holds
-# parameters without an optimizer state: it is a starting point (TrainConfig.init_from), not a run
-# to resume.
+#: Written by kvm-import (kvm_jax.hf): where the parameters came from. Such a directory holds
+#: parameters without an optimizer state: it is a starting point (TrainConfig.init_from), not a run
+#: to resume.
 IMPORT_RECORD = "import.json"
 # Written by kvm-convert (kvm_jax.convert): the run it converted. Like an import, a starting point.
 CONVERSION_RECORD = "conversion.json"
-# Classes a run's config.json may name, beyond the model configs config_io always knows.
+#: Classes a run's config.json may name, beyond the model configs config_io always knows.
 TRAIN_CLASSES = (TrainConfig, MQARSpec, NIAHSpec, DistillSpec)
 
 

@@ -1,5 +1,5 @@
 """Convert a pretrained transformer (Qwen3-0.6B, Llama-3.2-1B, Gemma-3-1B, or any model of their
-families) to KVM on one accelerator host, in three distillation stages (docs/pretrained.md).
+families) to KVM on one accelerator host, in three distillation stages (docs/pretrained.md)::
 
   kvm-import ~/models/Qwen3-0.6B runs/qwen3                      # transformers -> run directory
   kvm-convert runs/qwen3 runs/qwen3-kvm --layers global --kvm.budget=fixed:256

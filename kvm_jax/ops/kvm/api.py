@@ -52,24 +52,24 @@ from kvm_jax.ops.kvm.state import (KVMOutput, KVMParams, KVMStepOutput, RoutedKV
 
 Array = jax.Array
 
-# Backends on which "auto" picks the Pallas kernels: only where a benchmark (kvm-bench
-# --implementation pallas) measured them faster than the XLA scan. On an H200 (jax 0.11.2, bf16,
-# B=8, H=32, D=128, 4K-32K tokens) the Pallas path measured 2-4x slower than the XLA scan, forward
-# and backward, so the GPU is not listed; no TPU has been measured.
+#: Backends on which "auto" picks the Pallas kernels: only where a benchmark (kvm-bench
+#: --implementation pallas) measured them faster than the XLA scan. On an H200 (jax 0.11.2, bf16,
+#: B=8, H=32, D=128, 4K-32K tokens) the Pallas path measured 2-4x slower than the XLA scan, forward
+#: and backward, so the GPU is not listed; no TPU has been measured.
 AUTO_PALLAS_BACKENDS: frozenset = frozenset()
 
-# The readout (one softmax over [state ; window] per chunk) can run on the implementation's own
-# code ("own": the XLA einsums or the Pallas kernel) or on tokamax's flash attention ("tokamax",
-# kvm_jax.kernels.tokamax_readout; pip install 'kvm_jax[tokamax]'). "auto" takes tokamax only on the
-# backends listed here, where `kvm-bench --readout-tokamax` measured it faster than the
-# implementation's own readout in the same run, and only when tokamax imports. No accelerator
-# has measured it yet (on CPU the own XLA readout is faster at sqrt16 and the XLA path is the
-# reference), so the list is empty.
+#: The readout (one softmax over [state ; window] per chunk) can run on the implementation's own
+#: code ("own": the XLA einsums or the Pallas kernel) or on tokamax's flash attention ("tokamax",
+#: kvm_jax.kernels.tokamax_readout; pip install 'kvm_jax[tokamax]'). "auto" takes tokamax only on the
+#: backends listed here, where `kvm-bench --readout-tokamax` measured it faster than the
+#: implementation's own readout in the same run, and only when tokamax imports. No accelerator
+#: has measured it yet (on CPU the own XLA readout is faster at sqrt16 and the XLA path is the
+#: reference), so the list is empty.
 KVM_READOUTS = ("auto", "own", "tokamax")
 TOKAMAX_READOUT_BACKENDS: dict = {"xla": frozenset(), "pallas": frozenset()}
 
-# The platforms a decision can be made for ("cuda" is accepted as another name for "gpu", the
-# way the kernels' targets are named).
+#: The platforms a decision can be made for ("cuda" is accepted as another name for "gpu", the
+#: way the kernels' targets are named).
 KVM_PLATFORMS = ("cpu", "gpu", "tpu")
 
 
@@ -275,9 +275,10 @@ def kvm_attention(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPa
       available with it.
   Returns:
     a :class:`KVMOutput`: ``y [B, T, H, Dv]`` in q's dtype, and ``state``, the final
-    :class:`KVMState` (float32, capacity = the number of rows the schedule reaches at T); with
-    ``return_routing``, a :class:`RoutedKVMOutput` (the same and ``routing``). With
-    ``segment_ids``: the state of each row's last document, ``num_rows`` per row ``[B]``.
+    :class:`~kvm_jax.ops.kvm.state.KVMState` (float32, capacity = the number of rows the
+    schedule reaches at T); with ``return_routing``, a :class:`RoutedKVMOutput` (the same and
+    ``routing``). With ``segment_ids``: the state of each row's last document, ``num_rows`` per
+    row ``[B]``.
   """
   validate_inputs(q, k, v, merge_gate, params, cfg)
   if segment_ids is not None:

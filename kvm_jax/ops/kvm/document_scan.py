@@ -9,7 +9,7 @@ than the window) is among them, so its chunks are layout chunks; a shorter docum
 one span of ``window_chunks`` layout chunks wherever it starts, so its window needs no grid. On
 this layout the plain scan's chunk loop runs as it is (:mod:`kvm_jax.ops.kvm.scan`: blocks of
 about sqrt(chunks) chunks, the backward pass replaying stored routing decisions), with one
-different per-chunk function (:func:`_document_chunk`): masks from document positions, and a
+different per-chunk function (``_document_chunk``): masks from document positions, and a
 fold, a reset or nothing per batch row.
 
 Nothing of the layout's size is materialized. Every layout chunk holds one contiguous run of a

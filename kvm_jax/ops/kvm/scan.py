@@ -107,6 +107,7 @@ class ChunkOps:
     return self.decode_attend_fn(*args, **kwargs)
 
 
+#: The XLA per-chunk operations (the functions of ``state.py`` and ``kvm_jax.ops.common``).
 XLA_OPS = ChunkOps("xla", joint_attention, update_state, attend_heads_fn=joint_attention_heads)
 
 
@@ -205,8 +206,8 @@ class ScanPlan:
   # (viewed as [B, C, Hkv, G, D] per chunk, :func:`query_chunk`); None: sources are 5-D.
   groups: Optional[int] = None
   rows_after: Optional[int] = None  # rows after every fold, when one number (documents' scan)
-  # Another per-chunk function with :func:`_chunk`'s contract plus one argument, the chunk's
-  # extra sources (packed documents: ``kvm_jax.ops.kvm.document_scan``); None: :func:`_chunk`.
+  # Another per-chunk function with ``_chunk``'s contract plus one argument, the chunk's
+  # extra sources (packed documents: ``kvm_jax.ops.kvm.document_scan``); None: ``_chunk``.
   chunk_fn: Optional[Callable] = None
 
   @property
@@ -242,19 +243,19 @@ class ScanPlan:
     return (self.cfg.window_chunks - 1) * self.cfg.chunk_size
 
 
-# How the scan reads its inputs. "heads": transposed once per sequence to head-major copies
-# (queries [B, Hkv, G, T, D], keys / values [B, Hkv, T, ·], gates [B, Hkv, T]), the layout the
-# fused kernels read in blocks. "time": sliced in place from the caller's [B, T, H, ·] arrays
-# (each query chunk viewed as [B, C, Hkv, G, D], :func:`query_chunk`) and transposed per chunk
-# inside the readout's own fusions. XLA:CPU allocates a program's temporaries
-# as one block per call, and a block over 32 MiB comes fresh from the OS, so every page of it
-# faults on first touch every call (~2 us per 4 KiB page measured on the project's 2-core VM:
-# 60 ms of a 250 ms call at T = 16,384, where the head-major copies and the stacked outputs made a
-# 120 MB block). On a TPU the head-major copies are as large as the inputs (6 GiB at the paper's
-# B=8, T=32,768, H=32, D=128 bf16), more than a v5e's 15.75 GiB holds beside the inputs and the
-# output: "time" there too. On GPUs memory comes from a pool of ample size and the kernels want
-# head-major blocks: "heads" (source_layout_for). "auto": that rule applied to this machine's
-# platform.
+#: How the scan reads its inputs. "heads": transposed once per sequence to head-major copies
+#: (queries [B, Hkv, G, T, D], keys / values [B, Hkv, T, ·], gates [B, Hkv, T]), the layout the
+#: fused kernels read in blocks. "time": sliced in place from the caller's [B, T, H, ·] arrays
+#: (each query chunk viewed as [B, C, Hkv, G, D], :func:`query_chunk`) and transposed per chunk
+#: inside the readout's own fusions. XLA:CPU allocates a program's temporaries
+#: as one block per call, and a block over 32 MiB comes fresh from the OS, so every page of it
+#: faults on first touch every call (~2 us per 4 KiB page measured on the project's 2-core VM:
+#: 60 ms of a 250 ms call at T = 16,384, where the head-major copies and the stacked outputs made a
+#: 120 MB block). On a TPU the head-major copies are as large as the inputs (6 GiB at the paper's
+#: B=8, T=32,768, H=32, D=128 bf16), more than a v5e's 15.75 GiB holds beside the inputs and the
+#: output: "time" there too. On GPUs memory comes from a pool of ample size and the kernels want
+#: head-major blocks: "heads" (source_layout_for). "auto": that rule applied to this machine's
+#: platform.
 SOURCE_LAYOUTS = ("auto", "time", "heads")
 
 
@@ -368,7 +369,7 @@ def pin_whole(x: Array) -> Array:
 
 def slice_time(x: Array, start, size: int, axis: int = 1) -> Array:
   """``x[start : start + size]`` along ``axis`` (``start`` may be traced). Differentiable; 16-bit
-  floats are sliced as bits on CPU (:func:`_moved_as_bits`), and so is their cotangent placed.
+  floats are sliced as bits on CPU (``_moved_as_bits``), and so is their cotangent placed.
   On TPU the slice keeps its heads and features in the source's order (:func:`in_row_major`)."""
   if _moved_as_bits(x):
     return _slice_bits(size, axis, x.shape, x, start)
@@ -377,7 +378,7 @@ def slice_time(x: Array, start, size: int, axis: int = 1) -> Array:
 
 def _update_slice(x: Array, update: Array, start, axis: int = 1) -> Array:
   """``x`` with ``update`` written at ``start`` along ``axis`` (in place in a loop carry).
-  Differentiable; 16-bit floats are written as bits on CPU (:func:`_moved_as_bits`)."""
+  Differentiable; 16-bit floats are written as bits on CPU (``_moved_as_bits``)."""
   if _moved_as_bits(x):
     return _update_slice_bits(axis, update.shape, x, update, start)
   return jax.lax.dynamic_update_slice_in_dim(x, in_row_major(update), start, axis)
@@ -525,10 +526,10 @@ def scan_chunks(plan: ScanPlan, run: Run, params, state, first, count: int, base
                  q_src, k_src, v_src, g_src, routing=None, remat_chunks: bool = False,
                  out=None, extra=None):
   """Chunks ``first .. first + count - 1`` of ``run`` (``first`` may be traced, ``count`` is
-  static) in one ``lax.scan``; ``base`` and ``k_lead`` place the sources (:func:`_chunk`).
+  static) in one ``lax.scan``; ``base`` and ``k_lead`` place the sources (``_chunk``).
   ``routing``: decisions to apply, ``[count, B, Hkv, C]`` each, or None to compute them.
 
-  ``extra``: what ``plan.chunk_fn`` takes besides :func:`_chunk`'s arguments.
+  ``extra``: what ``plan.chunk_fn`` takes besides ``_chunk``'s arguments.
   ``out``: None, or an output buffer ``[B, ·, H, Dv]`` whose row 0
   is chunk ``base``'s first time step; each chunk writes its rows into it in place.
   Returns ``(state, y, decisions)``: ``y`` is the updated ``out``, or (without one) the chunks'

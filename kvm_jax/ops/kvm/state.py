@@ -353,9 +353,9 @@ def add_rows_scatter(rows: Array, index: Array, updates: Array) -> Array:
   return jax.vmap(jax.vmap(add))(rows, index, updates)
 
 
-# How the XLA update accumulates token rows into state rows. "scatter": a scatter-add, O(C·X);
-# CPU scatters are sequential (deterministic) and cheap. "onehot": a one-hot matmul, O(C·R·X),
-# deterministic on GPU/TPU (no atomics) and run on the matrix units.
+#: How the XLA update accumulates token rows into state rows. "scatter": a scatter-add, O(C·X);
+#: CPU scatters are sequential (deterministic) and cheap. "onehot": a one-hot matmul, O(C·R·X),
+#: deterministic on GPU/TPU (no atomics) and run on the matrix units.
 ROW_UPDATES = ("scatter", "onehot")
 
 

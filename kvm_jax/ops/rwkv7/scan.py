@@ -35,8 +35,8 @@ from kvm_jax.ops.documents import documents
 
 Array = jax.Array
 _HI = jax.lax.Precision.HIGHEST
-# The longest chunk whose decay factors float32 holds for RWKV-7's decays (|w| < e^-½): within a
-# chunk they reach e^±(L/2 · e^-½), 77.6 at L = 256, and exp overflows past 88.7.
+#: The longest chunk whose decay factors float32 holds for RWKV-7's decays (``|w| < e^-½``):
+#: within a chunk they reach e^±(L/2 · e^-½), 77.6 at L = 256, and exp overflows past 88.7.
 MAX_CHUNK = 256
 
 
@@ -180,14 +180,15 @@ def _document_masks(segment_ids: Array, T: int, L: int):
 def rwkv7_recurrence(r: Array, w: Array, k: Array, v: Array, a: Array, b: Array,
                      initial_state: Optional[Array] = None, chunk_size: int = 64,
                      segment_ids: Optional[Array] = None) -> tuple[Array, Array]:
-  """The RWKV-7 recurrence of :func:`rwkv7_recurrence_reference`, chunk-parallel.
+  """The RWKV-7 recurrence of
+  :func:`~kvm_jax.ops.rwkv7.reference.rwkv7_recurrence_reference`, chunk-parallel.
 
   Args:
     r, w, k, a, b: ``[B, T, H, Dk]`` (``w`` the log decay, ≤ 0); v: ``[B, T, H, Dv]``.
     initial_state: ``h = Sᵀ`` ``[B, H, Dk, Dv]`` before the first token (zeros when None).
     chunk_size: L, tokens per chunk (even, 2 to :data:`MAX_CHUNK`; 64 by default). The
       sequential depth falls with larger chunks, the work within a chunk grows as L². The decay
-      factors reach e^±(L/2 · max|w|): with decays stronger than RWKV-7's (|w| < e^-½) keep
+      factors reach e^±(L/2 · max|w|): with decays stronger than RWKV-7's (``|w| < e^-½``) keep
       L·max|w| below about 170.
     segment_ids: ``[B, T]`` int, packed documents (0 = padding, each maximal run of one nonzero
       id a document): the state restarts from zero at every document's first token, so each
