@@ -76,8 +76,8 @@ nitpick_ignore_regex = [
     (r"py:.*", rf"({'|'.join(OUTSIDE)})(\..*)?"),
     (r"py:class", r"Array"),  # jax.Array, as the modules import it
     # annotations naming a type variable and a private class
-    (r"py:class", r"kvm_jax\.progress\.T"),
-    (r"py:class", r"kvm_jax\.serve\._Choice"),
+    (r"py:class", r"kvm_jax\.util\.progress\.T"),
+    (r"py:class", r"kvm_jax\.generation\.serve\._Choice"),
 ]
 
 # -- HTML --------------------------------------------------------------------------------------
@@ -134,7 +134,7 @@ def lookup(name: str):
 
 def canonical_name(target: str, module: str | None, depth: int = 0) -> str | None:
   """Where the object a reference names is documented: ``kvm_jax.KVMConfig`` (a package's
-  re-export) -> ``kvm_jax.kvm_config.KVMConfig``; a name inside a module's docstring that the
+  re-export) -> ``kvm_jax.config.kvm.KVMConfig``; a name inside a module's docstring that the
   module imported (``KVMState``, ``IGNORE``, ``adamc_lib.adamc``) -> the object it names there.
   ``None`` when the name is no object of kvm_jax."""
   target = target.lstrip("~.")

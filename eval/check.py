@@ -52,7 +52,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from kvm_jax import compilation_cache, plugins
+from kvm_jax.util import compilation_cache
+from kvm_jax.util import plugins
 
 # JAX and the ops are imported by the functions that use them, so that --help and a bad flag
 # answer without them (a test patches an op where it is defined, which these imports then read).
@@ -358,9 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
 def compile_for_target(target: str, groups: Sequence[str], match: str = "") -> int:
   """``--target``: compiles the chosen programs for ``target`` and prints one line each, then a
   summary; 1 if any fails or does not fit the chip's memory."""
-  from kvm_jax import target as targets
+  from kvm_jax.config import target as targets
   from kvm_jax.eval import chip_check
-  from kvm_jax.progress import progress
+  from kvm_jax.util.progress import progress
   try:
     t = targets.parse_target(target)
   except ValueError as e:

@@ -4,7 +4,7 @@ A *program* is one jitted function and its argument shapes, built inside
 ``kvm_jax.compile_target(target)`` so that every backend decision (the kernels' platform and
 tiles, the scan's layouts) is the chip's. :func:`check` compiles each program for real (XLA:TPU
 and Mosaic, or XLA:GPU and Triton) and reports it: compiles or fails with the compiler's reason,
-the seconds it took and its bytes per chip (:class:`kvm_jax.target.CompiledProgram`).
+the seconds it took and its bytes per chip (:class:`kvm_jax.config.target.CompiledProgram`).
 
 Two groups:
 
@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from kvm_jax import target as targets
+from kvm_jax.config import target as targets
 
 PAPER = dict(chunk_size=256, window_chunks=2, rope_dims=32)
 
@@ -118,8 +118,8 @@ def decode_program(B, Hkv, G, R, C, window_chunks, D, dtype, blocks=None):
   def build():
     from kvm_jax.kernels.backend import KernelConfig
     from kvm_jax.kernels.decode import decode_attention_pallas
-    from kvm_jax.kvm_config import KVMConfig
-    from kvm_jax.budget import FixedBudget
+    from kvm_jax.config.kvm import KVMConfig
+    from kvm_jax.config.budget import FixedBudget
     kc = KernelConfig.for_target()
     cfg = KVMConfig(chunk_size=C, window_chunks=window_chunks, rope_dims=min(32, D),
                     budget=FixedBudget(R))
@@ -156,10 +156,10 @@ def tokamax_readout_program(B, Hkv, G, Tq, R, W, D, dtype):
 
 
 def attention_program(implementation: str, B, T, H, Hkv, D, window, dtype, *, backward=False):
-  """Softmax attention (``kvm_jax.ops.attention_api.causal_attention``), the baselines' and the
+  """Softmax attention (``kvm_jax.ops.attention.api.causal_attention``), the baselines' and the
   hybrids' attention layers: splash on TPU, the chunked XLA form, tokamax's kernels."""
   def build():
-    from kvm_jax.ops.attention_api import causal_attention
+    from kvm_jax.ops.attention.api import causal_attention
     fn = lambda q, k, v: causal_attention(q, k, v, window=window,  # noqa: E731
                                           implementation=implementation)
     args = (_spec(B, T, H, D, dtype=dtype), _spec(B, T, Hkv, D, dtype=dtype),

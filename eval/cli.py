@@ -38,10 +38,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from kvm_jax import compilation_cache
-from kvm_jax.budget import budget_label, parse_budget, state_rows_after
+from kvm_jax.util import compilation_cache
+from kvm_jax.config.budget import budget_label, parse_budget, state_rows_after
 from kvm_jax.eval import position_loss as position_lib
-from kvm_jax.kvm_config import add_kvm_flag
+from kvm_jax.config.kvm import add_kvm_flag
 from kvm_jax.runs import launch
 from kvm_jax.tasks import niah
 from kvm_jax.tasks.tokenizers import tokenizer
@@ -49,7 +49,7 @@ from kvm_jax.tasks.tokenizers import tokenizer
 # JAX, the model and the suites are imported by the functions that use them, so that --help and a
 # bad flag answer without them.
 if TYPE_CHECKING:
-  from kvm_jax.model_config import ModelConfig
+  from kvm_jax.config.model import ModelConfig
 
 SUITES = ("niah", "mqar", "position_loss")
 
@@ -90,7 +90,7 @@ def find_runs(paths: Sequence[str]) -> list[Path]:
 def evaluate_run(run: Path, args) -> list[dict[str, Any]]:
   """The results of one run directory: one entry, or with ``--budget-sweep`` one per budget
   (a model without kvm layers is evaluated once, unchanged)."""
-  from kvm_jax.convert import describe_kvm, has_kvm_layers, with_kvm
+  from kvm_jax.nn.convert import describe_kvm, has_kvm_layers, with_kvm
   from kvm_jax.runs.directory import load_trained
   cfg, model, step = load_trained(run)
   fields = args.kvm_fields
@@ -117,7 +117,7 @@ def evaluate_run(run: Path, args) -> list[dict[str, Any]]:
 
 def evaluate_model(name: str, run: Path, cfg, model, step: int, args,
                    budget: Optional[str] = None, note: Optional[str] = None) -> dict[str, Any]:
-  from kvm_jax.convert import describe_kvm, has_kvm_layers
+  from kvm_jax.nn.convert import describe_kvm, has_kvm_layers
   from kvm_jax.eval import mqar as mqar_eval, niah as niah_eval
   from kvm_jax.nn.model import count_params
   from kvm_jax.runs.directory import logits_fn
@@ -477,7 +477,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args, rest = parser.parse_known_args(argv)
   compilation_cache.enable(args.compilation_cache)
   import jax
-  from kvm_jax.convert import kvm_flags
+  from kvm_jax.nn.convert import kvm_flags
   from kvm_jax.ops.common import current_platform
   try:
     args.kvm_fields = kvm_flags(args, rest)

@@ -45,8 +45,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
   raise ImportError("the lm-eval adapter needs lm-evaluation-harness: pip install 'kvm-jax[eval]' "
                     "(or pip install lm_eval)") from e
 
-from kvm_jax.engine import Engine
-from kvm_jax.generate import SamplingConfig
+from kvm_jax.generation.engine import Engine
+from kvm_jax.generation.generate import SamplingConfig
 from kvm_jax.runs.directory import load_trained
 from kvm_jax.tasks.tokenizers import tokenizer as run_tokenizer
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvm_jax.ops.loss import cross_entropy_sums
-from kvm_jax.progress import progress
+from kvm_jax.util.progress import progress
 from kvm_jax.tasks import mqar
 from kvm_jax.tasks.pipeline import batched_iterator
 

@@ -8,9 +8,9 @@ from typing import Callable, Optional, Sequence
 import jax
 import numpy as np
 
-from kvm_jax.engine import generate_many
-from kvm_jax.generate import SamplingConfig, generate_text
-from kvm_jax.progress import ProgressReport
+from kvm_jax.generation.engine import generate_many
+from kvm_jax.generation.generate import SamplingConfig, generate_text
+from kvm_jax.util.progress import ProgressReport
 from kvm_jax.tasks import niah
 
 GREEDY = SamplingConfig(temperature=0.0)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from kvm_jax.progress import progress
+from kvm_jax.util.progress import progress
 
 # JAX, optax and the packing (grain, which imports JAX) are imported by the functions that use
 # them: kvm-eval's argument parser reads PAPER_MIN_CHARS.

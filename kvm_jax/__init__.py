@@ -18,27 +18,27 @@ any lengths over the slots of one cache and ``kj.generate_many`` runs a list of 
 (docs/generation.md).
 """
 
-from kvm_jax import lazy_exports as _lazy_exports
+from kvm_jax.util import lazy_exports as _lazy_exports
 
-# Where each public name lives, imported on first use (kvm_jax.lazy_exports): ``import kvm_jax``
+# Where each public name lives, imported on first use (kvm_jax.util.lazy_exports): ``import kvm_jax``
 # alone costs no JAX, so the commands' --help and argument errors answer at once.
 _EXPORTS = {
-    "kvm_jax.budget": ("CallableBudget", "FixedBudget", "KVMSchedule", "PowerLawBudget",
+    "kvm_jax.config.budget": ("CallableBudget", "FixedBudget", "KVMSchedule", "PowerLawBudget",
                        "SaturatingBudget", "kvm_schedule", "state_rows_after"),
-    "kvm_jax.kvm_config": ("KVMConfig",),
-    "kvm_jax.model_config": ("ModelConfig",),
+    "kvm_jax.config.kvm": ("KVMConfig",),
+    "kvm_jax.config.model": ("ModelConfig",),
     "kvm_jax.ops.common": ("current_platform",),
-    "kvm_jax.target": ("compile_target", "current_target", "parse_target"),
+    "kvm_jax.config.target": ("compile_target", "current_target", "parse_target"),
     "kvm_jax.ops.kvm": ("KVMBackend", "KVMCache", "KVMOutput", "KVMParams", "KVMState",
                         "KVMStepOutput", "RoutedKVMOutput", "RoutedKVMStepOutput", "kvm_attention",
                         "kvm_attention_reference", "kvm_decode_step", "kvm_init_cache",
                         "kvm_prefill", "resolve_kvm_backend"),
     "kvm_jax.ops.ovq": ("OVQConfig",),
     "kvm_jax.nn.model": ("LM", "count_params"),
-    "kvm_jax.nn.rwkv7": ("RWKV7Options",),
-    "kvm_jax.generate": ("SamplingConfig", "generate", "generate_text", "sample_logits"),
-    "kvm_jax.engine": ("Engine", "generate_many"),
-    "kvm_jax.convert": ("convert_to_kvm", "with_kvm"),
+    "kvm_jax.nn.mixers.rwkv7": ("RWKV7Options",),
+    "kvm_jax.generation.generate": ("SamplingConfig", "generate", "generate_text", "sample_logits"),
+    "kvm_jax.generation.engine": ("Engine", "generate_many"),
+    "kvm_jax.nn.convert": ("convert_to_kvm", "with_kvm"),
 }
 
 __version__ = "0.1.0"

@@ -14,15 +14,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from kvm_jax.budget import FixedBudget, PowerLawBudget, SaturatingBudget
-from kvm_jax.kvm_config import KVMConfig
-from kvm_jax.model_config import ModelConfig
-from kvm_jax.nn.bswa import BSWAOptions
-from kvm_jax.nn.gemma import GemmaOptions
-from kvm_jax.nn.llama import LlamaOptions
+from kvm_jax.config.budget import FixedBudget, PowerLawBudget, SaturatingBudget
+from kvm_jax.config.kvm import KVMConfig
+from kvm_jax.config.model import ModelConfig
+from kvm_jax.nn.mixers.bswa import BSWAOptions
+from kvm_jax.nn.families.gemma import GemmaOptions
+from kvm_jax.nn.families.llama import LlamaOptions
 from kvm_jax.nn.registry import mixer_class, registered_mixers
-from kvm_jax.nn.rwkv7 import RWKV7Options
-from kvm_jax.nn.swa import SWAOptions
+from kvm_jax.nn.mixers.rwkv7 import RWKV7Options
+from kvm_jax.nn.mixers.swa import SWAOptions
 from kvm_jax.ops.ovq.config import OVQConfig
 
 _SIZES = {
@@ -239,8 +239,8 @@ def converted(cfg: ModelConfig, layers: str = "global") -> ModelConfig:
   """``cfg`` with its full-attention layers (``layers="global"``; "all" adds the sliding-window
   ones) made KVM-256 layers (the paper's chunks of 256, two window chunks, a fixed 256-row state)
   rotating the model's channels: the config ``kj.convert_to_kvm`` would give."""
-  from kvm_jax.convert import (converted_config, default_state_rope_dims,  # the model layer,
-                               select_layers)                               # above presets
+  from kvm_jax.nn.convert import (converted_config, default_state_rope_dims,  # the model layer,
+                                  select_layers)                               # above presets
   kvm = KVMConfig(budget=FixedBudget(256), max_state_rows=256,
                   **{**_PAPER_KVM, "rope_dims": cfg.rope_dims,
                      "state_rope_dims": default_state_rope_dims(cfg)})

@@ -4,7 +4,7 @@ Kernels run natively on TPU (Mosaic) and GPU (Triton), and in interpret mode eve
 CPU reference path of the tests). A :class:`KernelConfig` is fixed when the caller is traced and
 passed to the kernels as a static argument — never read from global state while a kernel is
 traced, because ``custom_vjp`` traces its forward rule lazily, under ``grad``. By default it is
-built for the current target (``kvm_jax.target.current_target()``: this machine, or inside
+built for the current target (``kvm_jax.config.target.current_target()``: this machine, or inside
 ``kvm_jax.compile_target("v5e:2x2")`` the chip being compiled for); an explicit platform ("tpu",
 "cuda") or target name builds it for that chip.
 """
@@ -20,13 +20,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kvm_jax.kernels.sharding import ShardAxes
-from kvm_jax import target as targets
+from kvm_jax.config import target as targets
 
 
 KiB, MiB = 1024, 1024 * 1024
 GPU_STAGES, GPU_WARPS = 2, 4   # Triton software-pipelining stages and warps per program
 #: VMEM a kernel's own buffers may take: three quarters of the core's, the rest left to Mosaic's
-#: internal scratch. Chips: v5e and v6e 128 MiB, v5p 64 MiB (kvm_jax.target.CHIPS; measured: a
+#: internal scratch. Chips: v5e and v6e 128 MiB, v5p 64 MiB (kvm_jax.config.target.CHIPS; measured: a
 #: kernel needing 128 MiB compiles for neither v5p nor v6e, 64 MiB compiles for all three).
 TPU_VMEM_SHARE = 0.75
 DEFAULT_TPU_VMEM = 128 * MiB   #: a TPU platform named without a chip: v5e's

@@ -12,7 +12,7 @@ keeps live. Each kernel module computes its own figure from the tile function it
 * **TPU (Mosaic)**: ``vmem`` — every BlockSpec block twice (the pipeline double-buffers them),
   each padded to whole (sublane, 128-lane) tiles, plus the in-kernel float32 temporaries.
 
-:data:`LIMITS` holds the budgets of every chip of ``kvm_jax.target.CHIPS``: H100 / H200 / B200
+:data:`LIMITS` holds the budgets of every chip of ``kvm_jax.config.target.CHIPS``: H100 / H200 / B200
 (shared memory per block, registers per thread) and TPU v5e / v5p / v6e (the share of a core's
 VMEM a kernel may take); :func:`fits` compares. ``KernelConfig.compiler_params`` asks Mosaic for
 the VMEM the model computes (``vmem_limit_bytes``) instead of the default scoped limit. The
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvm_jax import target as targets
+from kvm_jax.config import target as targets
 from kvm_jax.kernels import decode, readout, update
 from kvm_jax.kernels.backend import (GPU_WARPS, MiB, WorkingSet, vmem_budget, vmem_limit_bytes)
 
@@ -49,7 +49,7 @@ def limits_of(chip: targets.Chip) -> Limits:
   return Limits(chip.name, "tpu", vmem=vmem_budget(chip.vmem))
 
 
-#: The budgets of every chip of ``kvm_jax.target.CHIPS``, by name (``limits_of``).
+#: The budgets of every chip of ``kvm_jax.config.target.CHIPS``, by name (``limits_of``).
 LIMITS = {name: limits_of(chip) for name, chip in targets.CHIPS.items()}
 
 def decode_set(R, L, G, D, Dv, dtype, platform) -> WorkingSet:

@@ -6,5 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KVM_TEST_FAST_COMPILE=0 JAX_PLATFORMS=${JAX_PLATFORMS:-cpu} python -m pytest -n 2 --runslow
-python -m kvm_jax.eval.core_speed "$@"
+python -m kvm_jax.eval.bench.core_speed "$@"
 python -m kvm_jax.eval.check

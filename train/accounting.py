@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from kvm_jax.nn import registry
-from kvm_jax.nn.family import family_of
+from kvm_jax.nn.families.family import family_of
 from kvm_jax.runs.train_config import TrainConfig
 
 # Dense bf16 peak per device, for the MFU estimate (matched against device_kind).

@@ -27,9 +27,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvm_jax.model_config import ModelConfig
+from kvm_jax.config.model import ModelConfig
 from kvm_jax.nn import registry
-from kvm_jax.nn.family import family_param_groups
+from kvm_jax.nn.families.family import family_param_groups
 from kvm_jax.nn.roles import parameter_role
 
 GROUPS = registry.PARAM_GROUP_NAMES

@@ -1,6 +1,6 @@
 """Convert, then distil, at the default job's scale: what notebook 05 runs and plots.
 
-On the main job's MQAR task (``kvm_jax.train.default_job``: 64 tokens, 8 pairs, a 16-token exact
+On the main job's MQAR task (``kvm_jax.train.demo``: 64 tokens, 8 pairs, a 16-token exact
 window) this trains the full-attention model, converts it to KVM (every layer, and alternate
 layers), distils each conversion against the full model, and trains a KVM model from scratch for
 the same total number of steps. Each model's recall is split by whether the queried key is in the
@@ -22,7 +22,7 @@ from flax import nnx
 from kvm_jax.runs.train_config import DistillSpec, TrainConfig
 from kvm_jax.runs.conversion import write_converted
 from kvm_jax.runs.directory import is_run_directory, load_trained
-from kvm_jax.train.default_job import model_configs, train_config
+from kvm_jax.train.demo import model_configs, train_config
 from kvm_jax.train.evaluation import evaluate
 from kvm_jax.train.loop import train
 

@@ -22,13 +22,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvm_jax.kvm_config import KVMConfig
+from kvm_jax.config.kvm import KVMConfig
 from kvm_jax.nn.model import LM, REMAT_POLICIES
 from kvm_jax.ops.loss import IGNORE, sliced_distill_sums
 from kvm_jax.runs.train_config import DistillSpec, TrainConfig
 from kvm_jax.runs.directory import is_run_directory, load_config, load_trained
 from kvm_jax.train import sharding
-from kvm_jax.nn.kvm import KVMAttention
+from kvm_jax.nn.mixers.kvm import KVMAttention
 from kvm_jax.nn.roles import is_kvm_only, parameter_role
 
 # The KVM-only parameters of a kvm layer (what a conversion adds), by owner name under ``attn``.

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from kvm_jax.progress import ProgressBar
+from kvm_jax.util.progress import ProgressBar
 from kvm_jax.runs.checkpoint import Checkpointer, abstract_like
 from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.train.accounting import StepClock, throughput

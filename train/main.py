@@ -87,8 +87,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from kvm_jax import compilation_cache
-from kvm_jax.mixer_options import KindOptions
+from kvm_jax.util import compilation_cache
+from kvm_jax.config.mixers import KindOptions
 from kvm_jax.runs import launch
 
 # JAX, the configs and the trainer are imported once the flags are parsed: --help and a bad flag
@@ -142,7 +142,7 @@ def apply_override(cfg, dotted: str, text: str):
 
 
 def _override(cfg, dotted: str, text: str):
-  from kvm_jax import config_io
+  from kvm_jax.config import io as config_io
   head, _, rest = dotted.partition(".")
   if isinstance(cfg, KindOptions):
     if not rest:
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
   compilation_cache.enable(args.compilation_cache)  # before anything compiles
   import jax
   from etils import epath
-  from kvm_jax import config_io
+  from kvm_jax.config import io as config_io
   from kvm_jax.train import memory
   from kvm_jax.train.hooks import NonFiniteError, parse_profile_steps
   from kvm_jax.train.loop import train

@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kvm_jax.nn.model import LM
-from kvm_jax.target import current_target
+from kvm_jax.config.target import current_target
 from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.train import sharding
 from kvm_jax.train.start import make_optimizer

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from kvm_jax.nn import registry
-from kvm_jax.nn.family import family_logical_axes
+from kvm_jax.nn.families.family import family_logical_axes
 from kvm_jax.nn.layers import path_names
 from kvm_jax.nn.roles import parameter_role
 
@@ -73,7 +73,7 @@ def logical_axes(path, ndim: int) -> tuple:
                      "declares its "
                      "parameters' axes in its class's LOGICAL_AXES (kvm_jax.nn.registry), a "
                      "backbone family those of its MLP, embedding and head (MLP_AXES, "
-                     "LOGICAL_AXES; kvm_jax.nn.family).")
+                     "LOGICAL_AXES; kvm_jax.nn.families.family).")
   return table[owner]
 
 

@@ -15,9 +15,9 @@ import optax
 from etils import epath
 from flax import nnx
 
-from kvm_jax import config_io
+from kvm_jax.config import io as config_io
 from kvm_jax.hf.load import checkpoint_kind
-from kvm_jax.model_config import ModelConfig
+from kvm_jax.config.model import ModelConfig
 from kvm_jax.nn.model import LM
 from kvm_jax.runs.checkpoint import Checkpointer, abstract_like
 from kvm_jax.runs.train_config import TEACHER_TASK, TrainConfig

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kvm_jax.ops.attention_api import runs_pallas
+from kvm_jax.ops.attention.api import runs_pallas
 from kvm_jax.ops.kvm.api import kernel_sharding
 from kvm_jax.ops.loss import IGNORE
 from kvm_jax.runs.train_config import TrainConfig

@@ -7,7 +7,7 @@ document each (the plain scan's work) and rows packed from a log-normal mix of d
 (median 600 tokens). Last, the Pallas kernels on the exactness rows against the XLA document
 path (outputs and each row's state row count). Imported only in a stage's process. The mix is
 ``kvm-bench --documents``'s (the same rows at the same T), packed by
-:func:`kvm_jax.row_plan.plan_rows`, which needs no grain.
+:func:`kvm_jax.config.row_plan.plan_rows`, which needs no grain.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvm_jax as kj
-from kvm_jax.eval.documents_speed import MEDIAN_LENGTH, mixed_rows
-from kvm_jax.eval.timing import interleaved_times
+from kvm_jax.eval.bench.documents_speed import MEDIAN_LENGTH, mixed_rows
+from kvm_jax.eval.bench.timing import interleaved_times
 from kvm_jax.ops.documents import documents_alone, segment_ids_from_lengths
 from kvm_jax.ops.kvm.cases import TOLERANCE, random_inputs, random_params, rel_rms
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 import kvm_jax as kj
-from kvm_jax.eval.timing import sample_ms
+from kvm_jax.eval.bench.timing import sample_ms
 from kvm_jax.ops.kvm.cases import random_inputs
 
 from benchmarks.device.geometry import Geometry
@@ -31,7 +31,7 @@ class Context:
 
 
 def median_ms(fn, args, repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
-  """Median wall time (ms) of ``fn(*args)`` and the samples (``kvm_jax.eval.timing``)."""
+  """Median wall time (ms) of ``fn(*args)`` and the samples (``kvm_jax.eval.bench.timing``)."""
   samples = sample_ms(fn, *args, repeats=repeats, warmup=warmup)
   return statistics.median(samples), samples
 

@@ -12,7 +12,7 @@ writes the family's format from a run directory. docs/checkpoints.md (the author
 docs/pretrained.md (transformers') have the field and tensor tables.
 """
 
-from kvm_jax import lazy_exports as _lazy_exports
+from kvm_jax.util import lazy_exports as _lazy_exports
 
 __all__ = ["CheckpointError", "ConfigError", "ExportError", "authors_config_from_model",
            "authors_shapes", "checkpoint_kind", "export_run", "from_authors", "import_checkpoint",
@@ -23,7 +23,7 @@ __all__ = ["CheckpointError", "ConfigError", "ExportError", "authors_config_from
            "read_checkpoint", "to_authors", "write_checkpoint"]
 
 
-# Imported on first use (kvm_jax.lazy_exports): kvm-import's --help needs none of it.
+# Imported on first use (kvm_jax.util.lazy_exports): kvm-import's --help needs none of it.
 __getattr__, __dir__ = _lazy_exports.exports(__name__, {
     "kvm_jax.hf.authors_config": ("ConfigError", "ExportError", "authors_config_from_model",
                                   "model_config_from_authors"),

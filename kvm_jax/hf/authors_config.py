@@ -18,16 +18,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from kvm_jax.kvm_config import KVMConfig
-from kvm_jax.model_config import ModelConfig
+from kvm_jax.config.kvm import KVMConfig
+from kvm_jax.config.model import ModelConfig
 from kvm_jax.nn.authors_format import (AuthorsMixer, AuthorsReading, AuthorsWriting, ConfigError,
                                        ExportError)
 from kvm_jax.nn.authors_format import read_flag as _flag
 from kvm_jax.nn.authors_format import read_float as _float
 from kvm_jax.nn.authors_format import read_int as _int
 from kvm_jax.nn.authors_format import read_opt_int as _opt_int
-from kvm_jax.nn.gptalpha2 import GPTAlpha2Options
-from kvm_jax.nn.kvm import NO_CAP_ROWS  # noqa: F401  (its former home; the KVM layer's cap)
+from kvm_jax.nn.families.gptalpha2 import GPTAlpha2Options
+from kvm_jax.nn.mixers.kvm import NO_CAP_ROWS  # noqa: F401  (its former home; the KVM layer's cap)
 from kvm_jax.nn.registry import own_members, registered_mixers
 
 MODEL_CLASS_PATH = "model.rwkv7_backbone.RWKV7BackboneForCausalLM"
@@ -200,7 +200,7 @@ def layer_kinds(cfg: dict) -> tuple[str, ...]:
 
 def model_config_from_authors(config: dict, *, numerics: str = "authors",
                               dtype: str = "float32") -> ModelConfig:
-  """The :class:`~kvm_jax.model_config.ModelConfig` of an authors' ``config.json`` (a dict).
+  """The :class:`~kvm_jax.config.model.ModelConfig` of an authors' ``config.json`` (a dict).
 
   Args:
     config: the parsed ``config.json``; absent fields take the authors' defaults.

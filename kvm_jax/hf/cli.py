@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kvm_jax import compilation_cache
-from kvm_jax.kvm_config import add_kvm_flag
+from kvm_jax.util import compilation_cache
+from kvm_jax.config.kvm import add_kvm_flag
 
 # The readers and writers import JAX: each command imports them once its flags are parsed, so that
 # --help and a bad flag answer without them. The two reading options, as
@@ -124,7 +124,7 @@ def import_main(argv: Optional[Sequence[str]] = None) -> int:
   args = import_parser().parse_args(argv)
   compilation_cache.enable(args.compilation_cache)
   from kvm_jax.hf.load import import_checkpoint
-  from kvm_jax.nn.family import family_of
+  from kvm_jax.nn.families.family import family_of
   try:
     dest = import_checkpoint(args.src, args.dest, dtype=args.dtype, numerics=args.numerics,
                              tokenizer_file=args.tokenizer, overwrite=args.overwrite,
@@ -204,7 +204,7 @@ def convert_parser() -> argparse.ArgumentParser:
 def convert_main(argv: Optional[Sequence[str]] = None) -> int:
   args, rest = convert_parser().parse_known_args(argv)
   compilation_cache.enable(args.compilation_cache)
-  from kvm_jax.convert import kvm_flags
+  from kvm_jax.nn.convert import kvm_flags
   from kvm_jax.runs.conversion import write_converted
   from kvm_jax.runs.directory import CONVERSION_RECORD
   try:

@@ -19,14 +19,14 @@ import numpy as np
 
 from kvm_jax.hf.authors_config import ConfigError, ExportError
 from kvm_jax.hf.safetensors import CheckpointError
-from kvm_jax.model_config import ModelConfig
+from kvm_jax.config.model import ModelConfig
 from kvm_jax.nn import registry
-from kvm_jax.nn.family import family_of
+from kvm_jax.nn.families.family import family_of
 from kvm_jax.nn.layers import path_names
 from kvm_jax.nn.roles import parameter_role
-from kvm_jax.nn.gemma import GemmaOptions
-from kvm_jax.nn.llama import LlamaOptions
-from kvm_jax.progress import ProgressReport
+from kvm_jax.nn.families.gemma import GemmaOptions
+from kvm_jax.nn.families.llama import LlamaOptions
+from kvm_jax.util.progress import ProgressReport
 
 # model_type -> the kvm_jax family that computes it. Their differences are options: Qwen2's q/k/v
 # always carry biases (its o_proj never does), Llama and Qwen3 follow ``attention_bias`` for all
@@ -125,7 +125,7 @@ def _mixers(config: Mapping, model_type: str, layers: int) -> tuple[tuple[str, .
 
 
 def model_config_from_transformers(config: Mapping, *, dtype: str = "float32") -> ModelConfig:
-  """The :class:`~kvm_jax.model_config.ModelConfig` of a transformers ``config.json`` of the Llama
+  """The :class:`~kvm_jax.config.model.ModelConfig` of a transformers ``config.json`` of the Llama
   or Gemma family, or a :class:`ConfigError` naming the field (or model type) it cannot
   express."""
   model_type = config.get("model_type")

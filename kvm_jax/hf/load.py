@@ -17,16 +17,16 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from kvm_jax import config_io
+from kvm_jax.config import io as config_io
 from kvm_jax.hf import families
 from kvm_jax.hf import safetensors as st
 from kvm_jax.hf.special_tokens import (GENERATION_CONFIG_FILE, TOKENIZER_COMPANIONS, Generation,
                                        export_generation, source_dtype)
 from kvm_jax.hf.authors_config import (DTYPES, ConfigError, authors_config_from_model, authors_fields,
-                               model_config_from_authors, with_numerics)
+                                       model_config_from_authors, with_numerics)
 from kvm_jax.hf.params import from_authors, to_authors
-from kvm_jax.model_config import ModelConfig
-from kvm_jax.nn.family import family_of
+from kvm_jax.config.model import ModelConfig
+from kvm_jax.nn.families.family import family_of
 from kvm_jax.runs import checkpoint
 from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.runs.directory import (CONFIG_FILE, IMPORT_RECORD, load_config, load_trained,

@@ -14,12 +14,12 @@ from flax import nnx
 
 from kvm_jax.hf.authors_config import authors_kinds
 from kvm_jax.hf.safetensors import CheckpointError
-from kvm_jax.model_config import ModelConfig
+from kvm_jax.config.model import ModelConfig
 from kvm_jax.nn.authors_format import Layout, layout_of, unused_zeros
 from kvm_jax.nn.layers import path_names
 from kvm_jax.nn.model import LM
 from kvm_jax.nn.roles import parameter_role
-from kvm_jax.progress import ProgressReport
+from kvm_jax.util.progress import ProgressReport
 
 def abstract_model(cfg: ModelConfig):
   """(graphdef, abstract parameter state) of ``LM(cfg)``, without allocating anything."""

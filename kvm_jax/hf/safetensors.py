@@ -24,7 +24,7 @@ from typing import Iterable, Mapping, Optional
 import ml_dtypes
 import numpy as np
 
-from kvm_jax.progress import ProgressReport
+from kvm_jax.util.progress import ProgressReport
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

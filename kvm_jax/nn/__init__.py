@@ -5,20 +5,20 @@
 per backbone family (``gptalpha2.py``, ``llama.py``, ``gemma.py``; ``family.py``:
 :func:`register_family`), and the block and LM (``model.py``)."""
 
-from kvm_jax.nn.attention import AttentionFrontEnd, LayerCache, SoftmaxAttention
-from kvm_jax.nn.bswa import BlockSlidingWindowAttention, BSWAOptions
-from kvm_jax.nn.full import FullAttention, FullOptions
-from kvm_jax.nn.kvm import KVMAttention
-from kvm_jax.nn.ovq import OVQAttention
-from kvm_jax.nn.rwkv7 import RWKV7Cache, RWKV7Options, RWKV7TimeMix
-from kvm_jax.nn.family import register_family, registered_families
-from kvm_jax.nn.gemma import Gemma, GemmaOptions
-from kvm_jax.nn.gptalpha2 import GPTAlpha2, GPTAlpha2Options
-from kvm_jax.nn.llama import Llama, LlamaOptions
+from kvm_jax.nn.mixers.attention import AttentionFrontEnd, LayerCache, SoftmaxAttention
+from kvm_jax.nn.mixers.bswa import BlockSlidingWindowAttention, BSWAOptions
+from kvm_jax.nn.mixers.full import FullAttention, FullOptions
+from kvm_jax.nn.mixers.kvm import KVMAttention
+from kvm_jax.nn.mixers.ovq import OVQAttention
+from kvm_jax.nn.mixers.rwkv7 import RWKV7Cache, RWKV7Options, RWKV7TimeMix
+from kvm_jax.nn.families.family import register_family, registered_families
+from kvm_jax.nn.families.gemma import Gemma, GemmaOptions
+from kvm_jax.nn.families.gptalpha2 import GPTAlpha2, GPTAlpha2Options
+from kvm_jax.nn.families.llama import Llama, LlamaOptions
 from kvm_jax.nn.cache import MixerCache
-from kvm_jax.nn.mixer import Mixed, MixerKind, MixerOutput
+from kvm_jax.nn.mixers.mixer import Mixed, MixerKind, MixerOutput
 from kvm_jax.nn.registry import mixer_class, register_mixer, registered_mixers
-from kvm_jax.nn.swa import SlidingWindowAttention, SWAOptions
+from kvm_jax.nn.mixers.swa import SlidingWindowAttention, SWAOptions
 from kvm_jax.nn.model import LM, Block, BlockOutput, count_params
 
 __all__ = ["AttentionFrontEnd", "BlockSlidingWindowAttention", "Block", "BlockOutput", "BSWAOptions",

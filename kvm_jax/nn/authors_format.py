@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-from kvm_jax.model_config import ModelConfig
+from kvm_jax.config.model import ModelConfig
 
 # kvm_jax leaf names -> theirs, per module kind.
 _PROJECTIONS = {"c_q", "c_k", "c_v", "c_proj", "v_gate1", "v_gate2", "key_weighting", "c_fc",

@@ -1,9 +1,9 @@
 """The decode-cache protocol every mixer kind follows, and the row operations built on it.
 
-A model's decode cache is a list of :class:`kvm_jax.nn.attention.LayerCache`, one per layer: the
+A model's decode cache is a list of :class:`kvm_jax.nn.mixers.attention.LayerCache`, one per layer: the
 mixer's own cache plus the token-shift history. Every row of the batch is an independent
 sequence at a length of its own, so that one cache can hold many requests (the engine's slots,
-:mod:`kvm_jax.engine`). What a mixer kind's cache must be for that (:class:`MixerCache`):
+:mod:`kvm_jax.generation.engine`). What a mixer kind's cache must be for that (:class:`MixerCache`):
 
 * ``length``: ``[B]`` int32, the tokens each row has seen (the position of its next token);
   ``max_len``: the longest sequence it was sized for (static);

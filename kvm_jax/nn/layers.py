@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvm_jax.model_config import ModelConfig
+from kvm_jax.config.model import ModelConfig
 
 Array = jax.Array
 

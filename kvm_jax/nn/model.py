@@ -1,6 +1,6 @@
 """The language model in Flax NNX (docs/kvm-spec.md §4): embedding, blocks of (mixer, MLP), head.
 The parts that differ between backbone families (norms, MLP, embedding, head, the attention's
-projections and RoPE) come from the config's family (:mod:`kvm_jax.nn.family`: GPTAlpha-2 by
+projections and RoPE) come from the config's family (:mod:`kvm_jax.nn.families.family`: GPTAlpha-2 by
 default, Llama and its relatives); each block's mixer is the class registered for its kind
 (:mod:`kvm_jax.nn.registry`); every computation on arrays goes through the pure functions of
 :mod:`kvm_jax.ops`. Decode keeps, per layer, the mixer cache and the token-shift history
@@ -19,13 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvm_jax.model_config import ModelConfig
-from kvm_jax.nn.attention import LayerCache
+from kvm_jax.config.model import ModelConfig
+from kvm_jax.nn.mixers.attention import LayerCache
 from kvm_jax.nn.cache import RESUME, cache_lengths, select_rows
-from kvm_jax.nn.family import family_of
-from kvm_jax.nn.gptalpha2 import MLP  # noqa: F401  (its home before families; still importable)
-from kvm_jax.nn.kv_sharing import SharedKV
-from kvm_jax.nn.mixer import MixerOutput
+from kvm_jax.nn.families.family import family_of
+from kvm_jax.nn.families.gptalpha2 import MLP  # noqa: F401  (its home before families; still importable)
+from kvm_jax.nn.mixers.kv_sharing import SharedKV
+from kvm_jax.nn.mixers.mixer import MixerOutput
 from kvm_jax.nn.registry import mixer_class, registered_mixers
 from kvm_jax.ops.common import is_concrete, tree_nbytes
 from kvm_jax.ops.documents import Documents, check_segment_ids, documents

@@ -1,12 +1,12 @@
 """The one list of mixer kinds: ``register_mixer(kind, cls)`` and what the library asks of a kind.
 
 A kind is a name (``ModelConfig.mixers``) bound to a module class that satisfies the mixer
-protocol, :class:`kvm_jax.nn.mixer.MixerKind` (usually a subclass of
-:class:`kvm_jax.nn.attention.AttentionFrontEnd` or of one of the built-in kinds). Registering a kind makes ``ModelConfig``, ``LM``, ``count_params``, ``generate``, the
+protocol, :class:`kvm_jax.nn.mixers.mixer.MixerKind` (usually a subclass of
+:class:`kvm_jax.nn.mixers.attention.AttentionFrontEnd` or of one of the built-in kinds). Registering a kind makes ``ModelConfig``, ``LM``, ``count_params``, ``generate``, the
 trainer (parameter groups, sharding, MFU) and ``kvm-eval`` accept it::
 
     from kvm_jax.nn import register_mixer
-    from kvm_jax.nn.swa import SlidingWindowAttention
+    from kvm_jax.nn.mixers.swa import SlidingWindowAttention
 
     class WideWindowAttention(SlidingWindowAttention):
       ...
@@ -16,9 +16,9 @@ trainer (parameter groups, sharding, MFU) and ``kvm-eval`` accept it::
                          options={"wide_swa": WideWindowAttention.Options(window=1024)})
 
 The built-in kinds are registered when :mod:`kvm_jax.nn` is imported: ``full``
-(:mod:`kvm_jax.nn.full`), ``swa`` (:mod:`kvm_jax.nn.swa`), ``bswa`` (:mod:`kvm_jax.nn.bswa`),
-``kvm`` (:mod:`kvm_jax.nn.kvm`), ``ovq`` (:mod:`kvm_jax.nn.ovq`) and ``rwkv7``
-(:mod:`kvm_jax.nn.rwkv7`), the paper's two recurrent baselines.
+(:mod:`kvm_jax.nn.mixers.full`), ``swa`` (:mod:`kvm_jax.nn.mixers.swa`), ``bswa`` (:mod:`kvm_jax.nn.mixers.bswa`),
+``kvm`` (:mod:`kvm_jax.nn.mixers.kvm`), ``ovq`` (:mod:`kvm_jax.nn.mixers.ovq`) and ``rwkv7``
+(:mod:`kvm_jax.nn.mixers.rwkv7`), the paper's two recurrent baselines.
 
 A kind's decode cache must follow the cache protocol of :mod:`kvm_jax.nn.cache` (per-row
 lengths, batch-first arrays; checked here on a cache built abstractly): then ``generate``, the
@@ -31,20 +31,20 @@ from typing import Optional
 
 from flax import nnx
 
-from kvm_jax import mixer_options
-from kvm_jax.model_config import ModelConfig
-from kvm_jax.nn.bswa import BlockSlidingWindowAttention
+from kvm_jax.config import mixers as mixer_options
+from kvm_jax.config.model import ModelConfig
+from kvm_jax.nn.mixers.bswa import BlockSlidingWindowAttention
 from kvm_jax.nn.cache import check_cache_protocol
-from kvm_jax.nn.family import register_family
-from kvm_jax.nn.gptalpha2 import GPTAlpha2
-from kvm_jax.nn.gemma import Gemma
-from kvm_jax.nn.llama import Llama
-from kvm_jax.nn.full import FullAttention
-from kvm_jax.nn.kvm import KVMAttention
-from kvm_jax.nn.mixer import MixerKind, TransformersLayer, protocol_members
-from kvm_jax.nn.ovq import OVQAttention
-from kvm_jax.nn.rwkv7 import RWKV7TimeMix
-from kvm_jax.nn.swa import SlidingWindowAttention
+from kvm_jax.nn.families.family import register_family
+from kvm_jax.nn.families.gptalpha2 import GPTAlpha2
+from kvm_jax.nn.families.gemma import Gemma
+from kvm_jax.nn.families.llama import Llama
+from kvm_jax.nn.mixers.full import FullAttention
+from kvm_jax.nn.mixers.kvm import KVMAttention
+from kvm_jax.nn.mixers.mixer import MixerKind, TransformersLayer, protocol_members
+from kvm_jax.nn.mixers.ovq import OVQAttention
+from kvm_jax.nn.mixers.rwkv7 import RWKV7TimeMix
+from kvm_jax.nn.mixers.swa import SlidingWindowAttention
 
 # What every mixer class must have: the members of the mixer protocol (the block calls some;
 # the library asks the rest).
@@ -79,8 +79,8 @@ def register_mixer(kind: str, cls: type) -> type:
   missing = [member for member in REQUIRED if not _has_member(cls, member)]
   if missing:
     raise TypeError(f"mixer class {name!r} for kind {kind!r} lacks {missing} of the mixer "
-                    "protocol (kvm_jax.nn.mixer.MixerKind); subclass a built-in mixer, or "
-                    "kvm_jax.nn.attention.AttentionFrontEnd and add what it lacks.")
+                    "protocol (kvm_jax.nn.mixers.mixer.MixerKind); subclass a built-in mixer, or "
+                    "kvm_jax.nn.mixers.attention.AttentionFrontEnd and add what it lacks.")
   known = _CLASSES.get(kind)
   if known is cls:
     return cls

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from kvm_jax.model_config import ModelConfig
-from kvm_jax.nn.kvm import KVMAttention
+from kvm_jax.config.model import ModelConfig
+from kvm_jax.nn.mixers.kvm import KVMAttention
 from kvm_jax.nn.layers import path_names
 
 # Parts outside the blocks, by the LM attribute that holds them.

@@ -1,6 +1,6 @@
 """Pure building blocks shared by every attention op (KVM and the baselines): no Flax, no kernels.
 
-* the platform programs are built for (:func:`current_platform`, from :mod:`kvm_jax.target`);
+* the platform programs are built for (:func:`current_platform`, from :mod:`kvm_jax.config.target`);
 * byte counting of pytrees (:func:`tree_nbytes`);
 * ring buffers of recent tokens (slot = position mod slots), shared by every decode cache;
 * matmul helpers and a float32 LayerNorm;
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvm_jax import target
+from kvm_jax.config import target
 
 Array = jax.Array
 #: A finite "minus infinity" for masked scores: a fully masked row gives zeros, never NaN
@@ -37,10 +37,10 @@ def soft_capped(scores: Array, cap) -> Array:
 
 def current_platform() -> str:
   """The platform programs are being built for: "cpu", "gpu" or "tpu" — this machine's, or inside
-  ``kvm_jax.compile_target(...)`` the chip being compiled for (:mod:`kvm_jax.target`).
+  ``kvm_jax.compile_target(...)`` the chip being compiled for (:mod:`kvm_jax.config.target`).
 
   Every backend decision takes its platform from here: the KVM and softmax-attention registries
-  (``kvm_jax.ops.kvm.api.resolve_kvm_backend``, ``kvm_jax.ops.attention_api.
+  (``kvm_jax.ops.kvm.api.resolve_kvm_backend``, ``kvm_jax.ops.attention.api.
   resolve_attention_backend``), the kernels' interpret default, the scan's layouts and row update;
   the layers below them take the decided values as arguments."""
   return target.current_platform()

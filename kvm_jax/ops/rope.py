@@ -1,5 +1,6 @@
-"""Partial, interleaved rotary position embedding exactly as the authors' backbone
-(docs/kvm-spec.md §5).
+"""Rotary position embeddings, both forms the model families use.
+
+The interleaved, partial form of the authors' backbone (GPTAlpha-2; docs/kvm-spec.md §5):
 
 * frequencies ``f_i = (1/θ)^(i / (r/2 - 1))`` for i = 0..r/2-1 (``linspace(0, 1, r/2)``
   exponents: from 1 down to exactly 1/θ, not the usual θ^(-2i/r));
@@ -8,9 +9,15 @@
   the relative-position property is unchanged);
 * angles in float32; the authors cast the cos/sin tables to bfloat16 — ``table_dtype="bfloat16"``
   reproduces that, the default keeps them float32 (docs/kvm-spec.md, decision 2).
+
+The "rotate half" form of the Llama and Gemma families, as transformers computes it: channel i
+pairs with i + r/2, frequencies ``θ^(-2i/r)`` with the "linear" or "llama3" scaling rules
+(:func:`rope_inverse_frequencies`, :func:`half_rope_tables`, :func:`apply_half_rope`).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -63,3 +70,59 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
   swapped = jnp.flip(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), axis=-1).reshape(x.shape)
   dtype = jnp.result_type(x.dtype, cos.dtype)
   return (x.astype(dtype) * cos + swapped.astype(dtype) * sin).astype(x.dtype)
+
+
+# -- the "rotate half" form (Llama, Gemma) --------------------------------------------------------
+
+
+def rope_inverse_frequencies(options, rope_dims: int, theta: float) -> np.ndarray:
+  """``[rope_dims / 2]`` float32 angular frequencies ``θ^(-2i/r)``, scaled by the rule of
+  ``options`` (a family's RoPE fields: ``rope_scaling``, ``rope_factor``, ``rope_low_freq_factor``,
+  ``rope_high_freq_factor``, ``rope_original_max_len``; e.g. ``LlamaOptions``)
+  (as transformers' ``_compute_default/linear/llama3_rope_parameters`` compute them, in float32)."""
+  exponents = np.arange(0, rope_dims, 2, dtype=np.float32) / np.float32(rope_dims)
+  inv = (np.float32(1.0) / np.power(np.float32(theta), exponents)).astype(np.float32)
+  factor = np.float32(options.rope_factor)
+  if options.rope_scaling == "linear":
+    return (inv / factor).astype(np.float32)
+  if options.rope_scaling == "llama3":
+    old = options.rope_original_max_len
+    low, high = options.rope_low_freq_factor, options.rope_high_freq_factor
+    wavelen = (2 * math.pi / inv).astype(np.float32)
+    scaled = np.where(wavelen > old / low, inv / factor, inv).astype(np.float32)
+    smooth = ((old / wavelen - low) / (high - low)).astype(np.float32)
+    smoothed = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+  return inv
+
+
+def half_rope_tables(positions: Array, rope_dims: int, inverse_frequencies: np.ndarray,
+                     table_dtype=jnp.float32) -> tuple[Array, Array]:
+  """``cos``, ``sin`` of shape ``[..., T, 1, rope_dims]`` for integer ``positions [..., T]``:
+  channel i and i + r/2 share frequency i (the "rotate half" layout)."""
+  angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inverse_frequencies)
+  angle = jnp.concatenate([angle, angle], axis=-1)                       # [..., T, r]
+  return (jnp.cos(angle).astype(table_dtype)[..., None, :],
+          jnp.sin(angle).astype(table_dtype)[..., None, :])
+
+
+def apply_half_rope(x: Array, cos: Array, sin: Array) -> Array:
+  """Rotates the first ``r`` channels of ``x [B, T, H, D]`` (``r`` the tables' width) in the
+  "rotate half" layout, ``x·cos + rotate_half(x)·sin``; the rest pass through."""
+  r = cos.shape[-1]
+  rotary, rest = x[..., :r], x[..., r:]
+  first, second = rotary[..., : r // 2], rotary[..., r // 2:]
+  turned = jnp.concatenate([-second, first], axis=-1)
+  dtype = jnp.result_type(x.dtype, cos.dtype)
+  out = (rotary.astype(dtype) * cos + turned.astype(dtype) * sin).astype(x.dtype)
+  return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+
+
+def half_rope_pair_order(head_dim: int, rope_dims: int) -> np.ndarray:
+  """The channel permutation ``[head_dim]`` that turns the "rotate half" layout (channel i pairs
+  with i + r/2, frequency falling with i) into adjacent pairs, fastest first: ``[0, r/2, 1,
+  r/2 + 1, ...]``, then the unrotated channels in place."""
+  half = rope_dims // 2
+  pairs = np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)
+  return np.concatenate([pairs, np.arange(rope_dims, head_dim)]).astype(np.int32)

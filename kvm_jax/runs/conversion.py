@@ -12,9 +12,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from kvm_jax.kvm_config import KVMConfig
-from kvm_jax.convert import (LayerSpec, convert_to_kvm, describe_kvm, exact_length,
-                             new_parameter_paths)
+from kvm_jax.config.kvm import KVMConfig
+from kvm_jax.nn.convert import (LayerSpec, convert_to_kvm, describe_kvm, exact_length,
+                                new_parameter_paths)
 from kvm_jax.hf.load import TOKENIZER_FILE, checkpoint_kind, read_model_directory, staged
 from kvm_jax.runs.train_config import DistillSpec, TrainConfig
 from kvm_jax.runs.directory import CONVERSION_RECORD, load_trained, save_starting_point

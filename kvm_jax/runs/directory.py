@@ -1,7 +1,7 @@
 """Run directories: what ``kvm-train`` / ``kvm-demo`` write and evaluation reads back.
 
 A run directory holds ``config.json`` (the :class:`TrainConfig`, tagged JSON through
-:mod:`kvm_jax.config_io`), ``checkpoints/<step>/`` (orbax: train state and data iterator),
+:mod:`kvm_jax.config.io`), ``checkpoints/<step>/`` (orbax: train state and data iterator),
 ``metrics.jsonl`` and optionally ``tb/``. :func:`load_trained` rebuilds the model from the config
 and restores its parameters; :func:`logits_fn` gives a jitted ``tokens -> logits`` for any model.
 """
@@ -17,8 +17,8 @@ from etils import epath
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvm_jax import config_io
-from kvm_jax.generate import pod_mesh, replicate_on
+from kvm_jax.config import io as config_io
+from kvm_jax.generation.generate import pod_mesh, replicate_on
 from kvm_jax.nn.model import LM
 from kvm_jax.runs.checkpoint import Checkpointer
 from kvm_jax.runs.train_config import DistillSpec, TrainConfig
@@ -35,7 +35,7 @@ CHECKPOINT_DIR = "checkpoints"
 #: parameters without an optimizer state: it is a starting point (TrainConfig.init_from), not a run
 #: to resume.
 IMPORT_RECORD = "import.json"
-# Written by kvm-convert (kvm_jax.convert): the run it converted. Like an import, a starting point.
+# Written by kvm-convert (kvm_jax.nn.convert): the run it converted. Like an import, a starting point.
 CONVERSION_RECORD = "conversion.json"
 #: Classes a run's config.json may name, beyond the model configs config_io always knows.
 TRAIN_CLASSES = (TrainConfig, MQARSpec, NIAHSpec, DistillSpec)

@@ -22,7 +22,7 @@ import re
 import socket
 import sys
 
-from kvm_jax.plugins import add_plugin_flag, load_plugins  # noqa: F401  (kvm-train's, kvm-eval's)
+from kvm_jax.util.plugins import add_plugin_flag, load_plugins  # noqa: F401  (kvm-train's, kvm-eval's)
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

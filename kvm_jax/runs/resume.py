@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from kvm_jax import config_io
+from kvm_jax.config import io as config_io
 from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.runs.directory import checkpoint_steps, is_run_directory, load_config
 

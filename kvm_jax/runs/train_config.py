@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvm_jax.row_plan import check_packing
-from kvm_jax.model_config import ModelConfig
+from kvm_jax.config.row_plan import check_packing
+from kvm_jax.config.model import ModelConfig
 from kvm_jax.nn.model import REMAT_POLICIES
 from kvm_jax.tasks.mqar import MQARSpec
 from kvm_jax.tasks.niah import NIAHSpec

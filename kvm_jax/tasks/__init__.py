@@ -3,7 +3,7 @@ NIAH (examples, score, training stream), packed text and the embedded corpus, to
 corpus tokenized once by ``kvm-data``, memory-mapped and packed at read time), and the batch
 reader. Every stream is a ``grain.MapDataset`` indexed by example number."""
 
-from kvm_jax import lazy_exports as _lazy_exports
+from kvm_jax.util import lazy_exports as _lazy_exports
 
 __all__ = ["IGNORE", "BatchReader", "ByteTokenizer", "HFTokenizer", "MQARSpec", "NIAHSpec",
            "TokenShards", "batched_iterator", "cram_pack", "embedded_corpus", "lm_example",
@@ -11,7 +11,7 @@ __all__ = ["IGNORE", "BatchReader", "ByteTokenizer", "HFTokenizer", "MQARSpec", 
            "read_hf_documents", "recall_counts", "recall_ratios", "shard_dataset", "text_dataset",
            "tokenizer", "write_shards"]
 
-# Imported on first use (kvm_jax.lazy_exports): a command's argument parser (kvm-data's) needs
+# Imported on first use (kvm_jax.util.lazy_exports): a command's argument parser (kvm-data's) needs
 # none of it.
 __getattr__, __dir__ = _lazy_exports.exports(__name__, {
     "kvm_jax.tasks.labels": ("IGNORE",),

@@ -16,7 +16,7 @@ A row holds ``width = seq_len + 1`` tokens (inputs are its first ``seq_len``, la
   and state start again), the last piece packed like any other document.
 
 A packing is planned from document *lengths* alone (:func:`plan_rows`, in
-:mod:`kvm_jax.row_plan`, which needs no data pipeline), so a corpus of token
+:mod:`kvm_jax.config.row_plan`, which needs no data pipeline), so a corpus of token
 shards is packed without reading its tokens, and any row is built from its plan on demand
 (:class:`PackedRows`): a resumed run or another host reads exactly the same rows.
 """
@@ -29,7 +29,7 @@ from typing import Callable
 import grain
 import numpy as np
 
-from kvm_jax.row_plan import PACKINGS, RowPlan, check_packing, plan_rows  # noqa: F401
+from kvm_jax.config.row_plan import PACKINGS, RowPlan, check_packing, plan_rows  # noqa: F401
 from kvm_jax.tasks.labels import IGNORE
 
 

@@ -46,7 +46,7 @@ from typing import Iterable, Optional
 import grain
 import numpy as np
 
-from kvm_jax.progress import ProgressReport
+from kvm_jax.util.progress import ProgressReport
 from kvm_jax.tasks.text import lm_example
 from kvm_jax.tasks.tokenizers import ByteTokenizer
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 import kvm_jax as kj
-from kvm_jax.budget import bswa_begin, desired_rows
+from kvm_jax.config.budget import bswa_begin, desired_rows
 
 K = 1024
 PAPER = dict(chunk_size=256, window_chunks=2, sink_rows=1, rope_dims=64)
@@ -92,7 +92,7 @@ def test_bswa_begin():
 
 def test_average_visible_keys_by_hand():
   """Keys per query averaged over a sequence (what the trainer's MFU counts), hand-computed."""
-  from kvm_jax.budget import FixedBudget, average_visible_keys
+  from kvm_jax.config.budget import FixedBudget, average_visible_keys
   cfg = kj.KVMConfig(chunk_size=4, window_chunks=2, budget=FixedBudget(4))
   # Within the window (T <= L = 8) KVM is causal attention: (T + 1) / 2 keys on average.
   for T in (1, 5, 8):
@@ -126,7 +126,7 @@ SPECS = {
 
 @pytest.mark.parametrize("spec", list(SPECS))
 def test_budget_spec_parses_to_its_budget_and_prints_back(spec):
-  from kvm_jax.budget import budget_label, parse_budget
+  from kvm_jax.config.budget import budget_label, parse_budget
   budget = parse_budget(spec)
   assert budget == SPECS[spec] and type(budget) is type(SPECS[spec])
   assert budget_label(budget) == spec
@@ -134,7 +134,7 @@ def test_budget_spec_parses_to_its_budget_and_prints_back(spec):
 
 
 def test_budget_spec_other_spellings_print_in_the_canonical_form():
-  from kvm_jax.budget import budget_label, parse_budget
+  from kvm_jax.config.budget import budget_label, parse_budget
   # An exponent of 1/2 is the square root; surrounding spaces and a float floor of rows are not
   # part of the language but spaces are forgiven.
   assert parse_budget("pow:16:0.5@256") == kj.PowerLawBudget(16.0, 0.5, min_rows=256)
@@ -148,7 +148,7 @@ def test_budget_spec_other_spellings_print_in_the_canonical_form():
     "pow:4:0.5:1", "pow:4:2", "sat:0", "sat:1.5", "sat:1024@x", "sat:1024@-1", "sqrt:-1",
     "sqrt:nan", "sqrt:16@2.5", "linear:4", "fixed 256", "sqrt:16@256@1"])
 def test_malformed_budget_spec_is_refused_naming_the_text(spec):
-  from kvm_jax.budget import parse_budget
+  from kvm_jax.config.budget import parse_budget
   with pytest.raises(ValueError) as error:
     parse_budget(spec)
   message = str(error.value)

@@ -21,10 +21,10 @@ import pytest
 
 import kvm_jax as kj
 import kvm_jax.nn  # registers the backbone families  # noqa: F401
-from kvm_jax import budget as budget_lib
-from kvm_jax import config_io
-from kvm_jax.config_io import parse_value, value_text
-from kvm_jax.mixer_options import KindOptions
+from kvm_jax.config import budget as budget_lib
+from kvm_jax.config import io as config_io
+from kvm_jax.config.io import parse_value, value_text
+from kvm_jax.config.mixers import KindOptions
 from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.train.main import apply_override, load_config, main as train_main
 
@@ -230,7 +230,7 @@ def test_none_unsets_an_optional_field_that_holds_a_value():
   """``none`` reads as None for a field whose annotation admits None, whatever value the config
   gives it (a config file's ``max_state_rows=64`` can be unset from the command line), in
   ``kvm-train --config`` and ``--kvm`` alike; a text field that is not optional keeps the word."""
-  from kvm_jax.convert import parse_kvm_value
+  from kvm_jax.nn.convert import parse_kvm_value
   tiny = kj.presets.tiny(mixers="kvm")
   capped = dataclasses.replace(tiny.options_of("kvm"), max_state_rows=64)
   model = dataclasses.replace(tiny, options=tiny.options.set("kvm", capped))

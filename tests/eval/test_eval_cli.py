@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import kvm_jax as kj
-from kvm_jax import config_io
+from kvm_jax.config import io as config_io
 from kvm_jax.eval import cli
 from kvm_jax.eval import niah as niah_eval
 from kvm_jax.runs import TRAIN_CLASSES, Checkpointer, TrainConfig, load_trained, save_config

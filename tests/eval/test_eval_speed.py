@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import kvm_jax as kj
-from kvm_jax.eval import speed
+from kvm_jax.eval.bench import speed
 
 
 def test_kvm_bench_smoke(tmp_path, capsys):
@@ -146,7 +146,8 @@ def test_documents_bench_helpers_by_hand():
   """kvm-bench --documents: the packed rows it times hold exactly the planned documents, and the
   log-normal corpus covers what it is asked for."""
   import numpy as np
-  from kvm_jax.eval import documents_speed, timing
+  from kvm_jax.eval.bench import documents_speed
+  from kvm_jax.eval.bench import timing
 
   seg = documents_speed.packed_segments(np.array([3, 2, 4, 6, 1]), batch=2, width=6)
   # documents packing: [3 + 2] then the 4 cannot fit the last slot -> next row [4] ...

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from kvm_jax.eval import cli
-from kvm_jax.train import conversion_study, default_job
+from kvm_jax.train import conversion_study
+from kvm_jax.train import demo as default_job
 
 from tests.helpers.reports import (assert_cell, check_demo_report, check_eval_report,
                                    check_sweep_report, markdown_tables)

@@ -1,4 +1,4 @@
-"""The engine (kvm_jax/engine.py) and the per-row caches under it (kvm_jax/nn/cache.py).
+"""The engine (kvm_jax/generation/engine.py) and the per-row caches under it (kvm_jax/nn/cache.py).
 
 Oracle: every request run *alone* on a one-row cache, from position 0, through the model's
 prefill and decode step (no slots, no resets, no row selection, no copies), and, for a few
@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import kvm_jax as kj
-from kvm_jax.engine import Engine, generate_many, sample_rows, sampling_rows
+from kvm_jax.generation.engine import Engine, generate_many, sample_rows, sampling_rows
 from kvm_jax.nn.cache import cache_lengths, copy_row, reset_rows
 from tests.helpers import decode_step, forward, in_ci, make_model, prefill
 
@@ -482,7 +482,7 @@ def test_sample_rows_is_sample_logits_row_by_row():
 def test_register_mixer_refuses_a_cache_off_the_protocol():
   """A kind whose cache keeps one scalar length cannot serve slots: registration names it."""
   from kvm_jax.nn import register_mixer
-  from kvm_jax.nn.rwkv7 import RWKV7TimeMix
+  from kvm_jax.nn.mixers.rwkv7 import RWKV7TimeMix
 
   class ScalarLength(RWKV7TimeMix):
     def init_cache(self, batch, max_len):

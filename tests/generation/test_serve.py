@@ -1,4 +1,4 @@
-"""kvm-serve (kvm_jax/serve.py): the OpenAI-compatible server, over real HTTP on localhost.
+"""kvm-serve (kvm_jax/generation/serve.py): the OpenAI-compatible server, over real HTTP on localhost.
 
 Oracle: ``kj.generate`` of each prompt alone with the seed's key, stopped at the tokenizer's EOS
 (greedy prompts with their first token prefilled and the rest through the decode step, so that
@@ -26,7 +26,7 @@ import pytest
 
 import kvm_jax as kj
 from kvm_jax.runs.launch import free_local_port
-from kvm_jax.serve import build_app, cut_at_stop, safe_prefix
+from kvm_jax.generation.serve import build_app, cut_at_stop, safe_prefix
 from kvm_jax.tasks.tokenizers import ByteTokenizer
 from tests.helpers import make_model, write_run
 
@@ -295,7 +295,7 @@ def test_kvm_serve_serves_a_run_directory(tmp_path, subprocess_environ):
   run = write_run(tmp_path / "tiny-run", cfg, model)
   port = free_local_port()
   log = open(tmp_path / "serve.log", "w+")  # a file, not a pipe: nobody reads while it runs
-  server = subprocess.Popen([sys.executable, "-m", "kvm_jax.serve", str(run), "--port", str(port),
+  server = subprocess.Popen([sys.executable, "-m", "kvm_jax.generation.serve", str(run), "--port", str(port),
                              "--slots", "2"], env=subprocess_environ(), stdout=log,
                             stderr=subprocess.STDOUT, text=True)
   try:
@@ -412,7 +412,7 @@ def test_hostile_requests_get_json_4xx_and_the_server_goes_on(served):
 
 
 def test_a_body_too_large_is_refused_before_it_is_read(served, monkeypatch):
-  monkeypatch.setattr("kvm_jax.serve.MAX_BODY_BYTES", 1000)
+  monkeypatch.setattr("kvm_jax.generation.serve.MAX_BODY_BYTES", 1000)
   response = post_raw(served.client, json.dumps({"prompt": "x" * 2000}))
   assert_openai_error(response, 413, None, "larger than 1000 bytes")
 
@@ -689,7 +689,7 @@ def test_chat_completions_render_the_runs_template(served):
   """/v1/chat/completions: the messages rendered by the chat template (text parts joined) and
   continued exactly as /v1/completions continues that text; the response in chat's shape,
   streamed chunks as deltas whose first names the role. Without a template: a JSON 400."""
-  from kvm_jax.serve import ChatTemplate
+  from kvm_jax.generation.serve import ChatTemplate
   messages = [{"role": "system", "content": "Be brief."},
               {"role": "user", "content": [{"type": "text", "text": "Hi "},
                                            {"type": "text", "text": "there"}]}]
@@ -720,7 +720,7 @@ def test_chat_templates_are_found_where_runs_keep_them(tmp_path):
   """A run's ``chat_template.jinja`` wins over its tokenizer's ``tokenizer_config.json``, whose
   ``chat_template`` (a string, or transformers' list of named templates) is read with its
   special tokens; a folder without either has none."""
-  from kvm_jax.serve import find_chat_template
+  from kvm_jax.generation.serve import find_chat_template
   run, tok = tmp_path / "run", tmp_path / "tok"
   run.mkdir(), tok.mkdir()
   assert find_chat_template([run, tok]) is None
@@ -780,7 +780,7 @@ class _SlowToWarm:
 def test_health_says_warming_until_the_programs_are_compiled():
   """While the engine compiles, /health answers 503 "warming" (and requests wait, not fail);
   once it is done, 200 "ok"."""
-  from kvm_jax.serve import EngineWorker, Settings, app_for
+  from kvm_jax.generation.serve import EngineWorker, Settings, app_for
   engine = _SlowToWarm()
   worker = EngineWorker(engine, warm=True, log=lambda line: None)
   server, thread, url = start_server(app_for(worker, TOK, Settings(320, 64, 2, "tiny")))
@@ -798,9 +798,9 @@ def test_health_says_warming_until_the_programs_are_compiled():
 def test_kvm_serve_exits_non_zero_when_its_engine_cannot_recover(tmp_path, monkeypatch, capsys):
   """kvm-serve whose every step raises (here from the warm-up on) stops serving and exits 1
   with the error, instead of listening with a dead engine."""
-  from kvm_jax.engine import Engine
+  from kvm_jax.generation.engine import Engine
   from kvm_jax.runs.train_config import TrainConfig
-  from kvm_jax.serve import main
+  from kvm_jax.generation.serve import main
   cfg = TrainConfig(model=kj.presets.tiny(mixers=("swa", "kvm"), vocab_size=TOK.vocab_size),
                     task="text", seq_len=48)
   run = write_run(tmp_path / "broken", cfg, make_model(("swa", "kvm"), 5,
@@ -823,7 +823,7 @@ def test_null_means_the_default_as_openai_clients_send_it(served):
                       max_tokens=None, top_p=None, top_k=None, stop=None, stream=None)
   assert len(defaults["choices"]) == 1 and len(defaults["choices"][0]["token_ids"]) <= 16
   assert defaults["choices"] == complete(served.client, prompt="Nulls", temperature=0)["choices"]
-  from kvm_jax.serve import ChatTemplate
+  from kvm_jax.generation.serve import ChatTemplate
   with serving(served.model, chat_template=ChatTemplate(CHAT_TEMPLATE, "test")) as chat:
     response = chat.client.post("/v1/chat/completions", json=dict(
         messages=[{"role": "user", "content": "a"},
@@ -839,7 +839,7 @@ def test_null_means_the_default_as_openai_clients_send_it(served):
 def test_messages_show_any_value_however_nested():
   """An error message quotes the bad value, cut short, even one nested past what ``json`` and
   ``repr`` can walk (such a value gets a 400 like any other, not a 500 from the message)."""
-  from kvm_jax.serve import shown_value
+  from kvm_jax.generation.serve import shown_value
   deep = []
   for _ in range(20_000):
     deep = [deep]

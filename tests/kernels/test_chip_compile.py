@@ -2,7 +2,7 @@
 
 ``jax.jit(f).lower(...)`` for a TPU only serializes a Pallas kernel into a custom call; Mosaic and
 Triton run at ``.compile()``. Here every program is compiled for a TPU v5e (libtpu) and an H100
-(the CUDA compile plugin with the chip's target config, ``kvm_jax/target_configs``) on this
+(the CUDA compile plugin with the chip's target config, ``kvm_jax/config/target_configs``) on this
 CPU-only machine, through ``kvm_jax.compile_target`` as users do (``kvm-check --target``):
 
 * the kernel set of ``kvm_jax.eval.chip_check`` at the paper's operator shapes (C = 256, D = 128,
@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import pytest
 
 import kvm_jax as kj
-from kvm_jax import target as targets
+from kvm_jax.config import target as targets
 from kvm_jax.eval import chip_check
 from kvm_jax.kernels import decode, resources
-from kvm_jax.ops.attention_api import resolve_attention_backend
+from kvm_jax.ops.attention.api import resolve_attention_backend
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 try:

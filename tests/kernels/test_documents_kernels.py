@@ -23,8 +23,8 @@ from flax import nnx
 
 import kvm_jax as kj
 from tests.helpers import make_model
-from kvm_jax.budget import SaturatingBudget
-from kvm_jax.kvm_config import KVMConfig
+from kvm_jax.config.budget import SaturatingBudget
+from kvm_jax.config.kvm import KVMConfig
 from kvm_jax.ops.documents import segment_ids_from_lengths
 from kvm_jax.ops.kvm.cases import TOLERANCE, random_inputs, random_params, rel_rms
 from kvm_jax.ops.kvm.documents import (document_path_for, kvm_attention_documents,

@@ -19,7 +19,7 @@ from kvm_jax.ops.kvm.cases import (TOLERANCE, random_inputs, random_params, rel_
                                    valid_rows)
 from kvm_jax.ops.kvm.scan import XLA_OPS, kvm_attention_scan
 from kvm_jax.ops.kvm.state import update_state
-from kvm_jax.target import program_bytes
+from kvm_jax.config.target import program_bytes
 from tests.helpers import ROOT, in_ci, make_model
 
 CASES = {c.name: c for c in select("kernels")}

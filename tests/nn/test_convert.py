@@ -20,9 +20,10 @@ import pytest
 from flax import nnx
 
 import kvm_jax as kj
-from kvm_jax.convert import KVM_ONLY_PARAMS, new_parameter_paths, parse_kvm_flags, select_layers
+from kvm_jax.config.budget import parse_budget
+from kvm_jax.nn.convert import KVM_ONLY_PARAMS, new_parameter_paths, parse_kvm_flags, select_layers
 from kvm_jax.hf.cli import convert_main
-from kvm_jax.nn.bswa import BSWAOptions
+from kvm_jax.nn.mixers.bswa import BSWAOptions
 from kvm_jax.runs.directory import CONVERSION_RECORD, load_trained
 from tests.helpers import model_logits, random_model, write_run
 from tests.helpers.reports import check_eval_report, check_sweep_report
@@ -121,7 +122,7 @@ def test_converted_model_beyond_the_window_is_the_reference_kvm_model(layers):
   starting values the state changes the logits there."""
   from tests.helpers.reference_model import lm_logits
   from tests.helpers.reference_cases import (REL_TOL, check_kvm_coverage, reference_config,
-                                          reference_params, routing_tokens)
+                                             reference_params, routing_tokens)
   source = random_model(kj.presets.tiny(mixers="full"), seed=11)
   model = kj.convert_to_kvm(source, layers)
   tokens = routing_tokens(model.cfg.vocab_size)
@@ -203,7 +204,7 @@ def full_run(tmp_path_factory):
   """A run directory of the default job's full-attention model (random parameters, MQAR)."""
   from kvm_jax.runs.train_config import TrainConfig
   from kvm_jax.tasks.mqar import MQARSpec
-  from kvm_jax.train.default_job import model_configs
+  from kvm_jax.train.demo import model_configs
   cfg = TrainConfig(model=model_configs()["full"], task="mqar",
                     mqar=MQARSpec(seq_len=64, vocab_size=64, num_pairs=8))
   return write_run(tmp_path_factory.mktemp("full") / "full", cfg, random_model(cfg.model, 7))
@@ -245,7 +246,7 @@ def test_kvm_eval_budget_sweep_and_override(full_run, tmp_path):
   rows = {r["budget"]: r["state_rows"] for r in results}
   cfg = dataclasses.replace(load_trained(converted)[0].model.kvm, chunk_size=16)
   for spec in ("fixed:8", "sqrt:4@8"):
-    new = dataclasses.replace(cfg, budget=kj.budget.parse_budget(spec))
+    new = dataclasses.replace(cfg, budget=parse_budget(spec))
     assert rows[spec] == kj.state_rows_after(new, 64)
   assert {r["kvm"]["chunk_size"] for r in results} == {16}
   assert {r["mqar"]["window"] for r in results} == {32}
@@ -282,6 +283,6 @@ def test_authors_checkpoint_converts_and_matches_their_logits_inside_the_window(
 def test_the_kinds_that_convert_are_those_that_say_how():
   """A kind converts when its class says what conversion asks of the KVM options
   (``kvm_conversion``): the three softmax kinds; not kvm itself nor the recurrent baselines."""
-  from kvm_jax.convert import convertible_kinds
+  from kvm_jax.nn.convert import convertible_kinds
   kinds = set(convertible_kinds())
   assert {"full", "swa", "bswa"} <= kinds and not kinds & {"kvm", "ovq", "rwkv7"}

@@ -17,10 +17,10 @@ import pytest
 from flax import nnx
 
 import kvm_jax as kj
-from kvm_jax.generate import SamplingConfig, generate
+from kvm_jax.generation.generate import SamplingConfig, generate
 from kvm_jax.hf import ConfigError, checkpoint_kind
 from kvm_jax.hf.families import model_config_from_transformers
-from kvm_jax.nn.llama import LlamaOptions
+from kvm_jax.nn.families.llama import LlamaOptions
 from tests.helpers import DATA as FIXTURES_ROOT, in_ci
 
 DATA = FIXTURES_ROOT / "transformers"
@@ -183,13 +183,13 @@ def test_every_mixer_kind_decodes_in_llama_blocks_as_it_runs_whole(mixers):
 
 
 def test_llama_config_round_trips_through_json(tmp_path):
-  from kvm_jax import config_io
+  from kvm_jax.config import io as config_io
   cfg = _llama_cfg("swa,kvm")
   assert config_io.from_jsonable(config_io.to_jsonable(cfg)) == cfg
 
 
 CONVERT_KVM = kj.KVMConfig(chunk_size=4, window_chunks=2, sink_rows=1, rope_dims=8,
-                           budget=kj.budget.PowerLawBudget(2.0, 0.5, min_rows=4))
+                           budget=kj.PowerLawBudget(2.0, 0.5, min_rows=4))
 
 
 def _convert_kvm(model) -> kj.KVMConfig:
@@ -203,7 +203,8 @@ def test_state_channel_order_pairs_the_rotate_half_layout_fastest_first():
   """The KVM layer shows the op q/k channels as adjacent rotary pairs, fastest first, so that
   state_rope_dims zeroes the fastest pairs and keeps the slow ones (checked against the RoPE
   frequencies of a llama3-scaled model, 12 of 16 channels rotated)."""
-  from kvm_jax.nn.llama import Llama, rope_inverse_frequencies
+  from kvm_jax.nn.families.llama import Llama
+  from kvm_jax.ops.rope import rope_inverse_frequencies
   cfg = _llama_cfg("kvm", rope_dims=12, options={"kvm": dataclasses.replace(
       kj.presets.TINY_OPTIONS["kvm"], rope_dims=12)})
   order = Llama.state_channel_order(cfg, 0)
@@ -224,7 +225,7 @@ def test_conversion_is_exact_inside_the_window(name, loaded):
   """Every layer made kvm with the family's front end: logits equal the source's (float32, 1e-5
   of the largest logit) on sequences up to the exact length (the KVM window of 8 tokens; 8 <
   Mistral's 12), and differ past it, where the state takes over."""
-  from kvm_jax.convert import exact_length
+  from kvm_jax.nn.convert import exact_length
   source = loaded[name]
   kvm = _convert_kvm(source)
   converted = kj.convert_to_kvm(source, "all", kvm)
@@ -449,7 +450,7 @@ def test_a_soft_capping_family_refuses_kinds_that_cannot_cap(loaded):
   is refused by name instead of computing another model, and a kind built on the attention front
   end counts as capping only when its class says so (the softmax kinds and kvm do)."""
   from kvm_jax.nn import AttentionFrontEnd, SoftmaxAttention
-  from kvm_jax.nn.kvm import KVMAttention
+  from kvm_jax.nn.mixers.kvm import KVMAttention
   cfg = dataclasses.replace(loaded["gemma2_softcap"].cfg, mixers=("swa", "ovq", "swa", "full"),
                             num_kv_heads=None)  # ovq keeps one dictionary per query head
   with pytest.raises(ValueError, match="layer 1: 'ovq' layers do not soft-cap"):
@@ -464,7 +465,7 @@ def test_a_soft_capping_family_refuses_kinds_that_cannot_cap(loaded):
 def test_a_family_added_from_outside(tmp_path):
   """The recipe of docs/design.md: a Llama variant with LayerNorms, registered from outside the
   package, builds, trains a step, decodes as it runs whole, and saves and reloads its config."""
-  from kvm_jax import config_io
+  from kvm_jax.config import io as config_io
   from kvm_jax.nn import Llama, register_family
   from kvm_jax.nn.layers import layer_norm
 

@@ -1,4 +1,4 @@
-"""kvm_jax.introspect: the attention map reproduces the layer's output, the update anatomy is the
+"""kvm_jax.nn.introspect: the attention map reproduces the layer's output, the update anatomy is the
 update the scan applies."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvm_jax as kj
-from kvm_jax import introspect
+from kvm_jax.nn import introspect
 from kvm_jax.ops.kvm.cases import random_inputs, random_params, rel_rms
 
 CFG = kj.KVMConfig(chunk_size=8, window_chunks=2, sink_rows=1, rope_dims=8,

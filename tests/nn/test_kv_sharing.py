@@ -14,7 +14,7 @@ from flax import nnx
 
 import kvm_jax as kj
 from kvm_jax.nn.model import LM
-from kvm_jax.ops import attention as attn_ops
+from kvm_jax.ops.attention import dense as attn_ops
 from kvm_jax.ops import kv_fusion
 from kvm_jax.ops.kvm.cases import random_inputs, random_params
 from kvm_jax.ops.kvm.scan import kvm_attention_scan

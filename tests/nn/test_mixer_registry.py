@@ -19,9 +19,9 @@ import pytest
 from flax import nnx
 
 import kvm_jax as kj
-from kvm_jax import config_io
+from kvm_jax.config import io as config_io
 from kvm_jax.nn import KVMAttention, Mixed, SWAOptions, register_mixer, registry
-from kvm_jax.nn.rwkv7 import RWKV7TimeMix
+from kvm_jax.nn.mixers.rwkv7 import RWKV7TimeMix
 from kvm_jax.nn.layers import path_names
 from kvm_jax.nn.registry import memory_in_words
 from kvm_jax.runs.train_config import TrainConfig
@@ -128,7 +128,8 @@ def test_outside_kind_is_checked_and_benchmarked_by_the_command_lines(tmp_path, 
   """kvm-check --kinds and kvm-bench --models tiny-<kind> take an outside kind with no edit
   elsewhere: its checks follow from its class (decode, parallel pieces, packed documents), each
   against the model's own forward, and a planted mismatch fails them."""
-  from kvm_jax.eval import check, kind_check, speed
+  from kvm_jax.eval import check, kind_check
+  from kvm_jax.eval.bench import speed
   assert check.main(["--ops", "", "--kinds", "scaled_kvm"]) == 0
   text = capsys.readouterr().out
   for pair in ("forward vs prefill+decode", "forward vs prefill+resume", "packed vs alone"):
@@ -159,7 +160,7 @@ def test_plugin_flag_registers_a_kind_for_the_command_line(tmp_path, subprocess_
   import sys
   plugin = tmp_path / "wide_swa.py"
   plugin.write_text("from kvm_jax.nn import register_mixer\n"
-                    "from kvm_jax.nn.swa import SlidingWindowAttention\n"
+                    "from kvm_jax.nn.mixers.swa import SlidingWindowAttention\n"
                     "class WideSWA(SlidingWindowAttention):\n"
                     "  pass\n"
                     "register_mixer('wide_swa', WideSWA)\n")
@@ -181,7 +182,7 @@ MEMBERS = ("Options", "LOGICAL_AXES", "PARAM_GROUPS", "mup_d_in_ratios", "keys_p
 
 
 def _registered_state():
-  from kvm_jax import mixer_options
+  from kvm_jax.config import mixers as mixer_options
   return registry.registered_mixers(), mixer_options.mixer_kinds()
 
 
@@ -412,7 +413,7 @@ def test_a_subclass_converts_to_kvm_only_when_it_says_how():
   """A kind registered as a subclass of full attention does not inherit its conversion (its
   function may differ): it is not among the convertible kinds, and converting its layer is
   refused by name."""
-  from kvm_jax.convert import convertible_kinds, converted_config
+  from kvm_jax.nn.convert import convertible_kinds, converted_config
   from kvm_jax.nn import FullAttention
 
   class PlainFull(FullAttention):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvm_jax.ops import attention as att
+from kvm_jax.ops.attention import dense as att
 from kvm_jax.ops.documents import WindowRule
 from kvm_jax.ops.rope import linspace01, apply_rope, rope_frequencies, rope_tables
 from kvm_jax.ops.kvm.cases import random_inputs, rel_rms

@@ -26,8 +26,8 @@ from flax import nnx
 
 import kvm_jax as kj
 from tests.helpers import DATA, FAST_COMPILE, TEST_XLA_FLAGS, forward, in_ci, make_model
-from kvm_jax.budget import FixedBudget, PowerLawBudget, SaturatingBudget
-from kvm_jax.kvm_config import KVMConfig
+from kvm_jax.config.budget import FixedBudget, PowerLawBudget, SaturatingBudget
+from kvm_jax.config.kvm import KVMConfig
 from kvm_jax.ops.documents import (WindowRule, document_attention, document_spans,
                                    documents, documents_alone, segment_ids_from_lengths)
 from kvm_jax.ops.kvm.cases import TOLERANCE, random_inputs, random_params, rel_rms
@@ -126,7 +126,7 @@ def test_attention_backends_keep_documents_apart(implementation):
   takes the documents as its own segment ids; the other backends run the document window path.
   Outputs and gradients equal the float64 rule of each document alone; every padding token sees
   only itself (it equals its own value)."""
-  from kvm_jax.ops.attention_api import causal_attention
+  from kvm_jax.ops.attention.api import causal_attention
   layout = ([5, 60, -3, 130, 58], [-2, 127, 1, 126])        # T = 256 (splash: multiples of 128)
   seg = segment_ids_from_lengths(layout, 256)
   q, k, v, _ = random_inputs(4, 2, 256, 4, 2, 16, 16)

@@ -1,5 +1,5 @@
 """The commands start fast: ``--help`` of every console script imports no JAX (nor Flax, orbax or
-the model), and the persistent compilation cache (kvm_jax.compilation_cache) is on by default, so
+the model), and the persistent compilation cache (kvm_jax.util.compilation_cache) is on by default, so
 a second run of the same programs compiles nothing.
 
 Whether JAX was imported is checked, not the time: a fresh interpreter runs the script's entry
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvm_jax import compilation_cache
+from kvm_jax.util import compilation_cache
 
 from tests.helpers import ROOT  # noqa: E402
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
@@ -70,14 +70,14 @@ def test_every_compiling_command_takes_the_cache_flag():
 
 def test_package_names_resolve_on_first_use():
   """``import kvm_jax`` loads no JAX; every public name resolves, ``dir()`` lists them, and
-  ``kj.generate`` stays the function even when the module ``kvm_jax.generate`` is imported first
+  ``kj.generate`` stays the function even when the module ``kvm_jax.generation.generate`` is imported first
   (Python binds a submodule on its package)."""
   probe = """
 import sys, kvm_jax, kvm_jax.train, kvm_jax.runs, kvm_jax.hf, kvm_jax.tasks, kvm_jax.ops
 print("jax" in sys.modules)
-from kvm_jax.generate import prefill_logits
-import kvm_jax as kj, kvm_jax.generate
-assert kj.generate is sys.modules["kvm_jax.generate"].generate and callable(kj.generate)
+from kvm_jax.generation.generate import prefill_logits
+import kvm_jax as kj, kvm_jax.generation.generate
+assert kj.generate is sys.modules["kvm_jax.generation.generate"].generate and callable(kj.generate)
 for package in (kj, kvm_jax.train, kvm_jax.runs, kvm_jax.hf, kvm_jax.tasks, kvm_jax.ops):
   assert set(package.__all__) <= set(dir(package)), package
   [getattr(package, name) for name in package.__all__]
@@ -109,7 +109,7 @@ def test_hf_commands_offer_the_readers_options():
   assert (cli.DTYPES, cli.NUMERICS) == (authors_config.DTYPES, authors_config.NUMERICS)
 
 
-BENCH = ["-m", "kvm_jax.eval.core_speed", "--lengths", "32", "--decode-context", "0",
+BENCH = ["-m", "kvm_jax.eval.bench.core_speed", "--lengths", "32", "--decode-context", "0",
          "--chunk-size", "8", "--repeats", "1", "--heads", "1", "--head-dim", "8"]
 
 

@@ -12,8 +12,9 @@ import re
 import jax.numpy as jnp
 import pytest
 
-from kvm_jax import demo
-from kvm_jax.eval import check, core_speed
+from kvm_jax import core_demo as demo
+from kvm_jax.eval import check
+from kvm_jax.eval.bench import core_speed
 from kvm_jax.ops.kvm import reference
 from kvm_jax.ops.ovq import scan as ovq_scan
 

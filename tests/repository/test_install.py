@@ -26,7 +26,7 @@ SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scrip
 
 IMPORTS = """
 import sys, kvm_jax, kvm_jax.train.loop, kvm_jax.train.main, kvm_jax.eval.cli, kvm_jax.eval.check
-import kvm_jax.eval.speed, kvm_jax.eval.lm_eval_adapter, kvm_jax.kernels.readout, kvm_jax.runs
+import kvm_jax.eval.bench.speed, kvm_jax.eval.lm_eval_adapter, kvm_jax.kernels.readout, kvm_jax.runs
 from kvm_jax.eval.lm_eval_adapter import TASKS_DIR
 print("FILE", kvm_jax.__file__)
 print("TASKS", sorted(p.name for p in TASKS_DIR.glob("*/*.yaml")))

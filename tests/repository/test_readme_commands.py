@@ -14,11 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from kvm_jax.convert import kvm_flags
-from kvm_jax.eval import check, cli as eval_cli, core_speed, speed
+from kvm_jax.nn.convert import kvm_flags
+from kvm_jax.eval import check, cli as eval_cli
+from kvm_jax.eval.bench import core_speed
+from kvm_jax.eval.bench import speed
 from kvm_jax.hf import cli as hf_cli
-from kvm_jax import demo, serve
-from kvm_jax.train import default_job, main as train_main, prepare_data
+from kvm_jax import core_demo as demo
+from kvm_jax.generation import serve
+from kvm_jax.train import main as train_main, prepare_data
+from kvm_jax.train import demo as default_job
 
 from tests.helpers import ROOT  # noqa: E402
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

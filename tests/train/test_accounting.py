@@ -12,7 +12,7 @@ from flax import nnx
 
 import kvm_jax as kj
 from kvm_jax.nn import registry
-from kvm_jax.nn.swa import SWAOptions
+from kvm_jax.nn.mixers.swa import SWAOptions
 from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.train.accounting import flops_per_token, visible_keys
 
@@ -81,7 +81,7 @@ def test_training_flops_per_token_by_hand(name):
 def test_a_tied_head_counts_as_a_matmul():
   """A tied head (Llama's option, Gemma's rule) multiplies by the embedding table: every
   parameter is a matmul parameter then, the table included."""
-  from kvm_jax.nn.llama import LlamaOptions
+  from kvm_jax.nn.families.llama import LlamaOptions
   cfg = TrainConfig(model=_model("full", family="llama", family_options=LlamaOptions(
       tie_embeddings=True), rope_dims=16, options={}), task="text", seq_len=16)
   params = nnx.state(nnx.eval_shape(lambda: kj.LM(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)

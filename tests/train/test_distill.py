@@ -25,7 +25,7 @@ from kvm_jax.runs.directory import load_trained
 from kvm_jax.tasks.mqar import MQARSpec
 from kvm_jax.nn.layers import path_names
 from kvm_jax.train import distill
-from kvm_jax.train.default_job import model_configs
+from kvm_jax.train.demo import model_configs
 from kvm_jax.train.loop import train
 from kvm_jax.train.adamc import PartlyFrozen
 from kvm_jax.train.start import make_optimizer
@@ -440,9 +440,9 @@ def test_attention_transfer_loss_matches_float64():
   averaged over the converted layers and divided by ``total``. Every student parameter is drawn
   independently of the teacher's, and 45 tokens take the KVM layers past their 16-token window."""
   from tests.helpers.reference_model import (anchor_layer, attention_layer, embed, layer_norm,
-                                     lm_mixer_io, value_anchors)
+                                             lm_mixer_io, value_anchors)
   from tests.helpers.reference_cases import (MIN_DECISION_GAP, reference_config, reference_params,
-                                          routing_tokens)
+                                             routing_tokens)
   teacher = random_model(kj.presets.tiny(mixers="full", num_layers=3), seed=24)
   converted = kj.convert_to_kvm(teacher, "0,2")
   student = random_model(converted.cfg, seed=25)

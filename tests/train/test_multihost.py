@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvm_jax.engine import generate_many
-from kvm_jax.generate import SamplingConfig, generate
+from kvm_jax.generation.engine import generate_many
+from kvm_jax.generation.generate import SamplingConfig, generate
 from kvm_jax.runs.directory import load_trained, logits_fn
 from kvm_jax.runs.launch import free_local_port
 from kvm_jax.train.evaluation import evaluate
@@ -58,7 +58,7 @@ from flax import nnx
 from kvm_jax.train.main import main
 workdir, launch = sys.argv[1], sys.argv[2:]
 assert main([f"--workdir={workdir}", *TINY, *launch]) == 0  # starts jax.distributed
-from kvm_jax.generate import SamplingConfig, generate
+from kvm_jax.generation.generate import SamplingConfig, generate
 from kvm_jax.runs.directory import load_trained, logits_fn
 from kvm_jax.runs.launch import free_local_port
 from kvm_jax.train.evaluation import evaluate
@@ -68,7 +68,7 @@ tokens = np.arange(2 * 64).reshape(2, 64) % 128
 logits = np.asarray(logits_fn(model)(tokens))
 out, _ = generate(model, tokens[:, :40], max_new_tokens=5, key=jax.random.key(0),
                   sampling=SamplingConfig(temperature=0.0))
-from kvm_jax.engine import generate_many
+from kvm_jax.generation.engine import generate_many
 many = generate_many(model, [tokens[0, :40].tolist(), tokens[1, :23].tolist()],
                      max_new_tokens=[5, 7], slots=2, prefill_chunk=16)
 graphdef, params = nnx.split(model)

@@ -27,8 +27,8 @@ from flax import nnx
 
 import kvm_jax as kj
 import kvm_jax.nn  # registers the backbone families  # noqa: F401
-from kvm_jax import budget as budget_lib
-from kvm_jax import config_io
+from kvm_jax.config import budget as budget_lib
+from kvm_jax.config import io as config_io
 from kvm_jax.runs.directory import TRAIN_CLASSES, save_config
 from kvm_jax.runs.resume import RESUMABLE, check_resume, config_differences
 from kvm_jax.runs.train_config import TrainConfig

@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 
 import kvm_jax as kj
-from kvm_jax import config_io
-from kvm_jax.convert import parse_kvm_flags
+from kvm_jax.config import io as config_io
+from kvm_jax.nn.convert import describe_kvm, parse_kvm_flags
 from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.runs.directory import config_history, load_config, load_trained
 from kvm_jax.tasks.mqar import MQARSpec
@@ -295,7 +295,7 @@ def test_show_config_prints_one_field_a_line_that_reads_back(capsys):
 def test_eta_counts_only_steady_steps(monkeypatch):
   """A first step of 100 s (compilation) then steps of 1 s: the ETA is the steady rate times the
   steps left, not the average with the compile in it; none before a steady step."""
-  from kvm_jax import progress
+  from kvm_jax.util import progress
   now = [0.0]
   monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
   bar = progress.ProgressBar(50, "step")
@@ -324,7 +324,7 @@ def test_kvm_eval_sizes_folders_and_schedule(tmp_path, capsys):
   (first / "results.json").write_text("{}")
   assert cli.output_dir(types.SimpleNamespace(out=str(first))) == first
   assert "holds an earlier evaluation; its results are replaced" in capsys.readouterr().out
-  kvm = kj.convert.describe_kvm(kj.KVMConfig(chunk_size=16, rope_dims=8, budget="sqrt:4@8"))
+  kvm = describe_kvm(kj.KVMConfig(chunk_size=16, rope_dims=8, budget="sqrt:4@8"))
   res = {"model": "m", "mixers": ["kvm"], "parameters": 1, "kvm": kvm,
          "kvm_overrides": {"chunk_size": 16}}
   assert ("- m: KVM schedule: budget sqrt:4@8, window 2 chunks of 16 tokens, 1 sink row(s), "

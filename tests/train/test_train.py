@@ -23,7 +23,7 @@ from kvm_jax.tasks.labels import IGNORE
 from kvm_jax.tasks.pipeline import batched_iterator
 from kvm_jax.tasks.tokenizers import ByteTokenizer
 from kvm_jax.train import sharding
-from kvm_jax.train import default_job
+from kvm_jax.train import demo as default_job
 from kvm_jax.train.loop import train
 from kvm_jax.train.main import apply_override, load_config, main
 from tests.helpers import in_ci

@@ -1,7 +1,7 @@
 """Training at long sequences: attention without [T, T] scores, the sliced loss, remat,
 gradient accumulation, the memory report, config strings and the non-finite guard.
 
-Every check compares against an independent path: the dense attention of ``kvm_jax.ops.attention``
+Every check compares against an independent path: the dense attention of ``kvm_jax.ops.attention.dense``
 (``jax.nn.dot_product_attention``), whole float32 logits through optax / numpy, the unrolled model
 without remat, and the whole batch in one piece.
 """
@@ -24,10 +24,10 @@ from flax import nnx
 import kvm_jax as kj
 from kvm_jax import presets
 from kvm_jax.nn.model import LM, layer_period
-from kvm_jax.ops import attention as dense
-from kvm_jax.ops.attention_api import (causal_attention, resolve_attention,
-                                      resolve_attention_backend)
-from kvm_jax.ops.chunked_attention import chunked_attention
+from kvm_jax.ops.attention import dense
+from kvm_jax.ops.attention.api import (causal_attention, resolve_attention,
+                                       resolve_attention_backend)
+from kvm_jax.ops.attention.chunked import chunked_attention
 from kvm_jax.ops.loss import IGNORE, sliced_loss_sums
 from kvm_jax.runs.checkpoint import Checkpointer
 from kvm_jax.tasks.pipeline import batched_iterator

@@ -1,8 +1,8 @@
 """Tiny KVM model on MQAR, on CPU in minutes (the building block of the default job)."""
 
 from kvm_jax import presets
-from kvm_jax.budget import PowerLawBudget
-from kvm_jax.kvm_config import KVMConfig
+from kvm_jax.config.budget import PowerLawBudget
+from kvm_jax.config.kvm import KVMConfig
 from kvm_jax.tasks.mqar import MQARSpec
 from kvm_jax.train import TrainConfig
 

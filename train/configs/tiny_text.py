@@ -1,8 +1,8 @@
 """Tiny KVM language model on the embedded CPython documentation corpus (bytes), CPU."""
 
 from kvm_jax import presets
-from kvm_jax.budget import PowerLawBudget
-from kvm_jax.kvm_config import KVMConfig
+from kvm_jax.config.budget import PowerLawBudget
+from kvm_jax.config.kvm import KVMConfig
 from kvm_jax.train import TrainConfig
 
 

@@ -13,9 +13,9 @@
 The fused kernels live in :mod:`kvm_jax.kernels`; only ``api.py`` plugs them in.
 """
 
-from kvm_jax import lazy_exports as _lazy_exports
+from kvm_jax.util import lazy_exports as _lazy_exports
 
-# Imported on first use (kvm_jax.lazy_exports): a kernel that needs only ``state.py`` loads
+# Imported on first use (kvm_jax.util.lazy_exports): a kernel that needs only ``state.py`` loads
 # neither ``api.py`` nor, through it, the kernels it dispatches to.
 _EXPORTS = {
     "kvm_jax.ops.kvm.api": ("AUTO_PALLAS_BACKENDS", "KVM_PLATFORMS", "KVM_READOUTS", "KVMBackend",

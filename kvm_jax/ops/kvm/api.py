@@ -10,7 +10,7 @@ decisions as arguments. Call it to see what will run::
     # KVMBackend(platform='gpu', implementation='xla', readout='own', source_layout='heads',
     #            row_update='onehot', kernel_config=None)
 
-Implementations (:data:`kvm_jax.kvm_config.KVM_IMPLEMENTATIONS`):
+Implementations (:data:`kvm_jax.config.kvm.KVM_IMPLEMENTATIONS`):
 
 * ``"xla"`` — the chunked ``lax.scan`` with XLA per-chunk operations (``scan.py``); the default
   and the reference every other path is tested against;
@@ -33,7 +33,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from kvm_jax.kvm_config import KVM_IMPLEMENTATIONS, KVMConfig
+from kvm_jax.config.kvm import KVM_IMPLEMENTATIONS, KVMConfig
 from kvm_jax.kernels.tokamax_readout import INSTALL_HINT, joint_attention_tokamax, tokamax_available
 from kvm_jax.kernels.backend import KernelConfig
 from kvm_jax.kernels.decode import decode_attention_pallas
@@ -132,7 +132,7 @@ def resolve_kvm_backend(cfg: KVMConfig, *, implementation: str = "auto", readout
 
   Args:
     cfg: the :class:`KVMConfig` (``readout_value_dtype`` rules Pallas out).
-    implementation: "xla", "pallas" or "auto" (:data:`kvm_jax.kvm_config.KVM_IMPLEMENTATIONS`).
+    implementation: "xla", "pallas" or "auto" (:data:`kvm_jax.config.kvm.KVM_IMPLEMENTATIONS`).
     readout: "own", "tokamax" or "auto" (:data:`KVM_READOUTS`).
     kernel_config: the kernels' configuration for "pallas" (another target, interpret mode,
       mesh axes); default: built for ``platform``, interpreted on CPU, split over the enclosing

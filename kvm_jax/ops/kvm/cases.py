@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvm_jax.budget import FixedBudget, PowerLawBudget, SaturatingBudget
-from kvm_jax.kvm_config import KVMConfig
+from kvm_jax.config.budget import FixedBudget, PowerLawBudget, SaturatingBudget
+from kvm_jax.config.kvm import KVMConfig
 from kvm_jax.ops.kvm.state import KVMParams, KVMState
 
 # Relative RMS tolerances (fla style). float32: the paths sum the same terms in different orders

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvm_jax.budget import kvm_schedule
-from kvm_jax.kvm_config import KVMConfig
+from kvm_jax.config.budget import kvm_schedule
+from kvm_jax.config.kvm import KVMConfig
 from kvm_jax.ops.common import (batch_rows, fill_ring, joint_attention, read_ring_chunk,
                                 ring_positions, tree_nbytes, write_ring)
 from kvm_jax.ops.kvm.scan import XLA_OPS, ChunkOps, kvm_attention_scan

@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvm_jax.budget import kvm_schedule
-from kvm_jax.kvm_config import KVMConfig
+from kvm_jax.config.budget import kvm_schedule
+from kvm_jax.config.kvm import KVMConfig
 from kvm_jax.ops.common import current_platform
 from kvm_jax.ops.documents import Documents
 from kvm_jax.ops.kvm.scan import (XLA_OPS, ChunkOps, Run, ScanPlan, complete_block_rows,

@@ -36,8 +36,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kvm_jax.budget import kvm_schedule
-from kvm_jax.kvm_config import KVMConfig
+from kvm_jax.config.budget import kvm_schedule
+from kvm_jax.config.kvm import KVMConfig
 from kvm_jax.ops.common import window_mask
 from kvm_jax.ops.documents import (Documents, WindowRule, combine_partials,
                                    document_window_partials, documents, rows_of,
@@ -168,7 +168,7 @@ def _state_step(q5: Array, k: Array, v: Array, merge_gate: Array, params: KVMPar
   """The body of the state steps' scan: ``step((state arrays, num_rows [B]), first [B]) ->
   (carry, (out [B, C, H, Dv], where [B, C]))`` for the step whose first query token is
   ``first`` (``T``: no step), ``where`` the row index of each output (``T``: dropped);
-  ``sched``: the budget's schedule at ``T`` (:func:`kvm_jax.budget.kvm_schedule`)."""
+  ``sched``: the budget's schedule at ``T`` (:func:`kvm_jax.config.budget.kvm_schedule`)."""
   B, T, Hkv, G, _ = q5.shape
   H, Dv = Hkv * G, v.shape[-1]
   C, nb = cfg.chunk_size, cfg.window_chunks

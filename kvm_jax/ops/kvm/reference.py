@@ -17,7 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kvm_jax.kvm_config import KVMConfig
+from kvm_jax.config.kvm import KVMConfig
 # The pytree type and input validation only: none of the arithmetic of the fast paths.
 from kvm_jax.ops.kvm.state import KVMState, validate_inputs
 

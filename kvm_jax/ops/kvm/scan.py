@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvm_jax.budget import kvm_schedule
-from kvm_jax.kvm_config import KVMConfig
+from kvm_jax.config.budget import kvm_schedule
+from kvm_jax.config.kvm import KVMConfig
 from kvm_jax.ops.common import (current_platform, joint_attention, joint_attention_heads,
                                 to_chunks, window_mask, window_stack)
 from kvm_jax.ops.kvm.state import (KVMOutput, KVMParams, KVMState, RoutedKVMOutput,

@@ -24,7 +24,7 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from kvm_jax.kvm_config import KVMConfig
+from kvm_jax.config.kvm import KVMConfig
 from kvm_jax.ops.common import batch_rows, joint_attention, window_stack
 from kvm_jax.ops.kv_fusion import materialize
 from kvm_jax.ops.kvm.decode import KVMCache, decode_attention

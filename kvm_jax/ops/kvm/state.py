@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from kvm_jax.kvm_config import KVMConfig
+from kvm_jax.config.kvm import KVMConfig
 from kvm_jax.ops.common import current_platform, is_concrete, layer_norm, tree_nbytes
 
 Array = jax.Array

@@ -2,9 +2,9 @@
 (``reference``), the chunked scan (``scan``), the decode cache and step (``decode``), and the
 per-chunk operations they share (``state``)."""
 
-from kvm_jax import lazy_exports as _lazy_exports
+from kvm_jax.util import lazy_exports as _lazy_exports
 
-# Imported on first use (kvm_jax.lazy_exports): ``OVQConfig`` alone (a command's defaults) needs
+# Imported on first use (kvm_jax.util.lazy_exports): ``OVQConfig`` alone (a command's defaults) needs
 # no JAX.
 _EXPORTS = {
     "kvm_jax.ops.ovq.config": ("OVQConfig",),

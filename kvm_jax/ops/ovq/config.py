@@ -70,7 +70,7 @@ class OVQConfig:
     """Rows a state must hold for sequences of up to ``seq_len`` tokens (at least 1)."""
     return max(1, self.dictionary_sizes(seq_len)[-1])
 
-  # As the options of a mixer kind (kvm_jax.mixer_options).
+  # As the options of a mixer kind (kvm_jax.config.mixers).
   def rotary_dims(self, model) -> int:
     """OVQ layers use no rotary embedding (the authors' layer never applies it)."""
     return 0

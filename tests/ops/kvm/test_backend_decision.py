@@ -14,7 +14,7 @@ import kvm_jax as kj
 from kvm_jax.kernels.tokamax_readout import tokamax_available
 from kvm_jax.kernels.backend import KernelConfig
 from kvm_jax.kernels.sharding import ShardAxes
-from kvm_jax.ops.attention_api import AttentionBackend, resolve_attention_backend
+from kvm_jax.ops.attention.api import AttentionBackend, resolve_attention_backend
 from kvm_jax.ops.kvm import (XLA_OPS, KVMBackend, chunk_ops, kernel_sharding,
                              resolve_kvm_backend)
 from kvm_jax.ops.kvm.cases import random_inputs
@@ -211,8 +211,8 @@ def test_the_benchmarks_baseline_follows_the_one_backend_decision(monkeypatch):
   nowhere on TPU."""
   import jax
 
-  from kvm_jax.eval import timing
-  from kvm_jax.ops import attention_api
+  from kvm_jax.eval.bench import timing
+  from kvm_jax.ops.attention import api as attention_api
   heads = lambda dtype: jax.ShapeDtypeStruct((1, 1024, 4, 128), dtype)  # noqa: E731
   monkeypatch.setattr(attention_api, "current_platform", lambda: "gpu")
   assert timing.full_attention_impl(heads(jnp.bfloat16)) == "cudnn"

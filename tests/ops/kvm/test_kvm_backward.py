@@ -183,7 +183,7 @@ BACKWARD_BUDGET_GIB = {"fixed256": 1.6, "sqrt16": 2.5}
 
 @pytest.mark.parametrize("budget", in_ci(sorted(BACKWARD_BUDGET_GIB), {"sqrt16"}))
 def test_backward_memory_at_64k(budget):
-  from kvm_jax.eval.speed import kvm_config
+  from kvm_jax.eval.bench.speed import kvm_config
   T, B, H, D = 65536, 1, 8, 128
   cfg = kvm_config(budget, D)
   params = kj.KVMParams.init(D, H)

@@ -20,7 +20,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import kvm_jax as kj  # noqa: E402
-from kvm_jax import target as targets  # noqa: E402
+from kvm_jax.config import target as targets# noqa: E402
 
 pytestmark = [pytest.mark.chip_compile, pytest.mark.xdist_group("libtpu")]
 

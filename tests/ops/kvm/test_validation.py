@@ -153,6 +153,6 @@ def test_shipped_configs_validate(spec):
 
 @pytest.mark.parametrize("steps", [1, 2, 4, 30, 600])
 def test_default_job_configs_validate(steps):
-  from kvm_jax.train import default_job
+  from kvm_jax.train import demo as default_job
   for model in default_job.model_configs().values():
     default_job.train_config(model, steps, seed=0).validate()

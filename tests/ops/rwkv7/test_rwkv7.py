@@ -122,7 +122,7 @@ def test_bfloat16_inputs_keep_a_float32_state():
 def test_bad_chunk_sizes_and_shapes_are_refused():
   """Odd chunks, and chunks past 256 (whose decay factors overflow float32), by name; shapes that
   do not fit each other, by shape."""
-  from kvm_jax.nn.rwkv7 import RWKV7Options
+  from kvm_jax.nn.mixers.rwkv7 import RWKV7Options
   x = time_mix_inputs(T=8)
   with pytest.raises(ValueError, match=r"chunk_size must be an even int in \[2, 256\], got 7"):
     rwkv7_recurrence(*x, chunk_size=7)
