@@ -659,10 +659,10 @@ def initial_rows_state(plan: ScanPlan, params, k0: Array, v0: Array, g0: Array):
   return (s0.keys, s0.values, s0.radius)
 
 
-# ``state0`` must be ``initial_rows_state(plan, params, *first_rows(plan, k_p, v_p, g_p))``:
-# its gradient is taken through ``params`` and the first rows of ``k_p``, ``v_p`` and ``g_p``,
-# where the backward pass adds it in place (:func:`_initial_state_grads`), and ``state0`` itself
-# gets none (a symbolic zero). Passed back through ``state0``, JAX would add the two cotangents
+# ``state0`` is ``initial_rows_state(plan, params, *first_rows(plan, k_p, v_p, g_p))`` (as
+# :func:`kvm_attention_scan` builds it): its gradient is taken through ``params`` and the first
+# rows of ``k_p``, ``v_p`` and ``g_p``, where the backward pass adds it in place
+# (:func:`_initial_state_grads`), and ``state0`` itself gets none (a symbolic zero). Passed back through ``state0``, JAX would add the two cotangents
 # of k, v and g as whole arrays, a pad of the first rows plus an add that XLA:TPU gives a buffer
 # of its own (256 MiB per input at B=1, T=32,768, H=32, D=128 bf16, and a head-major one for
 # keys).
@@ -925,10 +925,7 @@ def kvm_attention_scan(q: Array, k: Array, v: Array, merge_gate: Array, params: 
     q_p = jnp.transpose(q_p.reshape(B, nC * C, Hkv, H // Hkv, D), (0, 2, 3, 1, 4))
     k_p, v_p = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k_p, v_p))
     g_p = jnp.transpose(g_p, (0, 2, 1))
-  first = sched.initial_rows
-  s0 = initial_state(k[:, :first], v[:, :first], merge_gate[:, :first], first, sched.final_rows,
-                     params, cfg)
-  state0 = (s0.keys, s0.values, s0.radius)  # initial_rows_state(plan, params, its first rows)
+  state0 = initial_rows_state(plan, params, *first_rows(plan, k_p, v_p, g_p))
   core = _forward_checkpointed if remat else _forward
   y, (keys, values, radius), decisions = core(plan, params, state0, q_p, k_p, v_p, g_p, routing)
   if nC * C != T:
