@@ -171,9 +171,10 @@ def kernel_context(cfg: TrainConfig, mesh) -> contextlib.ExitStack:
   then keeps heads whole in its TPU layout pins); otherwise empty."""
   contexts = contextlib.ExitStack()
   head_axis = sharding.LOGICAL_RULES["kv_heads"]
-  if cfg.model.kvm_implementation != "xla" or runs_pallas(cfg.model.attention_implementation):
+  kernels = (cfg.model.kvm_implementation != "xla"
+             or runs_pallas(cfg.model.attention_implementation))
+  if kernels:
     contexts.enter_context(jax.set_mesh(mesh))
-    contexts.enter_context(kernel_sharding(batch_axes=sharding.BATCH, head_axis=head_axis))
-  elif dict(mesh.shape).get(head_axis, 1) > 1:
+  if kernels or dict(mesh.shape).get(head_axis, 1) > 1:
     contexts.enter_context(kernel_sharding(batch_axes=sharding.BATCH, head_axis=head_axis))
   return contexts
