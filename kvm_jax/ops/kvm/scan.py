@@ -422,6 +422,16 @@ _slice_bits.defvjp(_slice_bits_fwd, _slice_bits_bwd)
 _update_slice_bits.defvjp(_update_slice_bits_fwd, _update_slice_bits_bwd)
 
 
+def _whole_sequence_order() -> bool:
+  """Whether the scan views queries as ``[B, T, Hkv, G, D]`` once per sequence and writes the
+  front chunks' outputs in order, as it does when building for CPU, rather than viewing queries
+  per chunk and writing the front last (:func:`query_chunk`, :func:`_front_run`: each avoids a
+  sequence-sized copy XLA:TPU would make). XLA:CPU makes neither copy, but fuses the two orders
+  differently and rounds their float32 sums apart by about an ulp; the whole-sequence order is
+  the one ``tests/data/documents/none_path_logits.npz`` pins bit for bit."""
+  return current_platform() == "cpu"
+
+
 def query_chunk(plan: ScanPlan, q_src: Array, start, size: int) -> Array:
   """``size`` query time steps from ``start``: ``[B, size, Hkv, G, D]`` (time-major) or
   ``[B, Hkv, G, size, D]`` (head-major). A time-major ``[B, T, H, D]`` source is viewed per
@@ -598,7 +608,7 @@ def _front_run(run: Run) -> bool:
   the readout's head-major one, which the loops would then carry the whole buffer in and copy it
   out of at the end (one more output-sized temporary: 2 GiB at B=8, T=32,768, H=32, Dv=128
   bf16). Written last, the rows go into a buffer already in the output's layout."""
-  return not run.visible
+  return not run.visible and not _whole_sequence_order()
 
 
 def write_chunks(out: Array, ys: Array, first: int, chunk: int) -> Array:
@@ -921,6 +931,8 @@ def kvm_attention_scan(q: Array, k: Array, v: Array, merge_gate: Array, params: 
   pad = lambda x: x if nC * C == T else jnp.pad(  # noqa: E731
       x, [(0, 0), (0, nC * C - T)] + [(0, 0)] * (x.ndim - 2))
   q_p, k_p, v_p, g_p = (pad(x) for x in (q, k, v, merge_gate))
+  if plan.time_major and _whole_sequence_order():
+    q_p = q_p.reshape(B, nC * C, Hkv, H // Hkv, D)  # query head h = kv·G + g (free)
   if not plan.time_major:  # head-major, once per sequence (plan.q_time, plan.kv_time)
     q_p = jnp.transpose(q_p.reshape(B, nC * C, Hkv, H // Hkv, D), (0, 2, 3, 1, 4))
     k_p, v_p = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k_p, v_p))
