@@ -5,10 +5,14 @@ independent sequence at a length of its own). Requests wait in a queue; a free s
 (its row reset to an empty cache), feeds its prompt in pieces of at most ``prefill_chunk`` tokens,
 then decodes until a stop token, ``max_new_tokens`` or a cancel frees the slot for the next
 request. Every :meth:`Engine.step` is one jitted call over all slots: the prompts' pieces (up to
-``prefill_lanes`` of them in parallel), then rounds of decode steps in one loop that feed the
-prompts' short rests and every decoding slot's tokens and draw on the device (several tokens per
-slot when a rest runs several rounds anyway, and up to ``tokens_per_step`` once no prompt is left
-to feed); the host reads the drawn tokens once.
+``prefill_lanes`` of them in parallel, each ``LM.resume`` of whole chunks or, for a prompt's last
+piece, of a chunk-wide lane filled up to its count of real tokens), then rounds of decode steps
+in one loop that feed every decoding slot's tokens and draw on the device (up to
+``tokens_per_step`` per slot once no prompt is left to feed); the host reads the drawn tokens
+once. A prompt's partial last chunk thus costs one parallel program rather than a decode round
+per token (up to 255 at the paper's chunk of 256), and the lane widths, not the rests' lengths,
+decide the compiled programs (:meth:`Engine.lane_widths`). Models that cannot continue a piece in
+parallel (cross-layer KV sharing) feed their prompts through the decode rounds.
 
 A request's tokens depend only on its prompt, sampling settings and seed, never on what else is
 running: its slot starts from an empty row, rows never mix, and its random keys are its own. A
@@ -51,6 +55,8 @@ SEED_MIN, SEED_MAX = 0, 2**32 - 1
 # Finished requests an engine keeps for Engine.result by default (the oldest go first): a
 # long-lived engine serves without end, and its memory must not grow with what it served.
 KEEP_FINISHED = 1024
+# How an engine feeds a prompt's rest shorter than the model's alignment (Engine's rest_prefill).
+REST_PREFILLS = ("lane", "decode")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,6 +139,8 @@ class StepPlan:
     lane_tokens: ``[N, P]`` int32, the prompt pieces the ``N`` lanes feed in parallel
       (``LM.resume``; ``P`` a multiple of the model's ``resume_alignment``; ``P = 0``: no lane
       this step). A lane slot has no serial piece; it draws its first token from the piece.
+    lane_counts: ``[N]`` int32, the real tokens at the front of each lane's piece (1 to ``P``;
+      fewer than ``P`` for a prompt's last, partial piece, the rest padding).
     lane_slots: ``[N]`` int32, the slot each lane feeds (``S``: an unused lane).
     reset: ``[S]`` bool, slots whose row starts a new sequence (emptied before feeding).
     copy_from: ``[S]`` int32, for a sample of an n-sample request the slot its prompt was fed
@@ -149,6 +157,7 @@ class StepPlan:
   draws: np.ndarray
   hold: np.ndarray
   lane_tokens: np.ndarray
+  lane_counts: np.ndarray
   lane_slots: np.ndarray
   reset: np.ndarray
   copy_from: np.ndarray
@@ -175,17 +184,19 @@ def prefill_into_slot(graphdef, state, tokens: Array, caches, fresh, slot: Array
 
 
 def _feed_lanes(model, caches, plan: StepPlan):
-  """The lanes' prompt pieces in parallel: their rows gathered, continued by ``LM.resume``
-  (from length 0 for a prompt's first piece), scattered back; an unused lane (slot ``S``) is
-  dropped. Returns the caches and ``logits [S, V]``: each lane slot's last piece logits."""
+  """The lanes' prompt pieces in parallel: their rows gathered, continued by ``LM.resume`` by
+  each lane's count of real tokens (from length 0 for a prompt's first piece), scattered back;
+  an unused lane (slot ``S``) is dropped. Returns the caches and ``logits [S, V]``: each lane
+  slot's logits of its piece's last real token."""
   S = plan.counts.shape[0]
   gather = jnp.minimum(plan.lane_slots, S - 1)
   rows = jax.tree_util.tree_map(lambda x: jnp.take(x, gather, axis=0), caches)
-  lane_logits, rows = model.resume(plan.lane_tokens, rows)
+  lane_logits, rows = model.resume(plan.lane_tokens, rows, plan.lane_counts)
   put = lambda whole, part: whole.at[plan.lane_slots].set(part.astype(whole.dtype), mode="drop")
   caches = jax.tree_util.tree_map(put, caches, rows)
+  last = jnp.take_along_axis(lane_logits, (plan.lane_counts - 1)[:, None, None], axis=1)[:, 0]
   logits = jnp.zeros((S, lane_logits.shape[-1]), jnp.float32)
-  return caches, logits.at[plan.lane_slots].set(lane_logits[:, -1], mode="drop")
+  return caches, logits.at[plan.lane_slots].set(last, mode="drop")
 
 
 def _copy_rows(tree, copy_from: Array):
@@ -231,7 +242,8 @@ def _engine_step(graphdef, state, caches, keys: Array, fresh, plan: StepPlan, *,
                  keep_logits: bool):
   """One step over every slot: reset, the lanes, then the rounds of decode steps (serial
   pieces, draws, tokens fed back). Returns ``(caches, keys, tokens [S, width], logits [S,
-  width, V] or None)``: slot ``s``'s draws are its first ``plan.draws[s]`` tokens."""
+  width, V] or None, rounds)``: slot ``s``'s draws are its first ``plan.draws[s]`` tokens;
+  ``rounds`` (int32) is how many decode steps the loop ran."""
   model = nnx.merge(graphdef, state)
   S, V = plan.counts.shape[0], model.cfg.vocab_size
   caches = jax.lax.cond(jnp.any(plan.reset), lambda c: reset_rows(c, plan.reset, fresh),
@@ -270,9 +282,9 @@ def _engine_step(graphdef, state, caches, keys: Array, fresh, plan: StepPlan, *,
     tokens, keys = _draw(logits, keys, plan, drawing)
     return i + 1, caches, keys, _record(drawn, index, drawing, tokens, logits, keep_logits)
 
-  _, caches, keys, drawn = jax.lax.while_loop(
+  rounds, caches, keys, drawn = jax.lax.while_loop(
       lambda carry: carry[0] < jnp.max(fed_until), round_, (jnp.int32(0), caches, keys, drawn))
-  return caches, keys, drawn.tokens, (drawn.logits if keep_logits else None)
+  return caches, keys, drawn.tokens, (drawn.logits if keep_logits else None), rounds
 
 
 @functools.lru_cache(maxsize=32)
@@ -348,9 +360,17 @@ class Engine:
   ``prefill_chunk``: the most prompt tokens a slot feeds in one step (a long prompt takes several
   steps, while the other slots keep decoding between them). When every layer can continue a
   piece in parallel (``LM.resume_alignment``), up to ``prefill_lanes`` prompts each feed a
-  piece of whole alignment units in parallel per step (the *lanes*: one ``LM.resume`` over their
-  rows, a prompt's first piece from an empty row); a rest shorter than the alignment, and every
-  prompt of a model without one (cross-layer KV sharing), goes through the decode step.
+  piece in parallel per step (the *lanes*: one ``LM.resume`` over their rows, a prompt's first
+  piece from an empty row). A lane is one or several alignment units wide; a prompt's last
+  piece may fill it only partly (its rest after the whole units, or a prompt shorter than one
+  unit), the lane's count of real tokens telling ``LM.resume`` where the padding starts, so the
+  same program serves every rest length. Every prompt of a model without an alignment
+  (cross-layer KV sharing) goes through the decode step, a token per round.
+
+  ``rest_prefill``: how a prompt's rest shorter than the alignment is fed. "lane" (default): in
+  a lane, as above. "decode": through the decode step, one token per round of the step's loop
+  (up to alignment - 1 rounds: 255 at the paper's chunk of 256), the engine's earlier way, kept
+  to measure what the lanes buy (``kvm-bench --engine``).
 
   ``tokens_per_step``: the most tokens a decoding slot draws in one step once no prompt is left
   to feed, each fed back through the decode step inside the same jitted call (one host read per
@@ -386,13 +406,18 @@ class Engine:
   def __init__(self, model, *, slots: int, max_len: int, prefill_chunk: int = 64,
                prefill_lanes: int = 4, tokens_per_step: int = 8,
                prefill_bucket: Optional[int] = None, keep_logits: bool = False,
-               keep_finished: Optional[int] = KEEP_FINISHED):
+               keep_finished: Optional[int] = KEEP_FINISHED, rest_prefill: str = "lane"):
     for name, value in (("slots", slots), ("max_len", max_len), ("prefill_chunk", prefill_chunk),
                         ("prefill_lanes", prefill_lanes), ("tokens_per_step", tokens_per_step),
                         ("prefill_bucket", 1 if prefill_bucket is None else prefill_bucket),
                         ("keep_finished", 1 if keep_finished is None else keep_finished)):
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"Engine: {name} must be a positive int, got {value!r}.")
+    if rest_prefill not in REST_PREFILLS:
+      raise ValueError(f"Engine: rest_prefill={rest_prefill!r} is unknown; choose from "
+                       f"{REST_PREFILLS} ('lane' feeds a prompt's partial last chunk in one "
+                       "parallel piece, 'decode' token by token).")
+    self.rest_prefill = rest_prefill
     self.model, self.slots, self.max_len = model, slots, max_len
     self.prefill_chunk, self.keep_logits = prefill_chunk, keep_logits
     self.prefill_bucket, self.tokens_per_step = prefill_bucket, tokens_per_step
@@ -402,7 +427,9 @@ class Engine:
     # whole multiples of the alignment; else they go through the decode step.
     alignment = model.resume_alignment()
     self._alignment = alignment if alignment and prefill_chunk >= alignment else None
-    # Rests shorter than the alignment go through the decode step; without lanes, all of it.
+    # The decode step feeds what no lane takes: rests shorter than the alignment with
+    # rest_prefill="decode", a rest that starts off the alignment (after a prefill_bucket head),
+    # and, without lanes, every prompt.
     self._serial_width = (prefill_chunk if self._alignment is None
                           else min(prefill_chunk, max(self._alignment - 1, 1)))
     self._graphdef, self._state = nnx.split(model)
@@ -416,6 +443,9 @@ class Engine:
     self._finished: collections.deque = collections.deque()  # ids of finished requests kept
     self._finished_total = 0
     self._ids = itertools.count()
+    # Decode-step rounds the steps have run, all slots at once (read from the device): what the
+    # lanes save a prompt's rest, and the tests' measure of it.
+    self.decode_rounds = 0
     self._clear_slots()
 
   def _clear_slots(self) -> None:
@@ -596,7 +626,8 @@ class Engine:
 
   def warm_up(self, report: Optional[Callable[[str, float], None]] = None) -> float:
     """Compiles every step program a request can need (one per :meth:`lane_widths`) before any
-    request arrives, by running one synthetic greedy request per width to its first token;
+    request arrives, by running one synthetic greedy request per width to its first token (the
+    one for no lane to a second token, which only the decode step draws);
     ``report(what, seconds)`` after each. The engine must be idle; it is idle and empty after
     (the synthetic requests released, the slots cleared). Returns the seconds it took. Without
     ``prefill_bucket`` only: its admission program compiles once per prompt length bucket."""
@@ -605,17 +636,26 @@ class Engine:
     start = time.perf_counter()
     if self.max_len < 2:  # no request fits a slot (a prompt token and a new one): none to serve
       return 0.0
-    # A prompt one token longer than a width feeds that width's piece and the rest serially.
-    for width in self.lane_widths():
-      length = min(width + 1, self.max_len - 1)
-      began = time.perf_counter()
-      rid = self.submit([0] * length, max_new_tokens=1)
-      self.run()
-      self.release(rid)
-      what = (f"the step with {width}-token prompt pieces" if width
-              else "the step that feeds tokens one at a time and draws")
-      if report is not None:
-        report(what, time.perf_counter() - began)
+    # A prompt of a lane's width feeds that width's piece (with rest_prefill="decode", one more
+    # token goes through the decode step). A one-token prompt that draws a second token in a
+    # step of its own runs the step without a lane (its decode loop serves rests and draws
+    # alike); tokens_per_step, which the compiled programs do not depend on, is 1 meanwhile so
+    # that the second token is not drawn in the first step's burst.
+    serial = 1 if self.rest_prefill == "decode" else 0
+    tokens_per_step, self.tokens_per_step = self.tokens_per_step, 1
+    try:
+      for width in self.lane_widths():
+        length = min(width + serial, self.max_len - 1) if width else 1
+        began = time.perf_counter()
+        rid = self.submit([0] * length, max_new_tokens=1 if width else min(2, self.max_len - 1))
+        self.run()
+        self.release(rid)
+        what = (f"the step with {width}-token prompt pieces" if width
+                else "the step that feeds tokens one at a time and draws")
+        if report is not None:
+          report(what, time.perf_counter() - began)
+    finally:
+      self.tokens_per_step = tokens_per_step
     self._clear_slots()
     return time.perf_counter() - start
 
@@ -653,25 +693,29 @@ class Engine:
     return True
 
   def _lane_rest(self, request: Request) -> int:
-    """Prompt tokens ``request`` still has for the lanes (0: none; it has no lane, or its rest
-    is shorter than the alignment and goes through the decode step)."""
+    """Prompt tokens ``request`` still has for the lanes: all it has left when its row stands
+    at a multiple of the alignment (with ``rest_prefill="decode"``, the whole alignment units of
+    it; the decode step feeds the rest). 0: none, or no lane (no alignment, a sample waiting for
+    its prompt's row, a row off the alignment after a ``prefill_bucket`` head)."""
     if self._alignment is None or request.source is not None or request.fed % self._alignment:
       return 0
     rest = len(request.prompt) - request.fed
-    return rest if rest >= self._alignment else 0
+    return rest if self.rest_prefill == "lane" else rest // self._alignment * self._alignment
 
-  def _lanes(self) -> tuple[int, list[Request]]:
-    """The step's lane width and the requests in its lanes, earliest admitted first: a full
-    piece (the most alignment units ``prefill_chunk`` holds) for the prompts with that much
-    left, else one alignment unit for the others. Two widths, so that a step compiles for few
-    shapes."""
+  def _lanes(self) -> tuple[int, list[tuple[Request, int]]]:
+    """The step's lane width and its lanes' requests with the tokens each feeds, earliest
+    admitted first: a full piece (the most alignment units ``prefill_chunk`` holds) when some
+    prompt has more than one unit left, else one unit; each prompt feeds as much of its rest as
+    the width holds (its last piece partly filled, padded behind its count). Two widths, so
+    that a step compiles for few shapes."""
     waiting = sorted((r for r in self._running if r is not None and self._lane_rest(r)),
                      key=lambda r: r.id)
     if not waiting:
       return 0, []
     full = self.prefill_chunk // self._alignment * self._alignment
-    width = full if any(self._lane_rest(r) >= full for r in waiting) else self._alignment
-    return width, [r for r in waiting if self._lane_rest(r) >= width][:self.prefill_lanes]
+    width = (full if any(self._lane_rest(r) > self._alignment for r in waiting)
+             else self._alignment)
+    return width, [(r, min(self._lane_rest(r), width)) for r in waiting[:self.prefill_lanes]]
 
   def _plan(self, reset: np.ndarray) -> Optional[tuple[StepPlan, np.ndarray]]:
     """The step's plan, and the prompt tokens each slot feeds in it; None when nothing runs."""
@@ -685,10 +729,11 @@ class Engine:
     top_k = np.zeros(S, np.int32)
     width, in_lanes = self._lanes()
     lane_tokens = np.zeros((N, width), np.int32)
+    lane_counts = np.full(N, max(width, 1), np.int32)
     lane_slots = np.full(N, S, np.int32)
-    for lane, request in enumerate(in_lanes):
-      lane_tokens[lane] = request.prompt[request.fed:request.fed + width]
-      lane_slots[lane], fed[request.slot] = request.slot, width
+    for lane, (request, count) in enumerate(in_lanes):
+      lane_tokens[lane, :count] = request.prompt[request.fed:request.fed + count]
+      lane_counts[lane], lane_slots[lane], fed[request.slot] = count, request.slot, count
     for slot, request in enumerate(self._running):
       if request is None:
         continue
@@ -721,7 +766,8 @@ class Engine:
       hold[slot] = request is not None and not (
           emit[slot] and draws[slot] == request.max_new_tokens - len(request.tokens))
     plan = StepPlan(tokens=tokens, counts=counts, draws=draws, hold=hold,
-                    lane_tokens=lane_tokens, lane_slots=lane_slots, reset=reset,
+                    lane_tokens=lane_tokens, lane_counts=lane_counts, lane_slots=lane_slots,
+                    reset=reset,
                     copy_from=copy_from, copy_at=copy_at, new_keys=new_keys, set_key=set_key,
                     temperature=temperature, top_k=top_k, top_p=top_p)
     return plan, fed
@@ -760,11 +806,12 @@ class Engine:
     if planned is None:
       return []
     plan, fed = planned
-    self._caches, self._keys, tokens, logits = self._step(
+    self._caches, self._keys, tokens, logits, rounds = self._step(
         self._state, self._caches, self._keys, self._fresh, replicate_on(self._mesh, plan))
     # The step's one read of device results, all slots at once (replicated first: on a pod every
     # process reads them whatever the parameters' split).
-    tokens, logits = replicate_on(self._mesh, (tokens, logits))
+    tokens, logits, rounds = replicate_on(self._mesh, (tokens, logits, rounds))
+    self.decode_rounds += int(rounds)
     tokens = np.asarray(tokens)
     logits = None if logits is None else np.asarray(logits)
     events = []

@@ -15,7 +15,9 @@ sequence at a length of its own, so that one cache can hold many requests (the e
 A kind may also continue its cache by a whole piece of tokens in parallel (``LM.resume``, what the
 engine's prefill uses): its classmethod ``resume_alignment(cfg, layer)`` returns the multiple of
 positions such a piece must start at and span (its chunk; 1 when any will do), or None when it
-cannot.
+cannot. Such a kind also honours a piece's ``counts`` (:class:`Resume`): a row may end its piece
+early (a prompt's last, partial chunk), the rest of the piece being padding that leaves no trace
+in its cache.
 
 ``register_mixer`` checks the first two on a cache built abstractly from the kind's default
 options (:func:`check_cache_protocol`); the third is what the engine's tests check per kind. A
@@ -27,16 +29,61 @@ from __future__ import annotations
 
 from typing import Optional, Protocol, runtime_checkable
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 Array = jax.Array
 
-# The ``decode`` mode of a layer call that continues every row's cache by a whole piece of tokens
-# in parallel (``LM.resume``). It is truthy, like a decode step, wherever a call reads the previous
-# token's history (token shifts, value anchors); a kind that supports it says so with
-# ``resume_alignment`` and acts on it before its one-token branch.
-RESUME = "resume"
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Resume:
+  """The ``decode`` mode of a layer call that continues every row's cache by a piece of tokens in
+  parallel (``LM.resume``). It is truthy, like a decode step, wherever a call reads the previous
+  token's history (token shifts, value anchors); a kind that supports it says so with
+  ``resume_alignment`` and acts on it (:func:`is_resume`) before its one-token branch.
+
+  Attributes:
+    counts: ``[B]`` int32 in ``[1, T]``, the real tokens at the front of each row's piece of
+      ``T``; the tokens after them are padding, so that one compiled program serves pieces of
+      every length up to ``T``. The row's cache must end as after its ``counts[b]`` tokens alone
+      (padding written nowhere, no fold or update it would trigger, the token-shift history that
+      of the last real token), and the padding's outputs must stay finite (later layers read
+      them, masked). None: every token is real.
+  """
+
+  counts: Optional[Array] = None
+
+
+# A piece whose every token is real.
+RESUME = Resume()
+
+
+def is_resume(decode) -> bool:
+  """Whether a layer call's ``decode`` mode is a parallel piece (:class:`Resume`)."""
+  return isinstance(decode, Resume)
+
+
+def piece_counts(decode) -> Optional[Array]:
+  """The real tokens per row of a piece (``[B]``), or None: every token (or not a piece)."""
+  return decode.counts if isinstance(decode, Resume) else None
+
+
+def last_tokens(x: Array, counts: Optional[Array]) -> Array:
+  """``[B, 1, ...]``: each row's last real token of ``x [B, T, ...]`` (position ``counts[b] -
+  1``; the last position when ``counts`` is None), the token-shift history a piece leaves."""
+  if counts is None:
+    return x[:, -1:]
+  index = (counts.astype(jnp.int32) - 1).reshape((-1,) + (1,) * (x.ndim - 1))
+  return jnp.take_along_axis(x, index, axis=1)
+
+
+def real_tokens(counts: Optional[Array], batch: int, width: int) -> Array:
+  """``[batch, width]`` bool: which tokens of a piece are real (all, when ``counts`` is None)."""
+  if counts is None:
+    return jnp.ones((batch, width), bool)
+  return jnp.arange(width)[None, :] < counts[:, None]
 
 
 @runtime_checkable

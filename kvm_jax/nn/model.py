@@ -21,7 +21,7 @@ from flax import nnx
 
 from kvm_jax.config.model import ModelConfig
 from kvm_jax.nn.mixers.attention import LayerCache
-from kvm_jax.nn.cache import RESUME, cache_lengths, select_rows
+from kvm_jax.nn.cache import Resume, cache_lengths, last_tokens, piece_counts, select_rows
 from kvm_jax.nn.families.family import family_of
 from kvm_jax.nn.families.gptalpha2 import MLP  # noqa: F401  (its home before families; still importable)
 from kvm_jax.nn.mixers.kv_sharing import SharedKV
@@ -116,7 +116,7 @@ class Block(nnx.Module):
     new_cache = None
     if cache is not None:
       new_cache = LayerCache(mixer=mixer_cache, last_q=tails[0], last_k=tails[1], last_v=tails[2],
-                             last_mlp=m_in[:, -1:])
+                             last_mlp=last_tokens(m_in, piece_counts(decode)))
     return BlockOutput(x, new_cache, exports, h)
 
 
@@ -353,15 +353,20 @@ class LM(nnx.Module):
       alignment = math.lcm(alignment, int(step))
     return alignment
 
-  def resume(self, tokens: Array, caches: list[LayerCache]) -> tuple[Array, list[LayerCache]]:
+  def resume(self, tokens: Array, caches: list[LayerCache],
+             counts: Optional[Array] = None) -> tuple[Array, list[LayerCache]]:
     """Continues every row by the ``T`` tokens ``tokens [B, T]`` in parallel, each row from its
     own length: logits ``[B, T, V]`` and the caches, equal to ``T`` decode steps (and to
     :meth:`prefill` of the whole sequence) to float32 rounding.
 
     ``T`` and every row's length must be multiples of :meth:`resume_alignment`; a row at length
     0 starts its sequence (equal to :meth:`prefill` of the piece), so rows starting a prompt and
-    rows continuing one go in one call (the engine's chunked prefill). Lengths are checked when
-    concrete."""
+    rows continuing one go in one call (the engine's chunked prefill). ``counts [B]`` (1 ≤
+    ``counts[b]`` ≤ ``T``; None: ``T``): row ``b`` takes only its first ``counts[b]`` tokens,
+    the rest of its piece being padding: its cache ends as after ``counts[b]`` decode steps (its
+    length then need not be a multiple; it goes on by decode steps) and its logits past them
+    mean nothing. So a prompt's last, partial chunk runs in the program of whole chunks. Lengths
+    and counts are checked when concrete."""
     self.check_tokens(tokens)
     B, T = tokens.shape
     alignment = self.resume_alignment()
@@ -376,8 +381,17 @@ class LM(nnx.Module):
     if is_concrete(lengths) and bool(jnp.any(lengths % alignment != 0)):
       raise ValueError(f"resume: row lengths {np.asarray(lengths).tolist()} must be multiples of "
                        f"{alignment}; feed a row's rest with extend.")
+    if counts is not None:
+      counts = jnp.asarray(counts, jnp.int32)
+      if counts.shape != (B,):
+        raise ValueError(f"resume: counts must hold one count per row, shape ({B},), got "
+                         f"{counts.shape}.")
+      if is_concrete(counts) and bool(jnp.any((counts < 1) | (counts > T))):
+        raise ValueError(f"resume: counts {np.asarray(counts).tolist()} must lie in [1, {T}] "
+                         "(the real tokens at the front of each row's piece); leave a row out "
+                         "of the call rather than give it none.")
     positions = lengths[:, None] + jnp.arange(T)[None, :]
-    features, caches = self._run(tokens, positions, caches, RESUME)
+    features, caches = self._run(tokens, positions, caches, Resume(counts))
     return self.logits(features), caches
 
   def extend(self, tokens: Array, caches: list[LayerCache],

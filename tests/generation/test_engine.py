@@ -20,20 +20,26 @@ from flax import nnx
 
 import kvm_jax as kj
 from kvm_jax.generation.engine import Engine, generate_many, sample_rows, sampling_rows
-from kvm_jax.nn.cache import cache_lengths, copy_row, reset_rows
+from kvm_jax.nn.cache import cache_lengths, copy_row, reset_rows, select_rows
+from kvm_jax.nn.families.gemma import GemmaOptions
+from kvm_jax.nn.families.llama import LlamaOptions
 from tests.helpers import decode_step, forward, in_ci, make_model, prefill
 
 GREEDY = kj.SamplingConfig(temperature=0.0)
 LOGIT_TOL = 1e-5
 # One engine shape for the tests that compare requests (its step programs compile once per model
-# and worker): prompts through the lanes (every slot's, pieces of 8 = the tiny models' chunk), rests
-# through the decode step, bursts of up to 4 tokens per slot and step.
+# and worker): prompts through the lanes (every slot's, pieces of 8 = the tiny models' chunk, a
+# prompt's partial last chunk in a lane of its own count), bursts of up to 4 tokens per slot and
+# step.
 MAX_LEN = 48
 ENGINE = dict(slots=3, max_len=MAX_LEN, prefill_chunk=8, tokens_per_step=4, keep_logits=True)
 
-# Every mixer kind, and both kinds of cross-layer KV sharing. The three hybrids run in CI (five
-# kinds' caches); shared routing's engine runs are checked in CI by the prefill_bucket test, and
-# RWKV-7's cache (a state and a length) by the resume and stream tests; the rest nightly.
+# Every mixer kind, both kinds of cross-layer KV sharing, and the Llama and Gemma families (the
+# paper's GPTAlpha-2 is the others'). The three hybrids run in CI (five kinds' caches); shared
+# routing's engine runs are checked in CI by the prefill_bucket test, and RWKV-7's cache (a state
+# and a length) by the resume and stream tests; the rest nightly. The last four put the kinds whose
+# own alignment is 1 (rings, RWKV-7) beside KVM's chunk, so that their pieces end partway too.
+_KVM16 = dataclasses.replace(kj.presets.TINY_OPTIONS["kvm"], rope_dims=16)
 PATTERNS = {
     "kvm_swa_hybrid": dict(mixers=("swa", "kvm")),
     "full_bswa_hybrid": dict(mixers=("full", "bswa")),
@@ -44,6 +50,17 @@ PATTERNS = {
     "kvm": dict(mixers="kvm"),
     "kvm_window_fusion": dict(mixers="kvm", kv_sharing="fusedkv"),
     "full_fusedkv": dict(mixers="full", kv_sharing="fusedkv"),
+    "full_bswa_kvm_hybrid": dict(mixers=("full", "bswa", "kvm"), num_layers=3),
+    "rwkv7_kvm_hybrid": dict(mixers=("rwkv7", "kvm")),
+    "llama_swa_kvm": dict(mixers=("swa", "kvm"), family="llama", rope_dims=16,
+                          family_options=LlamaOptions(intermediate_size=96, qkv_bias=True,
+                                                      qk_norm=True),
+                          options={"kvm": _KVM16}),
+    "gemma_swa_kvm": dict(mixers=("swa", "kvm"), family="gemma", rope_dims=16,
+                          family_options=GemmaOptions(intermediate_size=96, local_layers=(0,),
+                                                      qk_norm=True, attention_softcap=50.0,
+                                                      final_logit_softcap=30.0),
+                          options={"kvm": _KVM16}),
 }
 CI_PATTERNS = {"kvm_swa_hybrid", "full_bswa_hybrid", "ovq_swa_hybrid"}
 
@@ -138,6 +155,83 @@ def test_engine_requests_equal_their_alone_runs(name):
     assert result.tokens == tokens, (name, rid, len(prompt))
     assert result.finish_reason == "length"
     assert_logits_close(result.logits, logits, f"{name} request {rid}")
+
+
+# The tiny models' chunk (KVM's and OVQ's C; the lanes' alignment where a model has one) and the
+# prompt lengths whose last chunk is partial: shorter than a chunk (a rest of 1 and of C - 1), a
+# rest of 1 and of C - 1 after whole chunks, and rests whose lane folds first (from 24 = L + C,
+# from 32).
+C = 8
+PARTIAL_PROMPTS = (1, C - 1, C + 1, 2 * C - 1, 3 * C + 4, 4 * C + 1)
+
+
+def partial_prompts(seed: int) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, 256, n).tolist() for n in PARTIAL_PROMPTS]
+
+
+@pytest.mark.parametrize("name", in_ci(sorted(PATTERNS), {"kvm_swa_hybrid", "ovq_swa_hybrid",
+                                                          "full_bswa_kvm_hybrid"}))
+def test_partial_last_chunks_equal_their_alone_runs(name):
+  """Prompts whose last chunk is partial, all submitted at once to three slots (a lane's partial
+  piece beside whole ones and beside decoding slots): greedy tokens equal the alone run's, and
+  the logits each was drawn from within 1e-5 (float32, see the module docstring), for every
+  kind; the decodes after each partial lane cross chunk and window boundaries."""
+  model = _model(name)
+  prompts = partial_prompts(21)
+  engine = Engine(model, **ENGINE)
+  ids = [engine.submit(p, max_new_tokens=10) for p in prompts]
+  engine.run()
+  for rid, prompt in zip(ids, prompts):
+    tokens, logits = alone(model, prompt, 10, MAX_LEN)
+    assert engine.result(rid).tokens == tokens, (name, len(prompt))
+    assert_logits_close(engine.result(rid).logits, logits, f"{name}, {len(prompt)}-token prompt")
+
+
+@pytest.mark.parametrize("name", in_ci(["kvm_swa_hybrid", "llama_swa_kvm", "gemma_swa_kvm"],
+                                       {"kvm_swa_hybrid"}))
+def test_partial_last_chunks_sample_what_generate_draws(name):
+  """Sampled under temperature, top-k and top-p, prompt ``i`` with seed ``s + i``: each request
+  of a partial last chunk draws exactly ``kj.generate``'s tokens for that prompt alone with
+  ``PRNGKey(s + i)`` (its parallel prefill of the whole prompt); three draws differ, so the
+  sampling is not greedy in disguise."""
+  model = _model(name)
+  prompts = partial_prompts(22)[:4]
+  sampling = kj.SamplingConfig(temperature=1.3, top_k=40, top_p=0.9)
+  engine = Engine(model, **ENGINE)
+  ids = [engine.submit(p, max_new_tokens=6, sampling=sampling, seed=30 + i)
+         for i, p in enumerate(prompts)]
+  engine.run()
+  for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+    want, _ = kj.generate(model, jnp.asarray([prompt]), max_new_tokens=6, sampling=sampling,
+                          key=jax.random.PRNGKey(30 + i), max_len=MAX_LEN)
+    assert engine.result(rid).tokens == np.asarray(want[0, len(prompt):]).tolist(), (name, i)
+  assert len({tuple(engine.result(r).tokens) for r in ids}) > 1
+
+
+def test_a_prompts_partial_last_chunk_takes_no_decode_round():
+  """A prompt's rest after its whole chunks (or a prompt shorter than one) is fed in one lane
+  of the step that draws its first token: the steps to that token are the prompt's chunks,
+  rounded up, and the step runs no decode round (the engine counts the rounds its device loop
+  ran). ``rest_prefill="decode"`` feeds the rest a round per token, as the engine did before
+  the lanes took rests (that count is the measure's own check), and draws the same token."""
+  model = _model("kvm_swa_hybrid")
+  for length in PARTIAL_PROMPTS:
+    prompt = list(range(1, length + 1))
+    first = {}
+    for how, rounds in (("lane", 0), ("decode", length % C)):
+      engine = Engine(model, **ENGINE, rest_prefill=how)
+      rid = engine.submit(prompt, max_new_tokens=1)
+      steps = 0
+      while engine.busy:
+        engine.step()
+        steps += 1
+      assert engine.decode_rounds == rounds, (how, length)
+      assert steps == (-(-length // C) if how == "lane" else length // C + 1), (how, length)
+      first[how] = engine.result(rid).tokens
+    assert first["lane"] == first["decode"], length
+  with pytest.raises(ValueError, match=r"rest_prefill='chunks' is unknown; choose from"):
+    Engine(model, **ENGINE, rest_prefill="chunks")
 
 
 def test_prefill_bucket_admission_equals_alone_runs():
@@ -309,6 +403,62 @@ def test_resume_in_pieces_equals_prefill_at_once(name):
   _, off_unit = prefill(model, tokens[:, :1], model.init_cache(2, 9 * A))
   with pytest.raises(ValueError, match=r"row lengths \[1, 1\] must be multiples"):
     model.resume(tokens[:, :A], off_unit)
+
+
+def _decoded_rows(model, tokens, caches, starts, counts):
+  """Row ``b`` of ``caches`` continued by decode steps over ``tokens[b, starts[b]:starts[b] +
+  counts[b]]`` (the other rows held meanwhile): the logits of each fed token ``[B, n, V]`` and
+  the caches."""
+  logits = []
+  for i in range(max(counts)):
+    column = jnp.asarray([[tokens[b, min(starts[b] + i, tokens.shape[1] - 1)]]
+                          for b in range(len(starts))], jnp.int32)
+    step_logits, stepped = decode_step(model, column, caches)
+    caches = select_rows(jnp.asarray([i < n for n in counts]), stepped, caches)
+    logits.append(np.asarray(step_logits[:, 0]))
+  return np.stack(logits, axis=1), caches
+
+
+# KVM's and OVQ's counts in CI (beside the swa ring); RWKV-7's and the block window's (sinks)
+# nightly, where the engine tests of their hybrids run too.
+@pytest.mark.parametrize("name", in_ci(
+    ["kvm_swa_hybrid", "ovq_swa_hybrid", "rwkv7_kvm_hybrid", "full_bswa_kvm_hybrid"],
+    {"kvm_swa_hybrid", "ovq_swa_hybrid"}))
+def test_resume_with_counts_ends_as_the_decode_steps_do(name):
+  """``LM.resume(tokens, caches, counts)`` over a piece of two alignment units whose rows end
+  early: a row starting its sequence with one token, a row at 2C with C - 1 (the padded second
+  chunk would fold at 24 = L + C: it must not), and a row at 3C with C + 3 (folds at 24 and 32,
+  a partial chunk after a whole one). The real tokens' logits equal decode steps' within 1e-5,
+  and so does every array of the caches (float32 rounding of the same sums: measured <= 1.1e-6;
+  the lengths and state row counts exactly): the padding is written nowhere, folds and starts
+  nothing, and the token-shift history is the last real token's."""
+  model = _model(name)
+  A = model.resume_alignment()
+  assert A == C
+  starts, counts = [0, 2 * C, 3 * C], [1, C - 1, C + 3]
+  tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(5), (3, 6 * C), 0, 256))
+  _, caches = _decoded_rows(model, tokens, model.init_cache(3, 6 * C), [0, 0, 0], starts)
+  np.testing.assert_array_equal(cache_lengths(caches, 3), starts)
+  piece = np.zeros((3, 2 * C), np.int32)
+  for b in range(3):
+    piece[b, :counts[b]] = tokens[b, starts[b]:starts[b] + counts[b]]
+  resume = nnx.jit(lambda m, t, c, n: m.resume(t, c, n))
+  got_logits, got = resume(model, jnp.asarray(piece), caches, jnp.asarray(counts))
+  want_logits, want = _decoded_rows(model, tokens, caches, starts, counts)
+  for b in range(3):
+    assert_logits_close(list(np.asarray(got_logits[b, :counts[b]])),
+                        list(want_logits[b, :counts[b]]), f"{name} row {b}")
+  np.testing.assert_array_equal(cache_lengths(got, 3), np.add(starts, counts))
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got),
+                          jax.tree_util.tree_leaves(want)):
+    where = f"{name} {jax.tree_util.keystr(path)}"
+    if np.issubdtype(np.asarray(a).dtype, np.integer):
+      np.testing.assert_array_equal(a, b, err_msg=where)
+    else:
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5,
+                                 err_msg=where)
+  with pytest.raises(ValueError, match=r"counts \[0, 7, 11\] must lie in \[1, 16\]"):
+    model.resume(jnp.asarray(piece), caches, jnp.asarray([0, 7, 11]))
 
 
 def test_extend_fills_one_row_while_the_others_keep_theirs():

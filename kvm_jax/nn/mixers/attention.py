@@ -29,7 +29,7 @@ from flax import nnx
 
 from kvm_jax.config.model import ModelConfig, value_lora_width
 from kvm_jax.nn.mixers import kv_sharing
-from kvm_jax.nn.cache import RESUME
+from kvm_jax.nn.cache import is_resume, last_tokens, piece_counts
 from kvm_jax.nn.families.family import family_of
 from kvm_jax.nn.mixers.mixer import Mixed, MixerOutput
 from kvm_jax.nn.layers import depth_ratio, float32_init, linear, token_shift, zeros_init
@@ -204,20 +204,23 @@ class AttentionFrontEnd(nnx.Module):
     return self._head_norm("ln_q", q.reshape(B, T, cfg.num_heads, cfg.qk_head_dim)).astype(dtype)
 
   def queries(self, x: Array, positions: Array, prev: Optional[LayerCache],
-              starts: Optional[Array] = None):
+              starts: Optional[Array] = None, counts: Optional[Array] = None):
     """Queries ``[B, T, H, D]`` and the token-shift tails of a reconstruction layer
-    (``starts [B, T]``: packed documents' first tokens, where the shift restarts)."""
+    (``starts [B, T]``: packed documents' first tokens, where the shift restarts; ``counts
+    [B]``: a piece's real tokens per row, whose last one the tails are)."""
     q = self.c_q(x)
-    tails = (q[:, -1:], None, None)
+    tails = (last_tokens(q, counts), None, None)
     q = self._rotate(self._query_heads(q, prev, x.dtype, starts), positions)
     return self._scaled(q), tails
 
   def qkv(self, x: Array, v_first: Optional[Array], positions: Array,
-          prev: Optional[LayerCache], starts: Optional[Array] = None):
+          prev: Optional[LayerCache], starts: Optional[Array] = None,
+          counts: Optional[Array] = None):
     """``(q [B,T,H,D], k [B,T,Hkv,D], v [B,T,Hkv,Dv], tails)`` of a layer with its own K/V:
     value residual, then token shift of the projected q/k/v, QK-LN, RoPE. ``tails`` are the last
-    projected (pre-shift) q/k/v: the next decode step's z_{t-1}. ``starts [B, T]``: the first
-    tokens of packed documents, where the token shift restarts."""
+    projected (pre-shift) q/k/v: the next decode step's z_{t-1} (of each row's last real token
+    when ``counts [B]`` says how many a piece holds). ``starts [B, T]``: the first tokens of
+    packed documents, where the token shift restarts."""
     cfg = self.cfg
     B, T, _ = x.shape
     q, k, v = self.c_q(x), self.c_k(x), self.c_v(x)
@@ -225,7 +228,7 @@ class AttentionFrontEnd(nnx.Module):
       gate = jax.nn.sigmoid(self.v_gate0[...].astype(jnp.float32)
                             + self.v_gate2(self.v_gate1(x)).astype(jnp.float32))
       v = v + (v_first.astype(v.dtype) - v) * gate.astype(v.dtype)
-    tails = (q[:, -1:], k[:, -1:], v[:, -1:])
+    tails = tuple(last_tokens(z, counts) for z in (q, k, v))
     q = self._query_heads(q, prev, x.dtype, starts)
     if cfg.tokenshift_attention:
       k = token_shift(k, self.x_k[...], None if prev is None else prev.last_k, "first", starts)
@@ -259,11 +262,12 @@ class AttentionFrontEnd(nnx.Module):
       # the cache starts with.
       starts = (positions == 0) if decode else None
       extra = {}
+    counts = piece_counts(decode)
     if self.sources is None:
-      q, k, v, tails = self.qkv(x, v_first, positions, prev, starts)
+      q, k, v, tails = self.qkv(x, v_first, positions, prev, starts, counts)
       mixed = self.mix_own(x, q, k, v, mixer_cache, decode, shared, **extra)
     else:
-      q, tails = self.queries(x, positions, prev, starts)
+      q, tails = self.queries(x, positions, prev, starts, counts)
       mixed = self.mix_reconstructed(x, q, mixer_cache, decode, shared, **extra)
     y, mixer_cache, exports = mixed
     B, T = x.shape[:2]
@@ -323,8 +327,9 @@ class SoftmaxAttention(AttentionFrontEnd):
   def mix_own(self, x, q, k, v, mixer_cache, decode, shared, documents=None):
     if documents is not None:
       y = self.attend_documents(q, k, v, documents)
-    elif decode == RESUME:
-      y, mixer_cache = attn_ops.ring_resume(q, k, v, mixer_cache, softcap=self.softcap)
+    elif is_resume(decode):
+      y, mixer_cache = attn_ops.ring_resume(q, k, v, mixer_cache, softcap=self.softcap,
+                                            counts=piece_counts(decode))
     elif decode:
       y, mixer_cache = attn_ops.ring_decode_step(q, k, v, mixer_cache, softcap=self.softcap)
     else:

@@ -21,7 +21,7 @@ from kvm_jax.nn.authors_format import (AuthorsMixer, AuthorsReading, AuthorsWrit
                                        read_int, shared_window)
 from kvm_jax.nn.mixers import kv_sharing
 from kvm_jax.nn.mixers.attention import AttentionFrontEnd
-from kvm_jax.nn.cache import RESUME
+from kvm_jax.nn.cache import is_resume, piece_counts
 from kvm_jax.nn.layers import layer_norm, linear
 from kvm_jax.nn.mixers.mixer import Mixed
 from kvm_jax.ops.kvm.api import (KVMBackend, kvm_attention, kvm_decode_step, kvm_prefill,
@@ -271,8 +271,9 @@ class KVMAttention(AttentionFrontEnd):
     """The KVM op over this layer's (or fused) keys and values with merge gates ``g`` and
     ``params``: whole sequence, prefill into ``mixer_cache``, or one decode step. Returns
     ``(y, cache, decisions or None)``."""
-    if decode == RESUME:  # the XLA chunk scan, whatever the model's implementation
-      y, cache = kvm_resume(q, k, v, g, params, self.options, mixer_cache)
+    if is_resume(decode):  # the XLA chunk scan, whatever the model's implementation
+      y, cache = kvm_resume(q, k, v, g, params, self.options, mixer_cache,
+                            counts=piece_counts(decode))
       return y, cache, None
     kw = dict(routing=routing, return_routing=return_routing, backend=self.backend())
     if decode:

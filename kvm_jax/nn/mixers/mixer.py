@@ -102,8 +102,9 @@ class MixerKind(Protocol):
   def __call__(self, x: Array, v_first: Optional[Array], positions: Array, cache: Any = None,
                decode: Any = False, shared: Any = None, documents: Any = None
                ) -> MixerOutput:
-    """A :class:`MixerOutput` for a whole sequence, a decode step or (``decode=RESUME``) a
-    parallel piece."""
+    """A :class:`MixerOutput` for a whole sequence, a decode step or (``decode`` a
+    :class:`kvm_jax.nn.cache.Resume`) a parallel piece, whose rows may end early (its
+    ``counts``)."""
 
 
 @dataclasses.dataclass(frozen=True)

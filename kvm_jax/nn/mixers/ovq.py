@@ -23,7 +23,7 @@ from kvm_jax.nn.authors_format import (AuthorsMixer, AuthorsReading, AuthorsWrit
                                        ConfigError, read_flag, read_int)
 from kvm_jax.nn.mixers.attention import AttentionFrontEnd
 from kvm_jax.ops.ovq.config import OVQConfig
-from kvm_jax.nn.cache import RESUME
+from kvm_jax.nn.cache import is_resume, piece_counts
 from kvm_jax.nn.mixers.mixer import Mixed
 from kvm_jax.ops.ovq.decode import (OVQCache, ovq_decode_step, ovq_init_cache, ovq_prefill,
                                     ovq_resume)
@@ -119,8 +119,9 @@ class OVQAttention(AttentionFrontEnd):
       segment_ids = documents.segment_ids()
       y = ovq_attention_documents(q, k, v, beta, segment_ids, self.options)
       return Mixed(y, None, {"k": k, "v": v})
-    if decode == RESUME:
-      y, mixer_cache = ovq_resume(q, k, v, beta, self.options, mixer_cache)
+    if is_resume(decode):
+      y, mixer_cache = ovq_resume(q, k, v, beta, self.options, mixer_cache,
+                                  counts=piece_counts(decode))
     elif decode:
       y, mixer_cache = ovq_decode_step(q, k, v, beta, self.options, mixer_cache)
     elif mixer_cache is not None:

@@ -32,7 +32,7 @@ from kvm_jax.config.model import ModelConfig, lora_width
 from kvm_jax.nn.authors_format import (LN_LEAVES, AuthorsMixer, AuthorsReading, Layout,
                                        copied, transposed, with_leading_ones)
 from kvm_jax.nn.mixers.attention import cache_bytes_from_shapes
-from kvm_jax.nn.cache import RESUME
+from kvm_jax.nn.cache import is_resume, last_tokens, piece_counts, real_tokens
 from kvm_jax.nn.mixers.mixer import MixerOutput
 from kvm_jax.nn.layers import GroupNorm, float32_init, linear, shift_delta, zeros_init
 from kvm_jax.ops.kvm.state import safe_l2_norm
@@ -295,10 +295,16 @@ class RWKV7TimeMix(nnx.Module):
     k = f32(k) * (1.0 + (a - 1.0) * f32(self.k_a[...]))
     rh, kh, vh, ah = heads(f32(r)), heads(k), heads(f32(v)), heads(a)
     inputs = (rh, heads(log_w), kh, vh, -kk, kk * ah)
-    if decode == RESUME:
+    counts = piece_counts(decode)
+    if is_resume(decode):
+      if counts is not None:  # padding: no decay, no key, no removal (the state passes it by)
+        real = real_tokens(counts, B, T)[:, :, None, None]
+        r_, w_, k_, v_, a_, b_ = inputs
+        inputs = (r_, *(jnp.where(real, z, 0.0) for z in (w_, k_)), v_,
+                  *(jnp.where(real, z, 0.0) for z in (a_, b_)))
       y, state = rwkv7_recurrence(*inputs, initial_state=mixer_cache.state,
                                   chunk_size=self.options.chunk_size)
-      length = mixer_cache.length + T
+      length = mixer_cache.length + (T if counts is None else counts)
     elif decode:
       y, state = rwkv7_step(*(z[:, 0] for z in inputs), mixer_cache.state)
       y, length = y[:, None], mixer_cache.length + 1
@@ -307,7 +313,7 @@ class RWKV7TimeMix(nnx.Module):
                                   segment_ids=segment_ids)
       length = jnp.full((B,), T, jnp.int32)
     if mixer_cache is not None:
-      last = x[:, -1:].astype(mixer_cache.last_input.dtype)
+      last = last_tokens(x, counts).astype(mixer_cache.last_input.dtype)
       mixer_cache = RWKV7Cache(state=state, last_input=last, length=length,
                                max_len=mixer_cache.max_len)
     y = self.ln_x(y.reshape(B, T, C))

@@ -227,16 +227,21 @@ def ring_decode_step(q_t: Array, k_t: Array, v_t: Array, cache: RingCache,
 
 @jax.jit
 def ring_resume(q: Array, k: Array, v: Array, cache: RingCache,
-                scale: Optional[float] = None, softcap: Optional[float] = None
-                ) -> tuple[Array, RingCache]:
+                scale: Optional[float] = None, softcap: Optional[float] = None,
+                counts: Optional[Array] = None) -> tuple[Array, RingCache]:
   """``W`` more tokens per row, in parallel, each row continuing from its own length
   ``cache.length[b]``: ``q [B,W,H,D]``, ``k [B,W,Hkv,D]``, ``v [B,W,Hkv,Dv]`` -> ``y [B,W,H,Dv]``
   and the cache after them. The same attention as ``W`` :func:`ring_decode_step` calls: each
-  query sees the ring's earlier keys and the piece's keys up to itself, by the kind's rule."""
+  query sees the ring's earlier keys and the piece's keys up to itself, by the kind's rule.
+
+  ``counts [B]`` (1 ≤ ``counts[b]`` ≤ ``W``; None: ``W``): row ``b`` takes only its first
+  ``counts[b]`` tokens; the cache ends as after those (the padding is written nowhere, and no
+  real query sees it: it lies after every real token)."""
   B, W, H, D = q.shape
   Hkv = k.shape[2]
   slots = cache.keys.shape[1]
   start = batch_rows(cache.length, B)                                         # [B]
+  count = jnp.full((B,), W, jnp.int32) if counts is None else counts.astype(jnp.int32)
   query_pos = start[:, None] + jnp.arange(W)                                  # [B, W]
   ring_pos = ring_positions(start - 1, slots)                                 # [B, slots]
   key_pos = jnp.concatenate([ring_pos, query_pos], axis=1)                    # [B, slots + W]
@@ -250,7 +255,7 @@ def ring_resume(q: Array, k: Array, v: Array, cache: RingCache,
   if S:
     # a sink is a prompt's first tokens: written when this piece holds them
     sink_index = jnp.arange(S)[None, :] - start[:, None]                     # [B, S]
-    in_piece = (sink_index >= 0) & (sink_index < W)
+    in_piece = (sink_index >= 0) & (sink_index < count[:, None])
     take = lambda x: jnp.take_along_axis(x, jnp.clip(sink_index, 0, W - 1)[..., None, None],
                                          axis=1)
     sink_keys = jnp.where(in_piece[..., None, None], take(k).astype(sink_keys.dtype), sink_keys)
@@ -266,13 +271,19 @@ def ring_resume(q: Array, k: Array, v: Array, cache: RingCache,
   temp = _scale_as_temperature(scale, q, Hkv)
   y = joint_attention(q.reshape(B, W, Hkv, H // Hkv, D), state_k, state_v, state_valid, keys,
                       values, window_valid, temp, temp, softcap)
-  y = jnp.where((query_pos < cache.max_len)[..., None, None], y.reshape(B, W, H, -1), jnp.nan)
-  # The ring keeps the last `slots` positions; only the piece's last min(W, slots) tokens can be
-  # among them (their slots are distinct), written over what they replace.
-  kept = min(W, slots)
-  new_pos = query_pos[:, W - kept:]
-  write = lambda ring, x: jax.vmap(lambda r, i, xi: r.at[i].set(xi))(
-      ring, new_pos % slots, x[:, W - kept:].astype(ring.dtype))
+  # Past max_len a real token has no place: its output is poisoned. Padding stays finite, since
+  # the layers above read it (masked, and a masked NaN would still reach every output).
+  real = jnp.arange(W)[None, :] < count[:, None]                              # [B, W]
+  y = jnp.where(((query_pos < cache.max_len) | ~real)[..., None, None], y.reshape(B, W, H, -1),
+                jnp.nan)
+  # The ring keeps the last `slots` positions; only the real tokens among the piece's last
+  # min(count, slots) can be among them (their slots are distinct), written over what they
+  # replace; the others go to slot `slots`, which the write drops.
+  index = jnp.arange(W)[None, :]
+  kept = real & (index >= count[:, None] - slots)
+  slot = jnp.where(kept, query_pos % slots, slots)
+  write = lambda ring, x: jax.vmap(lambda r, i, xi: r.at[i].set(xi, mode="drop"))(
+      ring, slot, x.astype(ring.dtype))
   return y.astype(q.dtype), dataclasses.replace(
       cache, keys=write(cache.keys, k), values=write(cache.values, v), sink_keys=sink_keys,
-      sink_values=sink_values, length=start + W)
+      sink_values=sink_values, length=start + count)

@@ -361,15 +361,18 @@ def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMP
 
 
 def kvm_resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,
-               cfg: KVMConfig, cache: KVMCache):
+               cfg: KVMConfig, cache: KVMCache, counts: Optional[Array] = None):
   """Continues every row of ``cache`` by ``W`` tokens in parallel (``q [B, W, H, D]`` ...):
   ``(y [B, W, H, Dv], cache)``, equal to ``W`` :func:`kvm_decode_step` calls to float32 rounding.
 
   ``W`` and every row's length must be multiples of ``chunk_size``; a row at length 0 starts its
   sequence here (equal to :func:`kvm_prefill` of the piece): the chunked prefill of long
-  prompts, piece after piece, rows starting and continuing in one call. The lengths are checked
-  when concrete. Runs on XLA (the fold's row accumulation as the backend resolver decides for
-  this platform)."""
+  prompts, piece after piece, rows starting and continuing in one call. ``counts [B]`` (1 ≤
+  ``counts[b]`` ≤ ``W``; None: ``W``): row ``b`` takes only its first ``counts[b]`` tokens, so a
+  prompt's last, partial chunk goes in the same program (equal to that many decode steps; the
+  row's length is then no multiple of ``chunk_size`` and it continues by decode steps). The
+  lengths are checked when concrete. Runs on XLA (the fold's row accumulation as the backend
+  resolver decides for this platform)."""
   validate_inputs(q, k, v, merge_gate, params, cfg)
   check_against_cache(k, v, cache, "kvm_resume")
   C = cfg.chunk_size
@@ -383,4 +386,4 @@ def kvm_resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParam
                        f"chunk_size={C}; feed the rest of a row's piece with kvm_decode_step.")
   be = resolve_kvm_backend(cfg, implementation="xla")
   return decode.resume(q, k, v, merge_gate, params, cfg=cfg, cache=cache,
-                       row_update=be.row_update)
+                       row_update=be.row_update, counts=counts)

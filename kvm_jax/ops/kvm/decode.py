@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -281,16 +282,22 @@ def decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParam
 
 
 def _begin_rows(state: KVMState, readout_keys: Array, readout_values: Array, begins: Array,
-                k_chunk: Array, v_chunk: Array, g_chunk: Array, params: KVMParams,
-                cfg: KVMConfig):
-  """``(state, readout_keys, readout_values)`` with the rows where ``begins [B]`` replaced by
-  an initial state of the chunk's ``C`` tokens (``k_chunk [B, C, Hkv, D]`` ...)."""
-  C = k_chunk.shape[1]
-  initial = initial_state(k_chunk, v_chunk, g_chunk, C, state.capacity, params, cfg)
-  initial = per_row_state(initial, begins.shape[0])
+                k_chunk: Array, v_chunk: Array, g_chunk: Array, num_valid: Array,
+                params: KVMParams, cfg: KVMConfig):
+  """``(state, readout_keys, readout_values)`` where ``begins [B]``: state rows ``[0,
+  num_valid[b])`` made from the chunk's first tokens (``k_chunk [B, C, Hkv, D]`` ...), as many
+  decode steps of a prompt shorter than a chunk make them, the other rows as they were."""
+  C, B = k_chunk.shape[1], begins.shape[0]
+  initial = per_row_state(initial_state(k_chunk, v_chunk, g_chunk, C, state.capacity, params,
+                                        cfg), B)
   keys, values = readout_cache(initial, params, cfg, readout_keys.dtype)
-  return (_per_row_select(begins, initial, state), _per_row_select(begins, keys, readout_keys),
-          _per_row_select(begins, values, readout_values))
+  made = begins[:, None] & (jnp.arange(state.capacity)[None, :] < num_valid[:, None])  # [B, R]
+  pick = lambda new, old: jnp.where(made.reshape(made.shape[:1] + (1,) + made.shape[1:]
+                                                 + (1,) * (new.ndim - 3)), new, old)
+  began = KVMState(keys=pick(initial.keys, state.keys), values=pick(initial.values, state.values),
+                   radius=pick(initial.radius, state.radius),
+                   num_rows=jnp.where(begins, num_valid, state.num_rows).astype(jnp.int32))
+  return began, pick(keys, readout_keys), pick(values, readout_values)
 
 
 def _ring_in_order(ring: Array, start: Array, window: int) -> Array:
@@ -300,20 +307,20 @@ def _ring_in_order(ring: Array, start: Array, window: int) -> Array:
   return jnp.take_along_axis(ring, index.reshape(index.shape + (1,) * (ring.ndim - 2)), axis=1)
 
 
-def _ring_after_piece(extended: Array, end: Array, width: int) -> Array:
-  """The ring after a piece of ``width`` tokens: the last ``window`` tokens of ``extended [B,
-  window + width, ...]`` (ring in order, then the piece), each in the slot of its position
-  (rows ending at ``end [B]``)."""
-  window = extended.shape[1] - width
-  slot_source = (jnp.arange(window)[None, :] - end[:, None]) % window       # [B, window]
+def _ring_after_piece(extended: Array, end: Array, count: Array, window: int) -> Array:
+  """The ring of ``window`` slots after a piece whose first ``count [B]`` tokens are real: the
+  ``window`` tokens of ``extended [B, window + width, ...]`` (ring in order, then the piece)
+  before each row's ``end [B]``, each in the slot of its position (so the slots that no real
+  token replaced keep their ring token)."""
+  slot_source = count[:, None] + (jnp.arange(window)[None, :] - end[:, None]) % window
   return jnp.take_along_axis(
-      extended[:, width:], slot_source.reshape(slot_source.shape + (1,) * (extended.ndim - 2)),
-      axis=1)
+      extended, slot_source.reshape(slot_source.shape + (1,) * (extended.ndim - 2)), axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ops", "row_update"))
 def resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, cfg: KVMConfig,
-           cache: KVMCache, ops: ChunkOps = XLA_OPS, row_update: str = "auto"):
+           cache: KVMCache, ops: ChunkOps = XLA_OPS, row_update: str = "auto",
+           counts: Optional[Array] = None):
   """``W`` more tokens per row in parallel, chunk by chunk, each row continuing from its own
   length: ``(y [B, W, H, Dv], cache)``, the same as ``W`` :func:`decode_step` calls.
 
@@ -322,12 +329,19 @@ def resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, c
   starting and rows continuing go in one call. The keys a chunk sees
   are the ring's last ``L`` tokens followed by the piece's, so chunk ``j`` reads its window as
   one slice, and folds the chunk leaving the window (from the ring or the piece) first, exactly
-  when the decode step would."""
+  when the decode step would.
+
+  ``counts [B]`` (None: ``W``): row ``b`` takes only its first ``counts[b]`` tokens (at least
+  one), the same as that many decode steps: a chunk with no real token neither folds nor
+  starts the state, a partial first chunk of a sequence makes only its real tokens state rows,
+  and only real tokens enter the ring. The padding's outputs are finite and meaningless (no
+  real query sees a padding key: they lie after every real token)."""
   B, W, H, D = q.shape
   Hkv = k.shape[2]
   C, nb, L = cfg.chunk_size, cfg.window_chunks, cfg.window_len
   G = H // Hkv
   start = batch_rows(cache.length, B)                                        # [B]
+  count = jnp.full((B,), W, jnp.int32) if counts is None else counts.astype(jnp.int32)
   state = per_row_state(cache.state, B)
   R = state.capacity
   dtype = cache.window_keys.dtype
@@ -345,7 +359,8 @@ def resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, c
     state, readout_keys, readout_values = carry
     j, q_chunk = xs
     t = start + j * C                                                        # [B]
-    fire = (t >= L + C) & (t < cache.max_len)
+    real = j * C < count  # the chunk holds a real token: the decode step would reach it
+    fire = (t >= L + C) & (t < cache.max_len) & real
     window = lambda x: jax.lax.dynamic_slice_in_dim(x, j * C, C, axis=1)
     n_append = jnp.where(fire, rows_table[jnp.clip(t // C - nb, 0, rows_table.shape[0] - 1)]
                          - state.num_rows, 0)
@@ -357,10 +372,11 @@ def resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, c
     readout_values = _per_row_select(fire, folded_values, readout_values)
     # a row starting here: its first chunk's tokens become its initial state rows (visible only
     # from t >= L, so this chunk's own attention does not read them)
-    begins = t == 0
+    begins = (t == 0) & real
     own = lambda x: jax.lax.dynamic_slice_in_dim(x, L + j * C, C, axis=1)
     begin = functools.partial(_begin_rows, begins=begins, k_chunk=own(ext_k), v_chunk=own(ext_v),
-                              g_chunk=own(ext_g), params=params, cfg=cfg)
+                              g_chunk=own(ext_g), num_valid=jnp.minimum(count - j * C, C),
+                              params=params, cfg=cfg)
     state, readout_keys, readout_values = jax.lax.cond(
         jnp.any(begins), begin, lambda *carry: carry, state, readout_keys, readout_values)
     # keys of this chunk's window: the previous nb - 1 chunks and this one, causal within it
@@ -384,9 +400,13 @@ def resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, c
   (state, readout_keys, readout_values), ys = jax.lax.scan(
       chunk, carry, (jnp.arange(W // C), qs))
   y = jnp.moveaxis(ys, 0, 1).reshape(B, W, H, -1)
-  y = jnp.where(((start[:, None] + jnp.arange(W)) < cache.max_len)[..., None, None], y, jnp.nan)
-  end = start + W
-  tail = functools.partial(_ring_after_piece, end=end, width=W)
+  # Past max_len a real token has no room in the state: poisoned. Padding stays finite, since
+  # the layers above read it (masked, and a masked NaN would still reach every output).
+  real = jnp.arange(W)[None, :] < count[:, None]
+  y = jnp.where((((start[:, None] + jnp.arange(W)) < cache.max_len) | ~real)[..., None, None],
+                y, jnp.nan)
+  end = start + count
+  tail = functools.partial(_ring_after_piece, end=end, count=count, window=L)
   new = KVMCache(state=state, readout_keys=readout_keys, readout_values=readout_values,
                  window_keys=tail(ext_k), window_values=tail(ext_v), window_gates=tail(ext_g),
                  length=end, max_len=cache.max_len)

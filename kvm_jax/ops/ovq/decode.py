@@ -10,6 +10,7 @@ serves every position.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -125,31 +126,44 @@ def ovq_decode_step(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig, c
 
 
 def ovq_resume(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig, cache: OVQCache,
-               row_update: str = "auto") -> tuple[Array, OVQCache]:
+               row_update: str = "auto", counts: Optional[Array] = None
+               ) -> tuple[Array, OVQCache]:
   """``W`` more tokens per row in parallel, whole chunks, each row continuing from its own
   length (a multiple of ``C``, ``W`` one too): outputs ``[B, W, H, Dv]`` and the cache, the same
   as ``W`` :func:`ovq_decode_step` calls (each chunk reads the dictionary as it stood before
-  the chunk, then is folded into it)."""
+  the chunk, then is folded into it).
+
+  ``counts [B]`` (1 ≤ ``counts[b]`` ≤ ``W``; None: ``W``): row ``b`` takes only its first
+  ``counts[b]`` tokens, as that many decode steps: only chunks it completes fold, and its last
+  chunk's real tokens wait in the pending slots (the padding's outputs are meaningless; a real
+  query reads only earlier tokens of its chunk)."""
   validate_inputs(q, k, v, beta)
   B, W = q.shape[:2]
   C = cfg.chunk_size
   table = jnp.asarray(_sizes_table(cfg, cache.max_len))
   first = batch_rows(cache.length, B) // C                                   # [B]
+  count = jnp.full((B,), W, jnp.int32) if counts is None else counts.astype(jnp.int32)
   scale = query_scale(beta, q.shape[-1])
   chunks = lambda x: jnp.moveaxis(heads_first(x).reshape(B, x.shape[2], W // C, C, -1), 2, 0)
   qs, ks, vs = chunks(q), chunks(k), chunks(v)
 
-  def step(state, xs):
+  def step(carry, xs):
+    state, pending_k, pending_v = carry
     j, q_c, k_c, v_c = xs
     size = table[first + j]
     y = readout(q_c * scale, k_c, v_c, state, size, cfg.count_bias)
-    state = fold(state, k_c, v_c, k_c * scale, size, table[first + j + 1] - size, cfg,
-                 row_update)
-    return state, y
+    completes = (j + 1) * C <= count                                         # [B]
+    folded = fold(state, k_c, v_c, k_c * scale, size,
+                  jnp.where(completes, table[first + j + 1] - size, 0), cfg, row_update)
+    pick = lambda a, b: jnp.where(completes.reshape((B,) + (1,) * (a.ndim - 1)), a, b)
+    # the chunk's real tokens pass through the pending slots, as the decode steps write them
+    written = (jnp.arange(C)[None, :] < (count - j * C)[:, None])[:, None, :, None]  # [B,1,C,1]
+    pending = (jnp.where(written, k_c, pending_k), jnp.where(written, v_c, pending_v))
+    return (jax.tree_util.tree_map(pick, folded, state), *pending), y
 
-  state, ys = jax.lax.scan(step, cache.state, (jnp.arange(W // C), qs, ks, vs))
+  carry = (cache.state, cache.pending_keys, cache.pending_values)
+  (state, pending_k, pending_v), ys = jax.lax.scan(step, carry, (jnp.arange(W // C), qs, ks, vs))
   y = jnp.moveaxis(ys, 0, 2).reshape(B, q.shape[2], W, -1)                   # [B, H, W, Dv]
-  cache = OVQCache(state=state, pending_keys=cache.pending_keys,
-                   pending_values=cache.pending_values, length=first * C + W,
-                   max_len=cache.max_len)
+  cache = OVQCache(state=state, pending_keys=pending_k, pending_values=pending_v,
+                   length=first * C + count, max_len=cache.max_len)
   return jnp.swapaxes(y, 1, 2).astype(v.dtype), cache
