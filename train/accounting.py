@@ -86,3 +86,8 @@ def throughput(timing: dict[str, float], tokens_per_step: int, flops_per_token: 
   if peak:
     out["mfu"] = out["tokens_per_s"] * flops_per_token / peak
   return out
+
+
+def step_flops(cfg: TrainConfig, params) -> float:
+  """FLOPs of one train step (all devices): :func:`flops_per_token` times the step's tokens."""
+  return flops_per_token(cfg, params) * cfg.batch_size * cfg.sequence_length

@@ -68,10 +68,24 @@ Flags:
                           the same run loads the compiled step programs instead of compiling
                           them again; off compiles everything anew.
   --memory-report         compile the configured train step for the configured shapes from
-                          abstract inputs on the present backend (no data read, no weights
-                          allocated), print its memory per device and exit. The last line is
-                          "per-device peak: X.XX GiB (arguments ..., temporaries ..., outputs ...)".
-
+                          abstract inputs (no data read, no weights allocated): the trainer's own
+                          program (kernel context, shardings, donation, accumulation, remat,
+                          loss slices). Prints per chip: how each parameter role is sharded
+                          (partition spec, bytes whole and per chip), XLA's FLOPs beside the
+                          trainer's count, arguments, temporaries, outputs, and whether it fits
+                          the chip; then exits. The last line is "per-device peak: X.XX GiB
+                          (arguments ..., temporaries ..., outputs ...)".
+  --topology=NAME         with --memory-report: compile for that many chips of that kind instead
+                          of this machine's devices, from any host (pip install
+                          'kvm_jax[compile]'): TPU topologies as JAX spells them (v5e:4x4,
+                          v5p:2x2x1, v6e:2x2, v5p:4x4x4), GPUs as CHIP:HOSTSxDEVICES (h100:1x8,
+                          h200:2x8). A mesh size of -1 takes the topology's remaining chips. A
+                          step that does not fit is compiled again with the settings that trade
+                          compute for memory (remat, loss slices, fsdp, accumulation) and the
+                          report lists those that fit.
+  --save-compiled=FILE    with --memory-report: also write the compiled step to FILE
+                          (jax.experimental.serialize_executable); see docs/hardware.md for
+                          what a run may do with it.
 Memory at long sequences: --config.remat=block keeps only each block's inputs for the backward
 pass, --config.grad_accum_steps=N runs the batch as N micro-batches, --config.loss_slice_len=S
 computes the LM head and loss S tokens at a time; --memory-report shows what each one buys.
@@ -175,15 +189,50 @@ def build_parser() -> argparse.ArgumentParser:
                       help="write a jax.profiler trace of steps A..B to WORKDIR/profile "
                       "(process 0).")
   parser.add_argument("--memory-report", action="store_true",
-                      help="compile the train step from abstract inputs, print its memory per "
-                      "device and exit (reads no data, allocates no weights).")
+                      help="compile the trainer's step from abstract inputs, print its sharding, "
+                      "FLOPs and memory per chip and whether it fits, and exit (reads no data, "
+                      "allocates no weights).")
+  parser.add_argument("--topology", metavar="NAME",
+                      help="with --memory-report: compile for a TPU topology (v5e:4x4, "
+                      "v5p:2x2x1) or GPUs (h100:1x8) instead of this machine; when the step does "
+                      "not fit, the settings that make it fit are tried and listed.")
+  parser.add_argument("--save-compiled", metavar="FILE",
+                      help="with --memory-report: write the compiled step to FILE.")
   compilation_cache.add_flag(parser)
   return parser
+
+
+def memory_report_command(cfg, topology, save_compiled) -> int:
+  """``--memory-report [--topology=NAME] [--save-compiled=FILE]``: prints the report and, when the
+  step does not fit the chip, the settings that do (each compiled); exit status 0 either way (the
+  report is the answer), 1 when nothing tried fits."""
+  from kvm_jax.train import memory
+  try:
+    report = memory.compile_step(cfg, topology, save_compiled)
+  except (ValueError, RuntimeError) as e:
+    raise SystemExit(f"--memory-report: {e}") from None
+  print("\n".join(report.lines(cfg)), flush=True)
+  if report.fits is not False or topology is None:
+    return 0
+  print("trying the settings that trade compute or communication for memory:", flush=True)
+  found = memory.fitting_settings(
+      cfg, topology, progress=lambda text: print(f"  compiling with {text} ...", flush=True))
+  for text, fitted in found:
+    print(f"fits with {text}: {fitted.peak / memory.GIB:.2f} of "
+          f"{fitted.memory / memory.GIB:.2f} GiB per chip")
+  if not found:
+    print("nothing tried fits: a larger topology (more chips to shard over) or a smaller batch "
+          "per chip is needed.")
+  return 0 if found else 1
 
 
 def main(argv=None) -> int:
   args, rest = build_parser().parse_known_args(argv)
   launch.check_flags(args)
+  for flag in ("topology", "save_compiled"):
+    if getattr(args, flag) and not args.memory_report:
+      raise SystemExit(f"--{flag.replace('_', '-')} goes with --memory-report (it compiles the "
+                       "step for that report); add --memory-report.")
   compilation_cache.enable(args.compilation_cache)  # before anything compiles
   import jax
   from etils import epath
@@ -220,12 +269,7 @@ def main(argv=None) -> int:
                     for field, value in config_io.flat_fields(cfg).items()))
     return 0
   if args.memory_report:
-    try:
-      report = memory.memory_report(cfg)
-    except ValueError as e:
-      raise SystemExit(f"--memory-report: {e}") from None
-    print("\n".join(report.lines(cfg)))
-    return 0
+    return memory_report_command(cfg, args.topology, args.save_compiled)
   if args.resume:
     ckpt_dir = epath.Path(args.workdir) / "checkpoints"
     if not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):

@@ -224,7 +224,8 @@ def _topology(name: str):
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     try:
-      return topologies.get_topology_desc(platform="tpu", topology_name=name)
+      return topologies.get_topology_desc(platform="tpu", topology_name=name,
+                                          **_small_tpu_host(name))
     except Exception as e:
       raise RuntimeError(f"cannot build the TPU topology {name!r}: {e}. Compiling for TPU needs "
                          "libtpu: pip install 'kvm_jax[compile]' (one process at a time may "
@@ -236,6 +237,21 @@ def _topology(name: str):
   except Exception as e:
     raise RuntimeError(f"cannot build the GPU topology {name!r}: {e}. Compiling for GPU needs "
                        "the CUDA compile plugins: pip install 'kvm_jax[compile]'.") from e
+
+
+#: The chips one TPU host holds by libtpu's default (x, y, z): a topology is laid out as hosts of it.
+_DEFAULT_CHIPS_PER_HOST = (2, 2, 1)
+
+
+def _small_tpu_host(name: str) -> dict:
+  """libtpu's topology options for a TPU slice smaller than a host in some dimension (``v5e:1x1``,
+  ``v5e:2x1``), which its default host of 2x2 chips does not divide: the host is the slice
+  itself there. Empty for every other topology."""
+  shape = [int(n) for n in _TPU_NAME.match(name)["shape"].split("x")]
+  shape += [1] * (3 - len(shape))
+  if all(n % h == 0 for n, h in zip(shape, _DEFAULT_CHIPS_PER_HOST)):
+    return {}
+  return {"chips_per_host_bounds": [min(n, h) for n, h in zip(shape, _DEFAULT_CHIPS_PER_HOST)]}
 
 
 def _jit_key_state():
