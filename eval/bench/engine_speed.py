@@ -1,6 +1,14 @@
 """``kvm-bench --engine``: what the generation engine buys, as ratios measured in one run.
 
-Two tables:
+Three tables (``--engine-tables`` picks among them):
+
+* **time to first token at the paper's chunk**: on a tiny KVM model whose chunk is
+  ``--engine-ttft-chunk`` tokens (256, the paper's), the seconds from submitting one prompt of
+  each ``--engine-ttft-prompts`` length to an idle, warmed-up engine until its first token, with
+  the prompt's rest after its whole chunks fed in one lane (``Engine(rest_prefill="lane")``, the
+  default) and through the decode step a token per round (``rest_prefill="decode"``, the engine's
+  earlier way), the best of ``--engine-ttft-repeats`` each, and their ratio; both engines share
+  their compiled programs, so only the feeding differs.
 
 * **throughput on a ragged workload**: ``--engine-requests`` prompts of log-normal lengths
   (median ``--engine-median-prompt`` tokens, σ = 1, at most ``--engine-max-len`` / 2) with output
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -88,6 +97,56 @@ def timed(fn, repeats: int = 3) -> float:
     fn()
     best = min(best, time.perf_counter() - start)
   return best
+
+
+def ttft_model(chunk: int):
+  """The tiny KVM model of the time-to-first-token table: chunks of ``chunk`` tokens, two of
+  them in the window, a fixed state of one chunk's rows (the paper's kvm256 at ``chunk`` 256)."""
+  from flax import nnx
+  kvm = kj.KVMConfig(chunk_size=chunk, window_chunks=2, sink_rows=1, rope_dims=8,
+                     budget=kj.FixedBudget(chunk))
+  return kj.LM(kj.presets.tiny(mixers="kvm", options={"kvm": kvm}), rngs=nnx.Rngs(0))
+
+
+def first_token_seconds(engine, prompt: list[int], repeats: int) -> tuple[float, int]:
+  """The best of ``repeats`` times from submitting ``prompt`` to the idle ``engine`` until its
+  first token (the request then cancelled), and the decode rounds one such request runs."""
+  best, rounds = float("inf"), 0
+  for _ in range(repeats):
+    before = engine.decode_rounds
+    start = time.perf_counter()
+    rid = engine.submit(prompt, max_new_tokens=2)
+    while not engine.result(rid).tokens:
+      engine.step()
+    best = min(best, time.perf_counter() - start)
+    rounds = engine.decode_rounds - before
+    engine.cancel(rid)
+    engine.release(rid)
+  return best, rounds
+
+
+def time_to_first_token(args) -> list[dict]:
+  C = args.engine_ttft_chunk
+  model = ttft_model(C)
+  longest = max(args.engine_ttft_prompts)
+  shape = dict(slots=2, max_len=longest + 2, prefill_chunk=2 * C, tokens_per_step=1)
+  engines = {how: kj.Engine(model, **shape, rest_prefill=how) for how in ("decode", "lane")}
+  for engine in engines.values():
+    engine.warm_up()
+  rows = []
+  for length in args.engine_ttft_prompts:
+    prompt = list(np.random.default_rng(length).integers(0, 256, length))
+    row = {"chunk": C, "prompt_tokens": length, "rest_tokens": length % C}
+    for how, engine in engines.items():
+      row[f"{how}_s"], row[f"{how}_rounds"] = first_token_seconds(engine, prompt,
+                                                                  args.engine_ttft_repeats)
+    row["decode_over_lane"] = row["decode_s"] / row["lane_s"]
+    rows.append(row)
+    print(f"C={C} prompt {length:5d} (rest {length % C:3d}): first token after "
+          f"{row['decode_s'] * 1e3:8.1f} ms with the rest through decode ({row['decode_rounds']} "
+          f"rounds), {row['lane_s'] * 1e3:8.1f} ms with it in a lane ({row['lane_rounds']} "
+          f"rounds) -> {row['decode_over_lane']:.2f}x", flush=True)
+  return rows
 
 
 def throughput(args) -> list[dict]:
@@ -191,12 +250,31 @@ def plot(measured: dict, curve: dict, path: str, size: str) -> None:
   plt.close(fig)
 
 
+ENGINE_TABLES = ("ttft", "throughput", "concurrency")
+
+
+def _ints(text: str) -> list[int]:
+  return [int(x) for x in text.split(",") if x]
+
+
 def add_flags(p) -> None:
   g = p.add_argument_group("the generation engine; --engine runs only these tables")
   g.add_argument("--engine", action="store_true",
-                 help="time the engine on a ragged workload against generate one prompt at a "
-                      "time and padded static batches, and count the slots that fit at long "
-                      "context per preset")
+                 help="time the engine's first token at the paper's chunk with a prompt's rest "
+                      "in a lane and through decode, the engine on a ragged workload against "
+                      "generate one prompt at a time and padded static batches, and count the "
+                      "slots that fit at long context per preset")
+  g.add_argument("--engine-tables", type=lambda s: [t for t in s.split(",") if t],
+                 default=list(ENGINE_TABLES), metavar="TABLE,...",
+                 help=f"the tables to run, of {','.join(ENGINE_TABLES)} (default: all)")
+  g.add_argument("--engine-ttft-chunk", type=int, default=256,
+                 help="the KVM chunk of the time-to-first-token table (default: %(default)s)")
+  g.add_argument("--engine-ttft-prompts", type=_ints, default=[1, 100, 255, 257, 511],
+                 metavar="N,...",
+                 help="prompt lengths of the time-to-first-token table (default: "
+                      "1,100,255,257,511)")
+  g.add_argument("--engine-ttft-repeats", type=int, default=3,
+                 help="timings per prompt and arm, the best kept (default: %(default)s)")
   g.add_argument("--engine-mixers", type=lambda s: [m for m in s.split(",") if m],
                  default=["swa+kvm", "kvm", "full"], metavar="PATTERN,...",
                  help="tiny models timed, '+' joining a hybrid's kinds (default: %(default)s)")
@@ -236,14 +314,31 @@ def run(args) -> dict:
   if args.engine_max_new >= args.engine_max_len // 2:
     raise SystemExit(f"--engine-max-new {args.engine_max_new} must be below half of "
                      f"--engine-max-len {args.engine_max_len} (prompts take the other half).")
-  print(f"ragged workload: {args.engine_requests} requests, log-normal prompts (median "
-        f"{args.engine_median_prompt}), budgets 1..{args.engine_max_new}, {args.engine_slots} "
-        "slots; tokens/s of the tokens asked for", flush=True)
-  measured = {"throughput": throughput(args)}
-  print(f"decode cache per slot at {args.engine_context} tokens ({args.engine_dtype}) and "
-        f"slots beside the weights", flush=True)
-  measured["concurrency"] = concurrency(args)
-  if args.plot:
+  unknown = [t for t in args.engine_tables if t not in ENGINE_TABLES]
+  if unknown or not args.engine_tables:
+    raise SystemExit(f"--engine-tables {','.join(args.engine_tables)!r}: choose one or more of "
+                     f"{','.join(ENGINE_TABLES)}.")
+  for name in ("engine_ttft_chunk", "engine_ttft_repeats"):
+    if getattr(args, name) < 1:
+      raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+  if not args.engine_ttft_prompts or min(args.engine_ttft_prompts) < 1:
+    raise SystemExit(f"--engine-ttft-prompts {args.engine_ttft_prompts}: give positive "
+                     "lengths.")
+  measured: dict[str, Optional[list]] = {}
+  if "ttft" in args.engine_tables:
+    print(f"time to first token, one prompt on an idle engine, tiny KVM model with chunks of "
+          f"{args.engine_ttft_chunk}: the prompt's rest through decode vs in a lane", flush=True)
+    measured["ttft"] = time_to_first_token(args)
+  if "throughput" in args.engine_tables:
+    print(f"ragged workload: {args.engine_requests} requests, log-normal prompts (median "
+          f"{args.engine_median_prompt}), budgets 1..{args.engine_max_new}, "
+          f"{args.engine_slots} slots; tokens/s of the tokens asked for", flush=True)
+    measured["throughput"] = throughput(args)
+  if "concurrency" in args.engine_tables:
+    print(f"decode cache per slot at {args.engine_context} tokens ({args.engine_dtype}) and "
+          f"slots beside the weights", flush=True)
+    measured["concurrency"] = concurrency(args)
+  if args.plot and {"throughput", "concurrency"} <= set(args.engine_tables):
     size = "120m"
     measured["curve"] = {"contexts": list(CURVE_CONTEXTS), "size": size,
                          "slots_80gib": concurrency_curve(size, args.engine_dtype)}

@@ -317,6 +317,33 @@ def _ring_after_piece(extended: Array, end: Array, count: Array, window: int) ->
       extended, slot_source.reshape(slot_source.shape + (1,) * (extended.ndim - 2)), axis=1)
 
 
+def _state_for_chunk(carry, t: Array, remaining: Array, leaving: list, own: list,
+                     rows_table: Array, params: KVMParams, cfg: KVMConfig, max_len: int,
+                     ops: ChunkOps, row_update: str):
+  """``(state, readout_keys, readout_values)`` as a chunk of :func:`resume` starting at ``t
+  [B]`` attends to them, from ``carry`` (the same triple before it), where the decode step would
+  change them: the chunk leaving the window (``leaving``: its keys, values and gates, each
+  ``[B, C, ...]``) folded at a boundary past the window, or, for a row starting its sequence,
+  the chunk's own (``own``) first ``remaining [B]`` tokens made its initial state rows (visible
+  only from t >= L, so this chunk's attention does not read them). A row with no real token
+  left in the piece (``remaining <= 0``) changes nothing."""
+  state, readout_keys, readout_values = carry
+  C, nb, L = cfg.chunk_size, cfg.window_chunks, cfg.window_len
+  real = remaining > 0
+  fire = (t >= L + C) & (t < max_len) & real
+  n_append = jnp.where(fire, rows_table[jnp.clip(t // C - nb, 0, rows_table.shape[0] - 1)]
+                       - state.num_rows, 0)
+  folded = ops.update(state, *leaving, n_append, params, cfg, row_update)
+  folded_keys, folded_values = readout_cache(folded, params, cfg, readout_keys.dtype)
+  carry = (_per_row_select(fire, folded, state), _per_row_select(fire, folded_keys, readout_keys),
+           _per_row_select(fire, folded_values, readout_values))
+  begins = (t == 0) & real
+  begin = functools.partial(_begin_rows, begins=begins, k_chunk=own[0], v_chunk=own[1],
+                            g_chunk=own[2], num_valid=jnp.minimum(remaining, C), params=params,
+                            cfg=cfg)
+  return jax.lax.cond(jnp.any(begins), begin, lambda *carry: carry, *carry)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "ops", "row_update"))
 def resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, cfg: KVMConfig,
            cache: KVMCache, ops: ChunkOps = XLA_OPS, row_update: str = "auto",
@@ -338,7 +365,7 @@ def resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, c
   real query sees a padding key: they lie after every real token)."""
   B, W, H, D = q.shape
   Hkv = k.shape[2]
-  C, nb, L = cfg.chunk_size, cfg.window_chunks, cfg.window_len
+  C, L = cfg.chunk_size, cfg.window_len
   G = H // Hkv
   start = batch_rows(cache.length, B)                                        # [B]
   count = jnp.full((B,), W, jnp.int32) if counts is None else counts.astype(jnp.int32)
@@ -359,26 +386,12 @@ def resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, c
     state, readout_keys, readout_values = carry
     j, q_chunk = xs
     t = start + j * C                                                        # [B]
-    real = j * C < count  # the chunk holds a real token: the decode step would reach it
-    fire = (t >= L + C) & (t < cache.max_len) & real
-    window = lambda x: jax.lax.dynamic_slice_in_dim(x, j * C, C, axis=1)
-    n_append = jnp.where(fire, rows_table[jnp.clip(t // C - nb, 0, rows_table.shape[0] - 1)]
-                         - state.num_rows, 0)
-    folded = ops.update(state, window(ext_k), window(ext_v), window(ext_g), n_append, params,
-                        cfg, row_update)
-    folded_keys, folded_values = readout_cache(folded, params, cfg, readout_keys.dtype)
-    state = _per_row_select(fire, folded, state)
-    readout_keys = _per_row_select(fire, folded_keys, readout_keys)
-    readout_values = _per_row_select(fire, folded_values, readout_values)
-    # a row starting here: its first chunk's tokens become its initial state rows (visible only
-    # from t >= L, so this chunk's own attention does not read them)
-    begins = (t == 0) & real
-    own = lambda x: jax.lax.dynamic_slice_in_dim(x, L + j * C, C, axis=1)
-    begin = functools.partial(_begin_rows, begins=begins, k_chunk=own(ext_k), v_chunk=own(ext_v),
-                              g_chunk=own(ext_g), num_valid=jnp.minimum(count - j * C, C),
-                              params=params, cfg=cfg)
-    state, readout_keys, readout_values = jax.lax.cond(
-        jnp.any(begins), begin, lambda *carry: carry, state, readout_keys, readout_values)
+    slice_at = lambda x, at: jax.lax.dynamic_slice_in_dim(x, at, C, axis=1)
+    state, readout_keys, readout_values = _state_for_chunk(
+        (state, readout_keys, readout_values), t, count - j * C,
+        [slice_at(x, j * C) for x in (ext_k, ext_v, ext_g)],
+        [slice_at(x, L + j * C) for x in (ext_k, ext_v, ext_g)], rows_table, params, cfg,
+        cache.max_len, ops, row_update)
     # keys of this chunk's window: the previous nb - 1 chunks and this one, causal within it
     keys = jax.lax.dynamic_slice_in_dim(ext_k, (j + 1) * C, L, axis=1)
     values = jax.lax.dynamic_slice_in_dim(ext_v, (j + 1) * C, L, axis=1)
@@ -402,9 +415,8 @@ def resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams, c
   y = jnp.moveaxis(ys, 0, 1).reshape(B, W, H, -1)
   # Past max_len a real token has no room in the state: poisoned. Padding stays finite, since
   # the layers above read it (masked, and a masked NaN would still reach every output).
-  real = jnp.arange(W)[None, :] < count[:, None]
-  y = jnp.where((((start[:, None] + jnp.arange(W)) < cache.max_len) | ~real)[..., None, None],
-                y, jnp.nan)
+  past_end = ((start[:, None] + jnp.arange(W)) >= cache.max_len) & (jnp.arange(W) < count[:, None])
+  y = jnp.where(past_end[..., None, None], jnp.nan, y)
   end = start + count
   tail = functools.partial(_ring_after_piece, end=end, count=count, window=L)
   new = KVMCache(state=state, readout_keys=readout_keys, readout_values=readout_values,
