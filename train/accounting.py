@@ -11,6 +11,8 @@ import numpy as np
 
 from kvm_jax.nn import registry
 from kvm_jax.nn.families.family import family_of
+from kvm_jax.nn.layers import path_names
+from kvm_jax.nn.roles import parameter_role
 from kvm_jax.runs.train_config import TrainConfig
 
 # Dense bf16 peak per device, for the MFU estimate (matched against device_kind).
@@ -88,6 +90,28 @@ def throughput(timing: dict[str, float], tokens_per_step: int, flops_per_token: 
   return out
 
 
+
+def recomputed_flops_per_token(cfg: TrainConfig, params) -> float:
+  """FLOPs per token that ``cfg.remat`` adds by running parts of the forward pass again in the
+  backward pass: with ``"block"`` every block's forward (2 FLOPs per block matmul parameter plus
+  QKᵀ and PV, 4·keys·D·H); ``"block_dots"`` keeps the matmuls' outputs, so none; with
+  ``loss_slice_len`` the LM head of each slice (2 FLOPs per head parameter), which the sliced
+  loss recomputes rather than keeping every slice's logits."""
+  m, extra = cfg.model, 0.0
+  if cfg.remat == "block":
+    block_params = sum(int(np.prod(p.shape)) for path, p in
+                       jax.tree_util.tree_leaves_with_path(params)
+                       if parameter_role(path_names(path)).layer is not None)
+    extra += 2.0 * block_params + 4.0 * visible_keys(cfg) * m.qk_head_dim * m.num_heads
+  if cfg.loss_slice_len and cfg.loss_slice_len < cfg.sequence_length:
+    extra += 2.0 * m.vocab_size * m.hidden_size
+  return extra
+
+
 def step_flops(cfg: TrainConfig, params) -> float:
-  """FLOPs of one train step (all devices): :func:`flops_per_token` times the step's tokens."""
-  return flops_per_token(cfg, params) * cfg.batch_size * cfg.sequence_length
+  """FLOPs one train step runs (all devices): the model's (:func:`flops_per_token`, what MFU
+  counts) plus what remat and loss slicing recompute (:func:`recomputed_flops_per_token`), times
+  the step's tokens. The compiled program's matmul count (``kvm-train --memory-report``) checks
+  it."""
+  per_token = flops_per_token(cfg, params) + recomputed_flops_per_token(cfg, params)
+  return per_token * cfg.batch_size * cfg.sequence_length

@@ -61,6 +61,7 @@ from kvm_jax.train.adamc import PartlyFrozen
 from kvm_jax.train.objectives import FrozenParameters, LMObjective
 from kvm_jax.train.start import make_optimizer
 from kvm_jax.train.step import kernel_context, make_train_step
+from kvm_jax.util.hlo_flops import hlo_flops
 
 GIB = 1024 ** 3
 
@@ -255,8 +256,11 @@ class MemoryReport:
   """One compiled (or refused) train step, per chip (see the module docstring).
 
   ``error`` is the compiler's refusal in its own words (a step that does not fit a TPU), else
-  "". ``memory``: the chip's bytes (0: unknown, no verdict). ``xla_flops``: XLA's
-  ``cost_analysis`` of the step per chip (-1: not given); ``model_flops``: the trainer's count per
+  "". ``memory``: the chip's bytes (0: unknown, no verdict). ``xla_flops``: the compiled step's
+  matmul FLOPs per chip, every loop counted as often as it runs
+  (:func:`kvm_jax.util.hlo_flops.hlo_flops`; -1: not compiled); ``cost_analysis_flops``: XLA's
+  own ``cost_analysis()`` figure, which counts each loop body once; ``opaque_calls``: custom
+  calls (Pallas kernels) whose FLOPs neither count sees; ``model_flops``: the trainer's count per
   chip for the same step (:func:`kvm_jax.train.accounting.step_flops`, recomputation included)."""
 
   arguments: int
@@ -273,6 +277,8 @@ class MemoryReport:
   mesh: tuple = ()          # ((axis, size), ...)
   sharding: tuple = ()      # ShardingRow, ...
   xla_flops: float = -1.0
+  cost_analysis_flops: float = -1.0
+  opaque_calls: int = 0
   model_flops: float = 0.0
   error: str = ""
 
@@ -329,8 +335,12 @@ class MemoryReport:
                    f"{size_text(row.per_chip):>10}")
     if self.xla_flops >= 0:
       ratio = self.flops_ratio
-      out.append(f"  FLOPs per chip: XLA {self.xla_flops:.4g}, trainer {self.model_flops:.4g}"
-                 + (f" (XLA / trainer = {ratio:.3f})" if ratio is not None else ""))
+      out.append(f"  FLOPs per chip: compiled matmuls {self.xla_flops:.4g}, trainer "
+                 f"{self.model_flops:.4g}" + (f" (compiled / trainer = {ratio:.3f})"
+                                              if ratio is not None else ""))
+      out.append(f"    (XLA's cost_analysis {self.cost_analysis_flops:.4g} counts each loop body "
+                 "once" + (f"; {self.opaque_calls} kernel calls are opaque to both"
+                           if self.opaque_calls else "") + ")")
     if self.error:
       out.append(f"per-chip verdict: {self.verdict()}")
       return out
@@ -358,8 +368,9 @@ def _out_of_memory(error: BaseException) -> bool:
                         r"out of memory", str(error), re.IGNORECASE))
 
 
-def xla_flops(compiled) -> float:
-  """FLOPs per chip of a compiled program as XLA's cost analysis counts them (-1: none given)."""
+def cost_analysis_flops(compiled) -> float:
+  """FLOPs per chip of a compiled program as XLA's cost analysis counts them, each loop body once
+  (-1: none given)."""
   try:
     cost = compiled.cost_analysis()
   except Exception:  # some backends give none
@@ -396,10 +407,12 @@ def compile_step(cfg: TrainConfig, target: Union[str, Target, None] = None,
     if save_compiled:
       save_executable(compiled, save_compiled)
     m = compiled.memory_analysis()
+    counted = hlo_flops(compiled.as_text())
     return MemoryReport(arguments=m.argument_size_in_bytes, temporaries=m.temp_size_in_bytes,
                         outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
-                        code=m.generated_code_size_in_bytes, xla_flops=xla_flops(compiled),
-                        **common)
+                        code=m.generated_code_size_in_bytes, xla_flops=counted.flops,
+                        cost_analysis_flops=cost_analysis_flops(compiled),
+                        opaque_calls=counted.opaque_calls, **common)
 
 
 def memory_report(cfg: TrainConfig, mesh=None, target: Union[str, Target, None] = None

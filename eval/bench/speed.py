@@ -27,6 +27,9 @@ T, so its decode step moves the same bytes at every length; :func:`ovq_decode_mi
 ``--engine`` times the generation engine on a ragged workload against ``kj.generate`` one prompt
 at a time and padded static batches, and counts the slots that fit at long context per preset
 (:mod:`kvm_jax.eval.bench.engine_speed`).
+``--slots --topology=v5e:1x1 --context=32768`` compiles the engine's step for one chip (from
+this host, for a chip it need not have) and finds the most concurrent slots of each model that
+fit its memory, with the ratio against full attention (:mod:`kvm_jax.eval.bench.slots`).
 ``--paper`` uses the paper's B=8, H=32, D=128, bf16 (an accelerator is needed for that); CPU
 defaults finish in minutes.
 
@@ -55,6 +58,7 @@ from kvm_jax.util import compilation_cache
 from kvm_jax.util import plugins
 from kvm_jax.eval.bench import documents_speed
 from kvm_jax.eval.bench import engine_speed
+from kvm_jax.eval.bench import slots as slots_bench
 from kvm_jax.config.kvm import KVM_IMPLEMENTATIONS
 from kvm_jax.ops.ovq.config import OVQConfig
 
@@ -532,6 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--doc-step-len", type=int, default=4096,
                  help="row length of the train-step comparison (default: 4096)")
   engine_speed.add_flags(p)
+  slots_bench.add_flags(p)
   p.add_argument("--json", default=None, help="write all measurements to this JSON file")
   p.add_argument("--plot", default=None,
                  help="write a PNG to this path: ms vs T (with --engine: tokens/s per arm and "
@@ -571,6 +576,20 @@ def _run_engine(args) -> int:
   measured = engine_speed.run(args)
   if args.json:
     _write_json(args.json, {"setup": vars(args), "engine": measured})
+  return 0
+
+
+def _run_slots(args) -> int:
+  """``--slots``: only the serving-capacity table (and its JSON); returns the exit code."""
+  if args.context < 1 or args.slots_chunk < 1:
+    raise SystemExit(f"--context and --slots-chunk must be >= 1, got {args.context} and "
+                     f"{args.slots_chunk}.")
+  try:
+    rows = slots_bench.run(args)
+  except (ValueError, RuntimeError) as e:
+    raise SystemExit(f"--slots: {e}") from None
+  if args.json:
+    _write_json(args.json, {"setup": vars(args), "slots": rows})
   return 0
 
 
@@ -735,6 +754,8 @@ def main(argv=None) -> int:
     return _run_documents(args)
   if args.engine:
     return _run_engine(args)
+  if args.slots:
+    return _run_slots(args)
   arms, phases, lengths = _operator_plan(args)
   dtype = jnp.dtype(args.dtype)
   _print_setup(args)

@@ -288,6 +288,50 @@ def _engine_step(graphdef, state, caches, keys: Array, fresh, plan: StepPlan, *,
 
 
 @functools.lru_cache(maxsize=32)
+def step_widths(alignment: Optional[int], prefill_chunk: int, tokens_per_step: int
+                ) -> tuple[Optional[int], int, int]:
+  """``(alignment, serial width, draw width)`` of an engine: the lanes' alignment (None: no
+  lanes, when the model cannot resume in parallel or ``prefill_chunk`` is shorter than one
+  aligned piece), the most tokens a slot feeds through the decode step in one step, and the most
+  it draws in one step."""
+  alignment = alignment if alignment and prefill_chunk >= alignment else None
+  # The decode step feeds what no lane takes: rests shorter than the alignment with
+  # rest_prefill="decode", a rest that starts off the alignment (after a prefill_bucket head),
+  # and, without lanes, every prompt.
+  serial = prefill_chunk if alignment is None else min(prefill_chunk, max(alignment - 1, 1))
+  # A slot draws at most this many tokens in a step: a burst, or the rounds a serial rest runs
+  # (the decoding slots ride along).
+  return alignment, serial, max(tokens_per_step, serial + 1)
+
+
+def step_arguments(model, *, slots: int, max_len: int, prefill_chunk: int = 64,
+                   prefill_lanes: int = 4, tokens_per_step: int = 8, keep_logits: bool = False):
+  """``(step, arguments)``: the jitted step of an :class:`Engine` of these settings and
+  ``ShapeDtypeStruct`` arguments of its largest form, whose lanes feed the widest prompt piece
+  (``model`` may be abstract: ``nnx.eval_shape``). Nothing is allocated; ``kvm-bench --slots``
+  compiles it for a chip to find how many slots fit."""
+  alignment, serial, width = step_widths(model.resume_alignment(), prefill_chunk,
+                                         tokens_per_step)
+  graphdef, state = nnx.split(model)
+  lanes = min(prefill_lanes, slots)
+  piece = prefill_chunk // alignment * alignment if alignment else 0
+  spec = jax.ShapeDtypeStruct
+  S, i32 = slots, jnp.int32
+  plan = StepPlan(tokens=spec((S, serial), i32), counts=spec((S,), i32), draws=spec((S,), i32),
+                  hold=spec((S,), jnp.bool_), lane_tokens=spec((lanes, piece), i32),
+                  lane_counts=spec((lanes,), i32), lane_slots=spec((lanes,), i32),
+                  reset=spec((S,), jnp.bool_), copy_from=spec((S,), i32),
+                  copy_at=spec((S,), i32), new_keys=spec((S, 2), jnp.uint32),
+                  set_key=spec((S,), jnp.bool_), temperature=spec((S,), jnp.float32),
+                  top_k=spec((S,), i32), top_p=spec((S,), jnp.float32))
+  caches = jax.eval_shape(lambda: model.init_cache(slots, max_len))
+  fresh = jax.eval_shape(lambda: model.init_cache(1, max_len))
+  as_spec = lambda x: spec(x.shape, x.dtype)  # noqa: E731
+  state = jax.tree_util.tree_map(as_spec, state)
+  arguments = (state, caches, spec((S, 2), jnp.uint32), fresh, plan)
+  return step_program(graphdef, width, keep_logits), arguments
+
+
 def step_program(graphdef, width: int, keep_logits: bool):
   """The jitted engine step for one model structure (``caches`` and ``keys`` donated), drawing
   at most ``width`` tokens per slot. The structure is bound here, once per engine, rather than
@@ -425,17 +469,9 @@ class Engine:
     self.keep_finished = keep_finished
     # Prompts continue in parallel pieces when every layer can (LM.resume) and the pieces can be
     # whole multiples of the alignment; else they go through the decode step.
-    alignment = model.resume_alignment()
-    self._alignment = alignment if alignment and prefill_chunk >= alignment else None
-    # The decode step feeds what no lane takes: rests shorter than the alignment with
-    # rest_prefill="decode", a rest that starts off the alignment (after a prefill_bucket head),
-    # and, without lanes, every prompt.
-    self._serial_width = (prefill_chunk if self._alignment is None
-                          else min(prefill_chunk, max(self._alignment - 1, 1)))
+    self._alignment, self._serial_width, self._width = step_widths(
+        model.resume_alignment(), prefill_chunk, tokens_per_step)
     self._graphdef, self._state = nnx.split(model)
-    # A slot draws at most this many tokens in a step: a burst, or the rounds a serial rest
-    # runs (the decoding slots ride along).
-    self._width = max(tokens_per_step, self._serial_width + 1)
     self._step = step_program(self._graphdef, self._width, keep_logits)
     self._mesh = pod_mesh(self._state)
     self._fresh = replicate_on(self._mesh, model.init_cache(1, max_len))
