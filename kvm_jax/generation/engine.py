@@ -287,7 +287,6 @@ def _engine_step(graphdef, state, caches, keys: Array, fresh, plan: StepPlan, *,
   return caches, keys, drawn.tokens, (drawn.logits if keep_logits else None), rounds
 
 
-@functools.lru_cache(maxsize=32)
 def step_widths(alignment: Optional[int], prefill_chunk: int, tokens_per_step: int
                 ) -> tuple[Optional[int], int, int]:
   """``(alignment, serial width, draw width)`` of an engine: the lanes' alignment (None: no
@@ -332,6 +331,7 @@ def step_arguments(model, *, slots: int, max_len: int, prefill_chunk: int = 64,
   return step_program(graphdef, width, keep_logits), arguments
 
 
+@functools.lru_cache(maxsize=32)
 def step_program(graphdef, width: int, keep_logits: bool):
   """The jitted engine step for one model structure (``caches`` and ``keys`` donated), drawing
   at most ``width`` tokens per slot. The structure is bound here, once per engine, rather than
