@@ -308,11 +308,11 @@ class MemoryReport:
   def verdict(self) -> str:
     gib = self.memory / GIB
     if self.error:
-      return f"DOES NOT FIT a {self.chip} ({gib:.2f} GiB): {self.error}"
+      return f"DOES NOT FIT one {self.chip} chip ({gib:.2f} GiB): {self.error}"
     if self.fits is None:
       return "fits: unknown (this machine's memory is not known)"
-    return (f"{'fits' if self.fits else 'DOES NOT FIT'} a {self.chip} ({self.peak / GIB:.2f} of "
-            f"{gib:.2f} GiB)")
+    return (f"{'fits' if self.fits else 'DOES NOT FIT'} one {self.chip} chip ({self.peak / GIB:.2f} "
+            f"of {gib:.2f} GiB)")
 
   def lines(self, cfg: TrainConfig) -> list[str]:
     gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
@@ -338,9 +338,10 @@ class MemoryReport:
       out.append(f"  FLOPs per chip: compiled matmuls {self.xla_flops:.4g}, trainer "
                  f"{self.model_flops:.4g}" + (f" (compiled / trainer = {ratio:.3f})"
                                               if ratio is not None else ""))
-      out.append(f"    (XLA's cost_analysis {self.cost_analysis_flops:.4g} counts each loop body "
-                 "once" + (f"; {self.opaque_calls} kernel calls are opaque to both"
-                           if self.opaque_calls else "") + ")")
+      xla = (f"XLA's cost_analysis, {self.cost_analysis_flops:.4g}, counts each loop body once"
+             if self.cost_analysis_flops >= 0 else "XLA's cost_analysis gives none here")
+      out.append(f"    ({xla}" + (f"; {self.opaque_calls} kernel calls are opaque to both"
+                                   if self.opaque_calls else "") + ")")
     if self.error:
       out.append(f"per-chip verdict: {self.verdict()}")
       return out

@@ -97,7 +97,7 @@ def test_a_step_that_does_not_fit_is_refused_in_the_compilers_words():
   report = memory.compile_step(cfg, "v5e:1x1")
   assert report.fits is False and "RESOURCE_EXHAUSTED" in report.error, report.error
   assert "exceeds available HBM (15.75G)" in report.error
-  assert "per-chip verdict: DOES NOT FIT a v5e" in "\n".join(report.lines(cfg))
+  assert "per-chip verdict: DOES NOT FIT one v5e chip" in "\n".join(report.lines(cfg))
   assert [text for text, _ in memory.fit_candidates(cfg, 1)][0] == "--config.grad_accum_steps=2"
 
 
