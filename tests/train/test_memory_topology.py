@@ -109,3 +109,24 @@ def test_the_settings_that_fit_are_found_by_compiling_them():
   found = memory.fitting_settings(_too_large_for_a_v5e(), "v5e:1x1", limit=1, budget=1)
   assert [text for text, _ in found] == ["--config.grad_accum_steps=2"]
   assert found[0][1].fits and found[0][1].peak <= found[0][1].memory
+
+
+def test_a_saved_step_loads_and_computes_what_the_trainer_computes(tmp_path):
+  """``--save-compiled`` on this machine's CPU: the executable read back takes the trainer's real
+  arguments and returns bitwise what the trainer's own jitted step returns."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from kvm_jax.train.start import setup
+  from kvm_jax.train.step import make_train_step
+  cfg = _tiny(batch_size=2, seq_len=64)
+  memory.compile_step(cfg, None, save_compiled=str(tmp_path / "step.bin"))
+  loaded = memory.load_executable(str(tmp_path / "step.bin"))
+  graphdef, params, opt_state, optimizer, shardings = setup(cfg)
+  tokens = jax.device_put(jax.random.randint(jax.random.PRNGKey(0), (2, 64), 0, 320), shardings[2])
+  batch, halted = {"inputs": tokens, "labels": tokens}, jnp.zeros((), bool)
+  want = make_train_step(graphdef, optimizer, shardings, cfg)(
+      *jax.tree_util.tree_map(jnp.copy, (params, opt_state)), batch, halted)
+  got = loaded(params, opt_state, batch, halted)
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
