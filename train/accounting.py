@@ -38,15 +38,18 @@ def visible_keys(cfg: TrainConfig) -> float:
 
 
 def flops_per_token(cfg: TrainConfig, params) -> float:
-  """Training FLOPs per token: 6·N (matmul parameters, forward + backward) plus attention,
-  12·keys·D·H with ``keys`` the :func:`visible_keys` of every layer (QKᵀ and PV, 2 FLOPs per
-  multiply-add each, tripled for the backward pass). KVM's merge and compression are not
-  counted (a few percent at the paper's shapes), so its MFU is a slight underestimate."""
+  """Training FLOPs per token, the model FLOPs MFU is measured by: 6·N (matmul parameters,
+  forward + backward) plus each layer's mixing work (:func:`kvm_jax.nn.registry.mixer_flops`'s
+  ``model``): for attention 12·keys·D·H with ``keys`` the :func:`visible_keys` of the layer (QKᵀ
+  and PV, 2 FLOPs per multiply-add each, tripled for the backward pass); for KVM that plus its
+  routing scores. Work an implementation adds (masked keys it scores anyway, one-hot
+  accumulation, recomputation) is not the model's: :func:`recomputed_flops_per_token` counts
+  it for :func:`step_flops`."""
   m = cfg.model
   n = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params))
   if not family_of(m).tied_head(m):
     n -= m.vocab_size * m.hidden_size  # the embedding lookup is not a matmul (a tied head is)
-  return 6.0 * n + 12.0 * visible_keys(cfg) * m.qk_head_dim * m.num_heads
+  return 6.0 * n + sum(f.model for f in registry.mixer_flops(m, cfg.sequence_length))
 
 
 @dataclasses.dataclass
@@ -92,17 +95,22 @@ def throughput(timing: dict[str, float], tokens_per_step: int, flops_per_token: 
 
 
 def recomputed_flops_per_token(cfg: TrainConfig, params) -> float:
-  """FLOPs per token that ``cfg.remat`` adds by running parts of the forward pass again in the
-  backward pass: with ``"block"`` every block's forward (2 FLOPs per block matmul parameter plus
-  QKᵀ and PV, 4·keys·D·H); ``"block_dots"`` keeps the matmuls' outputs, so none; with
+  """FLOPs per token the step runs beyond the model's (:func:`flops_per_token`): what each
+  layer's implementation runs beyond its model count (``forward + backward - model`` of
+  :func:`kvm_jax.nn.registry.mixer_flops`: for KVM's XLA scan the masked window and capacity
+  rows, the one-hot accumulation off CPU and the rerun of each block in its backward pass);
+  with ``remat="block"`` every block's forward again (2 FLOPs per block matmul parameter plus
+  the layer's ``forward``); ``"block_dots"`` keeps the matmuls' outputs, so nothing; with
   ``loss_slice_len`` the LM head of each slice (2 FLOPs per head parameter), which the sliced
   loss recomputes rather than keeping every slice's logits."""
-  m, extra = cfg.model, 0.0
+  m = cfg.model
+  layers = registry.mixer_flops(m, cfg.sequence_length)
+  extra = sum(f.forward + f.backward - f.model for f in layers)
   if cfg.remat == "block":
     block_params = sum(int(np.prod(p.shape)) for path, p in
                        jax.tree_util.tree_leaves_with_path(params)
                        if parameter_role(path_names(path)).layer is not None)
-    extra += 2.0 * block_params + 4.0 * visible_keys(cfg) * m.qk_head_dim * m.num_heads
+    extra += 2.0 * block_params + sum(f.forward for f in layers)
   if cfg.loss_slice_len and cfg.loss_slice_len < cfg.sequence_length:
     extra += 2.0 * m.vocab_size * m.hidden_size
   return extra

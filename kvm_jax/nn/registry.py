@@ -27,7 +27,7 @@ engine's slots and ``LM.extend`` serve it with nothing more to write.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from flax import nnx
 
@@ -241,6 +241,40 @@ def keys_per_query(cfg: ModelConfig, seq_len: int) -> tuple[float, ...]:
   """Per layer, the keys a query attends to averaged over a ``seq_len``-token sequence."""
   return tuple(float(mixer_class(kind).keys_per_query(cfg, layer, seq_len))
                for layer, kind in enumerate(cfg.layer_mixers))
+
+
+class MixerFlops(NamedTuple):
+  """Matmul FLOPs per token of one layer's core in training, beyond its parameter matmuls (which
+  the trainer counts as 6 per parameter): attention's QKᵀ and PV, a recurrence's state products,
+  KVM's routing scores.
+
+  Attributes:
+    model: the algorithm's work, forward and backward: what MFU counts (e.g. attention over the
+      keys a query may see, not the masked ones a blocked implementation also scores).
+    forward: what the implementation runs in the forward pass (also what ``remat="block"`` runs
+      again in the backward pass).
+    backward: what it runs in the backward pass, including anything it recomputes itself.
+  """
+
+  model: float
+  forward: float
+  backward: float
+
+
+def mixer_flops(cfg: ModelConfig, seq_len: int) -> tuple[MixerFlops, ...]:
+  """Per layer, its :class:`MixerFlops` for a ``seq_len``-token training sequence: the kind's
+  classmethod ``flops_per_token(cfg, layer, seq_len) -> (model, forward, backward)`` where it has
+  one, else attention's count from ``keys_per_query``: 4·D·H FLOPs per key forward (QKᵀ and PV,
+  a multiply-add being 2 FLOPs), twice that backward (the gradients of both operands of each)."""
+  out = []
+  for layer, kind in enumerate(cfg.layer_mixers):
+    cls = mixer_class(kind)
+    if hasattr(cls, "flops_per_token"):
+      out.append(MixerFlops(*map(float, cls.flops_per_token(cfg, layer, seq_len))))
+    else:
+      forward = 4.0 * float(cls.keys_per_query(cfg, layer, seq_len)) * cfg.qk_head_dim * cfg.num_heads
+      out.append(MixerFlops(3.0 * forward, forward, 2.0 * forward))
+  return tuple(out)
 
 
 def exact_window(cfg: ModelConfig) -> Optional[int]:

@@ -63,18 +63,25 @@ def test_keys_per_query_by_hand(name):
   assert registry.keys_per_query(cfg, T) == pytest.approx(want, rel=1e-12)
 
 
+# KVM's routing scores per sequence, forward only (2·C·Hkv·D FLOPs per row scored): at T = 30
+# one fold fires (after chunk [16,24)), appending 8 rows to the 8 there; its 8 tokens are scored
+# against the 8 rows before it (novelty) and the 15 non-sink rows after it (merge targets):
+# 2·8·4·16·(8 + 15) = 23552.
+ROUTING = {"kvm_ovq": 23552.0, "rwkv7_kvm": 23552.0}
+
+
 @pytest.mark.parametrize("name", ["ovq", "rwkv7_T1000", "kvm_ovq", "rwkv7_kvm"])
 def test_training_flops_per_token_by_hand(name):
   """6 FLOPs per matmul parameter and token (forward and backward) for every parameter but the
   embedding table (a lookup), plus 12·D·H FLOPs per visible key and layer (QKᵀ and PV at 2
-  FLOPs a multiply-add, forward and twice in the backward pass)."""
+  FLOPs a multiply-add, forward and twice in the backward pass), plus KVM's routing scores."""
   mixers, overrides, T, keys = KEYS[name]
   cfg = TrainConfig(model=_model(mixers, **overrides), task="text", seq_len=T)
   params = nnx.state(nnx.eval_shape(lambda: kj.LM(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
   m = cfg.model
   assert visible_keys(cfg) == pytest.approx(sum(keys), rel=1e-12)
   matmul_params = kj.count_params(m)["total"] - m.vocab_size * m.hidden_size
-  want = 6 * matmul_params + 12 * 16 * 4 * sum(keys)  # tiny preset: D = 16, H = 4
+  want = 6 * matmul_params + 12 * 16 * 4 * sum(keys) + ROUTING.get(name, 0.0) / T  # D 16, H 4
   assert flops_per_token(cfg, params) == pytest.approx(want, rel=1e-12)
 
 

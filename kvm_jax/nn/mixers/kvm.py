@@ -198,6 +198,60 @@ class KVMAttention(AttentionFrontEnd):
     """The exact window plus the state rows of the schedule at each chunk."""
     return average_visible_keys(cfg.options_of(cfg.layer_mixers[layer]), seq_len)
 
+  @classmethod
+  def flops_per_token(cls, cfg: ModelConfig, layer: int, seq_len: int
+                      ) -> tuple[float, float, float]:
+    """Matmul FLOPs per token of the layer's core (beyond its parameter matmuls) in training:
+    ``(model, forward, backward)``, see :func:`kvm_jax.nn.registry.mixer_flops`.
+
+    ``model`` (what MFU counts) is the algorithm's work: QKᵀ and PV over the visible keys,
+    forward and backward (12·keys·D·H), plus the routing scores of every fold, forward only
+    (decisions carry no gradient): each overflow token against the valid non-sink rows after
+    the appends (merge target), and, where the fold appends, against the valid rows before it
+    (novelty). Adding merged tokens into their rows is a scatter of O(C·D) per fold, not counted.
+
+    ``forward`` and ``backward`` are what the XLA scan (``kvm_jax.ops.kvm.scan``) runs, which
+    is more: a static shape reads every chunk against the state's whole capacity (the rows of
+    the schedule's end; a growing budget masks the rows not yet filled) and its full ``nb·C``
+    window (the causal half of the newest chunk is masked); scores are taken against the whole
+    capacity too; on platforms whose row update is a one-hot matmul (:func:`kvm_jax.ops.kvm.
+    state.row_update_for`: all but CPU) each fold's accumulation costs 2·C·R·(D + Dv) FLOPs
+    per KV head, and appends as much again. The backward pass reruns each block of chunks
+    from its stored state with the stored decisions (attention and accumulation again, no
+    routing), then takes the gradients (twice the attention's forward; the accumulation's
+    linearization and transpose, three times its forward)."""
+    from kvm_jax.config.budget import kvm_schedule
+    from kvm_jax.ops.common import current_platform
+    from kvm_jax.ops.kvm.scan import schedule_runs
+    from kvm_jax.ops.kvm.state import row_update_for
+
+    kc = cfg.options_of(cfg.layer_mixers[layer])
+    sched = kvm_schedule(kc, seq_len)
+    C, nb, S, R = kc.chunk_size, kc.window_chunks, kc.sink_rows, sched.final_rows
+    H, Hkv, D, Dv = cfg.num_heads, cfg.kv_heads, cfg.qk_head_dim, cfg.v_head_dim
+    onehot = cfg.kvm_implementation == "xla" and row_update_for(current_platform()) == "onehot"
+    attention = routing = routing_model = accumulation = 0.0
+    for run in schedule_runs(sched):
+      full = all(sched.rows_before[c] == R and sched.n_append[c] == 0
+                 for c in range(run.start, run.stop))
+      for c in range(run.start, run.stop):
+        # the front sees its chunk and the earlier ones plus one empty state row
+        keys = R + nb * C if run.visible else min(c + 1, nb) * C + 1
+        attention += 2.0 * C * H * keys * (D + Dv)
+        if not sched.update_after[c]:
+          continue
+        rows_after = sched.rows_before[c] + sched.n_append[c]
+        routing_model += 2.0 * C * Hkv * D * ((rows_after - S) + (
+            sched.rows_before[c] if sched.n_append[c] else 0))
+        routing += 2.0 * C * Hkv * D * ((R - S if full else R) + (R if run.may_append else 0))
+        if onehot:
+          accumulation += 2.0 * C * Hkv * R * ((D + Dv) + ((D + Dv + 1) if run.may_append else 0))
+    keys = average_visible_keys(kc, seq_len)
+    model = 12.0 * keys * D * H + routing_model / seq_len
+    forward = (attention + routing + accumulation) / seq_len
+    backward = (3.0 * attention + 4.0 * accumulation) / seq_len
+    return model, forward, backward
+
   def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
     super().__init__(cfg, layer, rngs=rngs)
     self.shares_state = cfg.shares_state(layer)        # state fused from the sources' states

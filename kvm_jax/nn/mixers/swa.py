@@ -83,6 +83,15 @@ class SlidingWindowAttention(SoftmaxAttention):
     window = cfg.options_of(cfg.layer_mixers[layer]).window
     return float(np.mean(np.minimum(np.arange(1, seq_len + 1, dtype=np.float64), window)))
 
+  @classmethod
+  def flops_per_token(cls, cfg: ModelConfig, layer: int, seq_len: int
+                      ) -> tuple[float, float, float]:
+    """``(model, forward, backward)``: the visible keys, and the chunked kernel's blocks
+    (:func:`kvm_jax.nn.mixers.full.attention_run_flops`)."""
+    from kvm_jax.nn.mixers.full import attention_run_flops
+    window = cfg.options_of(cfg.layer_mixers[layer]).window
+    return attention_run_flops(cfg, seq_len, cls.keys_per_query(cfg, layer, seq_len), window)
+
   def attend(self, q, k, v, scale=None):
     return causal_attention(q, k, v, window=self.options.window, scale=scale,
                             softcap=self.softcap,
