@@ -7,8 +7,10 @@ chunk in loops, and whose loss runs slice by slice is almost all loop bodies, so
 This module reads the optimized HLO text instead (``compiled.as_text()``) and counts:
 
 * ``dot``: 2 x (output elements) x (contracted elements of the left operand);
-* ``convolution`` (XLA:TPU writes matmuls as convolutions): 2 x (output elements) x (the
-  kernel's input features) x (the window's taps that meet input elements, not dilation holes);
+* ``convolution`` (XLA:TPU writes matmuls as convolutions, a batch of them as one whose window
+  spans the batch over a padded or dilated axis): 2 x (the kernel's input features) x (output
+  elements, each spatial position counted once per window tap that meets an input element, not
+  padding or a dilation hole);
 * a computation called by a fusion or ``call`` once per call, a ``conditional``'s costliest
   branch, and a ``while`` body times its trip count: the loop's ``known_trip_count`` where XLA
   records it, else read from its condition (a counter compared ``<`` or ``<=`` with a constant,
@@ -131,21 +133,54 @@ def dot_flops(inst: Instruction, shapes: dict) -> float:
   return 2.0 * math.prod(inst.shape) * contracted
 
 
+def _window(attributes: str, rank: int) -> dict:
+  """A convolution's window per spatial dimension: size, stride, padding (low), and the input's
+  and kernel's dilation, each a list of ``rank`` ints (XLA prints them joined by ``x``)."""
+  text = re.search(r"window=\{([^}]*)\}", attributes)
+  fields = dict(f.split("=", 1) for f in text.group(1).split() if "=" in f) if text else {}
+  ints = lambda key, default: ([int(n) for n in fields[key].split("x")] if key in fields  # noqa
+                               else [default] * rank)
+  pads = ([int(p.split("_")[0]) for p in fields["pad"].split("x")] if "pad" in fields
+          else [0] * rank)
+  return {"size": ints("size", 1), "stride": ints("stride", 1), "pad": pads,
+          "lhs_dilate": ints("lhs_dilate", 1), "rhs_dilate": ints("rhs_dilate", 1)}
+
+
+def real_taps(out_size: int, in_size: int, size: int, stride: int, pad: int, lhs_dilate: int,
+              rhs_dilate: int) -> int:
+  """(output position, window tap) pairs of one spatial dimension whose input index lands on an
+  input element, not on padding or a dilation hole. XLA:TPU writes a batch of matmuls as a
+  convolution whose window spans the batch over a padded or dilated axis, where each output
+  position meets one real tap of the window."""
+  extent = (in_size - 1) * lhs_dilate + 1
+  count = 0
+  for o in range(out_size):
+    for w in range(size):
+      i = o * stride + w * rhs_dilate - pad
+      count += 0 <= i < extent and i % lhs_dilate == 0
+  return count
+
+
 def convolution_flops(inst: Instruction, shapes: dict) -> float:
-  labels = re.search(r"dim_labels=([^_\s,]+)_([^-\s,]+)->", inst.attributes)
+  labels = re.search(r"dim_labels=([^_\s,]+)_([^-\s,]+)->([^\s,]+)", inst.attributes)
+  lhs = shapes.get(inst.operands[0]) if inst.operands else None
   rhs = shapes.get(inst.operands[1]) if len(inst.operands) > 1 else None
-  if inst.shape is None or rhs is None or not labels:
+  if inst.shape is None or lhs is None or rhs is None or not labels:
     return 0.0
-  kernel = labels.group(2)
+  lhs_labels, kernel, out_labels = labels.groups()
   features = math.prod(size for size, label in zip(rhs, kernel) if label == "i")
-  window = re.search(r"window=\{size=([0-9x]+)", inst.attributes)
-  sizes = [int(n) for n in window.group(1).split("x")] if window else [1]
-  dilation = re.search(r"lhs_dilate=([0-9x]+)", inst.attributes)
-  holes = [int(n) for n in dilation.group(1).split("x")] if dilation else [1] * len(sizes)
-  # A window over an input dilated by d meets a real element at one tap in d: XLA:TPU writes
-  # batched matmuls as convolutions whose window and dilation both span the batch.
-  taps = math.prod(-(-size // hole) for size, hole in zip(sizes, holes))
-  return 2.0 * math.prod(inst.shape) * features * taps
+  spatial = sorted({c for c in out_labels if c.isdigit()})
+  window = _window(inst.attributes, len(spatial))
+  out_spatial, pairs = 1, 1
+  for d, digit in enumerate(spatial):
+    out_d, in_d = inst.shape[out_labels.index(digit)], lhs[lhs_labels.index(digit)]
+    out_spatial *= out_d
+    if out_d * window["size"][d] > 1 << 20:  # a real convolution: every tap counts
+      pairs *= out_d * window["size"][d]
+      continue
+    pairs *= real_taps(out_d, in_d, window["size"][d], window["stride"][d], window["pad"][d],
+                       window["lhs_dilate"][d], window["rhs_dilate"][d])
+  return 2.0 * math.prod(inst.shape) / out_spatial * features * pairs
 
 
 def _called(inst: Instruction, key: str) -> list[str]:

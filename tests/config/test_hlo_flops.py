@@ -69,3 +69,20 @@ def test_tpu_batched_matmuls_count_once_per_product():
     compiled = jax.jit(lambda x, y: jnp.einsum("nbij,nbjk->nbik", jnp.exp(x), y)).lower(
         *t.structs((a, b))).compile()
   assert hlo_flops(compiled.as_text()).flops == 2 * 16 * 32 * 32 * 183
+
+
+# A projection of a batch of 4 as XLA:TPU wrote it in a KVM train step (v5e, 2026-12-08): the
+# weight is the convolution's input, the activations its kernel, and the batch a spatial axis
+# of size 1 padded by 3 on each side under a window of 4, so each output position meets one real
+# tap. Its work is one [4 x 8192, 768] x [768, 768] matmul.
+PADDED_BATCH = """
+ENTRY %main (p0: bf16[768,768,1], p1: bf16[4,8192,768]) -> bf16[4,8192,768] {
+  %p0 = bf16[768,768,1]{0,1,2} parameter(0)
+  %p1 = bf16[4,8192,768]{1,2,0} parameter(1)
+  ROOT %convolution.168 = bf16[4,8192,768]{1,2,0} convolution(%p0, %p1), window={size=4 pad=3_3 rhs_reversal=1}, dim_labels=fb0_0oi->0fb
+}
+"""
+
+
+def test_padded_window_taps_do_no_work():
+  assert hlo_flops(PADDED_BATCH).flops == 2 * 4 * 8192 * 768 * 768
