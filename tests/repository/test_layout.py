@@ -43,7 +43,8 @@ LAYERS = (
     ("eval", ("kvm_jax.eval.*",)),
     ("cli", ("kvm_jax.core_demo", "kvm_jax.generation.serve", "kvm_jax.hf.cli",
              "kvm_jax.train.main", "kvm_jax.train.demo", "kvm_jax.train.prepare_data",
-             "kvm_jax.train.configs.*", "kvm_jax.train.conversion_study", "kvm_jax.eval.cli")),
+             "kvm_jax.train.configs.*", "kvm_jax.train.conversion_study", "kvm_jax.eval.cli",
+             "kvm_jax.train.recipe_table")),
 )
 RANK = {"config": 0, "ops": 1, "kernels": 2, "op registry": 3, "model": 4, "tasks": 5, "runs": 6,
         "train": 7, "eval": 7, "cli": 8}

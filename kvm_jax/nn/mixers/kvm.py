@@ -214,9 +214,9 @@ class KVMAttention(AttentionFrontEnd):
     is more: a static shape reads every chunk against the state's whole capacity (the rows of
     the schedule's end; a growing budget masks the rows not yet filled) and its full ``nb·C``
     window (the causal half of the newest chunk is masked); scores are taken against the whole
-    capacity too; on platforms whose row update is a one-hot matmul (:func:`kvm_jax.ops.kvm.
-    state.row_update_for`: all but CPU) each fold's accumulation costs 2·C·R·(D + Dv) FLOPs
-    per KV head, and appends as much again. The backward pass reruns each block of chunks
+    capacity too; on platforms whose row update is a one-hot matmul
+    (:func:`kvm_jax.ops.kvm.state.row_update_for`: all but CPU) each fold's accumulation costs
+    2·C·R·(D + Dv) FLOPs per KV head, and appends as much again. The backward pass reruns each block of chunks
     from its stored state with the stored decisions (attention and accumulation again, no
     routing), then takes the gradients (twice the attention's forward; the accumulation's
     linearization and transpose, three times its forward)."""
