@@ -32,6 +32,7 @@ from typing import Optional
 
 import jax
 
+from kvm_jax.config.target import compiler_reason
 from kvm_jax.runs.train_config import TrainConfig
 from kvm_jax.train import memory
 
@@ -71,9 +72,15 @@ def recipe_config(recipe: str, chips: int) -> TrainConfig:
 def cell(recipe: str, topology: str, budget: int = 4, log=print) -> dict:
   """One table cell: the step's peak per chip and fit, and when it does not fit the first
   setting that does (compiled, at most ``budget`` tries)."""
-  chips = memory.parse_target(topology).device_count
-  cfg = recipe_config(recipe, chips)
-  report = memory.compile_step(cfg, topology)
+  target = memory.parse_target(topology)
+  cfg = recipe_config(recipe, target.device_count)
+  try:
+    report = memory.compile_step(cfg, topology)
+  except Exception as e:  # a compiler's error is the cell's answer, not the table's end
+    log(f"  {recipe} on {topology}: does not compile: {compiler_reason(e)}")
+    return {"recipe": recipe, "topology": topology, "chip_gib": target.memory_per_chip / GIB,
+            "fits": False, "peak_gib": None, "refusal": None, "fix": None, "fix_peak_gib": None,
+            "flops_ratio": None, "error": compiler_reason(e)}
   row = {"recipe": recipe, "topology": topology, "chip_gib": report.memory / GIB,
          "fits": bool(report.fits), "peak_gib": report.peak / GIB if report.compiled else None,
          "refusal": report.error or None, "fix": None, "fix_peak_gib": None,
@@ -91,6 +98,8 @@ def cell(recipe: str, topology: str, budget: int = 4, log=print) -> dict:
 
 def cell_text(row: dict) -> str:
   """A cell of the markdown table: ``9.35 GiB`` when it fits, else what does."""
+  if row.get("error"):
+    return f"**does not compile**: {row['error']}"
   if row["fits"]:
     return f"{row['peak_gib']:.2f} GiB"
   need = (f"{row['peak_gib']:.1f} GiB" if row["peak_gib"] is not None else
