@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 
 from kvm_jax.generation.generate import SamplingConfig, pod_mesh, replicate_on
-from kvm_jax.nn.cache import reset_rows, select_rows
+from kvm_jax.nn.cache import put_rows
 
 Array = jax.Array
 INT32_MAX = 2**31 - 1
@@ -134,8 +134,6 @@ class StepPlan:
       token), fed through the decode step.
     counts: ``[S]`` int32, the tokens of the serial piece (0: none).
     draws: ``[S]`` int32, the tokens the slot draws this step (0: none).
-    hold: ``[S]`` bool, slots whose row must keep its cache through rounds it does not feed
-      (a request that goes on after this step).
     lane_tokens: ``[N, P]`` int32, the prompt pieces the ``N`` lanes feed in parallel
       (``LM.resume``; ``P`` a multiple of the model's ``resume_alignment``; ``P = 0``: no lane
       this step). A lane slot has no serial piece; it draws its first token from the piece.
@@ -155,7 +153,6 @@ class StepPlan:
   tokens: np.ndarray
   counts: np.ndarray
   draws: np.ndarray
-  hold: np.ndarray
   lane_tokens: np.ndarray
   lane_counts: np.ndarray
   lane_slots: np.ndarray
@@ -199,16 +196,12 @@ def _feed_lanes(model, caches, plan: StepPlan):
   return caches, logits.at[plan.lane_slots].set(last, mode="drop")
 
 
-def _copy_rows(tree, copy_from: Array):
-  """Row ``copy_from[s]`` into row ``s`` wherever ``copy_from[s] >= 0`` (a gather over rows)."""
-  rows = jnp.where(copy_from >= 0, copy_from, jnp.arange(copy_from.shape[0]))
-  return jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=0), tree)
-
-
-def _copy_where(tree, copy_from: Array, now: Array):
-  """:func:`_copy_rows` for the rows where ``now [S]`` holds, under a conditional (rare)."""
-  return jax.lax.cond(jnp.any(now), _copy_rows, lambda t, _: t, tree,
-                      jnp.where(now, copy_from, -1))
+def _copy_where(caches, logits: Array, copy_from: Array, now: Array):
+  """Row ``copy_from[s]`` of the caches and of ``logits [S, V]`` into row ``s`` wherever ``now
+  [S]`` holds: the caches in place, one row per copy (a copy's source is never a target)."""
+  source = jnp.where(now, copy_from, jnp.arange(copy_from.shape[0]))
+  return (put_rows(caches, now, caches, source),
+          jnp.where(now[:, None], jnp.take(logits, source, axis=0), logits))
 
 
 class _Drawn(NamedTuple):
@@ -246,15 +239,14 @@ def _engine_step(graphdef, state, caches, keys: Array, fresh, plan: StepPlan, *,
   ``rounds`` (int32) is how many decode steps the loop ran."""
   model = nnx.merge(graphdef, state)
   S, V = plan.counts.shape[0], model.cfg.vocab_size
-  caches = jax.lax.cond(jnp.any(plan.reset), lambda c: reset_rows(c, plan.reset, fresh),
-                        lambda c: c, caches)
+  caches = put_rows(caches, plan.reset, fresh, jnp.zeros((S,), jnp.int32))
   keys = jnp.where(plan.set_key[:, None], plan.new_keys, keys)
   drawn = _Drawn(jnp.zeros((S, width), jnp.int32),
                  jnp.zeros((S, width if keep_logits else 0, V), jnp.float32),
                  jnp.zeros((S,), jnp.int32))
   if plan.lane_tokens.shape[1]:
     caches, logits = _feed_lanes(model, caches, plan)
-    caches, logits = _copy_where((caches, logits), plan.copy_from,
+    caches, logits = _copy_where(caches, logits, plan.copy_from,
                                  (plan.copy_from >= 0) & (plan.copy_at < 0))
     first = (plan.counts == 0) & (plan.draws > 0)   # lane slots (and copies of them) draw now
     tokens, keys = _draw(logits, keys, plan, first)
@@ -268,15 +260,12 @@ def _engine_step(graphdef, state, caches, keys: Array, fresh, plan: StepPlan, *,
     i, caches, keys, drawn = carry
     piece = jax.lax.dynamic_index_in_dim(plan.tokens, jnp.minimum(i, n - 1), axis=1,
                                          keepdims=False)
+    # A row keeps its cache through the rounds it does not feed: the decode step writes only
+    # the rows it feeds, in place (a select of stepped against kept caches would hold both).
     feeding = i < fed_until
-    logits, stepped = nnx.merge(graphdef, state).decode_step(
-        jnp.where(i < plan.counts, piece, drawn.last)[:, None], caches)
-    # Rows that go on keep their caches through the rounds they do not feed; rows that do not
-    # go on (free, or finishing in this step) may step on (their rows are emptied before reuse).
-    keep = plan.hold & ~feeding
-    caches = jax.lax.cond(jnp.any(keep), lambda: select_rows(~keep, stepped, caches),
-                          lambda: stepped)
-    caches, logits = _copy_where((caches, logits[:, 0]), plan.copy_from, plan.copy_at == i)
+    logits, caches = nnx.merge(graphdef, state).decode_step(
+        jnp.where(i < plan.counts, piece, drawn.last)[:, None], caches, feeding)
+    caches, logits = _copy_where(caches, logits[:, 0], plan.copy_from, plan.copy_at == i)
     index = i - plan.counts + 1                  # the draw this round gives a slot
     drawing = (index >= 0) & (index < plan.draws)
     tokens, keys = _draw(logits, keys, plan, drawing)
@@ -317,7 +306,7 @@ def step_arguments(model, *, slots: int, max_len: int, prefill_chunk: int = 64,
   spec = jax.ShapeDtypeStruct
   S, i32 = slots, jnp.int32
   plan = StepPlan(tokens=spec((S, serial), i32), counts=spec((S,), i32), draws=spec((S,), i32),
-                  hold=spec((S,), jnp.bool_), lane_tokens=spec((lanes, piece), i32),
+                  lane_tokens=spec((lanes, piece), i32),
                   lane_counts=spec((lanes,), i32), lane_slots=spec((lanes,), i32),
                   reset=spec((S,), jnp.bool_), copy_from=spec((S,), i32),
                   copy_at=spec((S,), i32), new_keys=spec((S, 2), jnp.uint32),
@@ -758,7 +747,7 @@ class Engine:
     S, N, n = self.slots, self.prefill_lanes, self._serial_width
     tokens, counts = np.zeros((S, n), np.int32), np.zeros(S, np.int32)
     fed, draws = np.zeros(S, np.int32), np.zeros(S, np.int32)
-    emit, hold = np.zeros(S, bool), np.zeros(S, bool)
+    emit = np.zeros(S, bool)
     copy_from, copy_at = np.full(S, -1, np.int32), np.full(S, -1, np.int32)
     new_keys, set_key = np.zeros((S, 2), np.uint32), np.zeros(S, bool)
     temperature, top_p = np.zeros(S, np.float32), np.ones(S, np.float32)
@@ -798,10 +787,7 @@ class Engine:
     if not counts.any() and not emit.any() and not width:
       return None
     self._plan_draws(emit, counts, fed, draws)
-    for slot, request in enumerate(self._running):  # requests that go on after this step
-      hold[slot] = request is not None and not (
-          emit[slot] and draws[slot] == request.max_new_tokens - len(request.tokens))
-    plan = StepPlan(tokens=tokens, counts=counts, draws=draws, hold=hold,
+    plan = StepPlan(tokens=tokens, counts=counts, draws=draws,
                     lane_tokens=lane_tokens, lane_counts=lane_counts, lane_slots=lane_slots,
                     reset=reset,
                     copy_from=copy_from, copy_at=copy_at, new_keys=new_keys, set_key=set_key,

@@ -9,8 +9,11 @@ sequence at a length of its own, so that one cache can hold many requests (the e
   ``max_len``: the longest sequence it was sized for (static);
 * every array in it is *batch-first*: its leading axis is the row. Rows never mix, so resetting,
   copying or selecting rows is the same leaf-wise operation for every kind
-  (:func:`select_rows`, :func:`reset_rows`, :func:`copy_row`);
-* its decode step advances each row at its own position (``length[b]``).
+  (:func:`select_rows`, :func:`reset_rows`, :func:`copy_row`; :func:`put_rows` in place);
+* its decode step advances each row at its own position (``length[b]``), and only the rows a
+  :class:`Step` names active: the others come out exactly as they went in, so that a caller
+  keeping some rows through a step needs no second copy of the caches to put them back (the
+  engine's rounds, :meth:`LM.extend`).
 
 A kind may also continue its cache by a whole piece of tokens in parallel (``LM.resume``, what the
 engine's prefill uses): its classmethod ``resume_alignment(cfg, layer)`` returns the multiple of
@@ -58,6 +61,36 @@ class Resume:
 
 # A piece whose every token is real.
 RESUME = Resume()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Step:
+  """The ``decode`` mode of a one-token layer call (truthy, as ``decode=True`` is) in which only
+  some rows advance.
+
+  Attributes:
+    active: ``[B]`` bool, the rows this token is fed to; every other row's cache must come out
+      of the step exactly as it went in. A kind does that where it writes: a ring's one-slot
+      write puts back what the slot held (so the ring is still updated in place, never
+      copied); arrays a step recomputes whole (lengths, a recurrent state) keep their old rows
+      with :func:`keep_inactive`. The outputs of an inactive row mean nothing. None: every row.
+  """
+
+  active: Optional[Array] = None
+
+
+def step_active(decode) -> Optional[Array]:
+  """The rows a one-token step feeds (``[B]`` bool), or None: every row (or not a
+  :class:`Step`)."""
+  return decode.active if isinstance(decode, Step) else None
+
+
+def keep_inactive(active: Optional[Array], new, old):
+  """``new`` (any batch-first pytree) on the rows ``active [B]`` names and ``old`` on the
+  others; ``new`` when ``active`` is None. Meant for arrays a step recomputes whole anyway (a
+  length, a recurrent state): one fused select per array (a ring written one slot at a time
+  puts the slot's old contents back instead: a select over the whole ring would copy it)."""
+  return new if active is None else select_rows(active, new, old)
 
 
 def is_resume(decode) -> bool:
@@ -119,6 +152,29 @@ def copy_row(caches, source: Array, rows: Array):
     one = jax.lax.dynamic_index_in_dim(leaf, source, axis=0, keepdims=True)
     return jnp.where(_row_mask(rows, leaf), one, leaf)
   return jax.tree_util.tree_map(copy, caches)
+
+
+def put_rows(caches, rows: Array, source, source_rows: Array):
+  """``caches`` (batch-first pytree, ``B`` rows) with row ``source_rows[b]`` of ``source`` (a
+  pytree of the same structure, any number of rows; it may be ``caches`` itself) written into
+  every row ``b`` where ``rows [B]`` holds: an empty row (``source`` a one-row fresh cache,
+  ``source_rows`` zeros), or n continuations of one prompt.
+
+  One row at a time, in a loop over just those rows, each a dynamic-update-slice of one row,
+  so that the caches are updated in place: a select or gather over all rows would build a
+  second copy of them. Rows written are read from ``source`` as it stands when written; a row
+  copied from ``caches`` must not itself be written here."""
+  B = rows.shape[0]
+  (targets,) = jnp.nonzero(rows, size=B, fill_value=0)
+  sources = jnp.take(source_rows, targets)
+
+  def put(i, tree):
+    def one(leaf, src):
+      row = jax.lax.dynamic_index_in_dim(src, sources[i], axis=0, keepdims=True)
+      return jax.lax.dynamic_update_slice_in_dim(leaf, row.astype(leaf.dtype), targets[i], axis=0)
+    return jax.tree_util.tree_map(one, tree, source if source is not caches else tree)
+
+  return jax.lax.fori_loop(0, jnp.sum(rows.astype(jnp.int32)), put, caches)
 
 
 def cache_lengths(caches, batch: int) -> Array:

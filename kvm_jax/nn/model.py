@@ -21,7 +21,8 @@ from flax import nnx
 
 from kvm_jax.config.model import ModelConfig
 from kvm_jax.nn.mixers.attention import LayerCache
-from kvm_jax.nn.cache import Resume, cache_lengths, last_tokens, piece_counts, select_rows
+from kvm_jax.nn.cache import (Resume, Step, cache_lengths, keep_inactive, last_tokens,
+                              piece_counts, step_active)
 from kvm_jax.nn.families.family import family_of
 from kvm_jax.nn.families.gptalpha2 import MLP  # noqa: F401  (its home before families; still importable)
 from kvm_jax.nn.mixers.kv_sharing import SharedKV
@@ -115,8 +116,13 @@ class Block(nnx.Module):
     x = x + self.cfg.scale * _post(self, "post_mlp_norm", m)
     new_cache = None
     if cache is not None:
+      # The token-shift history of a row a step does not feed stays its last token's.
+      active = step_active(decode)
+      tails = tuple(keep_inactive(active, new, old) for new, old in
+                    zip(tails, (cache.last_q, cache.last_k, cache.last_v)))
       new_cache = LayerCache(mixer=mixer_cache, last_q=tails[0], last_k=tails[1], last_v=tails[2],
-                             last_mlp=last_tokens(m_in, piece_counts(decode)))
+                             last_mlp=keep_inactive(active, last_tokens(m_in, piece_counts(decode)),
+                                                    cache.last_mlp))
     return BlockOutput(x, new_cache, exports, h)
 
 
@@ -331,13 +337,20 @@ class LM(nnx.Module):
     features, caches = self._run(tokens, positions, caches, False)
     return self.logits(features), caches
 
-  def decode_step(self, token: Array, caches: list[LayerCache]) -> tuple[Array, list[LayerCache]]:
+  def decode_step(self, token: Array, caches: list[LayerCache],
+                  active: Optional[Array] = None) -> tuple[Array, list[LayerCache]]:
     """Logits ``[B, 1, V]`` of one token per row, each at its own position (the row's
-    ``cache_lengths(caches)``)."""
+    ``cache_lengths(caches)``). ``active [B]`` (bool; None: every row): the rows fed; the others
+    keep their caches exactly (written nowhere, so the caches update in place) and their logits
+    mean nothing."""
     if token.ndim != 2 or token.shape[1] != 1:
       raise ValueError(f"decode_step takes tokens of shape [batch, 1], got {token.shape}.")
+    if active is not None and tuple(active.shape) != (token.shape[0],):
+      raise ValueError(f"decode_step: active must hold one flag per row, shape "
+                       f"({token.shape[0]},), got {tuple(active.shape)}.")
     position = cache_lengths(caches, token.shape[0])
-    features, caches = self._run(token, position[:, None], caches, True)
+    features, caches = self._run(token, position[:, None], caches,
+                                 True if active is None else Step(active))
     return self.logits(features), caches
 
   def resume_alignment(self) -> Optional[int]:
@@ -415,9 +428,8 @@ class LM(nnx.Module):
     def feed(carry, column):
       caches, last = carry
       token, index = column
-      logits, stepped = nnx.merge(graphdef, state).decode_step(token[:, None], caches)
       fed = index < counts
-      caches = select_rows(fed, stepped, caches)
+      logits, caches = nnx.merge(graphdef, state).decode_step(token[:, None], caches, fed)
       last = jnp.where((index == counts - 1)[:, None], logits[:, 0], last)
       return (caches, last), None
 

@@ -32,22 +32,37 @@ def _cache_bytes(cfg, context: int) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(caches))
 
 
-@pytest.mark.slow  # two compiles of a 256 MiB-per-slot step (a minute); nightly
-@pytest.mark.xfail(strict=True, reason="the engine's step holds about nine times a slot's cache "
-                   "per slot on a v5e (2.42 GB per slot of a 268 MB cache, measured 2026-12-08): "
-                   "the step copies the caches; open in issue #62")
-def test_a_slot_of_the_compiled_step_costs_its_cache():
-  cfg = _full_attention()
+def _per_slot(cfg, context: int) -> tuple[int, int]:
+  """``(bytes per slot of the compiled step, bytes of one slot's cache)`` on one v5e chip: the
+  growth from slots.LANES to one more slot (beyond the step's prompt lanes, which grow with the
+  slots up to their count)."""
   model = slots.serving_model(cfg)
-  # Beyond the step's prompt lanes (slots.LANES), which grow with the slots up to their count.
-  low, high = (slots.compile_step(model, n, CONTEXT, "v5e:1x1", chunk=64)
+  low, high = (slots.compile_step(model, n, context, "v5e:1x1", chunk=64)
                for n in (slots.LANES, slots.LANES + 1))
   assert low.fits and high.fits, (low.error, high.error)
-  per_slot, cache = high.total_bytes - low.total_bytes, _cache_bytes(cfg, CONTEXT)
-  assert cache <= per_slot <= 1.05 * cache, (per_slot, cache)
+  return high.total_bytes - low.total_bytes, _cache_bytes(cfg, context)
 
 
-@pytest.mark.slow  # about ten compiles; the per-slot check above is CI's
+# A slot costs its cache and nothing more: the step updates the caches in place (a copy of them
+# in the step, e.g. a select of stepped rows against kept ones or a ring relaid out for its
+# write, costs a whole cache per slot, or four with a head dim padded to 128 lanes). The lower
+# bound allows for XLA's fixed temporaries, which shift by under a MB from one compile to the
+# next (measured 0.998 of the cache at 2**18 tokens, 1.015 at 2**16).
+LEAST, MOST = 0.99, 1.05
+
+
+def test_a_slot_of_the_compiled_step_costs_its_cache_at_64k():
+  per_slot, cache = _per_slot(_full_attention(), 1 << 16)
+  assert LEAST * cache <= per_slot <= MOST * cache, (per_slot, cache)
+
+
+@pytest.mark.slow  # two compiles of a 256 MiB-per-slot step (a minute); the 64K check is CI's
+def test_a_slot_of_the_compiled_step_costs_its_cache():
+  per_slot, cache = _per_slot(_full_attention(), CONTEXT)
+  assert LEAST * cache <= per_slot <= MOST * cache, (per_slot, cache)
+
+
+@pytest.mark.slow  # about ten compiles; the 64K per-slot check above is CI's
 def test_the_most_slots_fit_and_one_more_does_not():
   found = slots.most_slots(_full_attention(), CONTEXT, "v5e:1x1", chunk=64)
   assert found.slots > 8

@@ -20,7 +20,7 @@ from flax import nnx
 
 import kvm_jax as kj
 from kvm_jax.generation.engine import Engine, generate_many, sample_rows, sampling_rows
-from kvm_jax.nn.cache import cache_lengths, copy_row, reset_rows, select_rows
+from kvm_jax.nn.cache import cache_lengths, copy_row, put_rows, reset_rows, select_rows
 from kvm_jax.nn.families.gemma import GemmaOptions
 from kvm_jax.nn.families.llama import LlamaOptions
 from tests.helpers import decode_step, forward, in_ci, make_model, prefill
@@ -499,6 +499,53 @@ def test_row_operations_reset_and_copy_rows():
     np.testing.assert_array_equal(r[1], np.asarray(f)[0])
     np.testing.assert_array_equal(c[1:], orig[1:])
     np.testing.assert_array_equal(c[0], orig[2])
+
+
+def test_put_rows_writes_the_chosen_rows_as_reset_and_copy_do():
+  """``put_rows`` (the engine's in-place row writes): rows from a fresh one-row cache equal
+  ``reset_rows``, rows copied from the caches themselves equal ``copy_row``, bitwise; the other
+  rows are untouched; and it writes nothing when no row is chosen."""
+  model = _model("ovq_swa_hybrid")
+  tokens = jax.random.randint(jax.random.PRNGKey(2), (4, 10), 0, 256)
+  _, caches = prefill(model, tokens, model.init_cache(4, 16))
+  fresh = model.init_cache(1, 16)
+  rows = jnp.asarray([False, True, False, True])
+  same = lambda a, b: all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in
+                          zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+  put = jax.jit(put_rows)
+  assert same(put(caches, rows, fresh, jnp.zeros(4, jnp.int32)), reset_rows(caches, rows, fresh))
+  copied = put(caches, rows, caches, jnp.asarray([0, 2, 2, 2]))
+  assert same(copied, copy_row(caches, 2, rows))
+  assert same(put(caches, jnp.zeros(4, bool), fresh, jnp.zeros(4, jnp.int32)), caches)
+
+
+@pytest.mark.parametrize("name", in_ci(sorted(PATTERNS), CI_PATTERNS | {"rwkv7"}))
+def test_a_decode_step_leaves_the_rows_it_does_not_feed_bitwise_alone(name):
+  """``decode_step(token, caches, active)`` for every kind: the rows not active come out with
+  every cache array bitwise as they went in (what lets the engine's rounds update the caches in
+  place instead of selecting rows back), and the active rows as a step of every row leaves them
+  (to float32 rounding, 1e-6: two programs, fused apart). Rows at lengths where a step changes
+  a state (the tiny models' chunk of 8 and window of 16): at 7, KVM's state still grows and
+  OVQ commits its chunk; at 24, KVM folds; at 15, OVQ commits; each case on a skipped row and
+  on a fed one."""
+  model = _model(name)
+  lengths = [24, 7, 15, 24]
+  tokens = jax.random.randint(jax.random.PRNGKey(4), (4, 24), 0, 256)
+  caches = model.init_cache(4, 32)
+  extend = nnx.jit(lambda m, t, c, n: m.extend(t, c, n))
+  _, caches = extend(model, tokens, caches, jnp.asarray(lengths))
+  step = nnx.jit(lambda m, t, c, a: m.decode_step(t, c, a))
+  token = tokens[:, :1]
+  _, everyone = decode_step(model, token, caches)
+  active = jnp.asarray([True, False, True, False])
+  _, some = step(model, token, caches, active)
+  row = lambda tree, b: [np.asarray(x[b]) for x in jax.tree_util.tree_leaves(tree)]
+  for b in range(4):
+    for got, stepped, kept in zip(row(some, b), row(everyone, b), row(caches, b)):
+      if bool(active[b]):
+        np.testing.assert_allclose(got, stepped, rtol=1e-6, atol=1e-6, err_msg=f"{name}: {b}")
+      else:
+        np.testing.assert_array_equal(got, kept, err_msg=f"{name}: row {b}")
 
 
 def test_stream_yields_the_tokens_as_generated_and_cancel_stops():

@@ -29,7 +29,7 @@ from flax import nnx
 
 from kvm_jax.config.model import ModelConfig, value_lora_width
 from kvm_jax.nn.mixers import kv_sharing
-from kvm_jax.nn.cache import is_resume, last_tokens, piece_counts
+from kvm_jax.nn.cache import is_resume, last_tokens, piece_counts, step_active
 from kvm_jax.nn.families.family import family_of
 from kvm_jax.nn.mixers.mixer import Mixed, MixerOutput
 from kvm_jax.nn.layers import depth_ratio, float32_init, linear, token_shift, zeros_init
@@ -331,7 +331,8 @@ class SoftmaxAttention(AttentionFrontEnd):
       y, mixer_cache = attn_ops.ring_resume(q, k, v, mixer_cache, softcap=self.softcap,
                                             counts=piece_counts(decode))
     elif decode:
-      y, mixer_cache = attn_ops.ring_decode_step(q, k, v, mixer_cache, softcap=self.softcap)
+      y, mixer_cache = attn_ops.ring_decode_step(q, k, v, mixer_cache, softcap=self.softcap,
+                                                 active=step_active(decode))
     else:
       y = self.attend(q, k, v)
       if mixer_cache is not None:

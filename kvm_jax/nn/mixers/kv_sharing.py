@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvm_jax.ops import kv_fusion
-from kvm_jax.ops.attention.dense import ring_decode_step
+from kvm_jax.ops.attention.dense import ring_decode_step, ring_store, ring_view
 from kvm_jax.ops.kvm.shared_routing import (SourceTrack, kvm_attention_shared_state,
                                             kvm_decode_shared_state)
 
@@ -92,9 +92,9 @@ def mix_folded(layer, q, shared: SharedKV, decode: bool, documents=None):
     scale = 1.0 / math.sqrt(layer.cfg.qk_head_dim)  # of one source, not of the stack
   if decode:  # the sources' caches before this token, stacked the same way (a view, not kept)
     kc, vc = [shared.old_caches[j] for j in ks], [shared.old_caches[j] for j in vs]
+    stack = lambda rings: ring_store(kv_fusion.stack_sources([ring_view(r) for r in rings]))
     view = dataclasses.replace(
-        kc[0], keys=kv_fusion.stack_sources([c.keys for c in kc]),
-        values=kv_fusion.stack_sources([c.values for c in vc]),
+        kc[0], keys=stack([c.keys for c in kc]), values=stack([c.values for c in vc]),
         sink_keys=kv_fusion.stack_sources([c.sink_keys for c in kc]),
         sink_values=kv_fusion.stack_sources([c.sink_values for c in vc]))
     y, _ = ring_decode_step(q, keys, values, view, scale=scale, softcap=layer.softcap)

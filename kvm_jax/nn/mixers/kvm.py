@@ -21,7 +21,7 @@ from kvm_jax.nn.authors_format import (AuthorsMixer, AuthorsReading, AuthorsWrit
                                        read_int, shared_window)
 from kvm_jax.nn.mixers import kv_sharing
 from kvm_jax.nn.mixers.attention import AttentionFrontEnd
-from kvm_jax.nn.cache import is_resume, piece_counts
+from kvm_jax.nn.cache import is_resume, piece_counts, step_active
 from kvm_jax.nn.layers import layer_norm, linear
 from kvm_jax.nn.mixers.mixer import Mixed
 from kvm_jax.ops.kvm.api import (KVMBackend, kvm_attention, kvm_decode_step, kvm_prefill,
@@ -331,7 +331,8 @@ class KVMAttention(AttentionFrontEnd):
       return y, cache, None
     kw = dict(routing=routing, return_routing=return_routing, backend=self.backend())
     if decode:
-      out = kvm_decode_step(q, k, v, g, params, self.options, mixer_cache, **kw)
+      out = kvm_decode_step(q, k, v, g, params, self.options, mixer_cache,
+                            active=step_active(decode), **kw)
     elif mixer_cache is not None:
       out = kvm_prefill(q, k, v, g, params, self.options, mixer_cache, **kw)
     else:  # a whole sequence keeps no cache

@@ -23,7 +23,7 @@ from kvm_jax.nn.authors_format import (AuthorsMixer, AuthorsReading, AuthorsWrit
                                        ConfigError, read_flag, read_int)
 from kvm_jax.nn.mixers.attention import AttentionFrontEnd
 from kvm_jax.ops.ovq.config import OVQConfig
-from kvm_jax.nn.cache import is_resume, piece_counts
+from kvm_jax.nn.cache import is_resume, piece_counts, step_active
 from kvm_jax.nn.mixers.mixer import Mixed
 from kvm_jax.ops.ovq.decode import (OVQCache, ovq_decode_step, ovq_init_cache, ovq_prefill,
                                     ovq_resume)
@@ -123,7 +123,8 @@ class OVQAttention(AttentionFrontEnd):
       y, mixer_cache = ovq_resume(q, k, v, beta, self.options, mixer_cache,
                                   counts=piece_counts(decode))
     elif decode:
-      y, mixer_cache = ovq_decode_step(q, k, v, beta, self.options, mixer_cache)
+      y, mixer_cache = ovq_decode_step(q, k, v, beta, self.options, mixer_cache,
+                                       active=step_active(decode))
     elif mixer_cache is not None:
       y, mixer_cache = ovq_prefill(q, k, v, beta, self.options, mixer_cache)
     else:

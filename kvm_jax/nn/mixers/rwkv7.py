@@ -32,7 +32,8 @@ from kvm_jax.config.model import ModelConfig, lora_width
 from kvm_jax.nn.authors_format import (LN_LEAVES, AuthorsMixer, AuthorsReading, Layout,
                                        copied, transposed, with_leading_ones)
 from kvm_jax.nn.mixers.attention import cache_bytes_from_shapes
-from kvm_jax.nn.cache import is_resume, last_tokens, piece_counts, real_tokens
+from kvm_jax.nn.cache import (is_resume, keep_inactive, last_tokens, piece_counts, real_tokens,
+                              step_active)
 from kvm_jax.nn.mixers.mixer import MixerOutput
 from kvm_jax.nn.layers import GroupNorm, float32_init, linear, shift_delta, zeros_init
 from kvm_jax.ops.kvm.state import safe_l2_norm
@@ -314,6 +315,10 @@ class RWKV7TimeMix(nnx.Module):
       length = jnp.full((B,), T, jnp.int32)
     if mixer_cache is not None:
       last = last_tokens(x, counts).astype(mixer_cache.last_input.dtype)
+      # A row the step does not feed keeps its state (recomputed whole anyway: one select).
+      state, last, length = keep_inactive(step_active(decode), (state, last, length),
+                                          (mixer_cache.state, mixer_cache.last_input,
+                                           mixer_cache.length))
       mixer_cache = RWKV7Cache(state=state, last_input=last, length=length,
                                max_len=mixer_cache.max_len)
     y = self.ln_x(y.reshape(B, T, C))

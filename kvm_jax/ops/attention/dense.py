@@ -132,8 +132,14 @@ def block_sliding_window_attention(q: Array, k: Array, v: Array, chunk_size: int
 class RingCache:
   """Keys/values of recent tokens, slot = position mod ``slots``; sinks kept separately.
 
+  The ring stores positions last (:func:`ring_store`; :func:`ring_view` reads it position-major):
+  the layout a TPU gives such an array anyway (a head dim under 128 lanes would otherwise be
+  padded), which a decode step's one-slot write then updates in place. Stored position-major,
+  the write's operand layout differs from the array's, and XLA:TPU copies the whole ring (padded)
+  around every write.
+
   Attributes:
-    keys / values: ``[B, slots, Hkv, D]`` / ``[B, slots, Hkv, Dv]``.
+    keys / values: ``[B, Hkv, D, slots]`` / ``[B, Hkv, Dv, slots]``.
     sink_keys / sink_values: ``[B, S, Hkv, ·]`` the first S tokens, kept while they lie before
       the window (block-SWA's sinks; S may be 0).
     length: ``[B]`` int32, tokens each row has seen (rows are independent sequences).
@@ -170,9 +176,20 @@ def init_ring_cache(rule: "WindowRule", *, batch: int, kv_heads: int, head_dim: 
                     "(e.g. WindowRule('sliding', window)).")
   slots = rule.slots(max_len)
   zeros = lambda n, d: jnp.zeros((batch, n, kv_heads, d), dtype)  # noqa: E731
-  return RingCache(keys=zeros(slots, head_dim), values=zeros(slots, value_dim),
+  return RingCache(keys=ring_store(zeros(slots, head_dim)),
+                   values=ring_store(zeros(slots, value_dim)),
                    sink_keys=zeros(sink_rows, head_dim), sink_values=zeros(sink_rows, value_dim),
                    length=jnp.zeros((batch,), jnp.int32), rule=rule, max_len=max_len)
+
+
+def ring_store(x: Array) -> Array:
+  """Position-major ``[B, slots, Hkv, D]`` -> the ring's storage ``[B, Hkv, D, slots]``."""
+  return jnp.transpose(x, (0, 2, 3, 1))
+
+
+def ring_view(ring: Array) -> Array:
+  """The ring's storage ``[B, Hkv, D, slots]`` read position-major, ``[B, slots, Hkv, D]``."""
+  return jnp.transpose(ring, (0, 3, 1, 2))
 
 
 @jax.jit
@@ -183,29 +200,48 @@ def ring_prefill(k: Array, v: Array, cache: RingCache) -> RingCache:
   n_sink = min(S, T)
   sink_k = cache.sink_keys.at[:, :n_sink].set(k[:, :n_sink].astype(cache.keys.dtype))
   sink_v = cache.sink_values.at[:, :n_sink].set(v[:, :n_sink].astype(cache.values.dtype))
+  fill = lambda ring, x: ring_store(fill_ring(ring_view(ring), x))  # noqa: E731
   return dataclasses.replace(
-      cache, keys=fill_ring(cache.keys, k), values=fill_ring(cache.values, v),
+      cache, keys=fill(cache.keys, k), values=fill(cache.values, v),
       sink_keys=sink_k, sink_values=sink_v, length=jnp.full((k.shape[0],), T, jnp.int32))
+
+
+def _write_slot(ring: Array, x_t: Array, t: Array, active: Optional[Array]) -> Array:
+  """``ring [B, Hkv, D, slots]`` with each row's token ``x_t [B, 1, Hkv, D]`` in the slot of its
+  position ``t [B]``, on the rows ``active [B]`` names (None: every row); the others write back
+  what the slot held. One dynamic-update-slice per row, in place."""
+  slots = ring.shape[-1]
+  x_t = x_t.astype(ring.dtype)
+
+  def one(r, x, slot, on):
+    old = jax.lax.dynamic_slice_in_dim(r, slot, 1, axis=2)                   # [Hkv, D, 1]
+    new = jnp.where(on, jnp.transpose(x, (1, 2, 0)), old)
+    return jax.lax.dynamic_update_slice_in_dim(r, new, slot, axis=2)
+
+  on = jnp.ones(t.shape, bool) if active is None else active
+  return jax.vmap(one)(ring, x_t, t % slots, on)
 
 
 @jax.jit
 def ring_decode_step(q_t: Array, k_t: Array, v_t: Array, cache: RingCache,
-                     scale: Optional[float] = None, softcap: Optional[float] = None
-                     ) -> tuple[Array, RingCache]:
+                     scale: Optional[float] = None, softcap: Optional[float] = None,
+                     active: Optional[Array] = None) -> tuple[Array, RingCache]:
   """One token per row, each at its own position ``cache.length[b]``: ``q_t [B,1,H,D]``,
   ``k_t [B,1,Hkv,D]``, ``v_t [B,1,Hkv,Dv]`` -> ``y [B,1,H,Dv]`` (``softcap``: soft-capped
-  scores, as in prefill)."""
+  scores, as in prefill). ``active [B]`` (bool; None: every row): the rows fed this token; the
+  others' caches are left as they were (their outputs mean nothing)."""
   B, _, H, D = q_t.shape
   Hkv = k_t.shape[2]
   t = batch_rows(cache.length, B)                                             # [B]
-  keys, values = write_ring(cache.keys, k_t, t), write_ring(cache.values, v_t, t)
+  keys, values = _write_slot(cache.keys, k_t, t, active), _write_slot(cache.values, v_t, t, active)
   S = cache.sink_keys.shape[1]
   sink_keys, sink_values = cache.sink_keys, cache.sink_values
   if S:
-    write = (jnp.arange(S)[None, :] == t[:, None])[:, :, None, None]
+    fed = t if active is None else jnp.where(active, t, -1)
+    write = (jnp.arange(S)[None, :] == fed[:, None])[:, :, None, None]
     sink_keys = jnp.where(write, k_t.astype(sink_keys.dtype), sink_keys)
     sink_values = jnp.where(write, v_t.astype(sink_values.dtype), sink_values)
-  position = ring_positions(t, keys.shape[1])                                 # [B, slots]
+  position = ring_positions(t, keys.shape[-1])                                # [B, slots]
   lowest = cache.rule.first_visible(t)[:, None]
   window_valid = ((position >= lowest) & (position >= 0))[:, None, None, None, :]
   if S:
@@ -214,15 +250,16 @@ def ring_decode_step(q_t: Array, k_t: Array, v_t: Array, cache: RingCache,
     state_valid = ((sinks < lowest) & (sinks <= t[:, None]))[:, None, None, None, :]
   else:  # one never-valid dummy row keeps the shapes non-empty
     state_k = jnp.zeros((B, Hkv, 1, D), keys.dtype)
-    state_v = jnp.zeros((B, Hkv, 1, values.shape[-1]), values.dtype)
+    state_v = jnp.zeros((B, Hkv, 1, values.shape[2]), values.dtype)
     state_valid = jnp.zeros((1, 1), bool)
   temp = _scale_as_temperature(scale, q_t, Hkv)
-  y = joint_attention(q_t.reshape(B, 1, Hkv, H // Hkv, D), state_k, state_v, state_valid, keys,
-                      values, window_valid, temp, temp, softcap)
+  y = joint_attention(q_t.reshape(B, 1, Hkv, H // Hkv, D), state_k, state_v, state_valid,
+                      ring_view(keys), ring_view(values), window_valid, temp, temp, softcap)
   y = jnp.where((t < cache.max_len)[:, None, None, None], y.reshape(B, 1, H, -1), jnp.nan)
+  length = t + 1 if active is None else jnp.where(active, t + 1, t)
   return y.astype(q_t.dtype), dataclasses.replace(cache, keys=keys, values=values,
                                                   sink_keys=sink_keys, sink_values=sink_values,
-                                                  length=t + 1)
+                                                  length=length)
 
 
 @jax.jit
@@ -239,14 +276,14 @@ def ring_resume(q: Array, k: Array, v: Array, cache: RingCache,
   real query sees it: it lies after every real token)."""
   B, W, H, D = q.shape
   Hkv = k.shape[2]
-  slots = cache.keys.shape[1]
+  slots = cache.keys.shape[-1]
   start = batch_rows(cache.length, B)                                         # [B]
   count = jnp.full((B,), W, jnp.int32) if counts is None else counts.astype(jnp.int32)
   query_pos = start[:, None] + jnp.arange(W)                                  # [B, W]
   ring_pos = ring_positions(start - 1, slots)                                 # [B, slots]
   key_pos = jnp.concatenate([ring_pos, query_pos], axis=1)                    # [B, slots + W]
-  keys = jnp.concatenate([cache.keys, k.astype(cache.keys.dtype)], axis=1)
-  values = jnp.concatenate([cache.values, v.astype(cache.values.dtype)], axis=1)
+  keys = jnp.concatenate([ring_view(cache.keys), k.astype(cache.keys.dtype)], axis=1)
+  values = jnp.concatenate([ring_view(cache.values), v.astype(cache.values.dtype)], axis=1)
   lowest = cache.rule.first_visible(query_pos)[..., None]                    # [B, W, 1]
   window_valid = ((key_pos[:, None, :] >= lowest) & (key_pos[:, None, :] >= 0)
                   & (key_pos[:, None, :] <= query_pos[..., None]))[:, None, None]
@@ -282,8 +319,8 @@ def ring_resume(q: Array, k: Array, v: Array, cache: RingCache,
   index = jnp.arange(W)[None, :]
   kept = real & (index >= count[:, None] - slots)
   slot = jnp.where(kept, query_pos % slots, slots)
-  write = lambda ring, x: jax.vmap(lambda r, i, xi: r.at[i].set(xi, mode="drop"))(
-      ring, slot, x.astype(ring.dtype))
+  write = lambda ring, x: jax.vmap(lambda r, i, xi: r.at[:, :, i].set(xi, mode="drop"))(
+      ring, slot, ring_store(x.astype(ring.dtype)))
   return y.astype(q.dtype), dataclasses.replace(
       cache, keys=write(cache.keys, k), values=write(cache.values, v), sink_keys=sink_keys,
       sink_values=sink_values, length=start + count)

@@ -329,7 +329,7 @@ def kvm_prefill(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMPara
 
 def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParams,
                     cfg: KVMConfig, cache: KVMCache, *, routing=None, return_routing: bool = False,
-                    backend: Optional[KVMBackend] = None):
+                    backend: Optional[KVMBackend] = None, active: Optional[Array] = None):
   """Processes one token: ``q_t [B,1,H,D]``, ``k_t [B,1,Hkv,D]``, ``v_t [B,1,Hkv,Dv]``,
   ``g_t [B,1,Hkv]``; returns a :class:`KVMStepOutput` of ``y_t [B,1,H,Dv]`` and the advanced
   cache (:class:`RoutedKVMStepOutput` with ``return_routing``).
@@ -341,6 +341,9 @@ def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMP
 
   ``routing`` / ``return_routing``: as in :func:`kvm_attention`, for this step's fold
   (``(dest, target)`` ``[B, Hkv, C]``; all ``capacity`` when no fold happens).
+
+  ``active [B]`` (bool; None: every row): the rows fed this token; the others keep their cache
+  as it was (their outputs mean nothing).
 
   Each row decodes at its own position (``cache.length [B]``). Raises ValueError past
   ``max_len`` when the lengths are concrete; under an outer ``jit`` they are traced, and a row's
@@ -357,7 +360,7 @@ def kvm_decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMP
   be = backend_for(cfg, backend)
   return decode.decode_step(q_t, k_t, v_t, g_t, params, cfg=cfg, cache=cache, ops=be.chunk_ops(),
                             routing=routing, return_routing=return_routing,
-                            row_update=be.row_update)
+                            row_update=be.row_update, active=active)
 
 
 def kvm_resume(q: Array, k: Array, v: Array, merge_gate: Array, params: KVMParams,

@@ -199,43 +199,63 @@ def _kernel_decode_attention(ops: ChunkOps, q_t, state_keys, state_values, num_r
   return jax.vmap(one_row)(q_t, state_keys, state_values, num_rows, window_keys, window_values, t)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ops", "return_routing", "row_update"))
-def decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParams,
-                cfg: KVMConfig, cache: KVMCache, ops: ChunkOps = XLA_OPS, routing=None,
-                return_routing: bool = False, row_update: str = "auto"):
-  """One token per row, each at its own position ``cache.length[b]``: a
-  :class:`KVMStepOutput` ``(y_t [B, 1, H, Dv], cache)``, or a :class:`RoutedKVMStepOutput` with this
-  step's routing decisions (``(dest, target)`` ``[B, Hkv, C]``; all
-  ``capacity`` in rows where no fold happens) when ``return_routing``. ``row_update``: how the
-  fold accumulates rows (:func:`kvm_jax.ops.kvm.state.update_state`; the public
-  ``kvm_decode_step`` passes its backend resolver's decision)."""
-  B, _, H, D = q_t.shape
-  Hkv = k_t.shape[2]
-  C, nb, L = cfg.chunk_size, cfg.window_chunks, cfg.window_len
-  state = per_row_state(cache.state, B)
-  R = state.capacity
-  row = jnp.arange(R)
-  t = batch_rows(cache.length, B)                                            # [B]
+def _write_ring_rows(ring: Array, x_t: Array, t: Array, active: Optional[Array]) -> Array:
+  """:func:`write_ring` on the rows ``active [B]`` names (None: every row); the others write
+  back what the slot held (one dynamic-update-slice per row, in place)."""
+  if active is None:
+    return write_ring(ring, x_t, t)
+  old = read_ring_chunk(ring, t % ring.shape[1], 1)
+  pick = active.reshape((-1,) + (1,) * (ring.ndim - 1))
+  return write_ring(ring, jnp.where(pick, x_t.astype(ring.dtype), old), t)
 
-  cache_dtype = cache.readout_keys.dtype
 
-  # 1) A row whose prompt is shorter than one chunk: its initial state grows by this token (and
-  #    its readout row is written: LN_s and the value normalization act on each row alone).
-  grow = t < C
+def _grow_state(state: KVMState, cache: KVMCache, k_t: Array, v_t: Array, g_t: Array,
+                params: KVMParams, cfg: KVMConfig, t: Array, grow: Array):
+  """``(state, (readout_keys, readout_values))`` with row ``t[b]`` made from the token (``k_t
+  [B, 1, Hkv, D]`` ...) in the rows where ``grow [B]`` holds (a prompt shorter than one chunk),
+  its readout row written too (LN_s and the value normalization act on each row alone)."""
   new_key, new_value, new_radius = token_rows(k_t, v_t, g_t, params, cfg)   # [B, Hkv, 1, ·]
+  row = jnp.arange(state.capacity)
   write = (grow[:, None] & (row[None, :] == t[:, None]))[:, None, :]         # [B, 1, R]
   state = KVMState(keys=jnp.where(write[..., None], new_key, state.keys),
                    values=jnp.where(write[..., None], new_value, state.values),
                    radius=jnp.where(write, new_radius, state.radius),
                    num_rows=jnp.where(grow, t + 1, state.num_rows).astype(jnp.int32))
   row_keys, row_values = readout_cache(
-      KVMState(new_key, new_value, new_radius, jnp.ones((), jnp.int32)), params, cfg, cache_dtype)
-  readout = (jnp.where(write[..., None], row_keys, cache.readout_keys),
-             jnp.where(write[..., None], row_values, cache.readout_values))
+      KVMState(new_key, new_value, new_radius, jnp.ones((), jnp.int32)), params, cfg,
+      cache.readout_keys.dtype)
+  return state, (jnp.where(write[..., None], row_keys, cache.readout_keys),
+                 jnp.where(write[..., None], row_values, cache.readout_values))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ops", "return_routing", "row_update"))
+def decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParams,
+                cfg: KVMConfig, cache: KVMCache, ops: ChunkOps = XLA_OPS, routing=None,
+                return_routing: bool = False, row_update: str = "auto",
+                active: Optional[Array] = None):
+  """One token per row, each at its own position ``cache.length[b]``: a
+  :class:`KVMStepOutput` ``(y_t [B, 1, H, Dv], cache)``, or a :class:`RoutedKVMStepOutput` with this
+  step's routing decisions (``(dest, target)`` ``[B, Hkv, C]``; all
+  ``capacity`` in rows where no fold happens) when ``return_routing``. ``row_update``: how the
+  fold accumulates rows (:func:`kvm_jax.ops.kvm.state.update_state`; the public
+  ``kvm_decode_step`` passes its backend resolver's decision). ``active [B]`` (bool; None: every
+  row): the rows fed this token; the others' caches stay as they were (no growth, no fold, no
+  ring write; their outputs mean nothing)."""
+  B, _, H, D = q_t.shape
+  Hkv = k_t.shape[2]
+  C, nb, L = cfg.chunk_size, cfg.window_chunks, cfg.window_len
+  state = per_row_state(cache.state, B)
+  R = state.capacity
+  t = batch_rows(cache.length, B)                                            # [B]
+  on = jnp.ones((B,), bool) if active is None else active
+  cache_dtype = cache.readout_keys.dtype
+
+  # 1) A row whose prompt is shorter than one chunk: its initial state grows by this token.
+  state, readout = _grow_state(state, cache, k_t, v_t, g_t, params, cfg, t, (t < C) & on)
 
   # 2) A row crossing a chunk boundary past the window folds chunk [t-L, t-L+C) into its state.
   rows_table = jnp.asarray(_rows_after_overflow(cfg, cache.max_len))
-  fire = (t % C == 0) & (t >= L + C) & (t < cache.max_len)                  # [B]
+  fire = (t % C == 0) & (t >= L + C) & (t < cache.max_len) & on             # [B]
   none = jnp.full((B, Hkv, C), R, jnp.int32)  # "no row": the decisions of a row without a fold
 
   def fold(s: KVMState, readout):
@@ -259,14 +279,15 @@ def decode_step(q_t: Array, k_t: Array, v_t: Array, g_t: Array, params: KVMParam
                                            lambda s, r: (s, r, (none, none)), state, readout)
 
   # 3) The token enters the ring (after the fold, which may still need the slot it overwrites).
-  window_keys = write_ring(cache.window_keys, k_t, t)
-  window_values = write_ring(cache.window_values, v_t, t)
-  window_gates = write_ring(cache.window_gates, g_t, t)
+  window_keys = _write_ring_rows(cache.window_keys, k_t, t, active)
+  window_values = _write_ring_rows(cache.window_values, v_t, t, active)
+  window_gates = _write_ring_rows(cache.window_gates, g_t, t, active)
 
   # 4) Attend: state rows (once t >= L) and the window [bswa_begin(t + 1), t], from the caches.
   new = KVMCache(state=state, readout_keys=readout[0], readout_values=readout[1],
                  window_keys=window_keys, window_values=window_values,
-                 window_gates=window_gates, length=t + 1, max_len=cache.max_len)
+                 window_gates=window_gates, length=jnp.where(on, t + 1, t),
+                 max_len=cache.max_len)
   state_keys, state_values = cached_readout(new, cfg, H // Hkv)
   args = (q_t, state_keys, state_values, state.num_rows, window_keys, window_values, t,
           *temperatures(params, cfg, Hkv), cfg)

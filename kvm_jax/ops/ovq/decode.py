@@ -90,9 +90,11 @@ def ovq_prefill(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig, cache
 
 
 def ovq_decode_step(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig, cache: OVQCache,
-                    row_update: str = "auto") -> tuple[Array, OVQCache]:
+                    row_update: str = "auto", active: Optional[Array] = None
+                    ) -> tuple[Array, OVQCache]:
   """One token per row ``[B, 1, H, ·]``, each at its own position ``cache.length[b]``: its output
-  ``[B, 1, H, Dv]`` and the cache after it."""
+  ``[B, 1, H, Dv]`` and the cache after it. ``active [B]`` (bool; None: every row): the rows fed
+  this token; the others keep their cache as it was (their outputs mean nothing)."""
   validate_inputs(q, k, v, beta)
   if q.shape[1] != 1:
     raise ValueError(f"ovq_decode_step takes one token, got {q.shape[1]}.")
@@ -107,10 +109,15 @@ def ovq_decode_step(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig, c
   write = lambda pending, x: jax.vmap(
       lambda p, xi, i: jax.lax.dynamic_update_slice_in_dim(p, xi, i, axis=1))(pending, x, slot)
   pending_k, pending_v = write(cache.pending_keys, kh), write(cache.pending_values, vh)
+  on = jnp.ones((B,), bool) if active is None else active
+  if active is not None:  # the chunk being filled is small: a select per row keeps it
+    keep = lambda new, old: jnp.where(on[:, None, None, None], new, old)  # noqa: E731
+    pending_k = keep(pending_k, cache.pending_keys)
+    pending_v = keep(pending_v, cache.pending_values)
   visible = (jnp.arange(C)[None, :] <= slot[:, None])[:, None, None, :]      # [B, 1, 1, C]
   y = readout(heads_first(q) * scale, pending_k, pending_v, cache.state, size, cfg.count_bias,
               visible=visible)
-  completes = slot == C - 1                                                  # [B]
+  completes = (slot == C - 1) & on                                           # [B]
 
   def commit(state):
     folded = fold(state, pending_k, pending_v, pending_k * scale, size,
@@ -121,7 +128,7 @@ def ovq_decode_step(q: Array, k: Array, v: Array, beta: Array, cfg: OVQConfig, c
   # The fold runs in a step where some row completes a chunk, and changes only those rows.
   state = jax.lax.cond(jnp.any(completes), commit, lambda s: s, cache.state)
   cache = OVQCache(state=state, pending_keys=pending_k, pending_values=pending_v,
-                   length=n + 1, max_len=cache.max_len)
+                   length=jnp.where(on, n + 1, n), max_len=cache.max_len)
   return jnp.swapaxes(y, 1, 2).astype(v.dtype), cache
 
 
