@@ -260,7 +260,8 @@ class MemoryReport:
   matmul FLOPs per chip, every loop counted as often as it runs
   (:func:`kvm_jax.util.hlo_flops.hlo_flops`; -1: not compiled); ``cost_analysis_flops``: XLA's
   own ``cost_analysis()`` figure, which counts each loop body once; ``opaque_calls``: custom
-  calls (Pallas kernels) whose FLOPs neither count sees; ``model_flops``: the trainer's count per
+  calls (Pallas kernels) whose FLOPs neither count sees; ``unknown_loops``: loops whose trip
+  count the HLO does not say (bounds that depend on an outer loop), counted once; ``model_flops``: the trainer's count per
   chip for the same step (:func:`kvm_jax.train.accounting.step_flops`, recomputation included)."""
 
   arguments: int
@@ -279,6 +280,7 @@ class MemoryReport:
   xla_flops: float = -1.0
   cost_analysis_flops: float = -1.0
   opaque_calls: int = 0
+  unknown_loops: int = 0
   model_flops: float = 0.0
   error: str = ""
 
@@ -341,7 +343,9 @@ class MemoryReport:
       xla = (f"XLA's cost_analysis, {self.cost_analysis_flops:.4g}, counts each loop body once"
              if self.cost_analysis_flops >= 0 else "XLA's cost_analysis gives none here")
       out.append(f"    ({xla}" + (f"; {self.opaque_calls} kernel calls are opaque to both"
-                                   if self.opaque_calls else "") + ")")
+                                   if self.opaque_calls else "")
+                 + (f"; {self.unknown_loops} loops of data-dependent length counted once"
+                    if self.unknown_loops else "") + ")")
     if self.error:
       out.append(f"per-chip verdict: {self.verdict()}")
       return out
@@ -413,7 +417,8 @@ def compile_step(cfg: TrainConfig, target: Union[str, Target, None] = None,
                         outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
                         code=m.generated_code_size_in_bytes, xla_flops=counted.flops,
                         cost_analysis_flops=cost_analysis_flops(compiled),
-                        opaque_calls=counted.opaque_calls, **common)
+                        opaque_calls=counted.opaque_calls, unknown_loops=counted.unknown_loops,
+                        **common)
 
 
 def memory_report(cfg: TrainConfig, mesh=None, target: Union[str, Target, None] = None
