@@ -114,11 +114,13 @@ def _refused_need(refusal: Optional[str]) -> str:
   return f"temporaries {m.group(1)} GiB" if m else "refused"
 
 
-def markdown(rows: list[dict]) -> str:
-  topologies = list(dict.fromkeys(r["topology"] for r in rows))
-  recipes = list(dict.fromkeys(r["recipe"] for r in rows))
+def markdown(rows: list[dict], recipes=None, topologies=None) -> str:
+  """The table of ``rows``: a line per recipe, a column per topology (by default those the rows
+  hold); a cell no row gives is "–" (not compiled)."""
+  topologies = list(topologies or dict.fromkeys(r["topology"] for r in rows))
+  recipes = list(recipes or dict.fromkeys(r["recipe"] for r in rows))
   at = {(r["recipe"], r["topology"]): r for r in rows}
-  chips = {t: next(r["chip_gib"] for r in rows if r["topology"] == t) for t in topologies}
+  chips = {t: memory.parse_target(t).memory_per_chip / GIB for t in topologies}
   head = "| recipe | " + " | ".join(f"{t} ({chips[t]:.2f} GiB per chip)" for t in topologies)
   lines = [head + " |", "|---" * (len(topologies) + 1) + "|"]
   for recipe in recipes:
@@ -208,6 +210,7 @@ def main(argv=None) -> int:
             for row in json.loads(Path(path).read_text())]
     order = {(r, t): i for i, (r, t) in enumerate((r, t) for r in RECIPES for t in TOPOLOGIES)}
     rows.sort(key=lambda row: order.get((row["recipe"], row["topology"]), len(order)))
+    rows = list({(row["recipe"], row["topology"]): row for row in rows}.values())  # last wins
   else:
     rows = []
     for i, (recipe, topology) in enumerate((r, t) for r in recipes for t in topologies):
@@ -216,7 +219,7 @@ def main(argv=None) -> int:
                        log=lambda text: print(text, flush=True)))
       if args.cells_out:  # after every cell: a long run that stops keeps what it computed
         Path(args.cells_out).write_text(json.dumps(rows, indent=1) + "\n")
-  table = markdown(rows)
+  table = markdown(rows, list(RECIPES), TOPOLOGIES) if args.from_cells else markdown(rows)
   print(table)
   if args.check:
     problems = compare(rows, json.loads(DATA.read_text())["cells"])

@@ -5,9 +5,12 @@ masters; 3B tokens (6000 steps) for the 120M models, 7.5B (15000 steps) for the 
   kvm-train --config=train/configs/paper.py:kvm_sqrt16_120m --workdir=W ...
 
 Memory: the recipe keeps only each block's inputs for the backward pass (``remat="block"``) and
-computes the LM head and loss over 1024-token slices, so 8 sequences x 8192 tokens fit one
-16–32 GB accelerator (``kvm-train ... --memory-report`` prints the figure). On fewer than 8
-devices raise ``--config.grad_accum_steps`` to keep 8 sequences per device per micro-batch.
+computes the LM head and loss over 1024-token slices. At 8 sequences x 8192 tokens per chip the
+120M KVM recipes and full attention's compile within a 16 GiB TPU v5e (8.35–11.05 GiB per chip
+on v5e:4x4, docs/hardware.md's table); a 350M step is larger (see the table, or
+``kvm-train ... --memory-report --topology=v5e:4x4``, which also names the settings that make a
+step fit). On fewer than 8 devices raise ``--config.grad_accum_steps`` to keep 8 sequences per
+device per micro-batch.
 
 Text comes from a local or locally cached dataset: pass --config.text_files=... or
 --config.hf_dataset=... and a GPT-2 tokenizer file with --config.tokenizer_file=... (vocab 50304).
