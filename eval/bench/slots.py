@@ -19,15 +19,12 @@ the same run.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
-from flax import nnx
-
-from kvm_jax import presets
-from kvm_jax.config.target import CompiledProgram, compile_target, compiler_reason, parse_target
-from kvm_jax.generation.engine import step_arguments
-from kvm_jax.config.model import ModelConfig
-from kvm_jax.nn.model import LM
+# kvm-bench --help must answer without JAX: the functions below import what they run.
+if TYPE_CHECKING:
+  from kvm_jax.config.model import ModelConfig
+  from kvm_jax.config.target import CompiledProgram
 
 MIB = 2 ** 20
 #: The presets ``--slots`` compares by default: KVM-256, the √N budget, and full attention (the
@@ -56,6 +53,9 @@ class SlotCapacity:
 
 def serving_model(model: Union[str, ModelConfig]):
   """An abstract bf16 model of a preset (by name) or a config (nothing allocated)."""
+  from flax import nnx
+  from kvm_jax import presets
+  from kvm_jax.nn.model import LM
   if isinstance(model, str):
     if model not in presets.PRESETS:
       raise ValueError(f"unknown preset {model!r}; choose from {sorted(presets.PRESETS)}.")
@@ -68,6 +68,8 @@ def compile_step(model, slots: int, context: int, target, chunk: int) -> Compile
   """The engine step for ``slots`` slots of ``context`` tokens compiled for ``target`` (a
   compiler refusal is a result, not an error)."""
   import time
+  from kvm_jax.config.target import CompiledProgram, compile_target, compiler_reason
+  from kvm_jax.generation.engine import step_arguments
   start = time.perf_counter()
   with compile_target(target) as t:
     step, arguments = step_arguments(model, slots=slots, max_len=context, prefill_chunk=chunk,
@@ -89,6 +91,7 @@ def most_slots(name: Union[str, ModelConfig], context: int, target, chunk: int =
                progress: Optional[Callable[[CompiledProgram], None]] = None) -> SlotCapacity:
   """:class:`SlotCapacity` of a preset (by name) or a model config (see the module docstring
   for the search)."""
+  from kvm_jax.config.target import parse_target
   model = serving_model(name)
   name = name if isinstance(name, str) else "model"
   compiled: dict[int, CompiledProgram] = {}
@@ -129,6 +132,7 @@ def most_slots(name: Union[str, ModelConfig], context: int, target, chunk: int =
 def run(args) -> list[dict]:
   """``--slots``: the table for ``args.slots_models`` on ``args.topology`` at
   ``args.context`` tokens; returns its rows."""
+  from kvm_jax.config.target import parse_target
   target = parse_target(args.topology)
   if target.device_count != 1:
     raise SystemExit(f"--topology={args.topology}: the engine serves from one chip; name a "

@@ -13,7 +13,7 @@ sequence at a length of its own, so that one cache can hold many requests (the e
 * its decode step advances each row at its own position (``length[b]``), and only the rows a
   :class:`Step` names active: the others come out exactly as they went in, so that a caller
   keeping some rows through a step needs no second copy of the caches to put them back (the
-  engine's rounds, :meth:`LM.extend`).
+  engine's rounds, :meth:`kvm_jax.nn.model.LM.extend`).
 
 A kind may also continue its cache by a whole piece of tokens in parallel (``LM.resume``, what the
 engine's prefill uses): its classmethod ``resume_alignment(cfg, layer)`` returns the multiple of
